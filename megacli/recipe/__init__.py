@@ -1,0 +1,1 @@
+"""Recipes: pydantic sections, one model per subcommand, YAML + --set loading."""

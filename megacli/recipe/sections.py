@@ -1,0 +1,282 @@
+"""The recipe sections shared by the subcommands. Every field documents itself; defaults are the
+ones a GPT-2-style run would choose, so a recipe lists only what differs."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import Field, PositiveFloat, PositiveInt, field_validator, model_validator
+
+from megacli.recipe.base import Section
+
+
+class ModelSection(Section):
+    arch: Literal["gpt", "bert", "t5"] = "gpt"
+    """Model class: gpt (decoder-only), bert (encoder) or t5 (encoder-decoder)."""
+    num_layers: PositiveInt = 12
+    """Transformer layers (for t5: encoder layers)."""
+    decoder_num_layers: Optional[PositiveInt] = None
+    """t5 only: decoder layers (default: num_layers)."""
+    hidden_size: PositiveInt = 768
+    """Width of the residual stream."""
+    num_attention_heads: PositiveInt = 12
+    """Attention heads per layer."""
+    num_query_groups: Optional[PositiveInt] = None
+    """Key/value heads for grouped-query attention; 1 = multi-query; default = num_attention_heads."""
+    kv_channels: Optional[PositiveInt] = None
+    """Per-head dimension; default hidden_size / num_attention_heads."""
+    ffn_hidden_size: Optional[PositiveInt] = None
+    """MLP inner width; default 4 * hidden_size."""
+    seq_length: PositiveInt = 1024
+    """Training sequence length in tokens (for t5: encoder length)."""
+    decoder_seq_length: Optional[PositiveInt] = None
+    """t5 only: decoder sequence length (default: seq_length / 4, at least 16)."""
+    max_position_embeddings: Optional[PositiveInt] = None
+    """Size of the learned position table; default seq_length."""
+    position_embedding: Literal["learned", "rope", "alibi", "relative", "none"] = "learned"
+    """learned (GPT-2, BERT), rope (Llama), alibi (BLOOM-style bias), relative (T5), none."""
+    rotary_base: PositiveFloat = 10000.0
+    """RoPE base frequency (theta)."""
+    rotary_percent: float = Field(1.0, gt=0, le=1)
+    """Fraction of each head's dimensions that RoPE rotates."""
+    normalization: Literal["layernorm", "rmsnorm"] = "layernorm"
+    """Norm layer type."""
+    norm_epsilon: PositiveFloat = 1e-5
+    """Epsilon of the norm layers."""
+    activation: Literal["gelu", "gelu_tanh", "swiglu", "relu", "squared_relu"] = "gelu"
+    """MLP activation: gelu (exact), gelu_tanh (GPT-2's gelu_new), swiglu (gated SiLU), relu, squared_relu."""
+    add_bias_linear: bool = True
+    """Biases on all linear layers (GPT-2/BERT yes, Llama no)."""
+    add_qkv_bias: bool = False
+    """Bias on the QKV projection even when add_bias_linear is false (Qwen2)."""
+    qk_layernorm: bool = False
+    """Normalize queries and keys per head before attention."""
+    untie_embeddings: bool = False
+    """Separate output projection instead of sharing the input embedding."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Hidden (residual) dropout probability."""
+    attention_dropout: float = Field(0.0, ge=0, lt=1)
+    """Attention-probability dropout."""
+    vocab_size: Optional[PositiveInt] = None
+    """Vocabulary size; default: taken from the tokenizer."""
+    make_vocab_size_divisible_by: PositiveInt = 128
+    """The embedding is padded to a multiple of this times the tensor-parallel size (fast GEMMs)."""
+    init_method_std: PositiveFloat = 0.02
+    """Std of the normal weight initialisation."""
+    bert_binary_head: bool = True
+    """bert only: train the sentence-order binary head beside masked LM."""
+    moe: Optional[dict[str, Any]] = None
+    """Mixture-of-experts settings (see the MoE documentation); null = dense model."""
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def max_positions(self) -> int:
+        return self.max_position_embeddings or self.seq_length
+
+    @property
+    def dec_seq_length(self) -> int:
+        return self.decoder_seq_length or max(16, self.seq_length // 4)
+
+    @property
+    def dec_num_layers(self) -> int:
+        return self.decoder_num_layers or self.num_layers
+
+
+class ParallelSection(Section):
+    tensor: PositiveInt = 1
+    """Tensor-parallel size (splits each layer's matrices across GPUs)."""
+    pipeline: PositiveInt = 1
+    """Pipeline-parallel size (splits the layers into stages)."""
+    virtual_pipeline: Optional[PositiveInt] = None
+    """Model chunks per pipeline stage for the interleaved 1F1B schedule; null = plain 1F1B."""
+    sequence_parallel: bool = False
+    """Shard norms/dropout activations along the sequence across the tensor-parallel group."""
+    context: PositiveInt = 1
+    """Context-parallel size (ring attention over sequence chunks)."""
+    expert: PositiveInt = 1
+    """Expert-parallel size (MoE)."""
+    expert_tensor: Optional[PositiveInt] = None
+    """Tensor-parallel size inside experts; default = tensor."""
+    distributed_optimizer: bool = False
+    """Shard optimizer state and fp32 master weights across data-parallel ranks (ZeRO-1)."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recompute: selective (attention core only) or full (whole layers)."""
+    recompute_num_layers: PositiveInt = 1
+    """full recompute: layers per recompute group (uniform method)."""
+    overlap_grad_reduce: bool = False
+    """Overlap the data-parallel gradient reduce with the backward pass."""
+    overlap_param_gather: bool = False
+    """Overlap the distributed optimizer's parameter all-gather with the forward pass."""
+
+
+class LaunchSection(Section):
+    nproc: PositiveInt = 1
+    """Worker processes per node (one per GPU on CUDA)."""
+    nnodes: PositiveInt = 1
+    """Number of nodes."""
+    node_rank: int = Field(0, ge=0)
+    """This node's rank (multi-node without Slurm)."""
+    rdzv_endpoint: Optional[str] = None
+    """host:port of the rendezvous (multi-node); default a free local port."""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """auto: CUDA with NCCL when a GPU is present, else the CPU backend with gloo."""
+    threads_per_process: Optional[PositiveInt] = None
+    """CPU backend: torch threads per worker (default: cores / nproc, at least 1)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc * self.nnodes
+
+
+class TokenizerSection(Section):
+    type: Literal["huggingface", "byte", "sentencepiece", "wordpiece", "null"] = "huggingface"
+    """huggingface (a directory with tokenizer.json), byte (no files: 256 bytes + specials),
+    sentencepiece (a .model file), wordpiece (a BERT vocab.txt), null (ids only; needs model.vocab_size)."""
+    path: Optional[str] = None
+    """Tokenizer directory or file (not needed for byte/null)."""
+
+    @model_validator(mode="after")
+    def _needs_path(self):
+        if self.type in ("huggingface", "sentencepiece", "wordpiece") and not self.path:
+            raise ValueError(f"tokenizer type {self.type!r} needs tokenizer.path")
+        return self
+
+
+class DataSection(Section):
+    path: Optional[str] = None
+    """One Megatron indexed-dataset prefix (the path without .bin/.idx)."""
+    blend: Optional[list[tuple[PositiveFloat, str]]] = None
+    """Weighted mixture: a list of [weight, prefix] pairs (weights need not sum to 1)."""
+    split: str = "969,30,1"
+    """Train,validation,test proportions of each dataset, Megatron style."""
+    cache_dir: Optional[str] = None
+    """Where sample-index caches go; default <run.dir>/data_cache."""
+    mock: bool = False
+    """Random tokens instead of files (smoke tests, benchmarks)."""
+
+    @field_validator("split")
+    @classmethod
+    def _split(cls, v: str) -> str:
+        parts = v.replace("/", ",").split(",")
+        try:
+            nums = [float(p) for p in parts]
+        except ValueError:
+            raise ValueError("expected comma-separated numbers like '969,30,1'") from None
+        if len(nums) > 3 or any(n < 0 for n in nums) or sum(nums) <= 0:
+            raise ValueError("expected up to three non-negative numbers with a positive sum")
+        return v
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        given = sum(x is not None and x is not False for x in (self.path, self.blend)) + int(self.mock)
+        if given != 1:
+            raise ValueError("give exactly one of data.path, data.blend or data.mock: true")
+        return self
+
+    @property
+    def prefixes(self) -> list[str]:
+        if self.path:
+            return [self.path]
+        return [p for _, p in self.blend or []]
+
+
+class TrainSection(Section):
+    iters: PositiveInt = 1000
+    """Optimizer steps to train for."""
+    micro_batch_size: PositiveInt = 4
+    """Sequences per forward/backward pass on one data-parallel rank."""
+    global_batch_size: PositiveInt = 32
+    """Sequences per optimizer step across all data-parallel ranks."""
+    seed: int = 1234
+    """Seed of weight init, dropout and data order (the same seed gives the same init in any layout)."""
+    eval_interval: Optional[PositiveInt] = 100
+    """Evaluate every this many steps (and at the end); null = never."""
+    eval_iters: PositiveInt = 10
+    """Validation batches per evaluation."""
+    log_interval: PositiveInt = 10
+    """Steps between console lines / metrics.jsonl records."""
+    precision: Literal["fp32", "bf16", "fp16"] = "bf16"
+    """Compute precision; fp16 uses dynamic loss scaling; master weights are fp32."""
+    loss: Optional[str] = None
+    """Custom loss 'module:function' (called as fn(logits_loss_per_token, tokens, loss_mask, **loss_kwargs))."""
+    loss_kwargs: dict[str, Any] = {}
+    """Keyword arguments for the custom loss."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files to <run.dir>/tensorboard."""
+    exit_after_iters: Optional[PositiveInt] = None
+    """Stop (with a checkpoint) after this many steps of this process, leaving the schedule as for iters."""
+
+    @field_validator("loss")
+    @classmethod
+    def _loss_ref(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and (v.count(":") != 1 or not all(v.split(":"))):
+            raise ValueError("expected 'package.module:function'")
+        return v
+
+
+class OptimSection(Section):
+    optimizer: Literal["adam", "sgd"] = "adam"
+    """adam (AdamW, decoupled weight decay) or sgd."""
+    lr: PositiveFloat = 3e-4
+    """Peak learning rate."""
+    min_lr: float = Field(3e-5, ge=0)
+    """Learning rate at the end of decay."""
+    warmup_iters: int = Field(0, ge=0)
+    """Linear warmup steps."""
+    decay_style: Literal["constant", "linear", "cosine", "wsd"] = "cosine"
+    """Shape of the decay after warmup; wsd = warmup-stable-decay."""
+    decay_iters: Optional[PositiveInt] = None
+    """Steps over which lr decays (default: train.iters)."""
+    wsd_decay_iters: Optional[PositiveInt] = None
+    """wsd: length of the final decay phase (default 10% of decay_iters)."""
+    weight_decay: float = Field(0.1, ge=0)
+    """Decoupled weight decay (not applied to biases and norms)."""
+    clip_grad: float = Field(1.0, ge=0)
+    """Clip the global gradient norm to this (0 = off)."""
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    """Adam beta1."""
+    adam_beta2: float = Field(0.95, ge=0, lt=1)
+    """Adam beta2."""
+    adam_eps: PositiveFloat = 1e-8
+    """Adam epsilon."""
+    initial_loss_scale: PositiveFloat = 2.0**16
+    """fp16: starting dynamic loss scale."""
+
+    @model_validator(mode="after")
+    def _lr_order(self):
+        if self.min_lr > self.lr:
+            raise ValueError(f"optim.min_lr ({self.min_lr}) is above optim.lr ({self.lr})")
+        return self
+
+
+class CheckpointSection(Section):
+    dir: Optional[str] = None
+    """Checkpoint directory; null = never save."""
+    save_interval: Optional[PositiveInt] = None
+    """Save every this many steps (and at the end when dir is set)."""
+    resume: str = "auto"
+    """auto (continue from dir's latest if any), none (start fresh), or a checkpoint path to load."""
+    load_optimizer: bool = True
+    """Restore optimizer and scheduler state when resuming (off for finetuning from pretrained weights)."""
+    async_save: bool = False
+    """Write checkpoints in a background process (torch_dist)."""
+    keep_last: Optional[PositiveInt] = None
+    """Delete older iterations, keeping this many (null = keep all)."""
+
+
+class RunSection(Section):
+    dir: str = "runs/default"
+    """Where the resolved recipe, versions, logs and metrics.jsonl go."""
+    name: Optional[str] = None
+    """A label for the run (defaults to the directory name)."""
