@@ -1,0 +1,30 @@
+"""The `megacli` command: one small module per subcommand, each loading a recipe and making one
+engine call. Subcommand modules import only typer/pydantic at module level so --help is instant."""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(
+    name="megacli",
+    help="Megatron-Core pretraining behind a clean command line. Each subcommand reads a YAML recipe (plus --set overrides).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _register() -> None:
+    # Registration order is the order `megacli --help` lists them in.
+    import megacli.cli.preprocess  # noqa: F401
+    import megacli.cli.pretrain  # noqa: F401
+    import megacli.cli.finetune  # noqa: F401
+    import megacli.cli.generate  # noqa: F401
+    import megacli.cli.convert  # noqa: F401
+    import megacli.cli.reshard  # noqa: F401
+
+
+def main() -> None:
+    _register()
+    app()

@@ -1,0 +1,77 @@
+"""What every subcommand shares: the recipe arguments, error rendering, and a group that runs a
+default command when the first word is not one of its subcommands (``megacli preprocess RECIPE``
+beside ``megacli preprocess merge ...``)."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from typing import Annotated, Callable, List, Optional
+
+import typer
+from typer.core import TyperGroup
+
+RecipeArg = Annotated[Optional[Path], typer.Argument(help="YAML recipe (omit for the built-in default where there is one).", show_default=False)]
+SetOpt = Annotated[Optional[List[str]], typer.Option("--set", "-s", help="Override a recipe field: dotted.key=value (repeatable).", show_default=False)]
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the resolved recipe, layout and memory estimate; do not run.")]
+
+
+def fail(message: str, code: int = 2) -> "typer.Exit":
+    from rich.console import Console
+
+    Console(stderr=True, highlight=False).print(f"[bold red]error:[/] {message}", markup=True, soft_wrap=True)
+    return typer.Exit(code)
+
+
+def guarded(fn: Callable) -> Callable:
+    """Turn recipe and user errors into one message and exit code 2 instead of a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from megacli.errors import UserError
+        from megacli.recipe.base import RecipeErrors
+
+        try:
+            return fn(*args, **kwargs)
+        except RecipeErrors as exc:
+            raise fail(_escape(exc.render())) from None
+        except UserError as exc:
+            raise fail(_escape(str(exc)), getattr(exc, "exit_code", 2)) from None
+        except KeyboardInterrupt:
+            raise fail("interrupted", 130) from None
+
+    return wrapper
+
+
+def _escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text)
+
+
+def repo_recipes_dir() -> Path:
+    """Shipped recipes: inside the wheel (megacli/recipes) or beside the package in a checkout."""
+    here = Path(__file__).resolve().parent.parent
+    for candidate in (here / "recipes", here.parent / "recipes"):
+        if candidate.is_dir():
+            return candidate
+    return here.parent / "recipes"
+
+
+class DefaultCommandGroup(TyperGroup):
+    """A group whose first argument, when it is not a subcommand name, goes to ``default_command``."""
+
+    default_command = "run"
+
+    def parse_args(self, ctx, args):
+        if not args or (args[0] not in self.commands and args[0] not in ("--help", "-h")):
+            args = [self.default_command, *args]
+        return super().parse_args(ctx, args)
+
+    def format_usage(self, ctx, formatter):
+        formatter.write_usage(ctx.command_path, "[RECIPE] [OPTIONS] | COMMAND [ARGS]...")
+
+
+def is_help_request() -> bool:
+    return any(a in ("--help", "-h") for a in sys.argv[1:])

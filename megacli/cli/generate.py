@@ -1,0 +1,11 @@
+"""`megacli generate`."""
+
+from __future__ import annotations
+
+from megacli.cli import app
+from megacli.cli.common import RecipeArg, SetOpt, fail
+
+
+@app.command(help="(not available in this version yet)")
+def generate(recipe: RecipeArg = None, set_: SetOpt = None) -> None:
+    raise fail("megacli generate is not available in this version yet")

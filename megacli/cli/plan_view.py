@@ -1,0 +1,70 @@
+"""--dry-run: the resolved recipe, the layout, parameters and memory per rank, as rich tables."""
+
+from __future__ import annotations
+
+
+def vocab_size_of(recipe) -> tuple[int, str]:
+    if recipe.model.vocab_size:
+        return recipe.model.vocab_size, "model.vocab_size"
+    try:
+        from megacli.data.tokenizers import load_tokenizer
+
+        return load_tokenizer(type=recipe.tokenizer.type, path=recipe.tokenizer.path).vocab_size, "tokenizer"
+    except Exception as exc:  # a dry run should still print the rest
+        return 50257, f"assumed (tokenizer not loadable: {exc})"
+
+
+def print_plan(recipe) -> None:
+    from rich.console import Console
+    from rich.syntax import Syntax
+    from rich.table import Table
+
+    from megacli import plan
+    from megacli.recipe.base import dump
+
+    console = Console()
+    console.print(Syntax(dump(recipe), "yaml", theme="ansi_dark", background_color="default"))
+    p, m, t = recipe.parallel, recipe.model, recipe.train
+    vocab, vocab_src = vocab_size_of(recipe)
+    counts, mem = plan.estimate(recipe, vocab)
+    total = counts.total(m.num_layers)
+
+    layout = Table(title="layout", show_header=False)
+    layout.add_row("world size", f"TP {p.tensor} × PP {p.pipeline} × CP {p.context} × DP {recipe.data_parallel_size} = {recipe.world_size}")
+    layout.add_row("layers per pipeline stage", f"{recipe.layers_per_stage}" + (f" ({recipe.layers_per_stage // p.virtual_pipeline} per virtual stage × {p.virtual_pipeline})" if p.virtual_pipeline else ""))
+    layout.add_row("micro-batches per step", f"{recipe.num_microbatches} = global {t.global_batch_size} / (micro {t.micro_batch_size} × DP {recipe.data_parallel_size})")
+    layout.add_row("tokens per step", f"{recipe.tokens_per_step:,} = {t.global_batch_size} × {m.seq_length}")
+    layout.add_row("vocabulary", f"{vocab:,} ({vocab_src}) → padded {plan.padded_vocab_size(vocab, divisible_by=m.make_vocab_size_divisible_by, tensor_parallel=p.tensor):,}")
+    layout.add_row("parameters (model)", f"{total:,}")
+    layout.add_row("parameters per rank (first stage)", f"{mem.params:,}")
+    layout.add_row("training FLOPs per step", f"{plan.flops_per_token(recipe, total) * recipe.tokens_per_step:.3e}")
+    console.print(layout)
+
+    w, g, o = plan.bytes_per_param(t.precision)
+    memory = Table(title=f"memory per rank (first pipeline stage, {t.precision})")
+    memory.add_column("what")
+    memory.add_column("GiB", justify="right")
+    memory.add_column("how")
+    memory.add_row("weights", f"{mem.weights_gib:.3f}", f"{w} B/param")
+    memory.add_row("gradients", f"{mem.grads_gib:.3f}", f"{g} B/param")
+    dp = recipe.data_parallel_size
+    memory.add_row("optimizer (Adam + fp32 master)" if t.precision != "fp32" else "optimizer (Adam)",
+                   f"{mem.optimizer_gib:.3f}",
+                   f"{o}/{dp} B/param (distributed optimizer)" if p.distributed_optimizer else f"{o} B/param")
+    memory.add_row("  without distributed optimizer", f"{mem.optimizer_gib_without_dist_opt:.3f}", f"{o} B/param")
+    memory.add_row("  with distributed optimizer", f"{mem.optimizer_gib_without_dist_opt / dp:.3f}", f"{o}/{dp} B/param")
+    memory.add_row("activations", f"{mem.activations_gib:.3f}",
+                   f"sbh(34+5as/h) per layer, {_act_form(recipe)}, × in-flight layers")
+    memory.add_row("total", f"{mem.total_gib:.3f}", "")
+    console.print(memory)
+
+
+def _act_form(recipe) -> str:
+    p = recipe.parallel
+    if p.recompute == "full":
+        return "full recompute: 2sbh" + ("/t" if p.sequence_parallel else "")
+    if p.sequence_parallel:
+        return "TP+SP: /t" + (" selective recompute: 34sbh/t" if p.recompute == "selective" else "")
+    if p.tensor > 1:
+        return "TP: sbh(10+24/t+5as/(ht))" + (" selective: no 5as/h term" if p.recompute == "selective" else "")
+    return "no parallelism" + (", selective recompute: 34sbh" if p.recompute == "selective" else "")

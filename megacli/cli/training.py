@@ -1,0 +1,57 @@
+"""What `pretrain` and `finetune` share: load the recipe, print the plan (--dry-run), or start the
+workers (our own launcher, or in-process under torchrun / srun)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def run_training_job(job: str, recipe_path: Path | None, overrides: list[str], dry_run: bool) -> None:
+    from megacli.recipe.jobs import load_job_recipe
+
+    recipe = load_job_recipe(job, recipe_path, overrides)
+    if dry_run:
+        from megacli.cli.plan_view import print_plan
+
+        print_plan(recipe)
+        return
+    from megacli import launch, rundir
+
+    if launch.inside_torchrun() or launch.inside_srun_per_process():
+        if not launch.inside_torchrun():
+            os.environ.update(launch.slurm_to_torch_env(dict(os.environ)))
+        from megacli.worker import run_guarded
+
+        rundir.prepare(recipe, recipe.run.dir) if os.environ.get("RANK") == "0" else None
+        code = run_guarded(job, recipe)
+        if code:
+            raise launch.first_worker_error(recipe.run.dir)
+        return
+    check_inputs(recipe)
+    recipe_file = rundir.prepare(recipe, recipe.run.dir)
+    ln = recipe.launch
+    if ln.nproc * ln.nnodes == 1 and os.environ.get("MEGACLI_IN_PROCESS"):
+        # Tests: run the single worker in this process (same code path, no subprocess).
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(launch.free_port()))
+        from megacli.worker import run_job
+
+        run_job(job, recipe)
+        return
+    launch.launch_workers(job, recipe_file, run_dir=recipe.run.dir, nproc=ln.nproc, nnodes=ln.nnodes,
+                          node_rank=ln.node_rank, rdzv_endpoint=ln.rdzv_endpoint)
+
+
+def check_inputs(recipe) -> None:
+    """Fail before starting workers when a named file is missing."""
+    from megacli.errors import UserError
+
+    for prefix in recipe.data.prefixes:
+        missing = [p for p in (prefix + ".bin", prefix + ".idx") if not Path(p).is_file()]
+        if missing:
+            raise UserError(f"data prefix {prefix!r}: missing {' and '.join(missing)} "
+                            f"(build it with `megacli preprocess`; the prefix is the path without .bin/.idx)")
+    tok = recipe.tokenizer
+    if tok.path and not Path(tok.path).exists():
+        raise UserError(f"tokenizer.path {tok.path!r} does not exist")

@@ -1,0 +1,195 @@
+"""Distributed checkpoints (Megatron dist_checkpointing, torch_dist), saved atomically.
+
+Layout of a checkpoint directory:
+    latest                 the name of the newest complete iteration (replaced atomically)
+    iter_0000100/          torch_dist shards + recipe.yaml + megacli.json (iteration, data position, layout)
+    iter_0000200.tmp/      a save in progress; never read, removed by the next save
+
+A save writes iter_N.tmp, waits for every rank, renames it to iter_N and only then moves `latest`,
+so a crash mid-save leaves the previous checkpoint and pointer intact. The model and the
+(distributed) optimizer are saved in a layout-free form, so a checkpoint loads under any TP/PP/DP.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megacli.errors import UserError
+
+LATEST = "latest"
+META = "megacli.json"
+OPTIM_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def iter_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+@dataclass(frozen=True)
+class Restored:
+    iteration: int
+    consumed_samples: int
+    path: Path
+
+
+def find_checkpoint(path: str | Path) -> Path | None:
+    """A checkpoint directory from a run directory (via `latest`) or an iteration directory itself."""
+    path = Path(path)
+    if (path / META).is_file():
+        return path
+    pointer = path / LATEST
+    if pointer.is_file():
+        target = path / pointer.read_text().strip()
+        if (target / META).is_file():
+            return target
+        raise UserError(f"{pointer} names {target.name}, which is not a complete checkpoint")
+    return None
+
+
+def read_meta(ckpt: Path) -> dict:
+    return json.loads((ckpt / META).read_text())
+
+
+def _layout() -> dict:
+    from megatron.core import parallel_state as ps
+
+    return {
+        "tensor": ps.get_tensor_model_parallel_world_size(),
+        "pipeline": ps.get_pipeline_model_parallel_world_size(),
+        "virtual_pipeline": ps.get_virtual_pipeline_model_parallel_world_size(),
+        "data": ps.get_data_parallel_world_size(),
+        "context": ps.get_context_parallel_world_size(),
+    }
+
+
+def _model_keys(chunks) -> list[str]:
+    return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+
+
+def _rng_state():
+    from megatron.core import tensor_parallel
+
+    return {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def _set_rng_state(state) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _rng_sharded_object(state):
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return ShardedObject("rng_state", state,
+                         (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()),
+                         (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
+                         replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
+
+
+def _sharded_state(chunks, optimizer, scheduler, *, loading: bool, with_optimizer: bool, with_rng: bool) -> dict:
+    from megacli.engine.models import unwrap
+
+    state: dict = {}
+    for key, chunk in zip(_model_keys(chunks), chunks):
+        state[key] = unwrap(chunk).sharded_state_dict()
+    if with_optimizer:
+        model_state = {k: v for k, v in state.items()}
+        state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=loading, metadata=OPTIM_SHARDING)
+        state["scheduler"] = scheduler.state_dict()
+    if with_rng:
+        state["rng_state"] = _rng_sharded_object(_rng_state())
+    return state
+
+
+def save(*, ckpt_dir: str | Path, iteration: int, consumed_samples: int, chunks, optimizer, scheduler,
+         recipe_yaml: str, keep_last: int | None = None) -> Path:
+    """Save atomically; returns the final iteration directory. Collective: every rank calls it."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    ckpt_dir = Path(ckpt_dir)
+    final = ckpt_dir / iter_name(iteration)
+    tmp = ckpt_dir / (iter_name(iteration) + ".tmp")
+    rank = dist.get_rank()
+    if rank == 0:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        for stale in ckpt_dir.glob("iter_*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+    dist.barrier()
+    state = _sharded_state(chunks, optimizer, scheduler, loading=False, with_optimizer=True, with_rng=True)
+    dist_checkpointing.save(state, str(tmp))
+    dist.barrier()
+    if rank == 0:
+        (tmp / "recipe.yaml").write_text(recipe_yaml)
+        meta = {"iteration": iteration, "consumed_samples": consumed_samples, "layout": _layout(), "format": "torch_dist"}
+        (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
+        _publish(tmp, final, ckpt_dir)
+        if keep_last:
+            _prune(ckpt_dir, keep_last)
+    dist.barrier()
+    return final
+
+
+def _publish(tmp: Path, final: Path, ckpt_dir: Path) -> None:
+    """Rename the finished save into place, then move the `latest` pointer (both atomic renames)."""
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    pointer_tmp = ckpt_dir / (LATEST + ".tmp")
+    pointer_tmp.write_text(final.name + "\n")
+    os.replace(pointer_tmp, ckpt_dir / LATEST)
+
+
+def _prune(ckpt_dir: Path, keep_last: int) -> None:
+    done = sorted(p for p in ckpt_dir.glob("iter_*") if p.is_dir() and not p.name.endswith(".tmp"))
+    for old in done[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool) -> Restored:
+    """Load model (and optimizer, scheduler, RNG when asked and possible) into the built chunks.
+    The RNG state is restored only when the layout is unchanged (it is per rank)."""
+    from megatron.core import dist_checkpointing
+
+    meta = read_meta(ckpt)
+    same_layout = meta.get("layout") == _layout()
+    has_optimizer = load_optimizer and meta.get("has_optimizer", True)
+    state = _sharded_state(chunks, optimizer, scheduler, loading=True, with_optimizer=has_optimizer, with_rng=same_layout)
+    try:
+        loaded = dist_checkpointing.load(state, str(ckpt))
+    except Exception as exc:
+        raise UserError(f"cannot load checkpoint {ckpt}: {exc}") from exc
+    from megacli.engine.models import unwrap
+
+    for key, chunk in zip(_model_keys(chunks), chunks):
+        unwrap(chunk).load_state_dict(loaded[key], strict=True)
+    if has_optimizer:
+        optimizer.load_state_dict(loaded["optimizer"])
+        scheduler.load_state_dict(loaded["scheduler"])
+    if same_layout and "rng_state" in loaded:
+        _set_rng_state(loaded["rng_state"])
+    if not has_optimizer:
+        return Restored(iteration=0, consumed_samples=0, path=ckpt)
+    return Restored(iteration=meta["iteration"], consumed_samples=meta["consumed_samples"], path=ckpt)

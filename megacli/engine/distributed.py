@@ -1,0 +1,105 @@
+"""Process group and Megatron parallel state from the recipe; seeding; teardown."""
+
+from __future__ import annotations
+
+import os
+import random
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where this process sits. Built once by setup(); passed explicitly, never global."""
+
+    device: "object"  # torch.device
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def resolve_device(choice: str) -> str:
+    import torch
+
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        from megacli.errors import UserError
+
+        raise UserError("launch.device = 'cuda' but no CUDA device is visible (use 'auto' or 'cpu')")
+    return choice
+
+
+def quiet_megatron_imports() -> None:
+    """Megatron-Core warns at import about every missing TE/Apex kernel; we say once what is used."""
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex|TE).*")
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\..*")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"megatron\..*")
+    import logging
+
+    logging.getLogger("megatron").setLevel(logging.ERROR)
+
+
+def setup(*, parallel, launch, seed: int) -> Runtime:
+    """Initialise torch.distributed (nccl on CUDA, gloo on CPU) and Megatron's parallel groups."""
+    quiet_megatron_imports()
+    import torch
+    import torch.distributed as dist
+
+    device_type = resolve_device(launch.device)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_type == "cpu":
+        from megacli.backend import cpu
+
+        cpu.enable()
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        threads = launch.threads_per_process or max(1, (os.cpu_count() or 1) // local_world)
+        torch.set_num_threads(threads)
+        device = torch.device("cpu")
+    else:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=world,
+                                timeout=timedelta(minutes=30))
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tensor,
+        pipeline_model_parallel_size=parallel.pipeline,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
+        context_parallel_size=parallel.context,
+        expert_model_parallel_size=parallel.expert,
+        expert_tensor_parallel_size=parallel.expert_tensor,
+    )
+    seed_everything(seed)
+    return Runtime(device=device, rank=rank, world_size=world, local_rank=local_rank)
+
+
+def seed_everything(seed: int) -> None:
+    """The same seed on every rank for python/numpy/torch (weights are initialised by name, see
+    engine.init), and Megatron's tensor-parallel RNG tracker for dropout inside TP regions."""
+    import numpy as np
+    import torch
+    from megatron.core import tensor_parallel
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def teardown() -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

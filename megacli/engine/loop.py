@@ -1,0 +1,257 @@
+"""The one training loop (pretrain and finetune): build, resume, train, evaluate, save."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megacli.engine import checkpoint, distributed
+from megacli.engine.metrics import MetricsLog, Stopwatch
+
+
+@dataclass
+class Trainer:
+    """Everything a step needs, built once."""
+
+    recipe: object
+    runtime: distributed.Runtime
+    chunks: list
+    optimizer: object
+    scheduler: object
+    forward_step: object
+    train_data: object
+    valid_data: object | None
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.recipe.num_microbatches
+
+
+def train(recipe, *, job: str = "pretrain") -> None:
+    runtime = distributed.setup(parallel=recipe.parallel, launch=recipe.launch, seed=recipe.train.seed)
+    try:
+        _train(recipe, runtime)
+    finally:
+        distributed.teardown()
+
+
+def is_reporting_rank() -> bool:
+    """Last pipeline stage, first TP/DP/CP rank: where the loss lives."""
+    from megatron.core import parallel_state as ps
+
+    return (ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_data_parallel_rank(with_context_parallel=True) == 0)
+
+
+def build_trainer(recipe, runtime) -> tuple[Trainer, object]:
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    from megacli.data.tokenizers import load_tokenizer
+    from megacli.engine import data as data_mod
+    from megacli.engine.models import build_model, init_weights, transformer_config
+    from megacli.engine.optim import build_optimizer, build_scheduler
+    from megacli.engine.steps import gpt_forward_step, load_custom_loss
+
+    m, p, t = recipe.model, recipe.parallel, recipe.train
+    tokenizer = load_tokenizer(type=recipe.tokenizer.type, path=recipe.tokenizer.path)
+    vocab = m.vocab_size or tokenizer.vocab_size
+    config = transformer_config(model=m, parallel=p, precision=t.precision, on_cuda=runtime.is_cuda)
+    chunks = build_model(recipe=recipe, config=config, vocab_size=vocab)
+    init_weights(chunks, seed=t.seed, std=m.init_method_std, num_layers=m.num_layers, gated=config.gated_linear_unit)
+    chunks = [c.to(runtime.device) for c in chunks]
+    if t.precision != "fp32":
+        from megatron.core.transformer.module import Float16Module
+
+        chunks = [Float16Module(config, c) for c in chunks]
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=t.precision != "fp32",
+        overlap_grad_reduce=p.overlap_grad_reduce,
+        overlap_param_gather=p.overlap_param_gather,
+        use_distributed_optimizer=p.distributed_optimizer,
+        average_in_collective=False,
+    )
+    chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
+              for i, c in enumerate(chunks)]
+    optimizer = build_optimizer(chunks, optim=recipe.optim, precision=t.precision, distributed_optimizer=p.distributed_optimizer)
+    scheduler = build_scheduler(optimizer, optim=recipe.optim, train_iters=t.iters)
+
+    # The hooks Megatron's schedules call (as Megatron-LM's training loop wires them).
+    config.grad_scale_func = optimizer.scale_loss
+    config.finalize_model_grads_func = finalize_model_grads
+    if p.overlap_grad_reduce:
+        no_sync = [c.no_sync for c in chunks]
+        config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    if p.overlap_param_gather:
+        config.param_sync_func = [c.start_param_sync for c in chunks]
+        config.param_sync_func = config.param_sync_func[0] if len(chunks) == 1 else config.param_sync_func
+
+    train_samples = t.iters * t.global_batch_size
+    valid_samples = (t.iters // t.eval_interval + 1) * t.eval_iters * t.global_batch_size if t.eval_interval else 0
+    splits = data_mod.build_gpt_datasets(data=recipe.data, seq_length=m.seq_length, seed=t.seed, tokenizer=tokenizer,
+                                         train_samples=train_samples, valid_samples=valid_samples,
+                                         cache_dir=data_mod.cache_dir_for(recipe.data, recipe.run.dir))
+    forward_step = gpt_forward_step(context_parallel=p.context, custom_loss=load_custom_loss(t.loss, t.loss_kwargs))
+    trainer = Trainer(recipe=recipe, runtime=runtime, chunks=chunks, optimizer=optimizer, scheduler=scheduler,
+                      forward_step=forward_step, train_data=splits.train, valid_data=splits.valid)
+    return trainer, tokenizer
+
+
+def data_iterators(trainer: Trainer, dataset, start_sample: int) -> list:
+    """One iterator per model chunk over the same micro-batch stream (Megatron's interleaved schedule
+    advances each chunk's iterator separately)."""
+    from megatron.core import parallel_state as ps
+
+    from megacli.engine.data import micro_batches
+
+    t = trainer.recipe.train
+    return [micro_batches(dataset, start_sample=start_sample, micro_batch_size=t.micro_batch_size,
+                          dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
+                          device=trainer.runtime.device) for _ in trainer.chunks]
+
+
+def run_schedule(trainer: Trainer, iterators: list, *, forward_only: bool) -> tuple[float, float]:
+    """One global batch through Megatron's pipeline schedule. Returns (loss sum, token count) summed
+    over micro-batches and data-parallel ranks, on the last pipeline stage (zeros elsewhere)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    m, t = trainer.recipe.model, trainer.recipe.train
+    forward_backward = get_forward_backward_func()
+    reports = forward_backward(
+        forward_step_func=trainer.forward_step,
+        data_iterator=iterators if len(iterators) > 1 else iterators[0],
+        model=trainer.chunks if len(trainer.chunks) > 1 else trainer.chunks[0],
+        num_microbatches=trainer.num_microbatches,
+        seq_length=m.seq_length,
+        micro_batch_size=t.micro_batch_size,
+        forward_only=forward_only,
+    )
+    total = torch.zeros(2, dtype=torch.float64, device=trainer.runtime.device)
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        for r in reports:
+            total += r["lm loss"].to(total)
+        torch.distributed.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
+    return float(total[0]), float(total[1])
+
+
+def train_step(trainer: Trainer, iterators: list) -> tuple[float, float | None, bool]:
+    for chunk in trainer.chunks:
+        chunk.zero_grad_buffer()
+    trainer.optimizer.zero_grad()
+    loss_sum, tokens = run_schedule(trainer, iterators, forward_only=False)
+    ok, grad_norm, _ = trainer.optimizer.step()
+    if ok:
+        trainer.scheduler.step(increment=1)
+    return (loss_sum / tokens if tokens else float("nan")), grad_norm, ok
+
+
+def evaluate(trainer: Trainer) -> float | None:
+    """Mean validation loss per token over eval_iters global batches (the same batches every time)."""
+    if trainer.valid_data is None:
+        return None
+    for chunk in trainer.chunks:
+        chunk.eval()
+    iterators = data_iterators(trainer, trainer.valid_data, start_sample=0)
+    loss_sum = tokens = 0.0
+    with torch.no_grad():
+        for _ in range(trainer.recipe.train.eval_iters):
+            s, n = run_schedule(trainer, iterators, forward_only=True)
+            loss_sum, tokens = loss_sum + s, tokens + n
+    for chunk in trainer.chunks:
+        chunk.train()
+    return loss_sum / tokens if tokens else None
+
+
+def describe_kernels(runtime) -> str:
+    if runtime.is_cuda:
+        return "CUDA: Megatron-Core with our SDPA core attention and norms (no Transformer Engine/Apex needed)"
+    return "CPU backend: Megatron-Core on gloo, torch SDPA attention, torch norms"
+
+
+def _train(recipe, runtime) -> None:
+    from megacli.plan import count_params, flops_per_token
+    from megacli.recipe.base import dump
+
+    t, ck = recipe.train, recipe.checkpoint
+    trainer, tokenizer = build_trainer(recipe, runtime)
+    start_iter, consumed = 0, 0
+    source = _resume_source(ck)
+    if source is not None:
+        restored = checkpoint.load(ckpt=source, chunks=trainer.chunks, optimizer=trainer.optimizer,
+                                   scheduler=trainer.scheduler, load_optimizer=ck.load_optimizer)
+        start_iter, consumed = restored.iteration, restored.consumed_samples
+
+    reporting = is_reporting_rank()
+    n_params = count_params(recipe, recipe.model.vocab_size or tokenizer.vocab_size).total(recipe.model.num_layers)
+    log = MetricsLog(run_dir=recipe.run.dir, enabled=reporting, total_iters=t.iters, start_iter=start_iter,
+                     tokens_per_step=recipe.tokens_per_step, flops_per_step=flops_per_token(recipe, n_params) * recipe.tokens_per_step,
+                     world_size=runtime.world_size, device=runtime.device, tensorboard=t.tensorboard)
+    p = recipe.parallel
+    log.say(f"megacli {recipe.model.arch} | {n_params / 1e6:.2f}M params | TP {p.tensor} × PP {p.pipeline} × CP {p.context} × "
+            f"DP {recipe.data_parallel_size} on {runtime.world_size} {runtime.device.type} processes | "
+            f"{recipe.num_microbatches} micro-batches/step | {describe_kernels(runtime)}")
+    if source is not None:
+        log.say(f"resumed from {source} at iteration {start_iter}")
+
+    recipe_yaml = dump(recipe)
+    iterators = data_iterators(trainer, trainer.train_data, start_sample=consumed)
+    watch = Stopwatch(runtime.device)
+    window_loss, window_steps, window_time = 0.0, 0, 0.0
+    iteration = start_iter
+    stop_at = min(t.iters, start_iter + t.exit_after_iters) if t.exit_after_iters else t.iters
+    last_val = None
+    try:
+        while iteration < stop_at:
+            loss, grad_norm, ok = train_step(trainer, iterators)
+            iteration += 1
+            consumed += t.global_batch_size
+            window_time += watch.lap()
+            window_loss += loss
+            window_steps += 1
+            if iteration % t.log_interval == 0 or iteration == stop_at:
+                scale = trainer.optimizer.get_loss_scale().item() if t.precision == "fp16" else None
+                log.step(iteration=iteration, loss=window_loss / window_steps, lr=trainer.optimizer.param_groups[0]["lr"],
+                         grad_norm=float(grad_norm) if grad_norm is not None else None,
+                         seconds_per_step=window_time / window_steps, loss_scale=scale,
+                         extra=None if ok else {"skipped_step": True})
+                window_loss, window_steps, window_time = 0.0, 0, 0.0
+            else:
+                log.advance(iteration)
+            if t.eval_interval and (iteration % t.eval_interval == 0 or iteration == t.iters):
+                last_val = evaluate(trainer)
+                if last_val is not None:
+                    log.evaluation(iteration=iteration, val_loss=last_val)
+                watch.lap()
+            if ck.dir and ((ck.save_interval and iteration % ck.save_interval == 0) or iteration == stop_at):
+                path = checkpoint.save(ckpt_dir=ck.dir, iteration=iteration, consumed_samples=consumed, chunks=trainer.chunks,
+                                       optimizer=trainer.optimizer, scheduler=trainer.scheduler, recipe_yaml=recipe_yaml,
+                                       keep_last=ck.keep_last)
+                log.say(f"saved checkpoint {path}")
+                watch.lap()
+    finally:
+        log.close()
+    if last_val is not None:
+        import math
+
+        log.say(f"done: {iteration} iterations | final validation loss {last_val:.4f} | perplexity {math.exp(min(last_val, 50)):.2f}")
+    else:
+        log.say(f"done: {iteration} iterations")
+
+
+def _resume_source(ck):
+    """The checkpoint to start from, or None. resume: auto uses ck.dir's latest when there is one."""
+    from pathlib import Path
+
+    from megacli.errors import UserError
+
+    if ck.resume == "none":
+        return None
+    if ck.resume == "auto":
+        return checkpoint.find_checkpoint(ck.dir) if ck.dir and Path(ck.dir).exists() else None
+    found = checkpoint.find_checkpoint(ck.resume)
+    if found is None:
+        raise UserError(f"checkpoint.resume = {ck.resume!r}: no checkpoint there (expected a directory with "
+                        f"'{checkpoint.LATEST}' or '{checkpoint.META}')")
+    return found

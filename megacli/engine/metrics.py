@@ -1,0 +1,125 @@
+"""What a run reports: one console line per log interval, a rich progress bar with ETA,
+metrics.jsonl (one JSON object per logged step or evaluation) and optional TensorBoard events.
+Only the reporting rank (last pipeline stage, first TP/DP/CP rank: it holds the loss) writes."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+# Dense bf16/fp16 tensor-core peak per GPU (FLOP/s), for MFU. Unknown devices report no MFU.
+PEAK_FLOPS = {"H100": 989.4e12, "H200": 989.4e12, "H800": 989.4e12, "A100": 312e12, "A800": 312e12,
+              "L40S": 362e12, "A10": 125e12, "B200": 2250e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+def memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1024**3
+    return psutil.Process().memory_info().rss / 1024**3
+
+
+class MetricsLog:
+    def __init__(self, *, run_dir: str, enabled: bool, total_iters: int, start_iter: int, tokens_per_step: int,
+                 flops_per_step: float, world_size: int, device: torch.device, tensorboard: bool):
+        self.enabled = enabled
+        self.tokens_per_step = tokens_per_step
+        self.flops_per_step = flops_per_step
+        self.world_size = world_size
+        self.device = device
+        self.peak = peak_flops(device)
+        self.progress = None
+        self.writer = None
+        if not enabled:
+            return
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.console = Console(highlight=False)
+        self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[loss]}"),
+                                 TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=self.console, transient=True)
+        self.task = self.progress.add_task("train", total=total_iters, completed=start_iter, loss="")
+        self.progress.start()
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+
+    def say(self, text: str) -> None:
+        if self.enabled:
+            self.console.print(text)
+
+    def _write(self, record: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            step = record["iteration"]
+            for k, v in record.items():
+                if k != "iteration" and isinstance(v, (int, float)) and v is not None:
+                    self.writer.add_scalar(k, v, step)
+
+    def step(self, *, iteration: int, loss: float, lr: float, grad_norm: float | None, seconds_per_step: float,
+             loss_scale: float | None = None, extra: dict | None = None) -> None:
+        if not self.enabled:
+            return
+        tokens_per_s = self.tokens_per_step / seconds_per_step
+        tflops = self.flops_per_step / seconds_per_step / self.world_size / 1e12  # per device
+        record = {"iteration": iteration, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                  "tokens_per_s": tokens_per_s, "step_time_s": seconds_per_step, "tflops_per_device": tflops,
+                  "memory_gib": memory_gib(self.device)}
+        if self.peak:
+            record["mfu"] = tflops * 1e12 / self.peak
+        if loss_scale is not None:
+            record["loss_scale"] = loss_scale
+        record.update(extra or {})
+        self._write(record)
+        gn = f"{grad_norm:.3f}" if grad_norm is not None else "-"
+        mfu = f" | MFU {record['mfu'] * 100:.1f}%" if "mfu" in record else ""
+        self.console.print(f"iter {iteration:>6} | loss {loss:.4f} | lr {lr:.3e} | grad norm {gn} | "
+                           f"{tokens_per_s:,.0f} tok/s | {tflops:.2f} TFLOP/s{mfu} | mem {record['memory_gib']:.2f} GiB")
+        self.progress.update(self.task, completed=iteration, loss=f"loss {loss:.4f}")
+
+    def advance(self, iteration: int) -> None:
+        if self.enabled:
+            self.progress.update(self.task, completed=iteration)
+
+    def evaluation(self, *, iteration: int, val_loss: float) -> None:
+        if not self.enabled:
+            return
+        ppl = math.exp(min(val_loss, 50.0))
+        self._write({"iteration": iteration, "val_loss": val_loss, "val_ppl": ppl})
+        self.console.print(f"[bold]validation[/] iter {iteration} | loss {val_loss:.4f} | perplexity {ppl:.2f}")
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        if self.writer is not None:
+            self.writer.close()
+
+
+class Stopwatch:
+    """Wall time between marks, synchronising CUDA so the numbers are real."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.last = time.perf_counter()
+
+    def lap(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        elapsed, self.last = now - self.last, now
+        return elapsed

@@ -1,0 +1,263 @@
+"""Recipe -> Megatron TransformerConfig -> model chunks. The only place that builds Megatron models.
+
+A model is a list of chunks: one per virtual pipeline stage held by this rank (one without
+interleaving), as Megatron's schedules expect.
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+
+import torch
+import torch.nn.functional as F
+
+from megacli.plan import padded_vocab_size
+
+__all__ = ["transformer_config", "build_model", "padded_vocab_size", "init_weights", "unwrap"]
+
+
+def _activation(name: str):
+    """(activation_func, gated_linear_unit) for a recipe activation name."""
+    return {
+        "gelu": (F.gelu, False),
+        "gelu_tanh": (functools.partial(F.gelu, approximate="tanh"), False),
+        "swiglu": (F.silu, True),
+        "relu": (F.relu, False),
+        "squared_relu": (lambda x: torch.pow(F.relu(x), 2), False),
+    }[name]
+
+
+def params_dtype(precision: str) -> torch.dtype:
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def transformer_config(*, model, parallel, precision: str, on_cuda: bool, **overrides):
+    """The TransformerConfig for a recipe. Fusions that need CUDA kernels are on only on CUDA."""
+    from megatron.core.transformer import TransformerConfig
+
+    activation, gated = _activation(model.activation)
+    dtype = params_dtype(precision)
+    recompute = None if parallel.recompute == "none" else parallel.recompute
+    kwargs = dict(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.query_groups,
+        kv_channels=model.head_dim,
+        ffn_hidden_size=model.ffn_size,
+        hidden_dropout=model.dropout,
+        attention_dropout=model.attention_dropout,
+        normalization="RMSNorm" if model.normalization == "rmsnorm" else "LayerNorm",
+        layernorm_epsilon=model.norm_epsilon,
+        add_bias_linear=model.add_bias_linear,
+        add_qkv_bias=model.add_qkv_bias,
+        qk_layernorm=model.qk_layernorm,
+        activation_func=activation,
+        gated_linear_unit=gated,
+        init_method_std=model.init_method_std,
+        tensor_model_parallel_size=parallel.tensor,
+        pipeline_model_parallel_size=parallel.pipeline,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
+        sequence_parallel=parallel.sequence_parallel,
+        context_parallel_size=parallel.context,
+        expert_model_parallel_size=parallel.expert,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        recompute_granularity=recompute,
+        recompute_method="uniform" if recompute == "full" else None,
+        recompute_num_layers=parallel.recompute_num_layers if recompute == "full" else None,
+        # Weights are drawn by name on the CPU (see init_weights), the same in every layout.
+        use_cpu_initialization=True,
+        perform_initialization=False,
+        # Loss is summed per token and normalised by the global token count (exact across DP/PP).
+        calculate_per_token_loss=True,
+        apply_query_key_layer_scaling=False,
+        gradient_accumulation_fusion=False,  # needs Apex's fused weight-gradient kernel
+        bias_activation_fusion=on_cuda and model.activation in ("gelu", "swiglu") and model.add_bias_linear,
+        bias_dropout_fusion=on_cuda,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        deallocate_pipeline_outputs=True,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def build_model(*, recipe, config, vocab_size: int) -> list:
+    """GPT model chunks for this rank (BERT/T5 are added beside this)."""
+    from megatron.core import parallel_state as ps
+
+    arch = recipe.model.arch
+    if arch != "gpt":
+        from megacli.errors import UserError
+
+        raise UserError(f"model.arch = {arch!r} is not supported by this version's engine yet")
+    from megatron.core.models.gpt import GPTModel
+
+    m = recipe.model
+    spec = gpt_layer_spec(model=m)
+    padded = padded_vocab_size(vocab_size, divisible_by=m.make_vocab_size_divisible_by, tensor_parallel=recipe.parallel.tensor)
+    pos_type = {"learned": "learned_absolute", "rope": "rope"}.get(m.position_embedding, "none")
+    chunks = []
+    vp = recipe.parallel.virtual_pipeline
+    for stage in range(vp or 1):
+        vp_stage = stage if vp else None
+        chunk = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=padded,
+            max_sequence_length=m.max_positions,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            share_embeddings_and_output_weights=not m.untie_embeddings,
+            position_embedding_type=pos_type,
+            rotary_percent=m.rotary_percent,
+            rotary_base=int(m.rotary_base),
+            vp_stage=vp_stage,
+        )
+        chunk.model_type = _model_type("encoder_or_decoder")
+        chunks.append(chunk)
+    return chunks
+
+
+def gpt_layer_spec(*, model):
+    """Megatron-Core's local GPT layer with our pieces: a norm that works under sequence
+    parallelism, and SDPA core attention (ALiBi, ring context parallelism). Checkpoint keys stay
+    those of Megatron's TE layout (norms fused into the following linear's key names)."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    from megacli.engine.attention import CoreAttention
+    from megacli.engine.layers import Norm
+
+    bias = "alibi" if model.position_embedding == "alibi" else "none"
+    qk_norm = Norm if model.qk_layernorm else IdentityOp
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=Norm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=ColumnParallelLinear,
+                    core_attention=ModuleSpec(module=CoreAttention, params={"position_bias": bias}),
+                    linear_proj=RowParallelLinear,
+                    q_layernorm=qk_norm,
+                    k_layernorm=qk_norm,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=Norm,
+            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
+            mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map={
+                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+            },
+        ),
+    )
+
+
+def _model_type(name: str):
+    from megatron.core.enums import ModelType
+
+    return getattr(ModelType, name)
+
+
+def unwrap(module):
+    """The bare Megatron model under DDP / Float16Module wrappers."""
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+# ---------------------------------------------------------------- initialisation by name
+
+
+def _global_names(chunk) -> dict[int, str]:
+    """param id -> layout-free name: global layer numbers, shared output weight named as the embedding."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    names: dict[int, str] = {}
+    layer_prefix: dict[str, str] = {}
+    for mod_name, mod in chunk.named_modules():
+        if isinstance(mod, TransformerLayer):
+            parent = mod_name.rsplit(".", 1)[0]
+            layer_prefix[mod_name + "."] = f"{parent}.{mod.layer_number - 1}."
+    for name, p in chunk.named_parameters():
+        glob = name
+        for local, global_ in layer_prefix.items():
+            if name.startswith(local):
+                glob = global_ + name[len(local):]
+                break
+        if getattr(p, "shared_embedding", False) or (name == "output_layer.weight" and getattr(chunk, "share_embeddings_and_output_weights", False)):
+            glob = "embedding.word_embeddings.weight"
+        names[id(p)] = glob
+    return names
+
+
+def _init_kind(name: str, param) -> str:
+    if name.endswith("bias"):
+        return "zeros"
+    if param.dim() == 1:
+        return "ones"  # norm gains
+    return "normal"
+
+
+def init_weights(chunks, *, seed: int, std: float, num_layers: int, gated: bool, zero_centered_gamma: bool = False) -> None:
+    """Draw every parameter from a generator seeded by (seed, its layout-free name), in its full
+    unsharded shape, then keep this rank's shard. The same seed gives the same model under any
+    TP/PP/DP/virtual-pipeline layout (Megatron's own CPU init depends on construction order).
+
+    Output projections use Megatron's scaled init std/sqrt(2·num_layers); biases 0; norm gains 1."""
+    from megatron.core import parallel_state as ps
+
+    tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    scaled_std = std / (2.0 * num_layers) ** 0.5
+    for chunk in chunks:
+        names = _global_names(unwrap(chunk))
+        for p in unwrap(chunk).parameters():
+            name = names[id(p)]
+            kind = _init_kind(name, p)
+            with torch.no_grad():
+                if kind == "zeros":
+                    p.zero_()
+                    continue
+                if kind == "ones":
+                    p.fill_(0.0 if zero_centered_gamma else 1.0)
+                    continue
+                full = _full_shape(p, tp)
+                gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                sigma = scaled_std if name.endswith(("linear_proj.weight", "linear_fc2.weight")) else std
+                master = torch.empty(full, dtype=torch.float32).normal_(0.0, sigma, generator=gen)
+                p.copy_(_shard(master, p, tp_rank, tp, gated and name.endswith("mlp.linear_fc1.weight")).to(p.dtype))
+
+
+def _full_shape(p, tp: int) -> tuple[int, ...]:
+    shape = list(p.shape)
+    if getattr(p, "tensor_model_parallel", False) and tp > 1:
+        shape[p.partition_dim] *= tp
+    return tuple(shape)
+
+
+def _shard(master, p, tp_rank: int, tp: int, gated_fc1: bool):
+    """This rank's slice of the unsharded tensor. The gated MLP input (SwiGLU) keeps [gate; up]
+    per rank, so each rank takes its slice of the gate half and of the up half."""
+    if not getattr(p, "tensor_model_parallel", False) or tp == 1:
+        return master
+    dim = p.partition_dim
+    if gated_fc1:
+        gate, up = master.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp, dim=0)[tp_rank], up.chunk(tp, dim=0)[tp_rank]], dim=0)
+    return master.chunk(tp, dim=dim)[tp_rank]

@@ -1,0 +1,50 @@
+"""Megatron optimizer (mixed precision, distributed optimizer, clipping) and LR/WD schedule."""
+
+from __future__ import annotations
+
+import torch
+
+from megacli.engine.models import params_dtype
+
+
+def build_optimizer(chunks, *, optim, precision: str, distributed_optimizer: bool):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = OptimizerConfig(
+        optimizer=optim.optimizer,
+        lr=optim.lr,
+        min_lr=optim.min_lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1,
+        adam_beta2=optim.adam_beta2,
+        adam_eps=optim.adam_eps,
+        clip_grad=optim.clip_grad,
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        params_dtype=params_dtype(precision) if precision != "fp32" else torch.float32,
+        initial_loss_scale=optim.initial_loss_scale,
+        use_distributed_optimizer=distributed_optimizer,
+    )
+    return get_megatron_optimizer(config, chunks)
+
+
+def build_scheduler(optimizer, *, optim, train_iters: int):
+    """Steps are optimizer iterations (Megatron-LM counts samples; same curve, simpler numbers)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    decay = optim.decay_iters or train_iters
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if optim.warmup_iters else optim.lr,
+        max_lr=optim.lr,
+        min_lr=optim.min_lr,
+        lr_warmup_steps=optim.warmup_iters,
+        lr_decay_steps=decay,
+        lr_decay_style=optim.decay_style if optim.decay_style != "wsd" else "WSD",
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
+        wd_incr_steps=decay,
+        wd_incr_style="constant",
+        wsd_decay_steps=(optim.wsd_decay_iters or max(1, decay // 10)) if optim.decay_style == "wsd" else None,
+        lr_wsd_decay_style="linear" if optim.decay_style == "wsd" else None,
+    )

@@ -1,0 +1,141 @@
+"""Getting worker processes: PyTorch's elastic launcher (torch.distributed.run) when megacli is
+started by hand, or the environment of an existing job (torchrun, Slurm srun).
+
+Workers run `python -m megacli.worker JOB RECIPE.yaml` on the resolved recipe written into the run
+directory. A worker that fails writes its error to <run.dir>/errors/rank<N>.json; the launcher shows
+the first one, once, instead of a traceback from every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import socket
+import sys
+import uuid
+from pathlib import Path
+
+from megacli.errors import UserError
+
+# Set by torchrun / torch.distributed.run for every worker.
+_LAUNCHED_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def inside_torchrun() -> bool:
+    return all(v in os.environ for v in _LAUNCHED_VARS)
+
+
+def inside_srun_per_process() -> bool:
+    """srun started one task per worker (not one per node)."""
+    return "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_STEP_NUM_TASKS", os.environ.get("SLURM_NTASKS", "1"))) > 1
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First hostname of a Slurm nodelist such as 'gpu[003-010,012],cpu1' -> 'gpu003'."""
+    head = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist)
+    if not head:
+        return nodelist
+    base, ranges = head.group(1), head.group(3)
+    if not ranges:
+        return base
+    return base + ranges.split(",")[0].split("-")[0]
+
+
+def slurm_to_torch_env(env: dict[str, str]) -> dict[str, str]:
+    """The torch.distributed env:// variables for a task started by `srun` (one task per worker)."""
+    ntasks = int(env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", "1")))
+    nnodes = int(env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", "1")))
+    job_id = int(env.get("SLURM_JOB_ID", "0"))
+    return {
+        "RANK": env["SLURM_PROCID"],
+        "WORLD_SIZE": str(ntasks),
+        "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
+        "LOCAL_WORLD_SIZE": str(ntasks // max(nnodes, 1)),
+        "MASTER_ADDR": env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", "localhost"))),
+        "MASTER_PORT": env.get("MASTER_PORT") or str(20000 + job_id % 20000),
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def error_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "errors"
+
+
+def launch_workers(job: str, recipe_file: Path, *, run_dir: str, nproc: int, nnodes: int, node_rank: int,
+                   rdzv_endpoint: str | None) -> None:
+    """Start nproc workers on this node through torch.distributed's elastic launcher and wait.
+    Raises UserError (the first worker's message) when a worker fails."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    # The elastic agent logs every SIGTERM it sends to surviving workers; the first error is what matters.
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    for stale in error_dir(run_dir).glob("rank*.json"):
+        stale.unlink()
+    standalone = nnodes == 1 and rdzv_endpoint is None
+    config = LaunchConfig(
+        min_nodes=nnodes,
+        max_nodes=nnodes,
+        nproc_per_node=nproc,
+        run_id=os.environ.get("SLURM_JOB_ID") or ("megacli-" + uuid.uuid4().hex[:8]),
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}" if standalone else (rdzv_endpoint or ""),
+        rdzv_configs={"rank": node_rank} if not standalone else {},
+        max_restarts=0,
+        monitor_interval=0.5,
+        start_method="spawn",
+    )
+    try:
+        elastic_launch(config, sys.executable)("-m", "megacli.worker", job, str(recipe_file))
+    except ChildFailedError as exc:
+        raise first_worker_error(run_dir, fallback=exc) from None
+
+
+def first_worker_error(run_dir: str | Path, fallback: BaseException | None = None) -> UserError:
+    """The earliest error a worker recorded, as one message (user errors without traceback)."""
+    records = []
+    for path in error_dir(run_dir).glob("rank*.json"):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue
+    if not records:
+        detail = ""
+        if fallback is not None and getattr(fallback, "failures", None):
+            rank, failure = min(fallback.failures.items(), key=lambda kv: kv[1].timestamp)
+            detail = f": rank {rank} exited with code {failure.exitcode}"
+        err = UserError(f"a worker process failed{detail} (no error was recorded; it may have been killed, e.g. out of memory)")
+        err.exit_code = 1
+        return err
+    first = min(records, key=lambda r: r["time"])
+    if first["user_error"]:
+        err = UserError(first["message"])
+        err.exit_code = first.get("exit_code", 2)
+    else:
+        err = UserError(f"rank {first['rank']} failed with {first['type']}: {first['message']}\n\n{first['traceback']}"
+                        f"(every rank's error is in {error_dir(run_dir)})")
+        err.exit_code = 1
+    return err
+
+
+def record_worker_error(run_dir: str | Path, exc: BaseException, tb: str) -> int:
+    """Write this rank's error for the launcher; return the exit code to use."""
+    import time
+
+    user_error = isinstance(exc, UserError)
+    exit_code = getattr(exc, "exit_code", 2) if user_error else 1
+    path = error_dir(run_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    rank = int(os.environ.get("RANK", "0"))
+    payload = {"rank": rank, "time": time.time(), "type": type(exc).__name__, "message": str(exc),
+               "traceback": "" if user_error else tb, "user_error": user_error, "exit_code": exit_code}
+    (path / f"rank{rank}.json").write_text(json.dumps(payload))
+    return exit_code

@@ -1,0 +1,51 @@
+"""Worker process entry: `python -m megacli.worker JOB RECIPE.yaml`.
+
+The recipe file is the resolved recipe the CLI wrote into the run directory, so every worker
+runs exactly what the user saw validated. Imports stay inside main(): Megatron's async checkpoint
+writer spawns processes that import this module.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+
+def run_job(job: str, recipe) -> None:
+    """Run one job in this (already launched) process."""
+    if job in ("pretrain", "finetune"):
+        from megacli.engine.loop import train
+
+        train(recipe, job=job)
+    else:
+        raise ValueError(f"unknown job {job!r}")
+
+
+def run_guarded(job: str, recipe) -> int:
+    """run_job, recording an error for the launcher instead of printing a traceback on every rank."""
+    from megacli.launch import record_worker_error
+
+    try:
+        run_job(job, recipe)
+        return 0
+    except KeyboardInterrupt:
+        return 130
+    except BaseException as exc:  # every failure is reported through the launcher
+        code = record_worker_error(recipe.run.dir, exc, traceback.format_exc())
+        import os
+
+        if os.environ.get("MEGACLI_IN_PROCESS"):
+            raise
+        return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    job, recipe_file = (argv or sys.argv[1:])[:2]
+    from megacli.recipe.jobs import load_job_recipe
+
+    recipe = load_job_recipe(job, recipe_file)
+    return run_guarded(job, recipe)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
