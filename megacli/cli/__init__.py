@@ -4,6 +4,10 @@ engine call. Subcommand modules import only typer/pydantic at module level so --
 from __future__ import annotations
 
 import typer
+import typer.core
+
+# Plain click help: rich-formatted help costs ~0.2 s of imports, and --help must be instant.
+typer.core.HAS_RICH = False
 
 app = typer.Typer(
     name="megacli",

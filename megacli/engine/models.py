@@ -99,7 +99,6 @@ def build_model(*, recipe, config, vocab_size: int) -> list:
     from megatron.core.models.gpt import GPTModel
 
     m = recipe.model
-    spec = gpt_layer_spec(model=m)
     padded = padded_vocab_size(vocab_size, divisible_by=m.make_vocab_size_divisible_by, tensor_parallel=recipe.parallel.tensor)
     pos_type = {"learned": "learned_absolute", "rope": "rope"}.get(m.position_embedding, "none")
     chunks = []
@@ -108,7 +107,7 @@ def build_model(*, recipe, config, vocab_size: int) -> list:
         vp_stage = stage if vp else None
         chunk = GPTModel(
             config=config,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=gpt_block_spec(model=m, config=config, vp_stage=vp_stage),
             vocab_size=padded,
             max_sequence_length=m.max_positions,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -122,6 +121,18 @@ def build_model(*, recipe, config, vocab_size: int) -> list:
         chunk.model_type = _model_type("encoder_or_decoder")
         chunks.append(chunk)
     return chunks
+
+
+def gpt_block_spec(*, model, config, vp_stage):
+    """This chunk's layers plus a final norm of ours (Megatron's default final norm refuses SP)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules, get_num_layers_to_build
+
+    from megacli.engine.layers import Norm
+
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return ModuleSpec(module=TransformerBlock,
+                      submodules=TransformerBlockSubmodules(layer_specs=[gpt_layer_spec(model=model)] * layers, layer_norm=Norm))
 
 
 def gpt_layer_spec(*, model):
