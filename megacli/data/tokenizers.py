@@ -1,0 +1,408 @@
+"""Tokenizers shared by preprocessing and training: one small interface over Hugging Face
+``tokenizers``, SentencePiece, BERT WordPiece vocab files, raw bytes and pre-tokenized ids.
+
+    tok = load_tokenizer(type="huggingface", path="data/tokenizer")
+    tok.encode("Hello") -> [...];  tok.encode_batch([...]);  tok.decode(ids)
+    tok.vocab_size, tok.eod, tok.bos, tok.pad, tok.cls, tok.sep, tok.mask
+
+Ids and special tokens follow Megatron-LM's tokenizers so that a dataset built here is the one
+Megatron-LM's ``tools/preprocess_data.py`` builds:
+
+* huggingface: ids as ``AutoTokenizer.tokenize`` + ``convert_tokens_to_ids`` give them (no
+  special tokens added); eod = eos_token (else sep_token); bos = bos_token (else cls_token);
+  vocab_size counts added tokens.
+* sentencepiece: ``encode_as_ids``; eod = the model's eos piece, bos its bos piece.
+* wordpiece: Megatron's ``BertWordPieceLowerCase``/``BertWordPieceCase`` (legacy tokenizer):
+  lower-casing is chosen from the vocabulary (no upper-case token -> lower-case), ``[BOS]`` and
+  ``[EOS]`` are appended to the vocabulary when absent, eod = ``[EOS]``.
+* byte: no files. Ids 0..255 are the UTF-8 bytes; then the specials
+  256 ``<eod>``, 257 ``<bos>``, 258 ``<pad>``, 259 ``<cls>``, 260 ``<sep>``, 261 ``<mask>``;
+  vocab_size 262.
+* null: text is whitespace-separated ids below ``vocab_size``; eod = vocab_size, so the
+  vocabulary holds vocab_size + 1 ids (as Megatron-LM's NullTokenizer).
+
+Every tokenizer pickles, so worker processes can receive it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from itertools import chain
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+from megacli.errors import UserError
+
+TOKENIZER_TYPES = ("huggingface", "byte", "sentencepiece", "wordpiece", "null")
+
+
+class Tokenizer:
+    """What every tokenizer offers. Special ids are None where the tokenizer has no such token."""
+
+    vocab_size: int
+    eod: int
+    bos: Optional[int] = None
+    pad: Optional[int] = None
+    cls: Optional[int] = None
+    sep: Optional[int] = None
+    mask: Optional[int] = None
+    name: str = ""
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_batch([text])[0]
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        raise NotImplementedError
+
+    def decode(self, ids: Iterable[int]) -> str:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name} vocab_size={self.vocab_size} eod={self.eod}>"
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes as ids 0..255, then the special tokens in SPECIALS order."""
+
+    SPECIALS = ("<eod>", "<bos>", "<pad>", "<cls>", "<sep>", "<mask>")
+
+    def __init__(self) -> None:
+        self.name = "byte"
+        self.eod, self.bos, self.pad, self.cls, self.sep, self.mask = range(256, 256 + len(self.SPECIALS))
+        self.vocab_size = 256 + len(self.SPECIALS)
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8", "surrogatepass"))
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [list(t.encode("utf-8", "surrogatepass")) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        out: list[str] = []
+        run = bytearray()
+        for i in ids:
+            i = int(i)
+            if 0 <= i < 256:
+                run.append(i)
+                continue
+            out.append(run.decode("utf-8", "replace"))
+            run.clear()
+            special = i - 256
+            out.append(self.SPECIALS[special] if 0 <= special < len(self.SPECIALS) else f"<{i}>")
+        out.append(run.decode("utf-8", "replace"))
+        return "".join(out)
+
+
+class NullTokenizer(Tokenizer):
+    """Text that already is ids: ``"5 17 3"`` -> [5, 17, 3]."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.name = f"null({vocab_size})"
+        self.eod = vocab_size
+        self.vocab_size = vocab_size + 1
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        out = []
+        for text in texts:
+            ids = [int(tok) for tok in text.split()]
+            if any(not 0 <= i < self.vocab_size for i in ids):
+                raise ValueError(f"id outside 0..{self.vocab_size - 1} in {text[:80]!r}")
+            out.append(ids)
+        return out
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
+def _token_content(value) -> Optional[str]:
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class HuggingFaceTokenizer(Tokenizer):
+    """A ``tokenizers`` fast tokenizer (tokenizer.json) with the special tokens of its
+    tokenizer_config.json / special_tokens_map.json."""
+
+    def __init__(self, path: str) -> None:
+        from tokenizers import Tokenizer as RustTokenizer
+
+        root = Path(path)
+        file = root / "tokenizer.json" if root.is_dir() else root
+        config_dir = root if root.is_dir() else root.parent
+        if not file.is_file():
+            raise UserError(f"tokenizer.path = {path!r}: no tokenizer.json there (a Hugging Face tokenizer "
+                            "directory saved by save_pretrained, or the tokenizer.json file itself)")
+        try:
+            self._tok = RustTokenizer.from_file(str(file))
+        except Exception as exc:
+            raise UserError(f"tokenizer.path = {path!r}: cannot read {file}: {exc}") from None
+        self.name = str(path)
+        specials = _special_tokens(config_dir)
+        token_id = self._tok.token_to_id
+        ids = {k: (token_id(v) if v is not None else None) for k, v in specials.items()}
+        eos = ids.get("eos_token") if ids.get("eos_token") is not None else ids.get("sep_token")
+        if eos is None:
+            raise UserError(f"tokenizer {path!r} has no eos_token (or sep_token) to end documents with; "
+                            "set eos_token in its tokenizer_config.json")
+        self.eod = eos
+        self.bos = ids.get("bos_token") if ids.get("bos_token") is not None else ids.get("cls_token")
+        self.cls = ids.get("cls_token") if ids.get("cls_token") is not None else ids.get("bos_token")
+        self.sep = ids.get("sep_token") if ids.get("sep_token") is not None else ids.get("eos_token")
+        self.pad = ids.get("pad_token")
+        self.mask = ids.get("mask_token")
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self._fast = _AsciiByteLevel.for_tokenizer(self._tok, file)
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_batch([text])[0]
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        if self._fast is None:
+            return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
+        out: list = [self._fast.encode(t) for t in texts]
+        rest = [i for i, ids in enumerate(out) if ids is None]
+        if rest:
+            for i, e in zip(rest, self._tok.encode_batch_fast([texts[i] for i in rest], add_special_tokens=False)):
+                out[i] = e.ids
+        return out
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table used by byte-level BPE vocabularies."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+class _AsciiByteLevel:
+    """Same ids as the Rust pipeline, several times faster, for ASCII text and a plain GPT-2-style
+    byte-level BPE (no normalizer, ByteLevel pre-tokenizer with its default regex and no prefix
+    space). Rust's pre-tokenizer regex is the slow part there; on ASCII its classes are exact
+    ASCII sets (letters, digits, the six ASCII white-space characters), so Python's ``re``
+    splits identically, and each distinct word goes through the Rust BPE model once (cached).
+    Texts that are not ASCII or that contain an added token return None: the caller uses Rust."""
+
+    _WS = r"\t\n\x0b\x0c\r "
+    PATTERN = (rf"'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^{_WS}A-Za-z0-9]+"
+               rf"|[{_WS}]+(?![^{_WS}])|[{_WS}]+")
+    MAX_CACHE = 1 << 20  # distinct words kept; the cache is cleared when it grows past this
+
+    def __init__(self, rust_tokenizer) -> None:
+        import re
+
+        self._tok = rust_tokenizer
+        self._split = re.compile(self.PATTERN).findall
+        self._to_unicode = str.maketrans({chr(b): c for b, c in _bytes_to_unicode().items() if b < 128})
+        self._added = [t.content for t in rust_tokenizer.get_added_tokens_decoder().values()]
+        self._cache: dict[str, list[int]] = {}
+
+    @classmethod
+    def for_tokenizer(cls, rust_tokenizer, file: Path) -> "Optional[_AsciiByteLevel]":
+        if os.environ.get("MEGACLI_NO_FAST_BPE"):
+            return None
+        try:
+            config = json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        pre, model = config.get("pre_tokenizer") or {}, config.get("model") or {}
+        plain = (config.get("normalizer") is None
+                 and pre.get("type") == "ByteLevel" and pre.get("add_prefix_space") is False
+                 and pre.get("use_regex", True) is True
+                 and model.get("type") == "BPE" and model.get("dropout") is None)
+        return cls(rust_tokenizer) if plain else None
+
+    def encode(self, text: str) -> Optional[list[int]]:
+        if not text.isascii() or any(a in text for a in self._added):
+            return None
+        words = self._split(text)
+        cache = self._cache
+        try:
+            return list(chain.from_iterable(map(cache.__getitem__, words)))
+        except KeyError:
+            if len(cache) > self.MAX_CACHE:
+                cache.clear()
+            model = self._tok.model
+            for w in words:
+                if w not in cache:
+                    cache[w] = [t.id for t in model.tokenize(w.translate(self._to_unicode))]
+            return list(chain.from_iterable(map(cache.__getitem__, words)))
+
+    def __getstate__(self):
+        return {"tok": self._tok}
+
+    def __setstate__(self, state) -> None:
+        self.__init__(state["tok"])
+
+
+def _special_tokens(config_dir: Path) -> dict[str, Optional[str]]:
+    """eos/bos/... token strings, tokenizer_config.json first, then special_tokens_map.json."""
+    names = ("eos_token", "bos_token", "sep_token", "cls_token", "pad_token", "mask_token", "unk_token")
+    found: dict[str, Optional[str]] = {n: None for n in names}
+    for fname in ("special_tokens_map.json", "tokenizer_config.json"):
+        f = config_dir / fname
+        if not f.is_file():
+            continue
+        try:
+            data = json.loads(f.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise UserError(f"cannot read {f}: {exc}") from None
+        for n in names:
+            if _token_content(data.get(n)) is not None:
+                found[n] = _token_content(data.get(n))
+    return found
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece ``.model``: ``encode_as_ids`` ids, eod = eos piece, bos = bos piece."""
+
+    def __init__(self, path: str) -> None:
+        import sentencepiece
+
+        if not Path(path).is_file():
+            raise UserError(f"tokenizer.path = {path!r}: no such SentencePiece model file")
+        self._sp = sentencepiece.SentencePieceProcessor()
+        try:
+            self._sp.Load(str(path))
+        except Exception as exc:
+            raise UserError(f"tokenizer.path = {path!r}: not a SentencePiece model ({exc})") from None
+        self.name = str(path)
+
+        def opt(i: int) -> Optional[int]:
+            return i if i >= 0 else None
+
+        eos = opt(self._sp.eos_id())
+        if eos is None:
+            raise UserError(f"SentencePiece model {path!r} has no eos piece to end documents with")
+        self.eod = eos
+        self.bos = opt(self._sp.bos_id())
+        self.pad = opt(self._sp.pad_id())
+        self.vocab_size = self._sp.get_piece_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode_as_ids(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self._sp.encode(texts, out_type=int, num_threads=1)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._sp.decode_ids([int(i) for i in ids])
+
+
+class WordPieceTokenizer(Tokenizer):
+    """BERT WordPiece from a vocab.txt, tokenizing as Megatron-LM's legacy BertWordPiece tokenizers
+    (the original BERT basic + wordpiece tokenizer, here run by the Rust implementation)."""
+
+    def __init__(self, path: str, lower_case: Optional[bool] = None) -> None:
+        from tokenizers import Tokenizer as RustTokenizer
+        from tokenizers import decoders, models, normalizers, pre_tokenizers
+
+        file = Path(path)
+        if file.is_dir():
+            file = file / "vocab.txt"
+        if not file.is_file():
+            raise UserError(f"tokenizer.path = {path!r}: no WordPiece vocab.txt there")
+        vocab: dict[str, int] = {}
+        # As BERT's load_vocab: one token a line, stripped; a repeated token keeps its last line.
+        with open(file, encoding="utf-8") as f:
+            for index, line in enumerate(f):
+                vocab[line.strip()] = index
+        if "[UNK]" not in vocab:
+            raise UserError(f"WordPiece vocab {file} has no [UNK] token")
+        if lower_case is None:
+            lower_case = not any(any(c.isupper() for c in tok) for tok in vocab
+                                 if not (tok.startswith("[") and tok.endswith("]")))
+        self.lower_case = lower_case
+        self.name = f"{file} ({'lower' if lower_case else 'cased'})"
+        # Megatron counts len(vocab) (a dict), then appends [BOS] and [EOS] when they are missing.
+        size = len(vocab)
+        self._extra: dict[int, str] = {}
+        full = dict(vocab)
+        for tok in ("[BOS]", "[EOS]"):
+            if tok not in full:
+                full[tok] = size
+                self._extra[size] = tok
+                size += 1
+        self.vocab_size = size
+        self.bos, self.eod = full["[BOS]"], full["[EOS]"]
+        self.cls, self.sep = vocab.get("[CLS]"), vocab.get("[SEP]")
+        self.pad, self.mask = vocab.get("[PAD]"), vocab.get("[MASK]")
+
+        self._tok = RustTokenizer(models.WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=200))
+        self._tok.normalizer = normalizers.BertNormalizer(
+            clean_text=True, handle_chinese_chars=True, strip_accents=lower_case, lowercase=lower_case)
+        self._tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        self._decoder = decoders.WordPiece()
+        self._id_to_token = {i: t for t, i in full.items()}
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._decoder.decode([self._id_to_token.get(int(i), "[UNK]") for i in ids])
+
+
+def load_tokenizer(*, type: str, path: str | None, vocab_size: int | None = None) -> Tokenizer:
+    """Build the tokenizer a ``tokenizer:`` recipe section names (``vocab_size`` only for null)."""
+    if type == "byte":
+        return ByteTokenizer()
+    if type == "null":
+        if not vocab_size:
+            raise UserError("the null tokenizer needs a vocabulary size (model.vocab_size)")
+        return NullTokenizer(vocab_size)
+    if type not in TOKENIZER_TYPES:
+        raise UserError(f"tokenizer.type = {type!r}: expected one of {', '.join(TOKENIZER_TYPES)}")
+    if not path:
+        raise UserError(f"tokenizer type {type!r} needs tokenizer.path")
+    path = os.path.expanduser(str(path))
+    if not os.path.exists(path):
+        raise UserError(f"tokenizer.path = {path!r}: no such file or directory")
+    if type == "huggingface":
+        return HuggingFaceTokenizer(path)
+    if type == "sentencepiece":
+        return SentencePieceTokenizer(path)
+    return WordPieceTokenizer(path)
+
+
+def guess_tokenizer_type(spec: str) -> tuple[str, Optional[str]]:
+    """``--tokenizer`` one-off value -> (type, path): ``byte``, a HF directory or tokenizer.json,
+    a SentencePiece ``.model`` or a WordPiece ``.txt`` vocabulary."""
+    if spec in ("byte", "null"):
+        return spec, None
+    p = Path(spec)
+    if p.is_dir():
+        if (p / "tokenizer.json").is_file():
+            return "huggingface", spec
+        if (p / "vocab.txt").is_file():
+            return "wordpiece", spec
+        models = sorted(p.glob("*.model"))
+        if len(models) == 1:
+            return "sentencepiece", str(models[0])
+        return "huggingface", spec
+    if p.suffix == ".model":
+        return "sentencepiece", spec
+    if p.suffix == ".txt":
+        return "wordpiece", spec
+    return "huggingface", spec
+
+
+def describe_specials(tok: Tokenizer) -> str:
+    parts = [f"{name}={getattr(tok, name)}" for name in ("eod", "bos", "pad", "cls", "sep", "mask")
+             if getattr(tok, name, None) is not None]
+    return ", ".join(parts)
+
+
+__all__: Sequence[str] = ("Tokenizer", "load_tokenizer", "guess_tokenizer_type", "TOKENIZER_TYPES")
