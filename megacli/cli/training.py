@@ -53,5 +53,5 @@ def check_inputs(recipe) -> None:
             raise UserError(f"data prefix {prefix!r}: missing {' and '.join(missing)} "
                             f"(build it with `megacli preprocess`; the prefix is the path without .bin/.idx)")
     tok = recipe.tokenizer
-    if tok.path and not Path(tok.path).exists():
+    if tok.type in ("huggingface", "sentencepiece", "wordpiece") and not Path(tok.path).exists():
         raise UserError(f"tokenizer.path {tok.path!r} does not exist")

@@ -140,6 +140,9 @@ def save(*, ckpt_dir: str | Path, iteration: int, consumed_samples: int, chunks,
     dist.barrier()
     state = _sharded_state(chunks, optimizer, scheduler, loading=False, with_optimizer=True, with_rng=True)
     dist_checkpointing.save(state, str(tmp))
+    if os.environ.get("MEGACLI_TEST_CRASH_IN_SAVE") == str(iteration):
+        # Fault injection for the atomic-save test: fail after the shards are written, before publishing.
+        raise RuntimeError(f"injected crash while saving iteration {iteration}")
     dist.barrier()
     if rank == 0:
         (tmp / "recipe.yaml").write_text(recipe_yaml)

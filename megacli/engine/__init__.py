@@ -1,0 +1,1 @@
+"""The engine: distributed setup, model builder, data, one training loop, checkpoints."""
