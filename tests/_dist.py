@@ -6,10 +6,12 @@ launcher (`megacli pretrain` with launch.nproc) instead.
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import traceback
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -26,7 +28,10 @@ def _entry(rank, world_size, port, fn, args, queue):
 
     torch.set_num_threads(1)
     try:
-        queue.put((rank, "ok", fn(rank, world_size, *args)))
+        # torch.save to bytes: tensors sent through a Queue would share memory with a process about to exit.
+        buf = io.BytesIO()
+        torch.save(fn(rank, world_size, *args), buf)
+        queue.put((rank, "ok", buf.getvalue()))
     except BaseException:  # report to the parent, which fails the test with this traceback
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -53,7 +58,7 @@ def spawn(fn, world_size: int, *args, timeout: float = 600) -> list:
             if status == "error":
                 errors.append(f"rank {rank}:\n{payload}")
                 break
-            results[rank] = payload
+            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
     finally:
         for p in procs:
             p.join(timeout=5 if errors else 60)

@@ -194,6 +194,9 @@ def _train(recipe, runtime) -> None:
             f"{recipe.num_microbatches} micro-batches/step | {describe_kernels(runtime)}")
     if source is not None:
         log.say(f"resumed from {source} at iteration {start_iter}")
+        if start_iter >= t.iters:
+            log.say(f"nothing to train: the checkpoint is at iteration {start_iter} and train.iters = {t.iters} "
+                    f"(raise train.iters, or set checkpoint.resume: none to start over)")
 
     recipe_yaml = dump(recipe)
     iterators = data_iterators(trainer, trainer.train_data, start_sample=consumed)

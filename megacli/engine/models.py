@@ -32,6 +32,11 @@ def params_dtype(precision: str) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
+def _drawn_later(tensor):
+    """Init method placeholder: init_weights draws every weight by name after the model is built."""
+    return tensor
+
+
 def transformer_config(*, model, parallel, precision: str, on_cuda: bool, **overrides):
     """The TransformerConfig for a recipe. Fusions that need CUDA kernels are on only on CUDA."""
     from megatron.core.transformer import TransformerConfig
@@ -69,9 +74,14 @@ def transformer_config(*, model, parallel, precision: str, on_cuda: bool, **over
         recompute_granularity=recompute,
         recompute_method="uniform" if recompute == "full" else None,
         recompute_num_layers=parallel.recompute_num_layers if recompute == "full" else None,
-        # Weights are drawn by name on the CPU (see init_weights), the same in every layout.
-        use_cpu_initialization=True,
-        perform_initialization=False,
+        # Weights are drawn by name (see init_weights), the same in every layout. Megatron's own init
+        # must still run: it is what marks weights tensor_model_parallel (used by grad clipping and
+        # checkpointing), so it runs with a no-op init method on the device.
+        use_cpu_initialization=False,
+        perform_initialization=True,
+        init_method=_drawn_later,
+        output_layer_init_method=_drawn_later,
+        embedding_init_method=_drawn_later,
         # Loss is summed per token and normalised by the global token count (exact across DP/PP).
         calculate_per_token_loss=True,
         apply_query_key_layer_scaling=False,
