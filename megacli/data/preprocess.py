@@ -72,8 +72,10 @@ _worker: dict = {}
 
 def _init_worker(tokenizer: Tokenizer, options: Options, quiet_signals: bool) -> None:
     if quiet_signals:
-        # Ctrl-C is the parent's to handle; workers are terminated by it.
+        # Ctrl-C is the parent's to handle; workers are terminated by it (SIGTERM, default action:
+        # the parent's SIGTERM handler, inherited through fork, must not run here).
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _worker["tokenizer"] = tokenizer
     _worker["options"] = options
