@@ -75,9 +75,9 @@ def run_command(
     stats = result.stats
     if stats.skipped:
         err = Console(stderr=True, highlight=False)
-        err.print(f"[yellow]skipped {stats.skipped:,} bad record(s)[/], for example:")
+        err.print(f"[yellow]skipped {stats.skipped:,} bad record(s)[/], for example:", soft_wrap=True)
         for line in stats.skipped_examples:
-            err.print(f"  {line}", markup=False)
+            err.print(f"  {line}", markup=False, soft_wrap=True)
 
 
 @preprocess_app.command("merge", help="Concatenate indexed datasets (same dtype), in the order given, into one.")
@@ -94,7 +94,7 @@ def merge_command(
     writer = indexed.merge(prefixes, indexed.strip_suffix(output))
     Console(highlight=False).print(
         f"merged {len(prefixes)} dataset(s) into {writer.prefix}.bin/.idx: {writer.documents:,} documents, "
-        f"{writer.sequences:,} sequences, {writer.tokens:,} tokens ({writer.dtype.name})")
+        f"{writer.sequences:,} sequences, {writer.tokens:,} tokens ({writer.dtype.name})", soft_wrap=True)
 
 
 @preprocess_app.command("inspect", help="Show an indexed dataset: counts, dtype, length histogram, first documents.")
