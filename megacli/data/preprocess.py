@@ -239,6 +239,7 @@ def _run_partitioned(sources, outputs, tokenizer, options, job, workers, stats, 
         stamp = Path(next(iter(parts.values())) + ".done")
         if stamp.is_file() and stamp.read_text() == fingerprint and all(indexed.exists(p) for p in parts.values()):
             progress.advance(sum(s.size for s in group))
+            stats.bytes_in += sum(s.size for s in group)
             first = indexed.read_index(next(iter(parts.values())))
             stats.documents += first.document_count
             for p in parts.values():
