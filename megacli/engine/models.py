@@ -92,6 +92,12 @@ def transformer_config(*, model, parallel, precision: str, on_cuda: bool, **over
         persist_layer_norm=False,
         apply_rope_fusion=False,
         deallocate_pipeline_outputs=True,
+        # Batched p2p puts both directions to the same peer on one communicator. With PP=2 and
+        # interleaving, prev == next and sends get paired with the wrong receives (measured on gloo;
+        # Megatron-LM forbids it on CUDA too). The unbatched path uses two communicators for size-2
+        # pipeline groups; on CUDA the interleaved schedule also overlaps p2p with compute.
+        batch_p2p_comm=on_cuda and not parallel.virtual_pipeline,
+        overlap_p2p_comm=on_cuda and bool(parallel.virtual_pipeline),
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)

@@ -269,8 +269,6 @@ class CheckpointSection(Section):
     """auto (continue from dir's latest if any), none (start fresh), or a checkpoint path to load."""
     load_optimizer: bool = True
     """Restore optimizer and scheduler state when resuming (off for finetuning from pretrained weights)."""
-    async_save: bool = False
-    """Write checkpoints in a background process (torch_dist)."""
     keep_last: Optional[PositiveInt] = None
     """Delete older iterations, keeping this many (null = keep all)."""
 
