@@ -9,8 +9,20 @@ import typer.core
 # Plain click help: rich-formatted help costs ~0.2 s of imports, and --help must be instant.
 typer.core.HAS_RICH = False
 
+ORDER = ["preprocess", "pretrain", "finetune", "generate", "convert", "reshard"]
+
+
+class OrderedGroup(typer.core.TyperGroup):
+    """Lists subcommands in pipeline order (data → train → use → move), not alphabetically."""
+
+    def list_commands(self, ctx):
+        names = super().list_commands(ctx)
+        return sorted(names, key=lambda n: ORDER.index(n) if n in ORDER else len(ORDER))
+
+
 app = typer.Typer(
     name="megacli",
+    cls=OrderedGroup,
     help="Megatron-Core pretraining behind a clean command line. Each subcommand reads a YAML recipe (plus --set overrides).",
     no_args_is_help=True,
     add_completion=False,
@@ -20,7 +32,6 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    # Registration order is the order `megacli --help` lists them in.
     import megacli.cli.preprocess  # noqa: F401
     import megacli.cli.pretrain  # noqa: F401
     import megacli.cli.finetune  # noqa: F401

@@ -24,6 +24,22 @@ def peak_flops(device: torch.device) -> float | None:
     return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
 
 
+def loss_metrics(reports: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """A step's losses from the schedule's reports (key -> (sum, count) over micro-batches and
+    data-parallel ranks): each key becomes a metric name ("lm loss" -> "lm_loss") holding sum / count,
+    and "loss" is their sum - what was optimised (GPT/T5: "lm loss"; BERT: "lm loss" + "sop loss").
+    With a single key only "loss" is given. No reports (not the last pipeline stage): loss is nan."""
+    means = {k.replace(" ", "_"): (s / n if n else float("nan")) for k, (s, n) in reports.items()}
+    out = {"loss": sum(means.values()) if means else float("nan")}
+    if len(means) > 1:
+        out.update(means)
+    return out
+
+
+def _describe_losses(losses: dict | None) -> str:
+    return "".join(f" | {k} {v:.4f}" for k, v in (losses or {}).items())
+
+
 def memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1024**3
@@ -72,12 +88,13 @@ class MetricsLog:
                     self.writer.add_scalar(k, v, step)
 
     def step(self, *, iteration: int, loss: float, lr: float, grad_norm: float | None, seconds_per_step: float,
-             loss_scale: float | None = None, extra: dict | None = None) -> None:
+             loss_scale: float | None = None, extra: dict | None = None, losses: dict | None = None) -> None:
+        """One logged step; ``losses``: the loss terms besides ``loss`` (see loss_metrics)."""
         if not self.enabled:
             return
         tokens_per_s = self.tokens_per_step / seconds_per_step
         tflops = self.flops_per_step / seconds_per_step / self.world_size / 1e12  # per device
-        record = {"iteration": iteration, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+        record = {"iteration": iteration, "loss": loss, **(losses or {}), "lr": lr, "grad_norm": grad_norm,
                   "tokens_per_s": tokens_per_s, "step_time_s": seconds_per_step, "tflops_per_device": tflops,
                   "memory_gib": memory_gib(self.device)}
         if self.peak:
@@ -88,20 +105,22 @@ class MetricsLog:
         self._write(record)
         gn = f"{grad_norm:.3f}" if grad_norm is not None else "-"
         mfu = f" | MFU {record['mfu'] * 100:.1f}%" if "mfu" in record else ""
-        self.console.print(f"iter {iteration:>6} | loss {loss:.4f} | lr {lr:.3e} | grad norm {gn} | "
-                           f"{tokens_per_s:,.0f} tok/s | {tflops:.2f} TFLOP/s{mfu} | mem {record['memory_gib']:.2f} GiB")
+        self.console.print(f"iter {iteration:>6} | loss {loss:.4f}{_describe_losses(losses)} | lr {lr:.3e} | grad norm {gn} | "
+                           f"{tokens_per_s:,.0f} tok/s | {tflops:.3g} TFLOP/s{mfu} | mem {record['memory_gib']:.2f} GiB")
         self.progress.update(self.task, completed=iteration, loss=f"loss {loss:.4f}")
 
     def advance(self, iteration: int) -> None:
         if self.enabled:
             self.progress.update(self.task, completed=iteration)
 
-    def evaluation(self, *, iteration: int, val_loss: float) -> None:
+    def evaluation(self, *, iteration: int, val_loss: float, losses: dict | None = None) -> None:
         if not self.enabled:
             return
-        ppl = math.exp(min(val_loss, 50.0))
-        self._write({"iteration": iteration, "val_loss": val_loss, "val_ppl": ppl})
-        self.console.print(f"[bold]validation[/] iter {iteration} | loss {val_loss:.4f} | perplexity {ppl:.2f}")
+        ppl = math.exp(min((losses or {}).get("lm_loss", val_loss), 50.0))  # of the language-model term
+        self._write({"iteration": iteration, "val_loss": val_loss, **{f"val_{k}": v for k, v in (losses or {}).items()},
+                     "val_ppl": ppl})
+        self.console.print(f"[bold]validation[/] iter {iteration} | loss {val_loss:.4f}{_describe_losses(losses)} | "
+                           f"perplexity {ppl:.2f}")
 
     def close(self) -> None:
         if self.progress is not None:

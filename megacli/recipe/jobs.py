@@ -12,6 +12,10 @@ def recipe_model(job: str):
         from megacli.recipe.pretrain import TrainingRecipe
 
         return TrainingRecipe
+    if job == "preprocess":
+        from megacli.recipe.preprocess import PreprocessRecipe
+
+        return PreprocessRecipe
     raise ValueError(f"unknown job {job!r}")
 
 
