@@ -177,6 +177,15 @@ def test_workers_and_partitions_do_not_change_the_bytes(tmp_path, corpus, hf_dir
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("b_")) == ["b_text_document.bin", "b_text_document.idx"]
 
 
+def test_every_recipe_field_is_documented():
+    from megacli.recipe.preprocess import PreprocessRecipe, PreprocessSection
+    from megacli.recipe.sections import TokenizerSection
+
+    for section in (PreprocessRecipe, PreprocessSection, TokenizerSection):
+        for name, field in section.model_fields.items():
+            assert field.description, f"{section.__name__}.{name} has no description"
+
+
 # ---- tokenizers ----
 def test_byte_tokenizer_round_trip():
     tok = load_tokenizer(type="byte", path=None)
@@ -405,3 +414,24 @@ def test_cli_errors_are_one_message_exit_2(tmp_path):
     assert out.returncode == 2 and "missing.jsonl" in out.stderr and "Traceback" not in out.stderr
     out = megacli("preprocess", "inspect", tmp_path / "nothing")
     assert out.returncode == 2 and "nothing" in out.stderr
+
+
+def test_ctrl_c_removes_partial_files(tmp_path, hf_dir):
+    import signal
+    import time
+
+    big = write_jsonl(tmp_path / "big.jsonl", make_corpus(6000, seed=2))
+    proc = subprocess.Popen([sys.executable, "-m", "megacli", "preprocess", "--input", str(big), "--output-prefix",
+                             str(tmp_path / "out"), "--tokenizer", str(hf_dir), "--workers", "2", "--no-progress"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not list(tmp_path.glob("out*.partial")) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    if proc.poll() is not None:
+        pytest.skip("the run finished before it could be interrupted")
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    if proc.returncode == 0:
+        pytest.skip("the run finished before the signal arrived")
+    assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err
+    assert [p.name for p in tmp_path.iterdir()] == ["big.jsonl"]

@@ -76,6 +76,8 @@ def _init_worker(tokenizer: Tokenizer, options: Options, quiet_signals: bool) ->
         # the parent's SIGTERM handler, inherited through fork, must not run here).
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if hasattr(signal, "pthread_sigmask"):
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _worker["tokenizer"] = tokenizer
     _worker["options"] = options
@@ -186,6 +188,7 @@ class Result:
     bytes_out: int
     dtype: np.dtype
     notes: list[str]
+    tokenizer: str = ""
 
 
 def run(job: Job, console=None) -> Result:
@@ -225,7 +228,7 @@ def run(job: Job, console=None) -> Result:
             _run_partitioned(sources, outputs, tokenizer, options, job, workers, stats, progress)
     seconds = time.perf_counter() - start
     bytes_out = sum(os.path.getsize(indexed.bin_path(p)) + os.path.getsize(indexed.idx_path(p)) for p in outputs.values())
-    return Result(outputs, stats, seconds, bytes_out, dtype, notes)
+    return Result(outputs, stats, seconds, bytes_out, dtype, notes, f"{tokenizer.name} ({tokenizer.vocab_size:,} ids)")
 
 
 def _run_partitioned(sources, outputs, tokenizer, options, job, workers, stats, progress) -> None:
@@ -273,9 +276,10 @@ def _chunks(sources, job: Job) -> Iterator[readers.Chunk]:
 def _run_sources(sources, prefixes: dict[str, str], tokenizer, options: Options, job: Job, workers: int,
                  stats: Stats, progress: "_Progress") -> None:
     with ExitStack() as stack:
-        writers = {key: stack.enter_context(indexed.IndexedDatasetWriter(prefix, np.dtype(options.dtype)))
-                   for key, prefix in prefixes.items()}
-        stack.enter_context(_terminate_as_interrupt())
+        with _signals_held():  # no Ctrl-C between creating a partial file and owning its cleanup
+            writers = {key: stack.enter_context(indexed.IndexedDatasetWriter(prefix, np.dtype(options.dtype)))
+                       for key, prefix in prefixes.items()}
+            stack.enter_context(_terminate_as_interrupt())
         for encoded in _encoded(sources, tokenizer, options, job, workers, stack):
             _check_errors(encoded, job, stats)
             for key, (tokens, lengths, per_doc) in encoded.arrays.items():
@@ -301,9 +305,11 @@ def _encoded(sources, tokenizer, options, job: Job, workers: int, stack: ExitSta
     import multiprocessing as mp
 
     ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-    pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer, options, True))
-    stack.callback(pool.join)
-    stack.callback(pool.terminate)
+    # A Ctrl-C while the pool starts would orphan its workers (and hang the exit).
+    with _signals_held():
+        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer, options, True))
+        stack.callback(pool.join)
+        stack.callback(pool.terminate)
     pending: deque = deque()
     for chunk in chunks:
         pending.append(pool.apply_async(encode_chunk, (chunk,)))
@@ -325,6 +331,20 @@ def _check_errors(encoded: Encoded, job: Job, stats: Stats) -> None:
     stats.skipped += len(encoded.errors)
     for line, message in encoded.errors[: max(0, 5 - len(stats.skipped_examples))]:
         stats.skipped_examples.append(f"{readers.location(encoded.source, line)}: {message}")
+
+
+class _signals_held:
+    """Defer SIGINT/SIGTERM (delivered on exit) around setup steps that must not be cut in two."""
+
+    def __enter__(self):
+        self._held = None
+        if hasattr(signal, "pthread_sigmask"):
+            self._held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        return self
+
+    def __exit__(self, *exc):
+        if self._held is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, self._held)
 
 
 class _terminate_as_interrupt:
@@ -400,6 +420,7 @@ def summary_table(result: Result):
     table = Table(title="preprocess summary", show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column(justify="right")
+    table.add_row("tokenizer", result.tokenizer)
     table.add_row("documents", f"{s.documents:,}")
     if s.sequences != s.documents:
         table.add_row("sequences", f"{s.sequences:,}")

@@ -12,6 +12,7 @@ from megacli.recipe.sections import (
     CheckpointSection,
     DataSection,
     LaunchSection,
+    MaskingSection,
     ModelSection,
     OptimSection,
     ParallelSection,
@@ -34,6 +35,8 @@ class TrainingRecipe(Section):
     """Tokenizer used to build the data (its vocabulary sizes the embedding)."""
     data: DataSection = DataSection(mock=True)
     """Training data."""
+    masking: MaskingSection = MaskingSection()
+    """bert/t5: how samples are masked."""
     train: TrainSection = TrainSection()
     """Batch sizes, steps, precision, evaluation and logging."""
     optim: OptimSection = OptimSection()
@@ -133,6 +136,8 @@ class TrainingRecipe(Section):
         if self.optim.warmup_iters > (self.optim.decay_iters or t.iters):
             raise RecipeError("optim.warmup_iters", self.optim.warmup_iters,
                               f"is longer than the decay horizon ({self.optim.decay_iters or t.iters} steps)")
+        if m.arch in ("bert", "t5"):
+            self._check_bert_t5()
         if m.moe is not None and p.expert > 1 and m.moe.get("num_experts", 0) % p.expert:
             raise RecipeError("parallel.expert", p.expert, f"must divide model.moe.num_experts = {m.moe.get('num_experts')}")
         if p.expert > 1 and dp % p.expert:
@@ -142,3 +147,45 @@ class TrainingRecipe(Section):
 
 def _largest_divisor(n: int, below: int) -> int:
     return max(d for d in range(1, below + 1) if n % d == 0)
+    def _check_bert_t5(self) -> None:
+        """What Megatron-Core 0.16.1's BertModel/T5Model and their masked datasets support."""
+        m, p, arch = self.model, self.parallel, self.model.arch
+        if self.data.mock:
+            raise RecipeError("data.mock", True, f"{arch} trains on sentence-split indexed data (Megatron's masked "
+                              "WordPiece datasets have no mock variant): build it with `megacli preprocess "
+                              "--split-sentences` and set data.path to the PREFIX_text_sentence dataset")
+        if self.tokenizer.type == "null":
+            raise RecipeError("tokenizer.type", "null", f"{arch} masking needs a tokenizer with special tokens "
+                              "(a WordPiece vocab, a Hugging Face tokenizer with them, sentencepiece or byte)")
+        if p.context > 1:
+            raise RecipeError("parallel.context", p.context, f"context parallelism is for gpt; {arch} supports "
+                              "tensor, pipeline (bert), sequence and data parallelism")
+        positions = {"bert": ("learned", "rope"), "t5": ("learned", "rope", "relative")}[arch]
+        if m.position_embedding not in positions:
+            raise RecipeError("model.position_embedding", m.position_embedding,
+                              f"Megatron-Core's {arch} supports {', '.join(positions)}")
+        if arch == "bert":
+            return
+        if p.pipeline > 1:
+            raise RecipeError("parallel.pipeline", p.pipeline,
+                              "Megatron-Core 0.16.1 cannot pipeline T5: its schedules pass one activation between "
+                              "stages and no longer split encoder and decoder stages (pipeline_model_parallel_split_rank "
+                              "is gone; Megatron-LM's pretrain_t5.py refuses PP > 1 too). Use parallel.pipeline: 1 with "
+                              "tensor, sequence and data parallelism")
+        dec = m.dec_seq_length
+        if m.position_embedding == "learned" and m.max_positions < dec:
+            raise RecipeError("model.max_position_embeddings", m.max_position_embeddings,
+                              f"is smaller than the decoder length model.decoder_seq_length = {dec}")
+        if p.sequence_parallel and dec % p.tensor:
+            raise RecipeError("model.decoder_seq_length", dec,
+                              f"must be divisible by parallel.tensor = {p.tensor} for sequence parallelism")
+        most = self.masking.max_masked(m.seq_length, arch)
+        if dec < most + 2:
+            raise RecipeError("model.decoder_seq_length", dec,
+                              f"cannot hold a sample's targets: <bos>, up to {most} masked tokens (masking.probability "
+                              f"{self.masking.probability} × (seq_length {m.seq_length} - 2)) and a sentinel per span "
+                              f"need at least {most + 2}, up to {2 * most + 1} when every span is one token")
+        if self.masking.sentinel_tokens < most:
+            raise RecipeError("masking.sentinel_tokens", self.masking.sentinel_tokens,
+                              f"a sample can have up to {most} masked spans, each needing its own sentinel")
+
