@@ -402,18 +402,30 @@ def test_cli_one_off_recipe_merge_and_inspect(tmp_path, corpus, hf_dir):
 
 
 def test_cli_errors_are_one_message_exit_2(tmp_path):
+    from typer.testing import CliRunner
+
+    from megacli.cli import _register, app
+
+    _register()
+    runner = CliRunner()
+
+    def cli(*args):
+        return runner.invoke(app, [str(a) for a in args])
+
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\nnot json\n', encoding="utf-8")
-    out = megacli("preprocess", "--input", bad, "--output-prefix", tmp_path / "o", "--tokenizer", "byte")
-    assert out.returncode == 2 and f"{bad}:2" in out.stderr and "Traceback" not in out.stderr
-    out = megacli("preprocess", "--input", bad, "--output-prefix", tmp_path / "o", "--skip-bad-records")
-    assert out.returncode == 0 and "skipped 1 bad record" in out.stderr
-    out = megacli("preprocess", "--input", bad, "--output-prefix", tmp_path / "o", "--keep-newlines")
-    assert out.returncode == 2 and "keep_newlines" in out.stderr
-    out = megacli("preprocess", "--input", tmp_path / "missing.jsonl", "--output-prefix", tmp_path / "o")
-    assert out.returncode == 2 and "missing.jsonl" in out.stderr and "Traceback" not in out.stderr
-    out = megacli("preprocess", "inspect", tmp_path / "nothing")
-    assert out.returncode == 2 and "nothing" in out.stderr
+    out = cli("preprocess", "--input", bad, "--output-prefix", tmp_path / "o", "--tokenizer", "byte", "--workers", "0")
+    assert out.exit_code == 2 and f"{bad}:2" in out.stderr and "Traceback" not in out.output
+    out = cli("preprocess", "--input", bad, "--output-prefix", tmp_path / "o", "--skip-bad-records", "--workers", "0")
+    assert out.exit_code == 0 and "skipped 1 bad record" in out.stderr
+    out = cli("preprocess", "--input", bad, "--output-prefix", tmp_path / "o", "--keep-newlines")
+    assert out.exit_code == 2 and "keep_newlines" in out.stderr
+    out = cli("preprocess", "--input", tmp_path / "missing.jsonl", "--output-prefix", tmp_path / "o")
+    assert out.exit_code == 2 and "missing.jsonl" in out.stderr
+    out = cli("preprocess")
+    assert out.exit_code == 2 and "--input" in out.stderr
+    out = cli("preprocess", "inspect", tmp_path / "nothing")
+    assert out.exit_code == 2 and "nothing" in out.stderr
 
 
 def test_ctrl_c_removes_partial_files(tmp_path, hf_dir):
