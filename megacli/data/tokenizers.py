@@ -58,6 +58,10 @@ class Tokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         raise NotImplementedError
 
+    def vocabulary(self) -> dict[int, str]:
+        """Every id's token string (BERT/T5 masking reads word pieces and random tokens from it)."""
+        raise NotImplementedError
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} vocab_size={self.vocab_size} eod={self.eod}>"
 
@@ -93,6 +97,11 @@ class ByteTokenizer(Tokenizer):
         out.append(run.decode("utf-8", "replace"))
         return "".join(out)
 
+    def vocabulary(self) -> dict[int, str]:
+        vocab = {i: bytes([i]).decode("latin-1") for i in range(256)}
+        vocab.update({256 + k: tok for k, tok in enumerate(self.SPECIALS)})
+        return vocab
+
 
 class NullTokenizer(Tokenizer):
     """Text that already is ids: ``"5 17 3"`` -> [5, 17, 3]."""
@@ -113,6 +122,9 @@ class NullTokenizer(Tokenizer):
 
     def decode(self, ids: Iterable[int]) -> str:
         return " ".join(str(int(i)) for i in ids)
+
+    def vocabulary(self) -> dict[int, str]:
+        return {**{i: str(i) for i in range(self.eod)}, self.eod: "<eod>"}
 
 
 def _token_content(value) -> Optional[str]:
@@ -171,6 +183,9 @@ class HuggingFaceTokenizer(Tokenizer):
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def vocabulary(self) -> dict[int, str]:
+        return {i: t for t, i in self._tok.get_vocab(with_added_tokens=True).items()}
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -298,6 +313,9 @@ class SentencePieceTokenizer(Tokenizer):
     def decode(self, ids: Iterable[int]) -> str:
         return self._sp.decode_ids([int(i) for i in ids])
 
+    def vocabulary(self) -> dict[int, str]:
+        return {i: self._sp.id_to_piece(i) for i in range(self.vocab_size)}
+
 
 class WordPieceTokenizer(Tokenizer):
     """BERT WordPiece from a vocab.txt, tokenizing as Megatron-LM's legacy BertWordPiece tokenizers
@@ -353,6 +371,9 @@ class WordPieceTokenizer(Tokenizer):
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._decoder.decode([self._id_to_token.get(int(i), "[UNK]") for i in ids])
+
+    def vocabulary(self) -> dict[int, str]:
+        return dict(self._id_to_token)
 
 
 def load_tokenizer(*, type: str, path: str | None, vocab_size: int | None = None) -> Tokenizer:

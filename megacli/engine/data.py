@@ -73,6 +73,147 @@ def build_gpt_datasets(*, data, seq_length: int, seed: int, tokenizer, train_sam
     return Splits(train, valid, test)
 
 
+# ---------------------------------------------------------------- BERT and T5 (masked WordPiece datasets)
+
+SENTINEL = "<extra_id_{}>"
+
+
+class MegatronTokenizer:
+    """Our tokenizer as Megatron-Core's BERT/T5 datasets read a tokenizer (Megatron-LM's legacy
+    ``BertWordPiece*`` interface): cls, sep, mask, pad, bos, eos, eod, vocab_size, inv_vocab,
+    additional_special_tokens_ids, unique_identifiers.
+
+    * Sentinels (``sentinels`` > 0, T5): ``<extra_id_0>``, ``<extra_id_1>``, ... - the tokenizer's own
+      when it has them, else appended after its vocabulary, as Megatron-LM's ``vocab_extra_ids``;
+      ``vocab_size`` counts them.
+    * ``inv_vocab`` writes word continuations as WordPiece does (``##piece``), which is what the
+      datasets' whole-word masking looks for: WordPiece vocabularies already do; SentencePiece pieces
+      that do not start a word (no leading ``▁``) get the prefix. Other tokenizers mark no word
+      pieces, so every token is a word of its own there (``whole_word_masking`` says which).
+    * ``pad`` is never 1: Megatron's BERT dataset writes the pad id into its padding mask (1 =
+      token), so a pad id of 1 (or none) is given as -1, Megatron's "no pad token"; the engine
+      reads the mask as ``== 1`` and never looks up a padded position's token type.
+    """
+
+    def __init__(self, tokenizer, *, sentinels: int = 0):
+        self.tokenizer = tokenizer
+        vocab = tokenizer.vocabulary()
+        ids = {t: i for i, t in vocab.items()}
+        size = tokenizer.vocab_size
+        self.additional_special_tokens_ids = []
+        for k in range(sentinels):
+            tok = SENTINEL.format(k)
+            if tok not in ids:
+                ids[tok], vocab[size] = size, tok
+                size += 1
+            self.additional_special_tokens_ids.append(ids[tok])
+        self.vocab_size = size
+        self.whole_word_masking = any(t.startswith("##") for t in vocab.values())
+        from megacli.data.tokenizers import SentencePieceTokenizer
+
+        if not self.whole_word_masking and isinstance(tokenizer, SentencePieceTokenizer):
+            vocab = {i: ("##" + t if _continues_word(t) else t) for i, t in vocab.items()}
+            self.whole_word_masking = True
+        self.inv_vocab = vocab
+        self.vocab = ids
+        self.cls, self.sep, self.mask = tokenizer.cls, tokenizer.sep, tokenizer.mask
+        self.bos, self.eod = tokenizer.bos, tokenizer.eod
+        self.eos = tokenizer.eod
+        self.pad = tokenizer.pad if tokenizer.pad not in (None, 1) else -1
+        self.unique_identifiers = {"class": type(tokenizer).__name__, "name": tokenizer.name,
+                                   "vocab_size": self.vocab_size, "sentinels": sentinels}
+
+    def require(self, arch: str) -> None:
+        """Fail with a message naming what a BERT/T5 dataset needs and this tokenizer lacks."""
+        needed = {"bert": ("cls", "sep", "mask"), "t5": ("bos", "eos")}[arch]
+        missing = [name for name in needed if getattr(self, name) is None]
+        if missing:
+            raise UserError(f"tokenizer {self.tokenizer.name!r} has no {', '.join(missing)} token: {arch} samples need "
+                            f"{', '.join(needed)} (a BERT WordPiece vocab.txt has them: python data_tools/train_wordpiece.py)")
+
+
+def _continues_word(piece: str) -> bool:
+    """A SentencePiece piece inside a word: no word-start marker, not a control/byte piece like <s>."""
+    return not piece.startswith("\u2581") and not (piece.startswith("<") and piece.endswith(">"))
+
+
+def masked_dataset_classes():
+    """Megatron-Core's BERT and T5 datasets, refusing data that cannot give a sample. Megatron's
+    sample mapping (helpers.build_mapping) loops over its epoch budget - billions of epochs - when
+    no document of a split qualifies, so such a split would hang instead of failing."""
+    from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDataset
+    from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDataset
+
+    class BertDataset(BERTMaskedWordPieceDataset):
+        def _build_sample_index(self, sequence_length, min_sentences_per_sample):
+            _check_samples_possible(self, min_sentences_per_sample, "bert")
+            return super()._build_sample_index(sequence_length, min_sentences_per_sample)
+
+    class T5Dataset(T5MaskedWordPieceDataset):
+        def _build_sample_index(self, sequence_length, min_sentences_per_sample):
+            _check_samples_possible(self, min_sentences_per_sample, "t5")
+            return super()._build_sample_index(sequence_length, min_sentences_per_sample)
+
+    return {"bert": BertDataset, "t5": T5Dataset}
+
+
+LONG_SENTENCE = 512  # helpers.cpp LONG_SENTENCE_LEN: documents of several sentences with a longer one are skipped
+
+
+def _check_samples_possible(ds, min_sentences: int, arch: str) -> None:
+    docs = np.asarray(ds.dataset.document_indices)
+    sizes = np.asarray(ds.dataset.sequence_lengths)
+    for doc in np.asarray(ds.indices):
+        first, last = int(docs[doc]), int(docs[doc + 1])
+        n = last - first
+        if n >= min_sentences and (n <= 1 or int(sizes[first:last].max()) <= LONG_SENTENCE):
+            return
+    why = (f"no document of at least {min_sentences} sentences (each at most {LONG_SENTENCE} tokens)"
+           if min_sentences > 1 else "no non-empty document")
+    hint = (" - build sentence-split data with `megacli preprocess --split-sentences` (PREFIX_text_sentence)"
+            if min_sentences > 1 else "")
+    raise UserError(f"{arch} data {ds.dataset_path!r}, {ds.index_split.name} split ({len(ds.indices)} documents): {why}, "
+                    f"so it gives no sample{hint}; or adjust data.split")
+
+
+def build_masked_datasets(*, arch: str, data, masking, seq_length: int, decoder_seq_length: int, binary_head: bool,
+                          seed: int, tokenizer: MegatronTokenizer, train_samples: int, valid_samples: int,
+                          cache_dir: str) -> Splits:
+    """Megatron-Core's BERTMaskedWordPieceDataset (masked LM + sentence order) or
+    T5MaskedWordPieceDataset (span corruption) over sentence-split indexed datasets."""
+    from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDatasetConfig
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDatasetConfig
+
+    tokenizer.require(arch)
+    blend = ([data.path], None) if data.path else ([p for _, p in data.blend], [w for w, _ in data.blend])
+    check_vocabulary(blend[0], tokenizer.tokenizer.vocab_size)
+    common = dict(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=blend,
+        split=data.split,
+        path_to_cache=cache_dir,
+        tokenizer=tokenizer,
+        mmap_bin_files=True,
+        masking_probability=masking.probability,
+        short_sequence_probability=masking.short_sequence_probability,
+        masking_max_ngram=masking.ngram(arch),
+        masking_do_full_word=masking.whole_word,
+        masking_do_permutation=False,
+        masking_use_longer_ngrams=False,
+        masking_use_geometric_distribution=masking.geometric(arch),
+    )
+    if arch == "bert":
+        config = BERTMaskedWordPieceDatasetConfig(classification_head=binary_head, **common)
+    else:
+        config = T5MaskedWordPieceDatasetConfig(sequence_length_decoder=decoder_seq_length, **common)
+    cls = masked_dataset_classes()[arch]
+    train, valid, test = BlendedMegatronDatasetBuilder(cls, [train_samples, valid_samples, 0], is_built_on_rank, config).build()
+    if train is None:
+        raise UserError(f"data.split = {data.split!r} leaves no training documents")
+    return Splits(train, valid, test)
+
 def check_vocabulary(prefixes: list[str], vocab_size: int, sample_docs: int = 2000) -> None:
     """Token ids in the data must fit the tokenizer's vocabulary (catches data built with another
     tokenizer). Reads the first and last documents only, so it is cheap on any corpus."""

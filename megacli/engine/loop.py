@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from megacli.engine import checkpoint, distributed
-from megacli.engine.metrics import MetricsLog, Stopwatch
+from megacli.engine.metrics import MetricsLog, Stopwatch, loss_metrics
 
 
 @dataclass
@@ -52,14 +52,17 @@ def build_trainer(recipe, runtime) -> tuple[Trainer, object]:
     from megacli.engine import data as data_mod
     from megacli.engine.models import build_model, init_weights, transformer_config
     from megacli.engine.optim import build_optimizer, build_scheduler
-    from megacli.engine.steps import gpt_forward_step, load_custom_loss
+    from megacli.engine.steps import forward_step_for, load_custom_loss
 
     m, p, t = recipe.model, recipe.parallel, recipe.train
     tokenizer = load_tokenizer(type=recipe.tokenizer.type, path=recipe.tokenizer.path)
-    vocab = m.vocab_size or tokenizer.vocab_size
+    masked_tokenizer = None
+    if m.arch in ("bert", "t5"):  # Megatron's masked datasets read a Megatron-style tokenizer (T5: plus sentinels)
+        masked_tokenizer = data_mod.MegatronTokenizer(tokenizer, sentinels=recipe.masking.sentinel_tokens if m.arch == "t5" else 0)
+    vocab = m.vocab_size or (masked_tokenizer or tokenizer).vocab_size
     config = transformer_config(model=m, parallel=p, precision=t.precision, on_cuda=runtime.is_cuda)
     chunks = build_model(recipe=recipe, config=config, vocab_size=vocab)
-    init_weights(chunks, seed=t.seed, std=m.init_method_std, num_layers=m.num_layers, gated=config.gated_linear_unit)
+    init_weights(chunks, seed=t.seed, std=m.init_method_std, num_layers=config.num_layers, gated=config.gated_linear_unit)
     chunks = [c.to(runtime.device) for c in chunks]
     if t.precision != "fp32":
         from megatron.core.transformer.module import Float16Module
@@ -89,10 +92,21 @@ def build_trainer(recipe, runtime) -> tuple[Trainer, object]:
 
     train_samples = t.iters * t.global_batch_size
     valid_samples = (t.iters // t.eval_interval + 1) * t.eval_iters * t.global_batch_size if t.eval_interval else 0
-    splits = data_mod.build_gpt_datasets(data=recipe.data, seq_length=m.seq_length, seed=t.seed, tokenizer=tokenizer,
-                                         train_samples=train_samples, valid_samples=valid_samples,
-                                         cache_dir=data_mod.cache_dir_for(recipe.data, recipe.run.dir))
-    forward_step = gpt_forward_step(context_parallel=p.context, custom_loss=load_custom_loss(t.loss, t.loss_kwargs))
+    cache_dir = data_mod.cache_dir_for(recipe.data, recipe.run.dir)
+    if masked_tokenizer is not None:
+        if masked_tokenizer.vocab_size > vocab:
+            from megacli.errors import UserError
+
+            raise UserError(f"model.vocab_size = {vocab} is smaller than the {m.arch} vocabulary "
+                            f"({masked_tokenizer.vocab_size} ids with the sentinel tokens)")
+        splits = data_mod.build_masked_datasets(arch=m.arch, data=recipe.data, masking=recipe.masking, seq_length=m.seq_length,
+                                                decoder_seq_length=m.dec_seq_length, binary_head=m.bert_binary_head,
+                                                seed=t.seed, tokenizer=masked_tokenizer, train_samples=train_samples,
+                                                valid_samples=valid_samples, cache_dir=cache_dir)
+    else:
+        splits = data_mod.build_gpt_datasets(data=recipe.data, seq_length=m.seq_length, seed=t.seed, tokenizer=tokenizer,
+                                             train_samples=train_samples, valid_samples=valid_samples, cache_dir=cache_dir)
+    forward_step = forward_step_for(recipe, custom_loss=load_custom_loss(t.loss, t.loss_kwargs))
     trainer = Trainer(recipe=recipe, runtime=runtime, chunks=chunks, optimizer=optimizer, scheduler=scheduler,
                       forward_step=forward_step, train_data=splits.train, valid_data=splits.valid)
     return trainer, tokenizer
@@ -111,9 +125,10 @@ def data_iterators(trainer: Trainer, dataset, start_sample: int) -> list:
                           device=trainer.runtime.device) for _ in trainer.chunks]
 
 
-def run_schedule(trainer: Trainer, iterators: list, *, forward_only: bool) -> tuple[float, float]:
-    """One global batch through Megatron's pipeline schedule. Returns (loss sum, token count) summed
-    over micro-batches and data-parallel ranks, on the last pipeline stage (zeros elsewhere)."""
+def run_schedule(trainer: Trainer, iterators: list, *, forward_only: bool) -> dict[str, tuple[float, float]]:
+    """One global batch through Megatron's pipeline schedule. Returns each report key's
+    (sum, count) - e.g. "lm loss": (loss sum, token count) - summed over micro-batches and
+    data-parallel ranks, on the last pipeline stage (an empty dict elsewhere)."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -125,43 +140,50 @@ def run_schedule(trainer: Trainer, iterators: list, *, forward_only: bool) -> tu
         model=trainer.chunks if len(trainer.chunks) > 1 else trainer.chunks[0],
         num_microbatches=trainer.num_microbatches,
         seq_length=m.seq_length,
+        decoder_seq_length=m.dec_seq_length if m.arch == "t5" else None,
         micro_batch_size=t.micro_batch_size,
         forward_only=forward_only,
     )
-    total = torch.zeros(2, dtype=torch.float64, device=trainer.runtime.device)
-    if ps.is_pipeline_last_stage(ignore_virtual=True):
-        for r in reports:
-            total += r["lm loss"].to(total)
-        torch.distributed.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
-    return float(total[0]), float(total[1])
+    if not ps.is_pipeline_last_stage(ignore_virtual=True):
+        return {}
+    keys = sorted({k for r in reports for k in r})  # the same on every rank of the last stage
+    total = torch.zeros(len(keys), 2, dtype=torch.float64, device=trainer.runtime.device)
+    for r in reports:
+        for i, k in enumerate(keys):
+            total[i] += r[k].to(total)
+    torch.distributed.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
+    return {k: (float(total[i, 0]), float(total[i, 1])) for i, k in enumerate(keys)}
 
 
-def train_step(trainer: Trainer, iterators: list) -> tuple[float, float | None, bool]:
+def train_step(trainer: Trainer, iterators: list) -> tuple[dict[str, float], float | None, bool]:
+    """One optimizer step. Returns the step's losses ("loss" and, for several report keys, each
+    by its metric name; see metrics.loss_metrics), the gradient norm and whether the step was taken."""
     for chunk in trainer.chunks:
         chunk.zero_grad_buffer()
     trainer.optimizer.zero_grad()
-    loss_sum, tokens = run_schedule(trainer, iterators, forward_only=False)
+    reports = run_schedule(trainer, iterators, forward_only=False)
     ok, grad_norm, _ = trainer.optimizer.step()
     if ok:
         trainer.scheduler.step(increment=1)
-    return (loss_sum / tokens if tokens else float("nan")), grad_norm, ok
+    return loss_metrics(reports), grad_norm, ok
 
 
-def evaluate(trainer: Trainer) -> float | None:
-    """Mean validation loss per token over eval_iters global batches (the same batches every time)."""
+def evaluate(trainer: Trainer) -> dict[str, float] | None:
+    """Validation losses over eval_iters global batches (the same batches every time), as train_step's."""
     if trainer.valid_data is None:
         return None
     for chunk in trainer.chunks:
         chunk.eval()
     iterators = data_iterators(trainer, trainer.valid_data, start_sample=0)
-    loss_sum = tokens = 0.0
+    totals: dict[str, tuple[float, float]] = {}
     with torch.no_grad():
         for _ in range(trainer.recipe.train.eval_iters):
-            s, n = run_schedule(trainer, iterators, forward_only=True)
-            loss_sum, tokens = loss_sum + s, tokens + n
+            for k, (s, n) in run_schedule(trainer, iterators, forward_only=True).items():
+                s0, n0 = totals.get(k, (0.0, 0.0))
+                totals[k] = (s0 + s, n0 + n)
     for chunk in trainer.chunks:
         chunk.train()
-    return loss_sum / tokens if tokens else None
+    return loss_metrics(totals) if totals else None
 
 
 def describe_kernels(runtime) -> str:
@@ -184,7 +206,9 @@ def _train(recipe, runtime) -> None:
         start_iter, consumed = restored.iteration, restored.consumed_samples
 
     reporting = is_reporting_rank()
-    n_params = count_params(recipe, recipe.model.vocab_size or tokenizer.vocab_size).total(recipe.model.num_layers)
+    m = recipe.model
+    layers = m.num_layers + (m.dec_num_layers if m.arch == "t5" else 0)  # an estimate for t5 (no cross-attention)
+    n_params = count_params(recipe, m.vocab_size or tokenizer.vocab_size).total(layers)
     log = MetricsLog(run_dir=recipe.run.dir, enabled=reporting, total_iters=t.iters, start_iter=start_iter,
                      tokens_per_step=recipe.tokens_per_step, flops_per_step=flops_per_token(recipe, n_params) * recipe.tokens_per_step,
                      world_size=runtime.world_size, device=runtime.device, tensorboard=t.tensorboard)
@@ -201,31 +225,34 @@ def _train(recipe, runtime) -> None:
     recipe_yaml = dump(recipe)
     iterators = data_iterators(trainer, trainer.train_data, start_sample=consumed)
     watch = Stopwatch(runtime.device)
-    window_loss, window_steps, window_time = 0.0, 0, 0.0
+    window_losses, window_steps, window_time = {}, 0, 0.0
     iteration = start_iter
     stop_at = min(t.iters, start_iter + t.exit_after_iters) if t.exit_after_iters else t.iters
-    last_val = None
+    last_val = last_lm = None
     try:
         while iteration < stop_at:
-            loss, grad_norm, ok = train_step(trainer, iterators)
+            losses, grad_norm, ok = train_step(trainer, iterators)
             iteration += 1
             consumed += t.global_batch_size
             window_time += watch.lap()
-            window_loss += loss
+            for k, v in losses.items():
+                window_losses[k] = window_losses.get(k, 0.0) + v
             window_steps += 1
             if iteration % t.log_interval == 0 or iteration == stop_at:
                 scale = trainer.optimizer.get_loss_scale().item() if t.precision == "fp16" else None
-                log.step(iteration=iteration, loss=window_loss / window_steps, lr=trainer.optimizer.param_groups[0]["lr"],
+                mean = {k: v / window_steps for k, v in window_losses.items()}
+                log.step(iteration=iteration, loss=mean.pop("loss"), lr=trainer.optimizer.param_groups[0]["lr"],
                          grad_norm=float(grad_norm) if grad_norm is not None else None,
                          seconds_per_step=window_time / window_steps, loss_scale=scale,
-                         extra=None if ok else {"skipped_step": True})
-                window_loss, window_steps, window_time = 0.0, 0, 0.0
+                         extra=None if ok else {"skipped_step": True}, losses=mean)
+                window_losses, window_steps, window_time = {}, 0, 0.0
             else:
                 log.advance(iteration)
             if t.eval_interval and (iteration % t.eval_interval == 0 or iteration == t.iters):
-                last_val = evaluate(trainer)
-                if last_val is not None:
-                    log.evaluation(iteration=iteration, val_loss=last_val)
+                val = evaluate(trainer)
+                if val is not None:
+                    last_val, last_lm = val.pop("loss"), val.get("lm_loss")
+                    log.evaluation(iteration=iteration, val_loss=last_val, losses=val)
                 watch.lap()
             if ck.dir and ((ck.save_interval and iteration % ck.save_interval == 0) or iteration == stop_at):
                 path = checkpoint.save(ckpt_dir=ck.dir, iteration=iteration, consumed_samples=consumed, chunks=trainer.chunks,
@@ -238,7 +265,8 @@ def _train(recipe, runtime) -> None:
     if last_val is not None:
         import math
 
-        log.say(f"done: {iteration} iterations | final validation loss {last_val:.4f} | perplexity {math.exp(min(last_val, 50)):.2f}")
+        ppl = math.exp(min(last_lm if last_lm is not None else last_val, 50))
+        log.say(f"done: {iteration} iterations | final validation loss {last_val:.4f} | perplexity {ppl:.2f}")
     else:
         log.say(f"done: {iteration} iterations")
 

@@ -99,23 +99,29 @@ def transformer_config(*, model, parallel, precision: str, on_cuda: bool, **over
         batch_p2p_comm=on_cuda and not parallel.virtual_pipeline,
         overlap_p2p_comm=on_cuda and bool(parallel.virtual_pipeline),
     )
+    if model.arch == "t5":
+        kwargs["num_layers"] = model.dec_num_layers  # the decoder's; build_t5 gives the encoder a copy with its own
+    if model.arch == "bert":
+        # Megatron's BERT objective: per micro-batch masked-LM mean + sentence-order mean, averaged
+        # over micro-batches and data-parallel ranks (see steps.bert_loss_func).
+        kwargs["calculate_per_token_loss"] = False
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
 
 def build_model(*, recipe, config, vocab_size: int) -> list:
-    """GPT model chunks for this rank (BERT/T5 are added beside this)."""
+    """Model chunks for this rank: GPT here, BERT and T5 in engine.bert_t5."""
     from megatron.core import parallel_state as ps
-
-    arch = recipe.model.arch
-    if arch != "gpt":
-        from megacli.errors import UserError
-
-        raise UserError(f"model.arch = {arch!r} is not supported by this version's engine yet")
-    from megatron.core.models.gpt import GPTModel
 
     m = recipe.model
     padded = padded_vocab_size(vocab_size, divisible_by=m.make_vocab_size_divisible_by, tensor_parallel=recipe.parallel.tensor)
+    if m.arch in ("bert", "t5"):
+        from megacli.engine import bert_t5
+
+        build = bert_t5.build_bert if m.arch == "bert" else bert_t5.build_t5
+        return build(recipe=recipe, config=config, padded_vocab=padded)
+    from megatron.core.models.gpt import GPTModel
+
     pos_type = {"learned": "learned_absolute", "rope": "rope"}.get(m.position_embedding, "none")
     chunks = []
     vp = recipe.parallel.virtual_pipeline

@@ -50,3 +50,67 @@ def gpt_forward_step(*, context_parallel: int, custom_loss=None):
         return output, partial(token_loss_func, batch["loss_mask"], labels=batch["labels"], custom=custom_loss)
 
     return forward_step
+
+
+def bert_loss_func(loss_mask, sentence_order, output_tensor, *, labels=None, custom=None):
+    """Megatron's BERT objective for one micro-batch: masked-LM mean over the masked tokens plus,
+    with the binary head, the sentence-order (SOP) cross-entropy mean over the samples. The schedule
+    averages it over micro-batches (and DDP over data-parallel ranks): calculate_per_token_loss is
+    off for bert. Reports hold [mean, 1] per micro-batch, so their sums over micro-batches and ranks
+    divided by the counts are the averages that were optimised."""
+    import torch.nn.functional as F
+
+    lm_losses, sop_logits = output_tensor
+    lm_losses = lm_losses.float()
+    if custom is not None:
+        lm_losses = custom(lm_losses, labels=labels, loss_mask=loss_mask)
+    mask = loss_mask.view(-1).float()
+    lm_loss = torch.sum(lm_losses.view(-1) * mask) / mask.sum().clamp(min=1)
+    one = torch.ones_like(lm_loss)
+    report = {"lm loss": torch.stack([lm_loss.detach(), one])}
+    loss = lm_loss
+    if sop_logits is not None:
+        sop_loss = F.cross_entropy(sop_logits.view(-1, 2).float(), sentence_order.view(-1), ignore_index=-1)
+        report["sop loss"] = torch.stack([sop_loss.detach(), one])
+        loss = loss + sop_loss
+    return loss, report
+
+
+def bert_forward_step(*, binary_head: bool, custom_loss=None):
+    """BERT micro-batch from Megatron's BERTMaskedWordPieceDataset: tokens, token types (with the
+    binary head), a padding mask (the dataset's 1 = token), masked-LM labels and the SOP label."""
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        attend = batch["padding_mask"] == 1
+        types = torch.where(attend, batch["types"], 0) if binary_head else None  # padded types hold the pad id
+        output = model(batch["text"], attend.long(), tokentype_ids=types, lm_labels=batch["labels"])
+        return output, partial(bert_loss_func, batch["loss_mask"], batch["is_random"], labels=batch["labels"],
+                               custom=custom_loss)
+
+    return forward_step
+
+
+def t5_forward_step(*, custom_loss=None):
+    """T5 micro-batch from Megatron's T5MaskedWordPieceDataset: encoder input with sentinels, decoder
+    input and labels. Encoder self-attention and cross-attention see the encoder padding mask
+    [b, 1, 1, s_enc] (True = pad); decoder self-attention is causal (its padding only follows the
+    targets, so no target sees it). The loss is per token, as GPT's."""
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        enc_pad = (batch["enc_mask"] < 0.5)[:, None, None, :]
+        output = model(batch["text_enc"], batch["text_dec"], enc_pad, None, enc_pad, lm_labels=batch["labels"])
+        return output, partial(token_loss_func, batch["loss_mask"], labels=batch["labels"], custom=custom_loss)
+
+    return forward_step
+
+
+def forward_step_for(recipe, custom_loss=None):
+    """The forward_step of the recipe's model.arch."""
+    m = recipe.model
+    if m.arch == "bert":
+        return bert_forward_step(binary_head=m.bert_binary_head, custom_loss=custom_loss)
+    if m.arch == "t5":
+        return t5_forward_step(custom_loss=custom_loss)
+    return gpt_forward_step(context_parallel=recipe.parallel.context, custom_loss=custom_loss)

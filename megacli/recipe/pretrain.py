@@ -144,9 +144,6 @@ class TrainingRecipe(Section):
             raise RecipeError("parallel.expert", p.expert, f"must divide the data-parallel size {dp}")
         return self
 
-
-def _largest_divisor(n: int, below: int) -> int:
-    return max(d for d in range(1, below + 1) if n % d == 0)
     def _check_bert_t5(self) -> None:
         """What Megatron-Core 0.16.1's BertModel/T5Model and their masked datasets support."""
         m, p, arch = self.model, self.parallel, self.model.arch
@@ -189,3 +186,6 @@ def _largest_divisor(n: int, below: int) -> int:
             raise RecipeError("masking.sentinel_tokens", self.masking.sentinel_tokens,
                               f"a sample can have up to {most} masked spans, each needing its own sentinel")
 
+
+def _largest_divisor(n: int, below: int) -> int:
+    return max(d for d in range(1, below + 1) if n % d == 0)

@@ -191,6 +191,40 @@ class DataSection(Section):
         return [p for _, p in self.blend or []]
 
 
+
+class MaskingSection(Section):
+    """How BERT and T5 samples are masked (Megatron-Core's masked WordPiece datasets); unused by gpt."""
+
+    probability: float = Field(0.15, gt=0, lt=1)
+    """Fraction of each sample's tokens to mask (bert: predict them; t5: replace spans by sentinels)."""
+    short_sequence_probability: float = Field(0.1, ge=0, le=1)
+    """Probability that a sample is cut shorter than the sequence length (BERT's short-sequence trick)."""
+    max_ngram: Optional[PositiveInt] = None
+    """Longest span of words masked together; default 3 for bert, 10 for t5 (as Megatron-LM)."""
+    geometric_ngrams: Optional[bool] = None
+    """Draw span lengths from a geometric distribution (p = 0.2, SpanBERT) instead of P(n) ∝ 1/n;
+    default: t5 yes, bert no (as Megatron-LM)."""
+    whole_word: bool = True
+    """Mask whole words: WordPiece '##' continuations (or SentencePiece pieces without '▁') go with
+    their word. Other tokenizers mark no word pieces, so each token is its own word there."""
+    sentinel_tokens: PositiveInt = 100
+    """t5: sentinel tokens <extra_id_0>, <extra_id_1>, ... that replace masked spans; those the
+    tokenizer lacks are appended to its vocabulary (Megatron-LM's --vocab-extra-ids)."""
+
+    def ngram(self, arch: str) -> int:
+        return self.max_ngram or (10 if arch == "t5" else 3)
+
+    def geometric(self, arch: str) -> bool:
+        return self.geometric_ngrams if self.geometric_ngrams is not None else arch == "t5"
+
+    def max_masked(self, seq_length: int, arch: str) -> int:
+        """Most tokens one sample can have masked: Megatron masks at most probability × the
+        sample's token budget (seq_length less [CLS]/[SEP]/[SEP] for bert, <bos>/<eos> for t5)."""
+        import math
+
+        budget = seq_length - (3 if arch == "bert" else 2)
+        return max(0, math.floor(self.probability * budget + 1e-9))
+
 class TrainSection(Section):
     iters: PositiveInt = 1000
     """Optimizer steps to train for."""

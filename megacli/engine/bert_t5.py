@@ -1,0 +1,165 @@
+"""BERT and T5 on Megatron-Core: layer specs with our norm and core attention, and the model builders.
+
+Imported only by workers (it imports Megatron); it does no work at import. ``models.build_model``
+dispatches here for ``model.arch: bert`` and ``t5``.
+
+* BERT: Megatron-Core's ``BertModel`` (pre-LN layers, masked-LM head, optional pooler + sentence-order
+  binary head, token types). Its self-attention takes a padding mask [b, 1, 1, s] (True = pad).
+* T5: Megatron-Core's ``T5Model`` (encoder and decoder blocks, decoder layers with cross-attention;
+  learned, RoPE or T5 relative position biases). Encoder self-attention and cross-attention take the
+  encoder padding mask [b, 1, 1, s_enc]; decoder self-attention is causal.
+
+Where Megatron's local specs use torch's LayerNorm (which refuses sequence parallelism) and
+``DotProductAttention``, these use ``layers.Norm`` and ``attention.CoreAttention``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.bert.bert_model import BertModel as _MegatronBertModel
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import CrossAttention, CrossAttentionSubmodules, SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+from megacli.engine.attention import CoreAttention
+from megacli.engine.layers import Norm
+
+POSITION_TYPES = {"learned": "learned_absolute", "rope": "rope", "relative": "relative"}
+
+
+def layer_spec(*, model, self_attn_mask: AttnMaskType, cross_attention: bool) -> ModuleSpec:
+    """A pre-LN transformer layer: self-attention, optionally cross-attention (T5 decoder), MLP.
+    Checkpoint keys are those of Megatron's local BERT/T5 specs."""
+    qk_norm = Norm if model.qk_layernorm else IdentityOp
+    cross = {}
+    if cross_attention:
+        cross = dict(
+            pre_cross_attn_layernorm=Norm,
+            cross_attention=ModuleSpec(
+                module=CrossAttention,
+                params={"attn_mask_type": AttnMaskType.padding},
+                submodules=CrossAttentionSubmodules(linear_q=ColumnParallelLinear, linear_kv=ColumnParallelLinear,
+                                                    core_attention=CoreAttention, linear_proj=RowParallelLinear),
+            ),
+            cross_attn_bda=get_bias_dropout_add,
+        )
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=Norm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": self_attn_mask},
+                submodules=SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear, core_attention=CoreAttention,
+                                                   linear_proj=RowParallelLinear, q_layernorm=qk_norm, k_layernorm=qk_norm),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            **cross,
+            pre_mlp_layernorm=Norm,
+            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
+            mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map={
+                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+            },
+        ),
+    )
+
+
+def block_spec(layer: ModuleSpec, num_layers: int) -> ModuleSpec:
+    """``num_layers`` copies of ``layer`` and our final norm (Megatron's default one refuses SP)."""
+    return ModuleSpec(module=TransformerBlock,
+                      submodules=TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=Norm))
+
+
+class BertModel(_MegatronBertModel):
+    """Megatron-Core's BertModel with our core attention: padding masks are [b, 1, 1, s]."""
+
+    def _sanity_check_attention_and_get_attn_mask_dimension(self) -> str:
+        # Megatron picks the mask layout from the spec's attention class and the TE version; it
+        # reads a layer spec, ours is a block spec. CoreAttention broadcasts [b, 1, 1, s] over
+        # queries, so no query row is ever fully masked (padded positions still see the sample).
+        return "b11s"
+
+
+@contextlib.contextmanager
+def _bert_lm_head_norm():
+    """BertLMHead builds its norm from its module's ``LNImpl`` (Apex, else torch's LayerNorm,
+    which refuses sequence parallelism); build it with ours, whose parameters carry the
+    ``sequence_parallel`` flag so their gradients are all-reduced over TP under SP."""
+    from megatron.core.models.bert import bert_lm_head
+
+    saved = bert_lm_head.LNImpl
+    bert_lm_head.LNImpl = Norm
+    try:
+        yield
+    finally:
+        bert_lm_head.LNImpl = saved
+
+
+def build_bert(*, recipe, config, padded_vocab: int) -> list:
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    m = recipe.model
+    layer = layer_spec(model=m, self_attn_mask=AttnMaskType.padding, cross_attention=False)
+    vp = recipe.parallel.virtual_pipeline
+    chunks = []
+    for stage in range(vp or 1):
+        vp_stage = stage if vp else None
+        with _bert_lm_head_norm():
+            chunk = BertModel(
+                config=config,
+                num_tokentypes=2 if m.bert_binary_head else 0,
+                transformer_layer_spec=block_spec(layer, get_num_layers_to_build(config, vp_stage=vp_stage)),
+                vocab_size=padded_vocab,
+                max_sequence_length=m.max_positions,
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                parallel_output=True,
+                share_embeddings_and_output_weights=not m.untie_embeddings,
+                position_embedding_type=POSITION_TYPES[m.position_embedding],
+                rotary_percent=m.rotary_percent,
+                add_binary_head=m.bert_binary_head,
+                vp_stage=vp_stage,
+            )
+        chunks.append(chunk)
+    return chunks
+
+
+def build_t5(*, recipe, config, padded_vocab: int) -> list:
+    """One chunk: encoder and decoder on every rank (Megatron-Core 0.16.1 has no T5 pipelining; the
+    recipe refuses parallel.pipeline > 1). ``config`` is the decoder's (num_layers = decoder
+    layers); the encoder gets a copy with the encoder's layer count, as Megatron-LM builds it."""
+    from megatron.core.models.T5 import T5Model
+
+    m = recipe.model
+    encoder_config = copy.deepcopy(config)
+    encoder_config.num_layers = m.num_layers
+    encoder = block_spec(layer_spec(model=m, self_attn_mask=AttnMaskType.padding, cross_attention=False), m.num_layers)
+    decoder = block_spec(layer_spec(model=m, self_attn_mask=AttnMaskType.causal, cross_attention=True), config.num_layers)
+    model = T5Model(
+        config=config,
+        encoder_config=encoder_config,
+        transformer_encoder_layer_spec=encoder,
+        transformer_decoder_layer_spec=decoder,
+        vocab_size=padded_vocab,
+        max_sequence_length=m.max_positions,
+        pre_process=True,
+        post_process=True,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not m.untie_embeddings,
+        position_embedding_type=POSITION_TYPES[m.position_embedding],
+        rotary_percent=m.rotary_percent,
+        add_encoder=True,
+        add_decoder=True,
+    )
+    return [model]
