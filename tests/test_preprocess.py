@@ -266,8 +266,9 @@ def test_every_input_format_gives_the_same_dataset(tmp_path, corpus):
 
     datasets.Dataset.from_dict({"text": [r["text"] for r in nonempty]}).save_to_disk(str(tmp_path / "hfds"))
 
+    arrow_files = sorted((tmp_path / "hfds").glob("*.arrow"))  # datasets' own data files
     for name, inputs in {"gz": [gz], "glob": [tmp_path / "part-*.jsonl"], "parquet": [tmp_path / "c.parquet"],
-                         "hf": [tmp_path / "hfds"]}.items():
+                         "hf": [tmp_path / "hfds"], "arrow": arrow_files}.items():
         got = run(job(inputs, tmp_path / name, append_eod=True, chunk_mb=0.002))
         assert read_pair(got.outputs["text"]) == ref, name
         assert got.stats.documents == len(nonempty)
