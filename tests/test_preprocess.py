@@ -160,6 +160,14 @@ def test_megatron_core_reads_it_back(tmp_path, corpus, hf_dir):
         assert ds.index.dtype == np.uint16
 
 
+def test_add_bos_and_eod_wrap_each_non_empty_document(tmp_path):
+    path = write_jsonl(tmp_path / "c.jsonl", [{"text": "Ab. Cd."}, {"text": ""}, {"text": ["x", "", "yz"]}])
+    res = run(job([path], tmp_path / "o", add_bos=True, append_eod=True))
+    bos, eod = 257, 256
+    docs = [[[bos, *b"Ab. Cd.", eod]], [], [[bos, *b"x"], [*b"yz", eod]]]  # a list value is sentences
+    assert read_pair(res.outputs["text"]) == expected_dataset(docs, np.uint16)
+
+
 def test_multi_key_writes_every_key(tmp_path, corpus):
     res = run(job([corpus], tmp_path / "mk", keys=["text", "title"], append_eod=True))
     assert set(res.outputs) == {"text", "title"}

@@ -118,11 +118,11 @@ def _encode_documents(docs: list, tok: Tokenizer, opt: Options):
     # seqs holds only non-empty sequences; mark each document's first and last of them
     if opt.append_eod or prefix:
         ends = np.cumsum(per_doc)[per_doc > 0]
-        for e in ends:
-            if opt.append_eod:
+        if opt.append_eod:
+            for e in ends:
                 seqs[e - 1].append(tok.eod)
         if prefix:
-            for s in (ends - per_doc[per_doc > 0]):
+            for s in ends - per_doc[per_doc > 0]:
                 seqs[s] = prefix + seqs[s]
     lengths = np.fromiter(map(len, seqs), np.int32, len(seqs))
     tokens = np.fromiter(chain.from_iterable(seqs), dtype, int(lengths.sum(dtype=np.int64)))
