@@ -123,3 +123,34 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path):
     assert logged == [1, 2, 3, 4, 3, 4, 5, 6], "the first run logged 1-4 and died saving 4; the second resumed from 2"
     assert (ck / "latest").read_text().strip() == "iter_0000006"
     assert not (ck / "iter_0000004.tmp").exists()
+
+
+@pytest.mark.slow
+def test_context_parallel_matches_single_process(single, tmp_path):
+    """CP=2 (ring attention over load-balanced chunks, sequence split per rank) gives the same losses."""
+    pretrain(tmp_path, "cp2", layout(nproc=2) + ["parallel.context=2"])
+    assert_close(losses(tmp_path, "cp2"), single, range(1, 4))
+
+
+def double_loss(losses, *, labels, loss_mask, factor):
+    """A custom loss for the test below: every token's loss times `factor`."""
+    return losses * factor
+
+
+@pytest.mark.slow
+def test_custom_loss_and_tensorboard(single, tmp_path):
+    pretrain(tmp_path, "custom", layout() + ["train.loss=tests.test_pretrain:double_loss", "train.loss_kwargs={factor: 2.0}",
+                                             "train.iters=2", "train.tensorboard=true"])
+    assert abs(losses(tmp_path, "custom")[1] - 2 * single[1]) <= 1e-6 * single[1]
+    assert any((tmp_path / "custom" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_slurm_environment_maps_to_torch_env():
+    from megacli.launch import first_slurm_host, slurm_to_torch_env
+
+    assert first_slurm_host("gpu[003-010,012],cpu1") == "gpu003"
+    assert first_slurm_host("node7") == "node7"
+    env = slurm_to_torch_env({"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_NNODES": "2", "SLURM_LOCALID": "1",
+                              "SLURM_JOB_NODELIST": "dgx[01-02]", "SLURM_JOB_ID": "1234"})
+    assert env == {"RANK": "9", "WORLD_SIZE": "16", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "8",
+                   "MASTER_ADDR": "dgx01", "MASTER_PORT": str(20000 + 1234)}

@@ -19,6 +19,8 @@ What ``enable()`` changes, and why (one line each):
     - rewrites a CUDA ``device=`` (``"cuda"``, ``"cuda:N"``, ``torch.device("cuda")``, a bare int)
       to ``cpu``: Megatron allocates buffers, flags and masks with ``device="cuda"``;
     - rewrites a CUDA target of ``Tensor.to(...)`` to ``cpu``: same, for moves;
+    - drops ``pin_memory=True``: a CPU-only build has no pinned allocator, and Megatron pins
+      host staging tensors (e.g. the context-parallel RoPE index in ``get_pos_emb_on_this_cp_rank``);
     - makes ``Tensor.cuda()`` return the tensor itself: optimizer and checkpoint code call it;
     - makes ``Tensor.type()`` of a CPU tensor answer ``'torch.cuda.<T>Tensor'`` (and accepts such
       names as a cast target): Megatron's optimizers reject parameters whose ``type()`` is not one
@@ -267,6 +269,8 @@ def _make_mode_class(torch):
             dev = kwargs.get("device")
             if dev is not None and is_cuda(dev):
                 kwargs = {**kwargs, "device": cpu}
+            if kwargs.get("pin_memory"):
+                kwargs = {**kwargs, "pin_memory": False}
             if func is tensor_to and len(args) > 1 and is_cuda(args[1]) and not isinstance(args[1], Tensor):
                 args = (args[0], cpu) + tuple(args[2:])
             return func(*args, **kwargs)
