@@ -171,6 +171,47 @@ def _prune(ckpt_dir: Path, keep_last: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _prepare_distributed_optimizer_load(optimizer) -> None:
+    """Work around three failures of Megatron-Core 0.16's DistributedOptimizer when loading its
+    fully_reshardable state with torch's Adam (no Apex or Transformer Engine, as on the CPU backend):
+
+    * state_dict() - which sharded_state_dict() calls when loading too - reads the step from the
+      per-parameter state and asserts there is exactly one; a fresh optimizer has none. Allocate
+      zero state with step 0 (load_state_dict reuses it and overwrites tensors and step);
+    * _set_main_param_and_optimizer_states() copies every key of the destination state, 'step'
+      included, from the loaded tensors, which never hold 'step' (it comes from the param
+      groups): KeyError. Copy the loaded keys only;
+    * load_state_dict() gives every parameter the same step tensor, which torch's Adam then
+      increments once per parameter per step (wrong bias correction after a resume). Give each
+      parameter its own."""
+    from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, DistributedOptimizer
+
+    if HAVE_APEX_OR_TE:
+        return
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if (not isinstance(opt, DistributedOptimizer) or not isinstance(inner, torch.optim.Adam)
+                or opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8):
+            continue
+        if not len(inner.state):
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    inner.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p.data),
+                                      "exp_avg_sq": torch.zeros_like(p.data)}
+
+        def set_states(model_param, tensors, opt=opt):
+            group_index, group_order = opt.model_param_group_index_map[model_param]
+            main_param = opt.optimizer.param_groups[group_index]["params"][group_order]
+            state = opt.optimizer.state[main_param]
+            dst = {"param": main_param, **state}
+            for key, value in tensors.items():
+                dst[key].copy_(value)
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+
+        opt._set_main_param_and_optimizer_states = set_states
+
+
 def load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool) -> Restored:
     """Load model (and optimizer, scheduler, RNG when asked and possible) into the built chunks.
     The RNG state is restored only when the layout is unchanged (it is per rank)."""
@@ -179,6 +220,8 @@ def load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool) -> R
     meta = read_meta(ckpt)
     same_layout = meta.get("layout") == _layout()
     has_optimizer = load_optimizer and meta.get("has_optimizer", True)
+    if has_optimizer:
+        _prepare_distributed_optimizer_load(optimizer)
     state = _sharded_state(chunks, optimizer, scheduler, loading=True, with_optimizer=has_optimizer, with_rng=same_layout)
     try:
         loaded = dist_checkpointing.load(state, str(ckpt))

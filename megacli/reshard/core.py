@@ -1,0 +1,334 @@
+"""`megacli reshard`: change a checkpoint's TP/PP/VP/DP layout offline, in one process.
+
+    reshard(SRC, DST, tensor=1, pipeline=1)     plan (plan.py), write to a temporary directory,
+                                                 optionally verify, then rename into place
+    verify(SRC, DST)                             every global tensor of DST against SRC
+    inspect_checkpoint(CKPT)                     format, layout, iteration, recipe, tensors
+
+DST is a checkpoint directory like the engine's: ``DST/latest`` names ``DST/iter_NNNNNNN/``, so
+``checkpoint.resume=DST`` (or ``checkpoint.dir=DST``) continues training under the new layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from megacli.errors import UserError
+from megacli.reshard.plan import META, RECIPE, Checkpoint, Plan, Target, build_plan, resolve_target
+from megacli.reshard.store import bytes_digest, fsync_dir, object_digest, tensor_digest, tmp_sibling, write_torch_dist
+
+LATEST = "latest"
+
+
+class VerifyFailed(UserError):
+    """The target does not hold what the source does (exit 1)."""
+
+    exit_code = 1
+
+
+@dataclass
+class Result:
+    output: Path
+    iteration_dir: Path
+    source: Path
+    source_layout: str
+    target_layout: str
+    tensors: int
+    objects: int
+    bytes: int
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+    verified: Optional["VerifyReport"] = None
+
+
+@dataclass
+class VerifyReport:
+    tensors: int
+    objects: int
+    bytes: int
+    mismatches: list[str]
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+    def line(self) -> str:
+        if self.ok:
+            return (f"verify: OK - {self.tensors} tensors ({_size(self.bytes)}), {self.objects} objects and the common "
+                    f"state match the source (blake2b checksums of the reassembled global tensors, {self.seconds:.1f} s)")
+        first = "; ".join(self.mismatches[:3]) + (f"; and {len(self.mismatches) - 3} more" if len(self.mismatches) > 3 else "")
+        return f"verify: FAILED - {len(self.mismatches)} mismatch(es): {first}"
+
+
+# ---------------------------------------------------------------- locating checkpoints
+
+
+def find_source(path: str | Path) -> Path:
+    """The iteration directory of a megacli checkpoint (a run's checkpoint dir via `latest`, or an
+    iteration directory)."""
+    from megacli.engine.checkpoint import find_checkpoint
+
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"{p}: no such checkpoint")
+    found = find_checkpoint(p)
+    if found is None:
+        from megacli.reshard import legacy
+
+        if legacy.is_legacy(p):
+            return p
+        raise UserError(f"{p}: not a checkpoint (expected a directory with '{LATEST}' or '{META}', or a Megatron-LM "
+                        f"checkpoint with mp_rank_* directories)")
+    return found
+
+
+def _check_output(output: Path, source: Path, overwrite: bool) -> None:
+    out = output.resolve()
+    src = source.resolve()
+    if out == src or out in src.parents and not overwrite:
+        raise UserError(f"{output} contains the source checkpoint {source}; write somewhere else (or pass --overwrite "
+                        f"to replace it once the new checkpoint is complete)")
+    if src in out.parents:
+        raise UserError(f"{output} is inside the source checkpoint {source}; write somewhere else")
+    if output.exists() and not output.is_dir():
+        raise UserError(f"{output} exists and is not a directory")
+    if output.exists() and any(output.iterdir()) and not overwrite:
+        what = "a checkpoint" if ((output / LATEST).exists() or (output / META).exists()) else "files"
+        raise UserError(f"{output} already holds {what}; pass --overwrite to replace it")
+
+
+# ---------------------------------------------------------------- reshard
+
+
+def reshard(source: str | Path, output: str | Path, *, tensor: Optional[int] = None, pipeline: Optional[int] = None,
+            virtual_pipeline: Optional[int] = None, data_parallel: Optional[int] = None,
+            distributed_optimizer: Optional[bool] = None, sequence_parallel: Optional[bool] = None,
+            overrides: tuple[str, ...] = (), output_format: str = "torch_dist", overwrite: bool = False,
+            verify_after: bool = False, trust_pickle: bool = False,
+            progress: Callable[[str, int], Callable[[str], None]] | None = None) -> Result:
+    """Write SRC under a new layout to OUTPUT (a checkpoint directory with `latest`), atomically.
+
+    ``progress(description, total)`` returns a callback called with each finished entry's key."""
+    start = time.perf_counter()
+    src_dir = find_source(source)
+    output = Path(output)
+    _check_output(output, src_dir, overwrite)
+    from megacli.reshard import legacy
+
+    if legacy.is_legacy(src_dir):
+        src_dir = legacy.import_to_staging(src_dir, trust_pickle=trust_pickle, progress=progress)
+    try:
+        src = Checkpoint(src_dir)
+        target = resolve_target(src.layout, src.section("parallel"), tensor=tensor, pipeline=pipeline,
+                                virtual_pipeline=virtual_pipeline, data_parallel=data_parallel,
+                                distributed_optimizer=distributed_optimizer, sequence_parallel=sequence_parallel,
+                                overrides=overrides)
+        plan = build_plan(src, target)
+        _check_precision(src, plan)
+
+        tmp = tmp_sibling(output, "reshard")
+        if tmp.exists():
+            shutil.rmtree(tmp)  # a previous reshard that did not finish
+        it_name = src_dir.name if src_dir.name.startswith("iter_") else f"iter_{src.iteration:07d}"
+        it_dir = tmp / it_name
+        it_dir.mkdir(parents=True)
+        write_plan(plan, it_dir, progress)
+        report = None
+        if verify_after:
+            report = verify_plan(plan, it_dir, progress)
+            if not report.ok:
+                raise VerifyFailed(report.line() + f" (the unverified output is left in {tmp})")
+        if output_format == "legacy":
+            legacy_tmp = tmp_sibling(output, "legacy")
+            if legacy_tmp.exists():
+                shutil.rmtree(legacy_tmp)
+            legacy.export(it_dir, legacy_tmp, trust_pickle=trust_pickle, progress=progress)
+            shutil.rmtree(tmp)
+            tmp = legacy_tmp
+            it_dir = tmp / it_name
+        else:
+            (tmp / LATEST).write_text(it_name + "\n")
+        fsync_dir(tmp)
+        _replace(tmp, output)
+        return Result(output=output, iteration_dir=output / it_name, source=src_dir, source_layout=str(src.layout),
+                      target_layout=str(target.layout), tensors=len(plan.tensors), objects=len(plan.objects),
+                      bytes=plan.total_bytes, seconds=time.perf_counter() - start, notes=plan.notes, verified=report)
+    finally:
+        legacy.cleanup_staging(src_dir)
+
+
+def _check_precision(src: Checkpoint, plan: Plan) -> None:
+    before = (src.section("train").get("precision") or "bf16")
+    after = plan.recipe.train.precision
+    if before != after:
+        raise UserError(f"train.precision {before} → {after}: reshard changes the layout, not the precision "
+                        f"(the optimizer state differs between them)")
+
+
+def write_plan(plan: Plan, it_dir: Path, progress=None) -> None:
+    """The torch_dist shards, common state, recipe.yaml and, last, megacli.json (the marker of a
+    complete checkpoint) into an existing empty directory."""
+    from megacli.recipe.base import dump
+
+    done = progress("writing", len(plan.tensors) + len(plan.objects)) if progress else (lambda key: None)
+    write_torch_dist(it_dir, plan.tensors, plan.objects, plan.common, on_done=done)
+    (it_dir / RECIPE).write_text(dump(plan.recipe))
+    (it_dir / META).write_text(json.dumps(plan.meta, indent=2) + "\n")
+    fsync_dir(it_dir)
+
+
+def _replace(tmp: Path, output: Path) -> None:
+    """Move the finished directory into place; an existing output is moved aside first and removed
+    only once the new one is there."""
+    old = None
+    if output.exists():
+        old = tmp_sibling(output, "old")
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(output, old)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, output)
+    fsync_dir(output.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- verify
+
+
+def verify(source: str | Path, target: str | Path, *, trust_pickle: bool = False, progress=None) -> VerifyReport:
+    """Rebuild the plan SRC → (TARGET's layout and optimizer kind) and compare every entry of
+    TARGET with what the plan says it must hold."""
+    from megacli.engine.checkpoint import find_checkpoint
+    from megacli.reshard import legacy
+
+    src_dir = find_source(source)
+    tgt_path = Path(target)
+    tgt_dir = find_checkpoint(tgt_path) if tgt_path.exists() else None
+    if tgt_dir is None:
+        if tgt_path.exists() and legacy.is_legacy(tgt_path):
+            tgt_dir = legacy.import_to_staging(tgt_path, trust_pickle=trust_pickle, progress=progress)
+        else:
+            raise UserError(f"{target}: not a checkpoint")
+    staged_src = legacy.import_to_staging(src_dir, trust_pickle=trust_pickle, progress=progress) if legacy.is_legacy(src_dir) else src_dir
+    try:
+        src = Checkpoint(staged_src)
+        tgt = Checkpoint(tgt_dir)
+        t_par = tgt.section("parallel")
+        spec = Target(layout=tgt.layout, distributed_optimizer=bool(t_par.get("distributed_optimizer", False)),
+                      sequence_parallel=bool(t_par.get("sequence_parallel", False)))
+        from megacli.recipe.base import validate
+        from megacli.recipe.pretrain import TrainingRecipe
+
+        recipe = validate(TrainingRecipe, tgt.recipe_raw, str(tgt.path / RECIPE))
+        return _verify_against(build_plan(src, spec, recipe), tgt, progress)
+    finally:
+        legacy.cleanup_staging(staged_src)
+        legacy.cleanup_staging(tgt_dir)
+
+
+def verify_plan(plan: Plan, it_dir: Path, progress=None) -> VerifyReport:
+    return _verify_against(plan, Checkpoint(it_dir), progress)
+
+
+def _verify_against(plan: Plan, tgt: Checkpoint, progress=None) -> VerifyReport:
+    from megacli.reshard.plan import RNG_KEY
+
+    start = time.perf_counter()
+    mismatches: list[str] = []
+    reader = tgt.reader
+    want_t = {t.key: t for t in plan.tensors}
+    want_o = {o.key: o for o in plan.objects}
+    for key in sorted(set(want_t) - set(reader.tensors)):
+        mismatches.append(f"{key} missing")
+    for key in sorted(set(reader.tensors) - set(want_t)):
+        mismatches.append(f"{key} unexpected")
+    for key in sorted(set(want_o) - set(reader.objects)):
+        mismatches.append(f"{key} missing")
+    for key in sorted(set(reader.objects) - set(want_o)):
+        mismatches.append(f"{key} unexpected")
+    for k in ("iteration", "consumed_samples"):
+        if tgt.meta.get(k) != plan.source.meta.get(k):
+            mismatches.append(f"{META} {k} {tgt.meta.get(k)} != {plan.source.meta.get(k)}")
+    if tgt.layout != plan.target.layout:
+        mismatches.append(f"{META} layout {tgt.layout} != {plan.target.layout}")
+
+    done = progress("verifying", len(want_t) + len(want_o)) if progress else (lambda key: None)
+    nbytes = 0
+    for key, entry in want_t.items():
+        if key not in reader.tensors:
+            done(key)
+            continue
+        info = reader.tensors[key]
+        if info.shape != tuple(entry.shape) or info.dtype != entry.dtype:
+            mismatches.append(f"{key}: {info.shape} {info.dtype}, expected {tuple(entry.shape)} {entry.dtype}")
+            done(key)
+            continue
+        covered = sum(_volume(sizes) for _, sizes in info.chunks)
+        if covered != _volume(info.shape):
+            mismatches.append(f"{key}: stored chunks cover {covered} of {_volume(info.shape)} elements")
+        try:
+            got = tensor_digest(reader.read(key))
+        except UserError as exc:
+            mismatches.append(str(exc))
+            done(key)
+            continue
+        if got != tensor_digest(entry.produce()):
+            mismatches.append(f"{key}: checksum differs")
+        nbytes += info.nbytes
+        done(key)
+    for key, entry in want_o.items():
+        if key not in reader.objects:
+            done(key)
+            continue
+        try:
+            data = reader.read_object_bytes(key)
+            if RNG_KEY.match(key):
+                import io
+
+                import torch
+
+                ok = object_digest(torch.load(io.BytesIO(data), weights_only=False)) == object_digest(
+                    torch.load(io.BytesIO(entry.produce()), weights_only=False))
+            else:
+                ok = bytes_digest(data) == bytes_digest(entry.produce())
+        except UserError as exc:
+            mismatches.append(str(exc))
+            done(key)
+            continue
+        except Exception as exc:  # noqa: BLE001 - undecodable bytes
+            mismatches.append(f"{key}: cannot decode ({type(exc).__name__})")
+            done(key)
+            continue
+        if not ok:
+            mismatches.append(f"{key}: checksum differs")
+        done(key)
+    try:
+        if object_digest(tgt.common) != object_digest(plan.common):
+            mismatches.append("common.pt (optimizer param groups / scheduler) differs")
+    except UserError as exc:
+        mismatches.append(str(exc))
+    return VerifyReport(tensors=len(want_t), objects=len(want_o), bytes=nbytes, mismatches=mismatches,
+                        seconds=time.perf_counter() - start)
+
+
+def _volume(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return f"{n} B"

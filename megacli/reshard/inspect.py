@@ -1,0 +1,112 @@
+"""`megacli reshard inspect`: what a checkpoint holds, from its metadata (no tensor data is read)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megacli.errors import UserError
+
+
+def inspect_checkpoint(path: str | Path) -> dict:
+    """Format, layout, iteration, recipe and a row per tensor (global shape, dtype, split)."""
+    from megacli.reshard import legacy
+    from megacli.reshard.core import find_source
+    from megacli.reshard.plan import RNG_KEY, Checkpoint, describe_split, split_optimizer_key
+
+    src = find_source(path)
+    if legacy.is_legacy(src):
+        return legacy.inspect(src)
+    ck = Checkpoint(src)
+    meta = ck.meta
+    tensors = []
+    total = 0
+    for key, info in ck.reader.tensors.items():
+        state, base = split_optimizer_key(key)
+        tensors.append({
+            "name": key,
+            "kind": "optimizer" if state else "model",
+            "shape": list(info.shape),
+            "dtype": str(info.dtype).replace("torch.", ""),
+            "bytes": info.nbytes,
+            "chunks": len(info.chunks),
+            "split": describe_split(info),
+        })
+        total += info.nbytes
+    rng = sorted(k for k in ck.reader.objects if RNG_KEY.match(k))
+    other = sorted(k for k in ck.reader.objects if not RNG_KEY.match(k))
+    common = ck.common
+    sched = common.get("scheduler") or {}
+    recipe = ck.recipe_raw
+    return {
+        "path": str(src),
+        "format": meta.get("format", "torch_dist"),
+        "iteration": meta.get("iteration"),
+        "consumed_samples": meta.get("consumed_samples"),
+        "layout": ck.layout.as_meta(),
+        "layout_text": str(ck.layout),
+        "world_size": ck.layout.world_size,
+        "optimizer": ck.optimizer_kind,
+        "has_rng_state": bool(rng),
+        "scheduler_steps": sched.get("num_steps"),
+        "resharded_from": meta.get("resharded_from"),
+        "recipe": recipe,
+        "tensors": tensors,
+        "total_bytes": total,
+        "objects": {"rng_state": rng, "other": other},
+        "files": [p.name for p in ck.reader.files()],
+    }
+
+
+def render(info: dict, console) -> None:
+    from rich.table import Table
+
+    from megacli.reshard.core import _size
+
+    m = (info.get("recipe") or {}).get("model") or {}
+    t = (info.get("recipe") or {}).get("train") or {}
+    p = (info.get("recipe") or {}).get("parallel") or {}
+    head = Table(title=f"checkpoint {info['path']}", show_header=False, title_justify="left")
+    head.add_row("format", info["format"])
+    head.add_row("layout", f"{info['layout_text']}  (world size {info['world_size']})")
+    head.add_row("iteration", f"{info['iteration']}  ({info['consumed_samples']} samples consumed)")
+    opt = {"distributed": "distributed optimizer (fully_reshardable)", "standard": "standard optimizer",
+           None: "none (weights only)"}[info["optimizer"]]
+    head.add_row("optimizer state", opt + (f", scheduler at step {info['scheduler_steps']}" if info.get("scheduler_steps") is not None else ""))
+    rng = info["objects"]["rng_state"]
+    head.add_row("RNG state", f"{len(rng)} rank(s)" if rng else "none")
+    if m:
+        head.add_row("model", f"{m.get('arch', 'gpt')}: {m.get('num_layers')} layers, hidden {m.get('hidden_size')}, "
+                     f"{m.get('num_attention_heads')} heads, ffn {m.get('ffn_hidden_size')}, {m.get('activation')}, "
+                     f"seq {m.get('seq_length')}")
+    if t:
+        head.add_row("training", f"precision {t.get('precision')}, global batch {t.get('global_batch_size')}, "
+                     f"micro batch {t.get('micro_batch_size')}, {t.get('iters')} iters"
+                     + (f", sequence parallel" if p.get("sequence_parallel") else ""))
+    if info.get("resharded_from"):
+        rf = info["resharded_from"]
+        head.add_row("resharded from", f"{rf.get('path')} ({_layout_text(rf.get('layout') or {})})")
+    head.add_row("files", f"{len(info['files'])} shard file(s), {_size(info['total_bytes'])} of tensors")
+    console.print(head)
+
+    table = Table(title=f"{len(info['tensors'])} tensors (global shapes)", title_justify="left")
+    table.add_column("tensor", overflow="fold")
+    table.add_column("shape", justify="right")
+    table.add_column("dtype")
+    table.add_column("stored as")
+    table.add_column("size", justify="right")
+    for row in info["tensors"]:
+        table.add_row(row["name"], "×".join(map(str, row["shape"])) or "()", row["dtype"],
+                      f"{row['chunks']} chunk{'s' if row['chunks'] != 1 else ''}: {row['split']}", _size(row["bytes"]))
+    console.print(table)
+    other = info["objects"]["other"]
+    if other:
+        console.print(f"{len(other)} other sharded object(s) (per-layer extra state), copied as stored", highlight=False)
+
+
+def _layout_text(layout: dict) -> str:
+    from megacli.reshard.plan import Layout
+
+    try:
+        return str(Layout.from_meta(layout))
+    except (TypeError, ValueError):
+        raise UserError(f"unreadable layout {layout!r}") from None

@@ -1,0 +1,533 @@
+"""What a layout change does to a megacli torch_dist checkpoint, as a plan of tensors to write.
+
+What depends on the layout (TP/PP/VP/DP) in a megacli torch_dist checkpoint, and what does not:
+
+* model weights - no. ``GPTModel.sharded_state_dict()`` stores every tensor in its global shape,
+  transformer layers stacked along a leading axis by *global* layer number; the chunks in the
+  files are only how the saving ranks happened to split the work;
+* optimizer state - no, for a given optimizer kind. The standard optimizer stores Adam moments
+  (``optimizer.state.exp_avg.<key>``, ``exp_avg_sq``; mixed precision adds ``fp32_param``) shaped
+  like the weights; the distributed optimizer's ``fully_reshardable`` format stores the same
+  plus the fp32 main weights as ``optimizer.state.param.<key>``, gathered from its flat DP shards.
+  Switching the *kind* (``parallel.distributed_optimizer``, usually with DP) changes names and
+  the non-tensor part (``common.pt``: param groups, step);
+* scheduler, iteration, consumed samples (the data position) - no: counted in global steps and
+  samples;
+* the padded vocabulary - sometimes: the embedding (and an untied output layer) has
+  ``make_vocab_size_divisible_by × TP`` rows, so a TP change can pad or trim rows;
+* RNG state - yes: one ``rng_state/shard_{pp}.{tp}_{PP}.{TP}`` object per (pipeline, tensor)
+  rank, holding that rank's Python/NumPy/torch generators and Megatron's RNG tracker (whose
+  tensor-parallel streams are seeded per TP rank);
+* the recorded layout (``megacli.json``) and the ``parallel:``/``launch:`` sections of
+  ``recipe.yaml`` - yes, labels.
+
+So a reshard copies global tensors (re-chunked the way the new layout's ranks read them),
+converts the optimizer kind when asked, fits the vocabulary rows, re-labels the RNG state for
+the new (pipeline, tensor) grid and rewrites the labels.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from megacli.errors import UserError
+from megacli.reshard.store import ObjectEntry, TensorEntry, TorchDistReader
+
+META = "megacli.json"
+RECIPE = "recipe.yaml"
+OPT_PREFIX = "optimizer.state."
+RNG_KEY = re.compile(r"^rng_state/shard_(\d+)\.(\d+)_(\d+)\.(\d+)$")
+_STACKED = re.compile(r"(?:^|\.)layers\.(?!\d)")
+# Tensor-parallel split of Megatron-Core's GPT weights (the keys of GPTModel.sharded_state_dict()).
+_COLUMN = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias", "linear_qkv.weight",
+           "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias")
+_ROW = ("linear_proj.weight", "linear_fc2.weight")
+VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias")
+# Megatron's RNG tracker streams that are seeded per tensor-parallel rank (tensor_parallel/random.py).
+_PER_TP_STREAMS = {"model-parallel-rng": 2718, "expert-parallel-rng": 1024}
+
+
+# ---------------------------------------------------------------- layouts
+
+
+@dataclass(frozen=True)
+class Layout:
+    tensor: int = 1
+    pipeline: int = 1
+    virtual_pipeline: Optional[int] = None
+    data: int = 1
+    context: int = 1
+
+    @classmethod
+    def from_meta(cls, d: dict) -> "Layout":
+        return cls(tensor=int(d.get("tensor", 1)), pipeline=int(d.get("pipeline", 1)),
+                   virtual_pipeline=d.get("virtual_pipeline") or None, data=int(d.get("data", 1)),
+                   context=int(d.get("context", 1)))
+
+    def as_meta(self) -> dict:
+        return {"tensor": self.tensor, "pipeline": self.pipeline, "virtual_pipeline": self.virtual_pipeline,
+                "data": self.data, "context": self.context}
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor * self.pipeline * self.context * self.data
+
+    @property
+    def vp(self) -> int:
+        return self.virtual_pipeline or 1
+
+    def __str__(self) -> str:
+        vp = f" (VP {self.virtual_pipeline})" if self.virtual_pipeline else ""
+        cp = f" × CP {self.context}" if self.context > 1 else ""
+        return f"TP {self.tensor} × PP {self.pipeline}{vp}{cp} × DP {self.data}"
+
+    def stage_of_layer(self, layer: int, num_layers: int) -> int:
+        """The pipeline rank holding (global, 0-based) ``layer``."""
+        per_chunk = num_layers // (self.pipeline * self.vp)
+        return (layer // per_chunk) % self.pipeline
+
+    def first_layer_of_stage(self, stage: int, num_layers: int) -> int:
+        return stage * (num_layers // (self.pipeline * self.vp))
+
+
+# ---------------------------------------------------------------- a source checkpoint
+
+
+class Checkpoint:
+    """A megacli torch_dist checkpoint (iteration directory): labels, recipe and entries."""
+
+    def __init__(self, path: Path):
+        import yaml
+
+        self.path = path
+        try:
+            self.meta = json.loads((path / META).read_text())
+        except (OSError, ValueError) as exc:
+            raise UserError(f"{path / META}: cannot read ({exc})") from None
+        fmt = self.meta.get("format", "torch_dist")
+        if fmt != "torch_dist":
+            raise UserError(f"{path}: format {fmt!r}; expected torch_dist")
+        recipe_file = path / RECIPE
+        if not recipe_file.is_file():
+            raise UserError(f"{path}: no {RECIPE} (reshard needs the run's recipe to know the model and write the new one)")
+        self.recipe_raw = yaml.safe_load(recipe_file.read_text()) or {}
+        self.layout = Layout.from_meta(self.meta.get("layout") or {})
+        self.reader = TorchDistReader(path)
+        self._common: dict | None = None
+
+    @property
+    def iteration(self) -> int:
+        return int(self.meta.get("iteration", 0))
+
+    @property
+    def common(self) -> dict:
+        if self._common is None:
+            self._common = self.reader.common()
+        return self._common
+
+    def section(self, name: str) -> dict:
+        return dict(self.recipe_raw.get(name) or {})
+
+    @property
+    def model_keys(self) -> list[str]:
+        return [k for k in self.reader.tensors if not k.startswith("optimizer.")]
+
+    @property
+    def optimizer_kind(self) -> Optional[str]:
+        """'distributed' (fully_reshardable), 'standard', or None (no optimizer state)."""
+        opt = self.common.get("optimizer")
+        if not isinstance(opt, dict):
+            return None
+        sharding = opt.get("param_state_sharding_type")
+        if sharding is not None:
+            if sharding != "fully_reshardable":
+                raise UserError(f"{self.path}: distributed-optimizer state in the {sharding!r} format; only "
+                                f"'fully_reshardable' (what megacli saves) is layout-free and can be resharded")
+            return "distributed"
+        return "standard"
+
+    @property
+    def rng_objects(self) -> dict[tuple[int, int], str]:
+        out = {}
+        for key in self.reader.objects:
+            m = RNG_KEY.match(key)
+            if m:
+                out[(int(m.group(1)), int(m.group(2)))] = key
+        return out
+
+
+def split_optimizer_key(key: str) -> tuple[Optional[str], str]:
+    """``optimizer.state.exp_avg.decoder.x`` -> ('exp_avg', 'decoder.x'); a model key -> (None, key)."""
+    if key.startswith(OPT_PREFIX):
+        state, _, base = key[len(OPT_PREFIX):].partition(".")
+        return state, base
+    return None, key
+
+
+# ---------------------------------------------------------------- target chunks
+
+
+def target_chunks(key: str, shape: tuple[int, ...], *, tp: int, gated: bool) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """How the ranks of a layout with tensor-parallel size ``tp`` hold a global tensor: one chunk
+    per transformer layer (stacked keys), split along the tensor-parallel dimension of the weight.
+    Any chunking loads under any layout; this one lets each rank read only what it keeps."""
+    _, base = split_optimizer_key(key)
+    ndim = len(shape)
+    if ndim == 0:
+        return [((), ())]
+    stacked = bool(_STACKED.search(base)) and ndim >= 2
+    lead = 1 if stacked else 0
+    # pieces along each dim: list of (offset, size)
+    axes: list[list[tuple[int, int]]] = [[(0, s)] for s in shape]
+    if stacked:
+        axes[0] = [(i, 1) for i in range(shape[0])]
+    tp_dim = None
+    if base.endswith(_COLUMN):
+        tp_dim = lead
+    elif base.endswith(_ROW):
+        tp_dim = lead + 1
+    if tp > 1 and tp_dim is not None and tp_dim < ndim:
+        size = shape[tp_dim]
+        if gated and base.endswith(("linear_fc1.weight", "linear_fc1.bias")) and size % (2 * tp) == 0:
+            half, part = size // 2, size // (2 * tp)
+            axes[tp_dim] = [(h * half + r * part, part) for r in range(tp) for h in (0, 1)]
+        elif size % tp == 0:
+            part = size // tp
+            axes[tp_dim] = [(r * part, part) for r in range(tp)]
+    chunks: list[tuple[tuple[int, ...], tuple[int, ...]]] = [((), ())]
+    for pieces in axes:
+        chunks = [(o + (po,), s + (ps,)) for o, s in chunks for po, ps in pieces]
+    return chunks
+
+
+def describe_split(info, num_layers: Optional[int] = None) -> str:
+    """How the stored chunks split a tensor, for people: 'per layer · 2 on dim 1', 'whole'."""
+    shape = info.shape
+    if not shape:
+        return "scalar"
+    parts = []
+    for d in range(len(shape)):
+        offsets = sorted({c[0][d] for c in info.chunks})
+        if len(offsets) <= 1:
+            continue
+        sizes = {c[1][d] for c in info.chunks}
+        if d == 0 and sizes == {1} and len(offsets) == shape[0] and _STACKED.search(split_optimizer_key(info.key)[1]):
+            parts.append("per layer")
+        else:
+            parts.append(f"{len(offsets)} on dim {d}")
+    text = " · ".join(parts) if parts else "whole"
+    return text
+
+
+# ---------------------------------------------------------------- the target
+
+
+@dataclass(frozen=True)
+class Target:
+    layout: Layout
+    distributed_optimizer: bool
+    sequence_parallel: bool
+    overrides: tuple[str, ...] = ()
+
+
+def resolve_target(src_layout: Layout, src_parallel: dict, *, tensor=None, pipeline=None, virtual_pipeline=None,
+                   data_parallel=None, distributed_optimizer=None, sequence_parallel=None, overrides=()) -> Target:
+    """Fill what the user did not give from the source: TP/PP/DP and the optimizer kind are kept;
+    virtual stages are kept when PP is unchanged (``1`` = none); sequence parallelism is kept
+    where TP > 1."""
+    tp = tensor or src_layout.tensor
+    pp = pipeline or src_layout.pipeline
+    if virtual_pipeline is None:
+        vp = src_layout.virtual_pipeline if pp == src_layout.pipeline else None
+    else:
+        vp = virtual_pipeline if virtual_pipeline > 1 else None
+    dp = data_parallel or src_layout.data
+    dist_opt = bool(src_parallel.get("distributed_optimizer", False)) if distributed_optimizer is None else distributed_optimizer
+    if sequence_parallel is None:
+        sp = bool(src_parallel.get("sequence_parallel", False)) and tp > 1
+    else:
+        sp = sequence_parallel
+    layout = Layout(tensor=tp, pipeline=pp, virtual_pipeline=vp, data=dp, context=src_layout.context)
+    return Target(layout=layout, distributed_optimizer=dist_opt, sequence_parallel=sp, overrides=tuple(overrides))
+
+
+def target_recipe(src: Checkpoint, target: Target):
+    """The source recipe with the target's ``parallel:``/``launch:`` and the overrides, validated."""
+    from megacli.recipe.base import apply_overrides, validate
+    from megacli.recipe.pretrain import TrainingRecipe
+
+    raw = copy.deepcopy(src.recipe_raw)
+    lay = target.layout
+    parallel = dict(raw.get("parallel") or {})
+    parallel.update(tensor=lay.tensor, pipeline=lay.pipeline, virtual_pipeline=lay.virtual_pipeline,
+                    context=lay.context, distributed_optimizer=target.distributed_optimizer,
+                    sequence_parallel=target.sequence_parallel)
+    if not target.distributed_optimizer:
+        parallel["overlap_param_gather"] = False
+    raw["parallel"] = parallel
+    launch = dict(raw.get("launch") or {})
+    nnodes = int(launch.get("nnodes", 1) or 1)
+    world = lay.world_size
+    if nnodes > 1 and world % nnodes == 0:
+        launch["nproc"] = world // nnodes
+    else:
+        launch.update(nproc=world, nnodes=1, node_rank=0)
+    raw["launch"] = launch
+    raw = apply_overrides(raw, target.overrides)
+    recipe = validate(TrainingRecipe, raw, f"the recipe for {lay}")
+    if recipe.data_parallel_size != lay.data:
+        raise UserError(f"the written recipe has data-parallel size {recipe.data_parallel_size}, not {lay.data} "
+                        f"(launch.nproc × launch.nnodes must be TP × PP × CP × DP = {world})")
+    return recipe
+
+
+# ---------------------------------------------------------------- the plan
+
+
+@dataclass
+class Plan:
+    source: Checkpoint
+    target: Target
+    recipe: object
+    tensors: list[TensorEntry]
+    objects: list[ObjectEntry]
+    common: dict
+    meta: dict
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        total = 0
+        for t in self.tensors:
+            n = 1
+            for s in t.shape:
+                n *= s
+            total += n * torch.empty((), dtype=t.dtype).element_size()
+        return total
+
+
+def build_plan(src: Checkpoint, target: Target, recipe=None) -> Plan:
+    """The entries of the target checkpoint. ``recipe``: the target's recipe (default: the source's
+    with the target layout, see target_recipe)."""
+    recipe = recipe if recipe is not None else target_recipe(src, target)
+    m = recipe.model
+    gated = m.activation == "swiglu"
+    notes: list[str] = []
+    reader = src.reader
+
+    # Vocabulary rows of the target layout.
+    rows_now, rows_new = _vocab_rows(src, recipe)
+    if rows_now is not None and rows_new != rows_now:
+        notes.append(f"vocabulary padding {rows_now} → {rows_new} rows (make_vocab_size_divisible_by × TP); "
+                     f"{'new rows are zeros' if rows_new > rows_now else 'padding rows beyond the vocabulary are dropped'}")
+
+    def fit(key: str, produce: Callable[[], torch.Tensor]) -> tuple[tuple[int, ...], Callable[[], torch.Tensor]]:
+        info = reader.tensors[key]
+        _, base = split_optimizer_key(key)
+        if rows_now is None or rows_new == rows_now or not base.endswith(VOCAB_KEYS) or info.shape[0] != rows_now:
+            return info.shape, produce
+        shape = (rows_new,) + tuple(info.shape[1:])
+
+        def fitted():
+            t = produce()
+            if rows_new < rows_now:
+                return t[:rows_new].contiguous()
+            out = torch.zeros(shape, dtype=t.dtype)
+            out[:rows_now] = t
+            return out
+
+        return shape, fitted
+
+    def entry(key_out: str, key_in: str, how: str = "copy", cast: Optional[torch.dtype] = None) -> TensorEntry:
+        info = reader.tensors[key_in]
+        produce = (lambda k=key_in: reader.read(k))
+        if cast is not None and cast != info.dtype:
+            produce = (lambda k=key_in, c=cast: reader.read(k).to(c))
+        shape, produce = fit(key_in, produce)
+        dtype = cast or info.dtype
+        return TensorEntry(key=key_out, shape=shape, dtype=dtype, chunks=target_chunks(key_out, shape, tp=target.layout.tensor, gated=gated),
+                           produce=produce, how=how)
+
+    tensors: list[TensorEntry] = []
+    for key in src.model_keys:
+        tensors.append(entry(key, key))
+
+    # Optimizer state, converted between the standard and the distributed optimizer's format.
+    kind = src.optimizer_kind
+    opt_keys = [k for k in reader.tensors if k.startswith(OPT_PREFIX)]
+    want = "distributed" if target.distributed_optimizer else "standard"
+    mixed = recipe.train.precision != "fp32"
+    common = copy.deepcopy(src.common)
+    if kind is None:
+        if opt_keys:
+            raise UserError(f"{src.path}: optimizer tensors without optimizer state in {reader.path / 'common.pt'}")
+    elif kind == want:
+        tensors += [entry(k, k) for k in opt_keys]
+    else:
+        notes.append(f"optimizer: {kind} → {want} format" + (
+            " (fp32 main weights taken from the fp32 model weights)" if want == "distributed" and not mixed else ""))
+        by_state: dict[str, list[str]] = {}
+        for k in opt_keys:
+            state, base = split_optimizer_key(k)
+            by_state.setdefault(state, []).append(base)
+        for state, bases in by_state.items():
+            if want == "distributed" and state == "fp32_param":
+                tensors += [entry(f"{OPT_PREFIX}param.{b}", f"{OPT_PREFIX}fp32_param.{b}", how="fp32_param → param") for b in bases]
+            elif want == "standard" and state == "param":
+                if mixed:
+                    tensors += [entry(f"{OPT_PREFIX}fp32_param.{b}", f"{OPT_PREFIX}param.{b}", how="param → fp32_param") for b in bases]
+                # fp32: the standard optimizer steps the model weights themselves; the main copy is dropped
+            else:
+                tensors += [entry(f"{OPT_PREFIX}{state}.{b}", f"{OPT_PREFIX}{state}.{b}") for b in bases]
+        if want == "distributed" and not mixed:
+            if "fp32_param" in by_state:
+                raise UserError(f"{src.path}: mixed-precision optimizer state (fp32_param) but the recipe says fp32")
+            bases = by_state.get("exp_avg") or by_state.get("exp_avg_sq") or []
+            tensors += [entry(f"{OPT_PREFIX}param.{b}", b, how="model weight → param", cast=torch.float32) for b in bases]
+        common["optimizer"] = convert_optimizer_common(src.common["optimizer"], kind, want, mixed)
+
+    objects = _plan_objects(src, target, recipe, notes)
+    meta = {k: v for k, v in src.meta.items() if k not in ("layout", "resharded_from")}
+    meta.update(layout=target.layout.as_meta(), format="torch_dist",
+                resharded_from={"path": str(src.path.resolve()), "layout": src.layout.as_meta(),
+                                "distributed_optimizer": bool(src.section("parallel").get("distributed_optimizer", False))})
+    return Plan(source=src, target=target, recipe=recipe, tensors=tensors, objects=objects, common=common, meta=meta, notes=notes)
+
+
+def convert_optimizer_common(opt: dict, kind: str, want: str, mixed: bool) -> dict:
+    """The non-tensor optimizer state (param groups, step, grad scaler) in the other format."""
+    if kind == "distributed":
+        inner = opt["optimizer"]
+        groups = [dict(g) for g in inner["param_groups"]]
+        steps = {g.pop("step") for g in groups if "step" in g}
+        step = steps.pop() if len(steps) == 1 else None
+        scaler = opt.get("grad_scaler")
+    else:
+        inner = opt["optimizer"] if mixed else opt
+        groups = [dict(g) for g in inner["param_groups"]]
+        step = inner.get("state", {}).get("common_step")
+        if step is None:
+            steps = {g.pop("step") for g in groups if "step" in g}
+            step = steps.pop() if len(steps) == 1 else None
+        scaler = opt.get("grad_scaler") if mixed else None
+    if want == "distributed":
+        value = float(step.item() if isinstance(step, torch.Tensor) else (step or 0))
+        for g in groups:
+            g["step"] = value
+        out: dict = {"optimizer": {"param_groups": groups}}
+        if scaler is not None:
+            out["grad_scaler"] = scaler
+        out["param_state_sharding_type"] = "fully_reshardable"
+        return out
+    state = {}
+    if step:
+        state["common_step"] = step if isinstance(step, torch.Tensor) else torch.tensor(float(step))
+    body = {"state": state, "param_groups": groups}
+    if not mixed:
+        return body
+    out = {"optimizer": body}
+    if scaler is not None:
+        out["grad_scaler"] = scaler
+    return out
+
+
+def _vocab_rows(src: Checkpoint, recipe) -> tuple[Optional[int], Optional[int]]:
+    """(rows in the checkpoint, rows the target layout pads to)."""
+    from megacli.plan import padded_vocab_size
+
+    emb = src.reader.tensors.get("embedding.word_embeddings.weight")
+    if emb is None:
+        return None, None
+    rows = emb.shape[0]
+    m = recipe.model
+    div = m.make_vocab_size_divisible_by
+    src_tp = src.layout.tensor
+    new_tp = recipe.parallel.tensor
+    # The real vocabulary lies in (rows - div·TP_src, rows]; when every size there pads the same
+    # way under the new TP, the tokenizer is not needed.
+    lo, hi = max(1, rows - div * src_tp + 1), rows
+    if m.vocab_size:
+        vocab = m.vocab_size
+    elif padded_vocab_size(lo, divisible_by=div, tensor_parallel=new_tp) == padded_vocab_size(hi, divisible_by=div, tensor_parallel=new_tp):
+        vocab = hi
+    else:
+        try:
+            from megacli.data.tokenizers import load_tokenizer
+
+            vocab = load_tokenizer(type=recipe.tokenizer.type, path=recipe.tokenizer.path).vocab_size
+        except Exception as exc:  # noqa: BLE001
+            raise UserError(f"TP {src_tp} → {new_tp} changes the vocabulary padding, and the real vocabulary size is "
+                            f"unknown: the recipe's tokenizer cannot be loaded ({exc}); pass --set model.vocab_size=N") from None
+    if vocab > rows:
+        raise UserError(f"the vocabulary ({vocab}) is larger than the checkpoint's embedding ({rows} rows)")
+    return rows, padded_vocab_size(vocab, divisible_by=div, tensor_parallel=new_tp)
+
+
+# ---------------------------------------------------------------- sharded objects (RNG state and the rest)
+
+
+def _plan_objects(src: Checkpoint, target: Target, recipe, notes: list[str]) -> list[ObjectEntry]:
+    reader = src.reader
+    rng = src.rng_objects
+    out = [ObjectEntry(k, (lambda k=k: reader.read_object_bytes(k))) for k in reader.objects if not RNG_KEY.match(k)]
+    if not rng:
+        return out
+    s, t = src.layout, target.layout
+    grid_src = {(p, r) for p in range(s.pipeline) for r in range(s.tensor)}
+    if set(rng) != grid_src:
+        raise UserError(f"{src.path}: RNG state for ranks {sorted(rng)} does not match the recorded layout {s}")
+    if (s.pipeline, s.tensor) == (t.pipeline, t.tensor) and s.vp == t.vp:
+        out += [ObjectEntry(k, (lambda k=k: reader.read_object_bytes(k))) for k in rng.values()]
+        return out
+    num_layers = recipe.model.num_layers
+    seed = recipe.train.seed
+    notes.append(f"RNG state: {s.pipeline}×{s.tensor} → {t.pipeline}×{t.tensor} (PP×TP) ranks; each stage takes the "
+                 f"generators of the source stage that held its first layer, tensor-parallel streams by TP rank "
+                 f"(seeded afresh for new TP ranks)")
+    for p in range(t.pipeline):
+        sp = s.stage_of_layer(t.first_layer_of_stage(p, num_layers), num_layers)
+        for r in range(t.tensor):
+            key = f"rng_state/shard_{p}.{r}_{t.pipeline}.{t.tensor}"
+            out.append(ObjectEntry(key, (lambda sp=sp, r=r: _rng_bytes(reader, rng, sp, r, s.tensor, seed)),
+                                   how=f"from PP {sp} · TP {r if r < s.tensor else 'new'}"))
+    return out
+
+
+def _rng_bytes(reader: TorchDistReader, rng: dict, src_stage: int, tp_rank: int, src_tp: int, seed: int) -> bytes:
+    base = reader.read_object(rng[(src_stage, 0)])
+    if not (isinstance(base, list) and len(base) == 1 and isinstance(base[0], dict)):
+        raise UserError(f"{reader.path}: unexpected RNG state object layout ({type(base).__name__})")
+    state = dict(base[0])
+    tracker = dict(state.get("tracker") or {})
+    if tp_rank < src_tp:
+        same = reader.read_object(rng[(src_stage, tp_rank)])[0].get("tracker") or {}
+        for name in _PER_TP_STREAMS:
+            if name in same:
+                tracker[name] = same[name]
+    else:
+        for name, offset in _PER_TP_STREAMS.items():
+            if name in tracker:
+                tracker[name] = _seeded_state(tracker[name], seed + offset + tp_rank)
+    state["tracker"] = tracker
+    buf = io.BytesIO()
+    torch.save([state], buf)
+    return buf.getvalue()
+
+
+def _seeded_state(like: torch.Tensor, seed: int) -> torch.Tensor:
+    """A generator state for ``seed`` in the format of ``like`` (CPU Mersenne Twister, or CUDA Philox
+    seed + offset), as Megatron's model_parallel_cuda_manual_seed would set it."""
+    cpu = torch.Generator().get_state()
+    if like.numel() == cpu.numel():
+        return torch.Generator().manual_seed(seed).get_state()
+    if like.numel() == 16:
+        return torch.tensor([seed, 0], dtype=torch.int64).view(torch.uint8).clone()
+    raise UserError(f"unknown RNG state format ({like.numel()} bytes); cannot seed a new tensor-parallel rank")

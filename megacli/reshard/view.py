@@ -1,0 +1,50 @@
+"""Rich output for `megacli reshard`: progress bars over tensors and the summary."""
+
+from __future__ import annotations
+
+import contextlib
+
+
+@contextlib.contextmanager
+def progress_bars(enabled: bool = True):
+    """Yields ``start(description, total) -> done(key)`` (or None when disabled), drawing one bar
+    per phase (writing, verifying) on stderr."""
+    if not enabled:
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    with Progress(TextColumn("{task.description:<10}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("[dim]{task.fields[key]}", markup=True), console=console, transient=console.is_terminal) as prog:
+
+        def start(description: str, total: int):
+            task = prog.add_task(description, total=total, key="")
+
+            def done(key: str) -> None:
+                prog.update(task, advance=1, key=_short(key))
+
+            return done
+
+        yield start
+
+
+def _short(key: str, width: int = 56) -> str:
+    from rich.markup import escape
+
+    return escape(key if len(key) <= width else "…" + key[-(width - 1):])
+
+
+def print_result(result, console) -> None:
+    from megacli.reshard.core import _size
+
+    console.print(f"resharded {result.source} ({result.source_layout}) → {result.iteration_dir} ({result.target_layout}): "
+                  f"{result.tensors} tensors ({_size(result.bytes)}) and {result.objects} objects in {result.seconds:.1f} s",
+                  markup=False, soft_wrap=True)
+    for note in result.notes:
+        console.print(f"  {note}", markup=False, soft_wrap=True)
+    if result.verified is not None:
+        console.print(result.verified.line(), markup=False, soft_wrap=True)
+    console.print(f"resume with: megacli pretrain {result.iteration_dir / 'recipe.yaml'} --set checkpoint.resume={result.output}",
+                  markup=False, soft_wrap=True)
