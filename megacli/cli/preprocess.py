@@ -29,7 +29,7 @@ def run_command(
     input: Annotated[Optional[List[str]], typer.Option("--input", "-i", help="Corpus file, directory or glob (repeatable).", rich_help_panel=_ONE_OFF, show_default=False)] = None,
     output_prefix: Annotated[Optional[str], typer.Option("--output-prefix", "-o", help="Output prefix: writes PREFIX_KEY_document.bin/.idx.", rich_help_panel=_ONE_OFF, show_default=False)] = None,
     json_keys: Annotated[Optional[List[str]], typer.Option("--json-keys", help="JSON keys to tokenize (repeatable or comma-separated; default text).", rich_help_panel=_ONE_OFF, show_default=False)] = None,
-    tokenizer: Annotated[Optional[str], typer.Option("--tokenizer", "-t", help="'byte', a Hugging Face tokenizer directory, a SentencePiece .model or a WordPiece vocab .txt.", rich_help_panel=_ONE_OFF, show_default=False)] = None,
+    tokenizer: Annotated[Optional[str], typer.Option("--tokenizer", "-t", help="'byte' (the default), a Hugging Face tokenizer directory, a SentencePiece .model or a WordPiece vocab .txt.", rich_help_panel=_ONE_OFF, show_default=False)] = None,
     append_eod: Annotated[Optional[bool], typer.Option("--append-eod/--no-append-eod", help="Append the end-of-document token to each document.", rich_help_panel=_ONE_OFF, show_default=False)] = None,
     add_bos: Annotated[Optional[bool], typer.Option("--add-bos/--no-add-bos", help="Prepend the beginning-of-sequence token to each document.", rich_help_panel=_ONE_OFF, show_default=False)] = None,
     split_sentences: Annotated[Optional[bool], typer.Option("--split-sentences/--no-split-sentences", help="Split documents into sentences (nltk Punkt).", rich_help_panel=_ONE_OFF, show_default=False)] = None,
