@@ -123,8 +123,10 @@ def _sharded_state(chunks, optimizer, scheduler, *, loading: bool, with_optimize
 
 
 def save(*, ckpt_dir: str | Path, iteration: int, consumed_samples: int, chunks, optimizer, scheduler,
-         recipe_yaml: str, keep_last: int | None = None) -> Path:
-    """Save atomically; returns the final iteration directory. Collective: every rank calls it."""
+         recipe_yaml: str, keep_last: int | None = None, extra_meta: dict | None = None) -> Path:
+    """Save atomically; returns the final iteration directory. Collective: every rank calls it.
+    With ``optimizer=None`` only the model weights are saved (no optimizer, scheduler or RNG
+    state: what `megacli convert` writes); ``extra_meta`` adds entries to megacli.json."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
@@ -138,7 +140,9 @@ def save(*, ckpt_dir: str | Path, iteration: int, consumed_samples: int, chunks,
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     dist.barrier()
-    state = _sharded_state(chunks, optimizer, scheduler, loading=False, with_optimizer=True, with_rng=True)
+    weights_only = optimizer is None
+    state = _sharded_state(chunks, optimizer, scheduler, loading=False, with_optimizer=not weights_only,
+                           with_rng=not weights_only)
     dist_checkpointing.save(state, str(tmp))
     if os.environ.get("MEGACLI_TEST_CRASH_IN_SAVE") == str(iteration):
         # Fault injection for the atomic-save test: fail after the shards are written, before publishing.
@@ -147,6 +151,9 @@ def save(*, ckpt_dir: str | Path, iteration: int, consumed_samples: int, chunks,
     if rank == 0:
         (tmp / "recipe.yaml").write_text(recipe_yaml)
         meta = {"iteration": iteration, "consumed_samples": consumed_samples, "layout": _layout(), "format": "torch_dist"}
+        if weights_only:
+            meta.update(has_optimizer=False, has_rng_state=False)
+        meta.update(extra_meta or {})
         (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
         _publish(tmp, final, ckpt_dir)
         if keep_last:
@@ -218,11 +225,11 @@ def load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool) -> R
     from megatron.core import dist_checkpointing
 
     meta = read_meta(ckpt)
-    same_layout = meta.get("layout") == _layout()
+    restore_rng = meta.get("layout") == _layout() and meta.get("has_rng_state", True)
     has_optimizer = load_optimizer and meta.get("has_optimizer", True)
     if has_optimizer:
         _prepare_distributed_optimizer_load(optimizer)
-    state = _sharded_state(chunks, optimizer, scheduler, loading=True, with_optimizer=has_optimizer, with_rng=same_layout)
+    state = _sharded_state(chunks, optimizer, scheduler, loading=True, with_optimizer=has_optimizer, with_rng=restore_rng)
     try:
         loaded = dist_checkpointing.load(state, str(ckpt))
     except Exception as exc:
@@ -234,7 +241,7 @@ def load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool) -> R
     if has_optimizer:
         optimizer.load_state_dict(loaded["optimizer"])
         scheduler.load_state_dict(loaded["scheduler"])
-    if same_layout and "rng_state" in loaded:
+    if restore_rng and "rng_state" in loaded:
         _set_rng_state(loaded["rng_state"])
     if not has_optimizer:
         return Restored(iteration=0, consumed_samples=0, path=ckpt)

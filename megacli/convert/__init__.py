@@ -1,0 +1,29 @@
+"""Checkpoint conversion: Hugging Face ⇄ megacli (Megatron-Core torch_dist), Megatron-LM legacy ->
+either, for the model families in ``megacli.convert.families``.
+
+    from megacli.convert import convert
+    convert("hf/llama", "ckpt/llama", parallel=ParallelSection(tensor=2, pipeline=2), dtype="bf16")
+    convert("ckpt/llama", "hf/llama-out")                       # back to Hugging Face
+
+Modules: ``mapping`` (rule tables and tensor transforms), ``families`` (one module per HF
+family), ``hf_io`` (HF directories), ``megatron_io`` (global tensors <-> torch_dist checkpoints),
+``legacy`` (Megatron-LM legacy checkpoints), ``structure`` (--print-structure), ``run`` (the
+conversions).
+"""
+
+from __future__ import annotations
+
+
+def convert(*args, **kwargs):
+    from megacli.convert.run import convert as _convert
+
+    return _convert(*args, **kwargs)
+
+
+def detect(path):
+    from megacli.convert.run import detect as _detect
+
+    return _detect(path)
+
+
+__all__ = ["convert", "detect"]

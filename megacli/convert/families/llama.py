@@ -1,0 +1,165 @@
+"""The Llama family: Llama, Mistral and Qwen2 (LlamaForCausalLM, MistralForCausalLM,
+Qwen2ForCausalLM). RoPE, grouped-query attention, SwiGLU, RMSNorm, tied or untied embeddings;
+Qwen2 adds a bias to the q/k/v projections only (``add_qkv_bias``).
+
+RoPE convention: HF rotates halves (``rotate_half``, non-interleaved), which is Megatron's default
+``rotary_interleaved=False``; the inverse frequencies are computed the same way from rope_theta.
+"""
+
+from __future__ import annotations
+
+from megacli.convert.families import require
+from megacli.convert.mapping import MappingTable, Rule, direct, gate_up, qkv
+from megacli.errors import UserError
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+ARCH = "gpt"
+
+_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+
+
+def rope_theta(c: dict) -> float:
+    """rope_theta from a transformers 4 (top-level rope_theta / rope_scaling) or 5
+    (rope_parameters) config; only plain RoPE (no scaling) is supported."""
+    params = c.get("rope_parameters") or {}
+    scaling = c.get("rope_scaling")
+    rope_type = params.get("rope_type") or (scaling or {}).get("rope_type") or (scaling or {}).get("type")
+    if rope_type not in (None, "default"):
+        raise UserError(f"RoPE scaling {rope_type!r} (rope_scaling / rope_parameters) is not supported by the Megatron "
+                        f"model; only plain RoPE converts")
+    theta = params.get("rope_theta", c.get("rope_theta", 10000.0))
+    return float(theta)
+
+
+def _biases(c: dict, architecture: str) -> tuple[bool, bool]:
+    """(add_bias_linear, add_qkv_bias) for an HF config."""
+    if architecture == "Qwen2ForCausalLM":
+        return False, True
+    attn, mlp = bool(c.get("attention_bias", False)), bool(c.get("mlp_bias", False))
+    if attn != mlp:
+        raise UserError(f"attention_bias = {attn} with mlp_bias = {mlp} cannot be expressed: Megatron has biases on "
+                        f"all linear layers (add_bias_linear) or on the QKV projection only (add_qkv_bias)")
+    return attn, False
+
+
+def _check_window(c: dict, architecture: str, positions: int) -> None:
+    window = c.get("sliding_window")
+    in_use = c.get("use_sliding_window", architecture == "MistralForCausalLM")
+    if in_use and window is not None and window < positions:
+        raise UserError(f"sliding_window = {window} (< max_position_embeddings = {positions}) is not supported: the "
+                        f"Megatron model attends to the whole sequence")
+
+
+def model_section(c: dict) -> dict:
+    architecture = c["architectures"][0]
+    act = c.get("hidden_act", "silu")
+    if act != "silu":
+        raise UserError(f"hidden_act {act!r} is not supported for {architecture}; only silu (SwiGLU) converts")
+    if c.get("num_experts") or c.get("num_local_experts"):
+        raise UserError(f"{architecture} with experts (MoE) is not supported by megacli convert yet")
+    hidden = require(c, "hidden_size")
+    heads = require(c, "num_attention_heads")
+    positions = require(c, "max_position_embeddings")
+    _check_window(c, architecture, positions)
+    bias_linear, qkv_bias = _biases(c, architecture)
+    return dict(
+        arch="gpt",
+        num_layers=require(c, "num_hidden_layers"),
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=c.get("num_key_value_heads") or heads,
+        kv_channels=c.get("head_dim") or hidden // heads,
+        ffn_hidden_size=require(c, "intermediate_size"),
+        seq_length=min(positions, 4096),
+        max_position_embeddings=positions,
+        position_embedding="rope",
+        rotary_base=rope_theta(c),
+        normalization="rmsnorm",
+        norm_epsilon=c.get("rms_norm_eps", 1e-6),
+        activation="swiglu",
+        add_bias_linear=bias_linear,
+        add_qkv_bias=qkv_bias,
+        untie_embeddings=not c.get("tie_word_embeddings", False),
+        vocab_size=require(c, "vocab_size"),
+        init_method_std=c.get("initializer_range", 0.02),
+        dropout=0.0,
+        attention_dropout=c.get("attention_dropout", 0.0),
+    )
+
+
+def architecture_for(m, preferred: str | None = None) -> str | None:
+    if not (m.arch == "gpt" and m.position_embedding == "rope" and m.normalization == "rmsnorm"
+            and m.activation == "swiglu" and not m.qk_layernorm and m.rotary_percent == 1.0 and m.moe is None):
+        return None
+    standard_head = m.head_dim * m.num_attention_heads == m.hidden_size
+    expressible = {
+        "LlamaForCausalLM": not m.add_qkv_bias or m.add_bias_linear,
+        "MistralForCausalLM": not m.add_qkv_bias and not m.add_bias_linear,
+        "Qwen2ForCausalLM": m.add_qkv_bias and not m.add_bias_linear and standard_head,
+    }
+    if preferred is not None and expressible.get(preferred):
+        return preferred
+    if expressible["Qwen2ForCausalLM"]:
+        return "Qwen2ForCausalLM"
+    return "LlamaForCausalLM" if expressible["LlamaForCausalLM"] else None
+
+
+def hf_config(m, *, architecture: str, vocab_size: int, base: dict | None) -> dict:
+    base = dict(base or {})
+    derived = {
+        "architectures": [architecture],
+        "model_type": _MODEL_TYPES[architecture],
+        "vocab_size": vocab_size,
+        "hidden_size": m.hidden_size,
+        "intermediate_size": m.ffn_size,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_attention_heads,
+        "num_key_value_heads": m.query_groups,
+        "max_position_embeddings": m.max_positions,
+        "rms_norm_eps": m.norm_epsilon,
+        "hidden_act": "silu",
+        "tie_word_embeddings": not m.untie_embeddings,
+        "initializer_range": m.init_method_std,
+        "attention_dropout": m.attention_dropout,
+    }
+    if architecture != "Qwen2ForCausalLM":
+        derived["head_dim"] = m.head_dim
+    if architecture == "LlamaForCausalLM":
+        derived["attention_bias"] = derived["mlp_bias"] = m.add_bias_linear
+    if isinstance(base.get("rope_parameters"), dict):
+        derived["rope_parameters"] = {**base["rope_parameters"], "rope_theta": m.rotary_base}
+    else:
+        derived["rope_theta"] = m.rotary_base
+    return {**base, **derived}
+
+
+def table(m) -> MappingTable:
+    L, H = "decoder.layers.*.", "model.layers.*."
+    groups, heads = m.query_groups, m.num_attention_heads
+    attn = H + "self_attn."
+    rules = [
+        Rule("embedding.word_embeddings.weight", "model.embed_tokens.weight", *direct()),
+        Rule(L + "self_attention.linear_qkv.layer_norm_weight", H + "input_layernorm.weight", *direct()),
+        Rule(L + "self_attention.linear_qkv.weight", (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
+             *qkv(groups=groups, heads=heads)),
+        Rule(L + "self_attention.linear_proj.weight", attn + "o_proj.weight", *direct()),
+        Rule(L + "mlp.linear_fc1.layer_norm_weight", H + "post_attention_layernorm.weight", *direct()),
+        Rule(L + "mlp.linear_fc1.weight", (H + "mlp.gate_proj.weight", H + "mlp.up_proj.weight"), *gate_up()),
+        Rule(L + "mlp.linear_fc2.weight", H + "mlp.down_proj.weight", *direct()),
+        Rule("decoder.final_layernorm.weight", "model.norm.weight", *direct()),
+    ]
+    if m.add_qkv_bias or m.add_bias_linear:
+        rules.append(Rule(L + "self_attention.linear_qkv.bias", (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"),
+                          *qkv(groups=groups, heads=heads)))
+    if m.add_bias_linear:
+        rules += [
+            Rule(L + "self_attention.linear_proj.bias", attn + "o_proj.bias", *direct()),
+            Rule(L + "mlp.linear_fc1.bias", (H + "mlp.gate_proj.bias", H + "mlp.up_proj.bias"), *gate_up()),
+            Rule(L + "mlp.linear_fc2.bias", H + "mlp.down_proj.bias", *direct()),
+        ]
+    drop = [attn + "rotary_emb.inv_freq"]  # a non-persistent buffer older checkpoints stored
+    if m.untie_embeddings:
+        rules.append(Rule("output_layer.weight", "lm_head.weight", *direct()))
+    else:
+        drop.append("lm_head.weight")
+    return MappingTable(rules, drop=tuple(drop))

@@ -1,0 +1,406 @@
+"""Megatron-LM legacy (``--ckpt-format torch``) checkpoints, read into canonical global tensors.
+
+Layout (megatron/training/checkpointing.py):
+
+    CKPT/latest_checkpointed_iteration.txt     "1000" (or "release")
+    CKPT/iter_0001000/mp_rank_TT/model_optim_rng.pt          pipeline size 1
+    CKPT/iter_0001000/mp_rank_TT_PPP/model_optim_rng.pt      pipeline size > 1
+
+Each file is a torch.save'd dict: ``args`` (the argparse Namespace of the run),
+``checkpoint_version`` (3.0), ``iteration``, ``model`` (``model0``, ``model1``, ... with virtual
+pipeline stages), ``optimizer``, ``opt_param_scheduler``, ``rng_state``. Model keys are either
+Megatron-Core's (``decoder.layers.N.self_attention.linear_qkv.weight``, with the norm keys of the
+Transformer-Engine or the local spec) or the legacy model's nested ``language_model`` dicts
+(``encoder.layers.N.self_attention.query_key_value.weight``); N counts layers within the chunk.
+
+Tensor-parallel shards are merged as tools/checkpoint/loader_core.py does: column-parallel
+weights along dim 0 (SwiGLU's [gate; up] halves per rank), row-parallel along dim 1, the rest
+taken from rank 0. Files are loaded with ``weights_only=True`` and an allow-list of the harmless
+globals these checkpoints contain (argparse.Namespace, NumPy RNG state, Megatron enums).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import re
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from megacli.errors import UserError
+
+TRACKER = "latest_checkpointed_iteration.txt"
+FILE = "model_optim_rng.pt"
+_RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(_\d{3})?\Z")
+
+# Legacy-model (megatron/legacy/model) and local-spec names -> canonical (TE-style) names.
+_RENAMES = [
+    (r"language_model\.embedding\.(word|position)_embeddings\.", r"embedding.\1_embeddings."),
+    (r"language_model\.(?:encoder|transformer)\.layers\.(\d+)\.(?:input_norm|input_layernorm)\.(weight|bias)",
+     r"decoder.layers.\1.self_attention.linear_qkv.layer_norm_\2"),
+    (r"language_model\.(?:encoder|transformer)\.layers\.(\d+)\.self_attention\.query_key_value\.",
+     r"decoder.layers.\1.self_attention.linear_qkv."),
+    (r"language_model\.(?:encoder|transformer)\.layers\.(\d+)\.self_attention\.dense\.", r"decoder.layers.\1.self_attention.linear_proj."),
+    (r"language_model\.(?:encoder|transformer)\.layers\.(\d+)\.(?:post_attention_norm|post_attention_layernorm)\.(weight|bias)",
+     r"decoder.layers.\1.mlp.linear_fc1.layer_norm_\2"),
+    (r"language_model\.(?:encoder|transformer)\.layers\.(\d+)\.mlp\.dense_h_to_4h\.", r"decoder.layers.\1.mlp.linear_fc1."),
+    (r"language_model\.(?:encoder|transformer)\.layers\.(\d+)\.mlp\.dense_4h_to_h\.", r"decoder.layers.\1.mlp.linear_fc2."),
+    (r"language_model\.(?:encoder|transformer)\.(?:final_norm|final_layernorm)\.", r"decoder.final_layernorm."),
+    (r"language_model\.output_layer\.", r"output_layer."),
+    (r"decoder\.layers\.(\d+)\.input_layernorm\.(weight|bias)", r"decoder.layers.\1.self_attention.linear_qkv.layer_norm_\2"),
+    (r"decoder\.layers\.(\d+)\.pre_mlp_layernorm\.(weight|bias)", r"decoder.layers.\1.mlp.linear_fc1.layer_norm_\2"),
+]
+_RENAMES = [(re.compile(a), b) for a, b in _RENAMES]
+# Not weights: TE/fp8 extra state, RoPE frequency buffers, the last stage's copy of a tied embedding.
+_SKIP = re.compile(r"(_extra_state$|inv_freq$|^word_embeddings_for_head\.)")
+
+_COLUMN = ("embedding.word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias",
+           "linear_fc1.weight", "linear_fc1.bias")
+_ROW = ("linear_proj.weight", "linear_fc2.weight")
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+
+
+# ---------------------------------------------------------------- safe loading
+
+
+def _allowed_globals() -> list:
+    """Globals a legacy checkpoint holds that rebuild plain data: the run's argparse Namespace, the
+    NumPy RNG state (arrays, dtypes), TE's BytesIO extra state (and the bytes inside it), and
+    Megatron's enums in args."""
+    import enum
+    import io
+
+    import numpy as np
+
+    allowed: list = [argparse.Namespace, io.BytesIO, bytes, np.ndarray, np.dtype]
+    for mod_name in ("numpy._core.multiarray", "numpy.core.multiarray"):
+        try:
+            allowed.append(__import__(mod_name, fromlist=["_reconstruct"])._reconstruct)
+            break
+        except (ImportError, AttributeError):
+            continue
+    allowed += [type(np.dtype(t)) for t in (np.uint32, np.int64, np.float64, np.float32, np.int32, np.uint8, np.bool_)]
+    allowed += [np.uint32, np.int64, np.float64, np.float32]
+    for mod_name in ("megatron.core.transformer.enums", "megatron.core.enums"):
+        try:
+            mod = __import__(mod_name, fromlist=["*"])
+        except ImportError:
+            continue
+        allowed += [v for v in vars(mod).values() if isinstance(v, type) and issubclass(v, enum.Enum) and v.__module__ == mod_name]
+    return allowed
+
+
+def load_file(path: Path, *, trust_pickle: bool) -> dict:
+    """torch.load a legacy checkpoint file, memory-mapped; arbitrary pickled code only with trust."""
+    if trust_pickle:
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    allowed = _allowed_globals()
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as exc:
+        names = {f"{g.__module__}.{g.__qualname__}" for g in allowed if hasattr(g, "__qualname__")}
+        try:
+            unsafe = [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(str(path)) if g not in names]
+        except Exception:  # noqa: BLE001 - the message below still says what failed
+            unsafe = []
+        what = ", ".join(unsafe) if unsafe else str(exc).splitlines()[0]
+        raise UserError(f"{path} needs arbitrary pickled code to load ({what}); megacli loads checkpoints with "
+                        f"weights_only=True. If you trust where this checkpoint came from, rerun with --trust-pickle") from None
+
+
+# ---------------------------------------------------------------- locating files
+
+
+def is_legacy_dir(path: Path) -> bool:
+    return (path / TRACKER).is_file() or any(_RANK_DIR.match(p.name) for p in _subdirs(path))
+
+
+def _subdirs(path: Path) -> list[Path]:
+    return [p for p in path.iterdir() if p.is_dir()] if path.is_dir() else []
+
+
+def iteration_dir(path: Path) -> Path:
+    """The iteration directory (holding mp_rank_*) of a legacy checkpoint root or iteration dir."""
+    if (path / TRACKER).is_file():
+        text = (path / TRACKER).read_text().strip()
+        name = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else None
+        if name is None or not (path / name).is_dir():
+            raise UserError(f"{path / TRACKER} says {text!r}, but there is no matching iteration directory")
+        return path / name
+    return path
+
+
+def rank_files(it_dir: Path) -> dict[tuple[int, int], Path]:
+    """(tp rank, pp rank) -> model_optim_rng.pt."""
+    files = {}
+    for d in _subdirs(it_dir):
+        m = _RANK_DIR.match(d.name)
+        if not m:
+            continue
+        if m.group(3):
+            raise UserError(f"{d}: expert-parallel (MoE) legacy checkpoints are not supported")
+        f = d / FILE
+        if not f.is_file():
+            raise UserError(f"{d} has no {FILE}")
+        files[(int(m.group(1)), int(m.group(2) or 0))] = f
+    if not files:
+        raise UserError(f"{it_dir}: no mp_rank_* directories (not a Megatron-LM legacy checkpoint)")
+    tps = sorted({t for t, _ in files})
+    pps = sorted({p for _, p in files})
+    missing = [f"mp_rank_{t:02d}_{p:03d}" for t in tps for p in pps if (t, p) not in files]
+    if missing or tps != list(range(len(tps))) or pps != list(range(len(pps))):
+        raise UserError(f"{it_dir}: incomplete set of rank directories (missing {', '.join(missing) or 'ranks'})")
+    return files
+
+
+def flatten(state: dict, prefix: str = "") -> dict:
+    """Nested legacy-model state dicts -> dotted keys (Megatron-Core state dicts are flat already)."""
+    out = {}
+    for k, v in state.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def canonical_name(key: str) -> str | None:
+    """Canonical (TE-style) name of a legacy or local-spec key; None for entries that are not weights."""
+    if _SKIP.search(key):
+        return None
+    for pat, repl in _RENAMES:
+        if pat.match(key):
+            return pat.sub(repl, key, count=1)
+    return key
+
+
+# ---------------------------------------------------------------- the checkpoint
+
+
+def _arg(args, name, default=None):
+    value = getattr(args, name, default)
+    return default if value is None else value
+
+
+def model_section_from_args(args, vocab_size: int) -> dict:
+    """The recipe ``model:`` section for a Megatron-LM run's arguments."""
+    if _arg(args, "num_experts"):
+        raise UserError("legacy MoE checkpoints (num_experts) are not supported")
+    if _arg(args, "rotary_interleaved", False):
+        raise UserError("rotary_interleaved checkpoints are not supported (megacli uses non-interleaved RoPE, as HF)")
+    hidden, heads = args.hidden_size, args.num_attention_heads
+    pos = _arg(args, "position_embedding_type", "learned_absolute")
+    if _arg(args, "use_rotary_position_embeddings", False):
+        pos = "rope"
+    positions = {"learned_absolute": "learned", "rope": "rope", "none": "none"}.get(pos)
+    if positions is None:
+        raise UserError(f"position_embedding_type {pos!r} is not supported")
+    if _arg(args, "swiglu", False):
+        activation = "swiglu"
+    elif _arg(args, "squared_relu", False):
+        activation = "squared_relu"
+    elif _arg(args, "openai_gelu", False):
+        activation = "gelu_tanh"
+    else:
+        activation = "gelu"
+    seq = _arg(args, "seq_length", 1024)
+    return dict(
+        arch="gpt",
+        num_layers=args.num_layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=_arg(args, "num_query_groups", heads) if _arg(args, "group_query_attention", False) else heads,
+        kv_channels=_arg(args, "kv_channels", hidden // heads),
+        ffn_hidden_size=_arg(args, "ffn_hidden_size", 4 * hidden),
+        seq_length=seq,
+        max_position_embeddings=_arg(args, "max_position_embeddings", seq),
+        position_embedding=positions,
+        rotary_base=float(_arg(args, "rotary_base", 10000)),
+        rotary_percent=float(_arg(args, "rotary_percent", 1.0)),
+        normalization="rmsnorm" if _arg(args, "normalization", "LayerNorm") == "RMSNorm" else "layernorm",
+        norm_epsilon=_arg(args, "norm_epsilon", _arg(args, "layernorm_epsilon", 1e-5)),
+        activation=activation,
+        add_bias_linear=_arg(args, "add_bias_linear", not _arg(args, "disable_bias_linear", False)),
+        add_qkv_bias=_arg(args, "add_qkv_bias", False),
+        qk_layernorm=_arg(args, "qk_layernorm", False),
+        untie_embeddings=_arg(args, "untie_embeddings_and_output_weights", False),
+        dropout=_arg(args, "hidden_dropout", 0.0),
+        attention_dropout=_arg(args, "attention_dropout", 0.0),
+        vocab_size=vocab_size,
+        make_vocab_size_divisible_by=_arg(args, "make_vocab_size_divisible_by", 128),
+        init_method_std=_arg(args, "init_method_std", 0.02),
+    )
+
+
+class LegacyCheckpoint:
+    """A Megatron-LM legacy checkpoint as canonical global tensors, one pipeline stage's files
+    (all its tensor-parallel ranks, memory-mapped) open at a time."""
+
+    def __init__(self, path: Path, *, trust_pickle: bool = False):
+        self.root = path
+        self.trust_pickle = trust_pickle
+        self.it_dir = iteration_dir(path)
+        self.files = rank_files(self.it_dir)
+        self.tp = 1 + max(t for t, _ in self.files)
+        self.pp = 1 + max(p for _, p in self.files)
+        first = self._load(self.files[(0, 0)])
+        version = first.get("checkpoint_version", 0)
+        if version < 3.0:
+            raise UserError(f"{self.files[(0, 0)]}: checkpoint_version {version}; only version 3.0 (any Megatron-LM since "
+                            f"2021) is supported")
+        self.args = first.get("args")
+        if self.args is None:
+            raise UserError(f"{self.files[(0, 0)]} has no 'args' (needed to know the model)")
+        self.iteration = int(first.get("iteration", 0) or 0)
+        saved_tp, saved_pp = _arg(self.args, "tensor_model_parallel_size", 1), _arg(self.args, "pipeline_model_parallel_size", 1)
+        if (saved_tp, saved_pp) != (self.tp, self.pp):
+            raise UserError(f"{self.it_dir}: args say TP={saved_tp} PP={saved_pp} but the directory holds TP={self.tp} "
+                            f"PP={self.pp} rank files")
+        if _arg(self.args, "decoder_first_pipeline_num_layers") or _arg(self.args, "decoder_last_pipeline_num_layers"):
+            raise UserError("uneven pipeline stages (decoder_first/last_pipeline_num_layers) are not supported")
+        self.vp = len([k for k in first if re.fullmatch(r"model\d+", k)]) or 1
+        self.num_layers = self.args.num_layers
+        if self.num_layers % (self.pp * self.vp):
+            raise UserError(f"num_layers = {self.num_layers} is not divisible by PP × VPP = {self.pp * self.vp}")
+        self.untied = bool(_arg(self.args, "untie_embeddings_and_output_weights", False))
+        self.swiglu = bool(_arg(self.args, "swiglu", False))
+        self._stage: tuple[int, dict[str, list[torch.Tensor]]] | None = None
+        self._first = first
+
+    def _load(self, f: Path) -> dict:
+        return load_file(f, trust_pickle=self.trust_pickle)
+
+    # --- what the model is
+
+    def padded_vocab_rows(self) -> int:
+        emb = self._stage_tensors(0).get("embedding.word_embeddings.weight")
+        if emb is None:
+            raise UserError(f"{self.files[(0, 0)]}: no word embeddings in the first pipeline stage")
+        return sum(t.shape[0] for t in emb)
+
+    def vocab_size(self) -> int:
+        """The real vocabulary: args.vocab_size, else the tokenizer's, else the padded rows."""
+        given = _arg(self.args, "vocab_size")
+        if given:
+            return int(given)
+        tok = self.tokenizer_dir()
+        if tok is not None:
+            from megacli.data.tokenizers import load_tokenizer
+
+            return load_tokenizer(type="huggingface", path=str(tok)).vocab_size
+        return self.padded_vocab_rows()
+
+    def tokenizer_dir(self) -> Path | None:
+        """The run's Hugging Face tokenizer directory, when args name one that exists here."""
+        if _arg(self.args, "tokenizer_type") == "HuggingFaceTokenizer":
+            p = Path(str(_arg(self.args, "tokenizer_model", "")))
+            if p.is_dir() and (p / "tokenizer.json").is_file():
+                return p
+        return None
+
+    def model_section(self) -> dict:
+        return model_section_from_args(self.args, self.vocab_size())
+
+    def dtype(self) -> torch.dtype:
+        emb = self._stage_tensors(0).get("embedding.word_embeddings.weight")
+        return emb[0].dtype if emb else torch.float32
+
+    # --- tensors
+
+    def _chunk_offset(self, pp_rank: int, vp_rank: int) -> int:
+        per_chunk = self.num_layers // (self.pp * self.vp)
+        return vp_rank * (self.num_layers // self.vp) + pp_rank * per_chunk
+
+    def _stage_tensors(self, pp_rank: int) -> dict[str, list[torch.Tensor]]:
+        """Canonical key (global layer numbers) -> the TP shards, for one pipeline stage."""
+        if self._stage is not None and self._stage[0] == pp_rank:
+            return self._stage[1]
+        self._stage = None
+        shards: dict[str, list[torch.Tensor]] = {}
+        for tp_rank in range(self.tp):
+            f = self.files[(tp_rank, pp_rank)]
+            state = self._first if (tp_rank, pp_rank) == (0, 0) else self._load(f)
+            chunks = [state["model"]] if "model" in state else [state[f"model{v}"] for v in range(self.vp)]
+            for vp_rank, chunk in enumerate(chunks):
+                offset = self._chunk_offset(pp_rank, vp_rank)
+                for key, tensor in flatten(chunk).items():
+                    name = canonical_name(key)
+                    if name is None or not isinstance(tensor, torch.Tensor):
+                        continue
+                    m = _LAYER.match(name)
+                    if m:
+                        name = f"decoder.layers.{int(m.group(1)) + offset}.{m.group(2)}"
+                    if name == "output_layer.weight" and not self.untied:
+                        continue  # the last stage's copy of the tied embedding
+                    shards.setdefault(name, []).append(tensor)
+        for name, parts in shards.items():
+            if len(parts) != self.tp:
+                raise UserError(f"{self.it_dir}: {name} is in {len(parts)} of the {self.tp} tensor-parallel files of stage {pp_rank}")
+        self._stage = (pp_rank, shards)
+        return shards
+
+    def _merge(self, name: str, parts: list[torch.Tensor]) -> torch.Tensor:
+        shapes = {tuple(p.shape) for p in parts}
+        if len(shapes) > 1:
+            raise UserError(f"{name}: tensor-parallel shards have different shapes {sorted(shapes)}")
+        if len(parts) == 1:
+            return parts[0]
+        if name.endswith(("linear_fc1.weight", "linear_fc1.bias")) and self.swiglu:
+            halves = [p.chunk(2, dim=0) for p in parts]
+            return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+        if name.endswith(_COLUMN):
+            return torch.cat(parts, dim=0)
+        if name.endswith(_ROW):
+            return torch.cat(parts, dim=1)
+        return parts[0]
+
+    def groups(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Global tensors by canonical key, stage by stage (non-layer tensors with their stage)."""
+        found_layers = 0
+        for pp_rank in range(self.pp):
+            stage = self._stage_tensors(pp_rank)
+            out = {name: self._merge(name, parts) for name, parts in stage.items()}
+            found_layers += len({m.group(1) for m in map(_LAYER.match, out) if m})
+            yield out
+        self._stage = None
+        if found_layers != self.num_layers:
+            raise UserError(f"{self.it_dir}: found {found_layers} transformer layers, args say num_layers = {self.num_layers}")
+
+    def canonical_keys(self) -> set[str]:
+        """Every canonical key in the checkpoint (opens each stage's files, memory-mapped)."""
+        names: set[str] = set()
+        for pp_rank in range(self.pp):
+            names |= set(self._stage_tensors(pp_rank))
+        return names
+
+    def get(self, name: str) -> torch.Tensor:
+        """One global tensor (for the checkpoint writer, which asks in model order)."""
+        m = _LAYER.match(name)
+        if m:
+            layer = int(m.group(1))
+            per_chunk = self.num_layers // (self.pp * self.vp)
+            stages = [p for p in range(self.pp) for v in range(self.vp)
+                      if self._chunk_offset(p, v) <= layer < self._chunk_offset(p, v) + per_chunk]
+        elif name.startswith("embedding."):
+            stages = [0]
+        else:
+            stages = [self.pp - 1]
+        parts = self._stage_tensors(stages[0]).get(name)
+        if parts is None:
+            raise UserError(f"{self.it_dir}: no tensor {name} in pipeline stage {stages[0]} (the args and the weights disagree?)")
+        return self._merge(name, parts)
+
+    def describe(self) -> Iterator[tuple[str, list[tuple[str, tuple, str]]]]:
+        """(file, [(key, shape, dtype)]) of every rank file's model tensors, as stored."""
+        for (tp_rank, pp_rank), f in sorted(self.files.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            state = self._first if (tp_rank, pp_rank) == (0, 0) else self._load(f)
+            rows = []
+            for chunk_key in [k for k in state if k == "model" or re.fullmatch(r"model\d+", k)]:
+                for key, t in flatten(state[chunk_key]).items():
+                    if isinstance(t, torch.Tensor):
+                        rows.append((f"{chunk_key}.{key}", tuple(t.shape), str(t.dtype).replace("torch.", "")))
+            yield str(f.relative_to(self.root)), rows
+

@@ -1,0 +1,205 @@
+"""Between layout-free global tensors and Megatron's sharded (torch_dist) checkpoints.
+
+A torch_dist checkpoint stores every tensor in its global (unsharded) shape, whatever layout wrote
+it, and loads under any TP/PP/DP. So:
+
+* writing builds the model once at TP=1, PP=1 in a single gloo process, copies the global tensors
+  into it and saves with the engine's ``checkpoint.save`` (weights only); the target layout is
+  the recipe's ``parallel:`` section and the vocabulary padding it implies;
+* reading needs no model: the checkpoint's own metadata gives keys, global shapes and dtypes, and
+  Megatron's loader reads one layer at a time.
+
+Canonical keys are the ShardedTensor keys of ``GPTModel.sharded_state_dict()`` with the global
+layer number put back after ``layers.`` (there, layers are stacked along a leading axis).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from megacli.convert.mapping import VOCAB_KEYS, fit_vocab_rows
+from megacli.errors import UserError
+
+_LAYER_IN_STATE_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_STACKED = re.compile(r"(?:^|\.)layers\.(?!\d)")
+# Checkpoint entries that are not model weights.
+_NOT_MODEL = ("optimizer", "rng_state", "scheduler")
+
+
+@contextlib.contextmanager
+def megatron_process():
+    """torch.distributed (one gloo process, in-memory store) and Megatron's parallel state at
+    TP=PP=1, for the duration of a conversion. Without CUDA this enables the CPU backend for the
+    rest of the process (see megacli.backend.cpu)."""
+    from megacli.engine.distributed import quiet_megatron_imports
+
+    quiet_megatron_imports()
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if not torch.cuda.is_available():
+        from megacli.backend import cpu
+
+        cpu.enable()  # dist_checkpointing synchronizes CUDA; on a CPU-only build that must be a no-op
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    try:
+        yield
+    finally:
+        ps.destroy_model_parallel()
+        if owns_group:
+            dist.destroy_process_group()
+
+
+def canonical_key(state_key: str, sharded_key: str) -> str:
+    """``decoder.layers.3.input_layernorm.weight`` (state dict) with sharded key
+    ``decoder.layers.self_attention.linear_qkv.layer_norm_weight`` ->
+    ``decoder.layers.3.self_attention.linear_qkv.layer_norm_weight``."""
+    m = _LAYER_IN_STATE_KEY.search(state_key)
+    if m is None or not _STACKED.search(sharded_key):
+        return sharded_key
+    head, tail = _STACKED.split(sharded_key, maxsplit=1)
+    sep = "." if head else ""
+    return f"{head}{sep}layers.{m.group(1)}.{tail}"
+
+
+def model_tensors(chunk) -> Iterator[tuple[str, torch.Tensor]]:
+    """(canonical key, parameter tensor) of a model built at TP=PP=1 (local layer = global layer)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    for state_key, sh in chunk.sharded_state_dict().items():
+        if isinstance(sh, ShardedObject) or sh is None:
+            continue
+        yield canonical_key(state_key, sh.key), sh.data
+
+
+def shape_mismatch(key: str, got: tuple, want: tuple, source: str) -> UserError:
+    """A shape error that says which tensor, both shapes, and the likely cause."""
+    got, want = tuple(got), tuple(want)
+    cause = "the source config and its weights disagree, or the model section does not describe these weights"
+    if len(got) == len(want):
+        diff = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
+        if len(diff) == 1:
+            g, w = got[diff[0]], want[diff[0]]
+            if key in VOCAB_KEYS and diff[0] == 0:
+                cause = "wrong vocabulary size or padding (model.vocab_size / make_vocab_size_divisible_by × TP)"
+            elif w % g == 0:
+                cause = (f"the source holds 1/{w // g} of dimension {diff[0]}: a tensor-parallel shard "
+                         f"(a TP={w // g} checkpoint read as TP=1?)")
+    return UserError(f"shape mismatch for {key}: {source} has {list(got)}, the model expects {list(want)} ({cause})")
+
+
+def write_checkpoint(*, recipe, dst: Path, iteration: int, fetch: Callable[[str], torch.Tensor], vocab_size: int,
+                     extra_meta: dict | None = None, check_keys: Callable[[list[str]], None] | None = None) -> Path:
+    """Build the recipe's model at TP=PP=1, fill every tensor with ``fetch(canonical key)`` (global,
+    any float dtype; vocabulary rows are padded for the recipe's TP here) and save it as a
+    weights-only megacli checkpoint under ``dst``. ``check_keys`` sees every canonical key before
+    anything is read (to report all missing or unused source tensors at once). Returns the
+    iteration directory."""
+    from megacli.engine import checkpoint
+    from megacli.engine.models import build_model, padded_vocab_size, transformer_config
+    from megacli.recipe.base import dump
+    from megacli.recipe.sections import ParallelSection
+
+    m = recipe.model
+    padded = padded_vocab_size(vocab_size, divisible_by=m.make_vocab_size_divisible_by, tensor_parallel=recipe.parallel.tensor)
+    single = recipe.model_copy(update={"parallel": ParallelSection()})
+    with megatron_process():
+        config = transformer_config(model=m, parallel=single.parallel, precision=recipe.train.precision, on_cuda=False,
+                                    use_cpu_initialization=True, perform_initialization=False)
+        chunks = build_model(recipe=single, config=config, vocab_size=padded)
+        params = list(model_tensors(chunks[0]))
+        if check_keys:
+            check_keys([key for key, _ in params])
+        with torch.no_grad():
+            for key, param in params:
+                tensor = fetch(key)
+                if key in VOCAB_KEYS and tensor.dim() == 2 and tensor.shape[1] == param.shape[1]:
+                    tensor = fit_vocab_rows(tensor, rows=param.shape[0], vocab_size=vocab_size, key=key)
+                if tuple(tensor.shape) != tuple(param.shape):
+                    raise shape_mismatch(key, tensor.shape, param.shape, "the source")
+                param.copy_(tensor)
+                del tensor
+        return checkpoint.save(ckpt_dir=dst, iteration=iteration, consumed_samples=0, chunks=chunks, optimizer=None,
+                               scheduler=None, recipe_yaml=dump(recipe), extra_meta=extra_meta)
+
+
+class CheckpointReader:
+    """The model weights of a megacli (torch_dist) checkpoint as global tensors under canonical
+    keys, without building a model, one layer at a time (read inside ``megatron_process()``)."""
+
+    def __init__(self, ckpt: Path):
+        from megacli.engine.distributed import quiet_megatron_imports
+
+        quiet_megatron_imports()
+        from megatron.core import dist_checkpointing
+
+        self.ckpt = ckpt
+        try:
+            metadata = dist_checkpointing.load_tensors_metadata(str(ckpt))
+        except Exception as exc:
+            raise UserError(f"cannot read the tensor metadata of {ckpt}: {exc}") from None
+        self.all_tensors = {k: (tuple(v.global_shape), v.dtype) for k, v in metadata.items()}
+        self.stored = {k: v for k, v in self.all_tensors.items() if k.split(".")[0] not in _NOT_MODEL}
+        stacked = {v[0][0] for k, v in self.stored.items() if _STACKED.search(k)}
+        if len(stacked) > 1:
+            raise UserError(f"{ckpt}: layer-stacked tensors disagree on the number of layers: {sorted(stacked)}")
+        self.num_layers = stacked.pop() if stacked else 0
+
+    def _canonical(self, key: str, layer: int) -> str:
+        head, tail = _STACKED.split(key, maxsplit=1)
+        return f"{head}{'.' if head else ''}layers.{layer}.{tail}"
+
+    def describe(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Canonical key -> (global shape, dtype), without reading data."""
+        out = {}
+        for key, (shape, dtype) in self.stored.items():
+            if _STACKED.search(key):
+                for i in range(shape[0]):
+                    out[self._canonical(key, i)] = (shape[1:], dtype)
+            else:
+                out[key] = (shape, dtype)
+        return out
+
+    def canonical_keys(self) -> list[str]:
+        return list(self.describe())
+
+    def dtype(self) -> torch.dtype:
+        return next((d for _, d in self.stored.values() if d.is_floating_point), torch.float32)
+
+    def groups(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Global tensors by canonical key: the non-layer tensors first, then each layer."""
+        plain = {k: v for k, v in self.stored.items() if not _STACKED.search(k)}
+        first = {k: v for k, v in plain.items() if not k.startswith(("output_layer", "decoder.final"))}
+        last = {k: v for k, v in plain.items() if k not in first}
+        yield self._load({k: (k, None) for k in first})
+        for i in range(self.num_layers):
+            yield self._load({self._canonical(k, i): (k, i) for k in self.stored if _STACKED.search(k)})
+        if last:
+            yield self._load({k: (k, None) for k in last})
+
+    def _load(self, wanted: dict[str, tuple[str, int | None]]) -> dict[str, torch.Tensor]:
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        request = {}
+        for name, (key, layer) in wanted.items():
+            shape, dtype = self.stored[key]
+            if layer is None:
+                request[name] = ShardedTensor.from_rank_offsets(key, torch.empty(shape, dtype=dtype), replica_id=0)
+            else:
+                # One [1, ...] slice of the stacked tensor (a real leading axis: Megatron's
+                # prepend-axis form would expect this process to hold every layer).
+                request[name] = ShardedTensor.from_rank_offsets(key, torch.empty((1, *shape[1:]), dtype=dtype),
+                                                                (0, layer, shape[0]), replica_id=0)
+        if not request:
+            return {}
+        loaded = dist_checkpointing.load(request, str(self.ckpt), validate_access_integrity=False)
+        return {name: loaded[name][0] if wanted[name][1] is not None else loaded[name] for name in request}

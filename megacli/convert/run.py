@@ -1,0 +1,326 @@
+"""The conversions: Hugging Face ⇄ megacli, Megatron-LM legacy -> Hugging Face or megacli.
+
+A converted megacli checkpoint directory:
+
+    DST/latest, DST/iter_NNNNNNN/   weights-only torch_dist checkpoint + recipe.yaml + megacli.json
+    DST/hf/                         the source's config.json, generation_config.json and tokenizer
+                                    files (recipe tokenizer.path points here; export reads the config)
+
+Everything is written into a sibling ``.DST.partial`` directory and renamed into place at the end,
+so a failed conversion leaves no half-written destination.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+from typing import Callable, Iterable
+
+from megacli.convert import hf_io
+from megacli.errors import UserError
+
+FORMATS = ("hf", "megacli", "legacy")
+PRECISIONS = ("fp32", "bf16", "fp16")
+HF_DIR = "hf"
+_HF_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+Say = Callable[[str], None]
+
+
+def _torch_dtype(precision: str):
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def _precision_of(dtype) -> str:
+    import torch
+
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+
+
+def detect(path: Path) -> str:
+    """'hf', 'megacli' or 'legacy' for a source path."""
+    from megacli.convert.legacy import TRACKER, is_legacy_dir
+
+    if not path.exists():
+        raise UserError(f"{path}: no such file or directory")
+    if hf_io.is_hf_dir(path):
+        return "hf"
+    from megacli.engine.checkpoint import LATEST, META, find_checkpoint
+
+    if find_checkpoint(path) is not None:
+        return "megacli"
+    if is_legacy_dir(path):
+        return "legacy"
+    raise UserError(f"{path}: not a Hugging Face model directory (config.json), a megacli checkpoint ({META} or {LATEST}) "
+                    f"or a Megatron-LM legacy checkpoint ({TRACKER} or mp_rank_* directories)")
+
+
+def convert(src: str | Path, dst: str | Path, *, to: str | None = None, parallel=None, dtype: str | None = None,
+            max_shard_size: str | int = "2GB", trust_pickle: bool = False, say: Say = print) -> Path:
+    """Convert ``src`` (format detected) to ``to`` (default: megacli for HF and legacy sources, hf
+    for megacli checkpoints) under ``dst``. ``parallel`` (a ParallelSection) is the layout a megacli
+    checkpoint is prepared for. Returns ``dst``."""
+    from megacli.recipe.sections import ParallelSection
+
+    src, dst = Path(src).expanduser(), Path(dst).expanduser()
+    fmt = detect(src)
+    to = to or ("hf" if fmt == "megacli" else "megacli")
+    if to not in ("hf", "megacli"):
+        raise UserError(f"--to {to!r}: expected hf or megacli")
+    if to == fmt:
+        hint = " (to change a megacli checkpoint's layout, just load it under the new one)" if fmt == "megacli" else ""
+        raise UserError(f"{src} is already a {fmt} checkpoint{hint}")
+    if dtype is not None and dtype not in PRECISIONS:
+        raise UserError(f"--dtype {dtype!r}: expected one of {', '.join(PRECISIONS)}")
+    parallel = parallel or ParallelSection()
+    hf_io.parse_size(max_shard_size)  # fail on a bad size before any work
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise UserError(f"{dst} exists and is not empty; choose a new or empty directory")
+    final = dst.resolve()
+    work = final.parent / f".{final.name}.partial"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    try:
+        if fmt == "hf":
+            _hf_to_megacli(src, work, final, parallel=parallel, dtype=dtype, say=say)
+        elif fmt == "megacli":
+            _megacli_to_hf(src, work, dtype=dtype, max_shard_size=max_shard_size, say=say)
+        else:
+            from megacli.convert.legacy import LegacyCheckpoint
+
+            legacy = LegacyCheckpoint(src, trust_pickle=trust_pickle)
+            if to == "hf":
+                _legacy_to_hf(legacy, work, dtype=dtype, max_shard_size=max_shard_size, say=say)
+            else:
+                _legacy_to_megacli(legacy, work, final, parallel=parallel, dtype=dtype, say=say)
+        if dst.exists():
+            dst.rmdir()
+        work.replace(final)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return final
+
+
+# ---------------------------------------------------------------- into megacli
+
+
+def converted_recipe(*, model: dict, parallel, precision: str, tokenizer: dict, resume: Path):
+    """The recipe a converted checkpoint carries: the model, its target layout, the tokenizer, and
+    a checkpoint section that starts from these weights (no optimizer state)."""
+    from megacli.recipe.base import validate
+    from megacli.recipe.pretrain import TrainingRecipe
+
+    pp = parallel.pipeline
+    raw = {
+        "model": model,
+        "parallel": parallel.model_dump(),
+        "launch": {"nproc": parallel.tensor * pp * parallel.context},
+        "tokenizer": tokenizer,
+        # One sequence per micro-batch; a global batch the interleaved schedule accepts at this PP.
+        "train": {"precision": precision, "micro_batch_size": 1, "global_batch_size": pp * math.ceil(8 / pp)},
+        "checkpoint": {"resume": str(resume), "load_optimizer": False},
+    }
+    return validate(TrainingRecipe, raw, "the converted checkpoint's recipe")
+
+
+def _tokenizer_section(final_hf_dir: Path, copied: list[str]) -> dict:
+    if "tokenizer.json" in copied:
+        return {"type": "huggingface", "path": str(final_hf_dir)}
+    if "tokenizer.model" in copied:
+        return {"type": "sentencepiece", "path": str(final_hf_dir / "tokenizer.model")}
+    return {"type": "null"}
+
+
+def _hf_to_megacli(src: Path, work: Path, final: Path, *, parallel, dtype: str | None, say: Say) -> None:
+    from megacli.convert import families
+    from megacli.convert.mapping import unconsumed
+    from megacli.convert.megatron_io import write_checkpoint
+
+    config = hf_io.read_json(src / hf_io.CONFIG)
+    family, arch = families.for_hf_config(config)
+    model = family.model_section(config)
+    weights = hf_io.HFWeights(src)
+    precision = dtype or _precision_of(weights.dtype())
+    target = _torch_dtype(precision)
+
+    hf_dir = work / HF_DIR
+    hf_dir.mkdir()
+    shutil.copy2(src / hf_io.CONFIG, hf_dir / hf_io.CONFIG)
+    if (src / hf_io.GENERATION_CONFIG).is_file():
+        shutil.copy2(src / hf_io.GENERATION_CONFIG, hf_dir / hf_io.GENERATION_CONFIG)
+    copied = hf_io.copy_tokenizer_files(src, hf_dir)
+    tokenizer = _tokenizer_section(final / HF_DIR, copied)
+    recipe = converted_recipe(model=model, parallel=parallel, precision=precision, tokenizer=tokenizer, resume=final)
+    table = family.table(recipe.model)
+    by_name = {table.normalize_hf(k): k for k in weights.keys()}
+
+    def check_keys(megatron_keys: list[str]) -> None:
+        needed = {h for k in megatron_keys for h in table.hf_keys_for(k)}
+        missing = sorted(needed - set(by_name))
+        if missing:
+            raise UserError(f"{src}: tensors the {arch} mapping needs are missing: {', '.join(missing[:8])}"
+                            f"{' ...' if len(missing) > 8 else ''} (config.json and the weights disagree?)")
+        extra = unconsumed(by_name, needed, table)
+        if extra:
+            raise UserError(f"{src}: tensors no rule maps: {', '.join(extra[:8])}{' ...' if len(extra) > 8 else ''} "
+                            f"(a feature of this checkpoint the Megatron model does not have)")
+
+    def fetch(key: str):
+        return table.to_megatron(key, lambda name: weights.get(by_name[name])).to(target)
+
+    ckpt = write_checkpoint(recipe=recipe, dst=work, iteration=0, fetch=fetch, vocab_size=recipe.model.vocab_size,
+                            check_keys=check_keys,
+                            extra_meta={"converted_from": {"format": "hf", "path": str(src.resolve()), "architecture": arch}})
+    p = recipe.parallel
+    say(f"{arch} -> megacli checkpoint {final / ckpt.name} ({precision}; prepared for TP={p.tensor} PP={p.pipeline}"
+        f"{f' VPP={p.virtual_pipeline}' if p.virtual_pipeline else ''}; loads under any layout)")
+    say(f"tokenizer: {tokenizer['type']}" + (f" ({', '.join(copied)})" if copied else " (the source has no tokenizer files)"))
+
+
+def _legacy_to_megacli(legacy, work: Path, final: Path, *, parallel, dtype: str | None, say: Say) -> None:
+    from megacli.convert.megatron_io import write_checkpoint
+
+    model = legacy.model_section()
+    precision = dtype or _precision_of(legacy.dtype())
+    target = _torch_dtype(precision)
+    hf_dir = work / HF_DIR
+    copied = hf_io.copy_tokenizer_files(legacy.tokenizer_dir(), hf_dir) if legacy.tokenizer_dir() else []
+    tokenizer = _tokenizer_section(final / HF_DIR, copied)
+    recipe = converted_recipe(model=model, parallel=parallel, precision=precision, tokenizer=tokenizer, resume=final)
+
+    def check_keys(megatron_keys: list[str]) -> None:
+        stored = legacy.canonical_keys()
+        missing, extra = sorted(set(megatron_keys) - stored), sorted(stored - set(megatron_keys))
+        if missing or extra:
+            raise UserError(f"{legacy.it_dir}: the weights do not match the model its args describe"
+                            + (f"; missing {', '.join(missing[:6])}" if missing else "")
+                            + (f"; unexpected {', '.join(extra[:6])}" if extra else ""))
+
+    ckpt = write_checkpoint(recipe=recipe, dst=work, iteration=legacy.iteration, vocab_size=model["vocab_size"],
+                            fetch=lambda key: legacy.get(key).to(target), check_keys=check_keys,
+                            extra_meta={"converted_from": {"format": "megatron-lm legacy", "path": str(legacy.root.resolve()),
+                                                           "layout": {"tensor": legacy.tp, "pipeline": legacy.pp,
+                                                                      "virtual_pipeline": legacy.vp}}})
+    say(f"Megatron-LM legacy checkpoint (TP={legacy.tp} PP={legacy.pp}, iteration {legacy.iteration}) -> megacli "
+        f"checkpoint {final / ckpt.name} ({precision})")
+
+
+# ---------------------------------------------------------------- into Hugging Face
+
+
+def _carried_hf_dir(ckpt: Path, recipe) -> Path | None:
+    """The source HF config a converted checkpoint carries (DST/hf), or the tokenizer directory
+    when it holds a config.json."""
+    candidates = [ckpt.parent / HF_DIR]
+    if recipe.tokenizer.path:
+        tok = Path(recipe.tokenizer.path)
+        candidates.append(tok if tok.is_dir() else tok.parent)
+    return next((c for c in candidates if (c / hf_io.CONFIG).is_file()), None)
+
+
+def _megacli_to_hf(src: Path, work: Path, *, dtype: str | None, max_shard_size, say: Say) -> None:
+    from megacli.convert.megatron_io import CheckpointReader, megatron_process
+    from megacli.engine.checkpoint import find_checkpoint
+    from megacli.recipe.base import load
+    from megacli.recipe.pretrain import TrainingRecipe
+
+    ckpt = find_checkpoint(src)
+    recipe = load(TrainingRecipe, ckpt / "recipe.yaml")
+    carried = _carried_hf_dir(ckpt, recipe)
+    vocab = recipe.model.vocab_size
+    tokenizer = None
+    if recipe.tokenizer.type != "null" and (recipe.tokenizer.path or recipe.tokenizer.type == "byte"):
+        from megacli.data.tokenizers import load_tokenizer
+
+        try:
+            tokenizer = load_tokenizer(type=recipe.tokenizer.type, path=recipe.tokenizer.path)
+        except UserError as exc:
+            if vocab is None:
+                raise UserError(f"{ckpt / 'recipe.yaml'}: needs the tokenizer for the vocabulary size: {exc}") from None
+    vocab = vocab or tokenizer.vocab_size
+    tok_files = carried if carried is not None else _tokenizer_source(recipe)
+    with megatron_process():
+        _export_hf(CheckpointReader(ckpt), recipe.model, work, vocab=vocab, carried=carried, tokenizer=tokenizer,
+                   tokenizer_src=tok_files, dtype=dtype, max_shard_size=max_shard_size, say=say,
+                   what=f"megacli checkpoint {ckpt}")
+
+
+def _tokenizer_source(recipe) -> Path | None:
+    if recipe.tokenizer.type in ("huggingface", "sentencepiece") and recipe.tokenizer.path:
+        p = Path(recipe.tokenizer.path)
+        return p if p.is_dir() else p.parent
+    return None
+
+
+def _legacy_to_hf(legacy, work: Path, *, dtype: str | None, max_shard_size, say: Say) -> None:
+    from megacli.recipe.sections import ModelSection
+
+    model = ModelSection(**legacy.model_section())
+    tok_dir = legacy.tokenizer_dir()
+    tokenizer = None
+    if tok_dir is not None:
+        from megacli.data.tokenizers import load_tokenizer
+
+        tokenizer = load_tokenizer(type="huggingface", path=str(tok_dir))
+    _export_hf(legacy, model, work, vocab=model.vocab_size, carried=None, tokenizer=tokenizer, tokenizer_src=tok_dir,
+               dtype=dtype, max_shard_size=max_shard_size, say=say,
+               what=f"Megatron-LM legacy checkpoint {legacy.it_dir} (TP={legacy.tp} PP={legacy.pp})")
+
+
+def _export_hf(source, model, work: Path, *, vocab: int, carried: Path | None, tokenizer, tokenizer_src: Path | None,
+               dtype: str | None, max_shard_size, say: Say, what: str) -> None:
+    """Write an HF directory from a source of canonical global tensors (``groups()``,
+    ``describe()``, ``dtype()``): weights tensor by tensor, then config, generation config and
+    tokenizer files."""
+    from megacli.convert import families
+    from megacli.convert.mapping import VOCAB_KEYS, fit_vocab_rows
+
+    base = hf_io.read_json(carried / hf_io.CONFIG) if carried is not None else None
+    preferred = (base.get("architectures") or [None])[0] if base else None
+    family, arch = families.for_model(model, preferred=preferred)
+    table = family.table(model)
+    precision = dtype or _precision_of(source.dtype())
+    target = _torch_dtype(precision)
+    for key in source.canonical_keys():
+        table.rule_for(key)  # every stored tensor has a rule, before anything is written
+
+    def tensors() -> Iterable:
+        for group in source.groups():
+            for key, t in group.items():
+                if key in VOCAB_KEYS:
+                    t = fit_vocab_rows(t, rows=vocab, vocab_size=vocab, key=key)
+                try:
+                    converted = table.to_hf(key, t)
+                except RuntimeError as exc:  # a reshape that does not fit: the model section is wrong
+                    raise UserError(f"cannot convert {key} of shape {list(t.shape)} for {arch} with "
+                                    f"{model.num_attention_heads} heads / {model.query_groups} query groups: {exc}") from None
+                for name, h in converted:
+                    yield name, h.to(target)
+
+    files = hf_io.write_weights(work, tensors(), max_shard_size=max_shard_size)
+    config = family.hf_config(model, architecture=arch, vocab_size=vocab, base=base)
+    dtype_key = "dtype" if base and "dtype" in base and "torch_dtype" not in base else "torch_dtype"
+    config[dtype_key] = _HF_DTYPE_NAMES[precision]
+    if base is None:  # explicit, so the HF class defaults (GPT-2's 50256) never point outside the vocabulary
+        specials = (tokenizer.bos, tokenizer.eod, tokenizer.pad) if tokenizer is not None else (None, None, None)
+        for field, value in zip(("bos_token_id", "eos_token_id", "pad_token_id"), specials):
+            config.setdefault(field, value)
+    hf_io.write_json(work / hf_io.GENERATION_CONFIG, _generation_config(carried, config))
+    copied = hf_io.copy_tokenizer_files(tokenizer_src, work) if tokenizer_src is not None else []
+    hf_io.write_json(work / hf_io.CONFIG, config)
+    say(f"{what} -> {arch} ({precision}, {len([f for f in files if f.endswith('.safetensors')])} safetensors shard(s)"
+        f"{', tokenizer: ' + ', '.join(copied) if copied else ', no tokenizer files'})")
+
+
+def _generation_config(carried: Path | None, config: dict) -> dict:
+    if carried is not None and (carried / hf_io.GENERATION_CONFIG).is_file():
+        return hf_io.read_json(carried / hf_io.GENERATION_CONFIG)
+    out: dict = {"_from_model_config": True}
+    for field in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if config.get(field) is not None:
+            out[field] = config[field]
+    return out

@@ -1,0 +1,296 @@
+"""Test helpers for `megacli convert`: tiny random Hugging Face models built from config dicts (no
+downloads), logits of a megacli checkpoint computed through the engine under any TP/PP, and a
+writer of Megatron-LM legacy checkpoints (the layout megatron/training/checkpointing.py saves).
+
+Everything heavy is imported inside functions: these run in spawned processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+from pathlib import Path
+
+VOCAB = 300  # not a multiple of 128: padding differs at TP=1 (384) and TP=2 (512)
+
+COMMON_LLAMA = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=64, rope_theta=5000.0, rms_norm_eps=1e-5)
+
+# name -> (transformers config class, kwargs)
+MODELS = {
+    "gpt2": ("GPT2Config", dict(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4, layer_norm_epsilon=1e-5,
+                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)),
+    "llama_tied_gqa": ("LlamaConfig", dict(COMMON_LLAMA, tie_word_embeddings=True)),
+    "llama_untied_gqa": ("LlamaConfig", dict(COMMON_LLAMA, tie_word_embeddings=False, head_dim=16)),
+    "mistral": ("MistralConfig", dict(COMMON_LLAMA, tie_word_embeddings=False, sliding_window=4096)),
+    "qwen2": ("Qwen2Config", dict(COMMON_LLAMA, tie_word_embeddings=False)),
+}
+ARCHITECTURES = {"GPT2Config": "GPT2LMHeadModel", "LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralForCausalLM",
+                 "Qwen2Config": "Qwen2ForCausalLM"}
+
+
+def tokens(seed: int = 0):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (2, 16), generator=g)
+
+
+def save_tokenizer(path: Path) -> None:
+    """A small byte-level BPE tokenizer (trained on a few sentences) saved as an HF tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=290, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>").save_pretrained(path)
+
+
+def build_hf(name: str, path: Path, *, with_tokenizer: bool = False):
+    """Save a tiny random HF model (every parameter random, biases and norm gains included, so each
+    mapping rule matters). Returns the model (eval mode, fp32, eager attention)."""
+    import torch
+    import transformers
+
+    cls_name, kwargs = MODELS[name]
+    config = getattr(transformers, cls_name)(**kwargs, architectures=[ARCHITECTURES[cls_name]])
+    config._attn_implementation = "eager"
+    torch.manual_seed(hash(name) % 1000)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname or ".ln_" in pname:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p)) if pname.endswith("weight") else p.normal_(0, 0.1)
+            else:
+                p.normal_(0, 0.1)
+    model.eval()
+    model.save_pretrained(path)
+    if with_tokenizer:
+        save_tokenizer(path)
+    return model
+
+
+def hf_logits(model, toks):
+    import torch
+
+    with torch.no_grad():
+        return model(toks).logits.float()
+
+
+def load_hf(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+    return model.eval()
+
+
+# ---------------------------------------------------------------- megacli logits
+
+
+def megacli_logits(ckpt_dir: Path, toks):
+    """Logits [b, s, vocab] of a megacli checkpoint under the current Megatron parallel state
+    (built and loaded through the engine, forward through Megatron's forward-only schedule,
+    vocab-parallel logits gathered over TP, padding trimmed). None except on the last pipeline
+    stage's first TP rank."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from megacli.engine import checkpoint
+    from megacli.engine.models import build_model, transformer_config
+    from megacli.recipe.base import load
+    from megacli.recipe.pretrain import TrainingRecipe
+
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    ckpt = checkpoint.find_checkpoint(ckpt_dir)
+    recipe = load(TrainingRecipe, ckpt / "recipe.yaml",
+                  [f"parallel.tensor={tp}", f"parallel.pipeline={pp}", "parallel.virtual_pipeline=null",
+                   "parallel.sequence_parallel=false", f"launch.nproc={tp * pp}", "train.global_batch_size=8"])
+    config = transformer_config(model=recipe.model, parallel=recipe.parallel, precision="fp32", on_cuda=False)
+    chunks = build_model(recipe=recipe, config=config, vocab_size=recipe.model.vocab_size)
+    checkpoint.load(ckpt=ckpt, chunks=chunks, optimizer=None, scheduler=None, load_optimizer=False)
+    for c in chunks:
+        c.eval()
+    b, s = toks.shape
+    positions = torch.arange(s).unsqueeze(0).expand(b, s)
+
+    def forward_step(data_iterator, model):
+        out = model(next(data_iterator), positions, None)
+
+        def collect(output):
+            full = gather_from_tensor_model_parallel_region(output)
+            return output.sum() * 0, torch.tensor(1), {"logits": full.detach()}
+
+        return out, collect
+
+    with torch.no_grad():
+        reports = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([toks]), model=chunks[0],
+                                              num_microbatches=1, seq_length=s, micro_batch_size=b, forward_only=True)
+    if not ps.is_pipeline_last_stage() or ps.get_tensor_model_parallel_rank() != 0:
+        return None
+    return reports[0]["logits"][..., : recipe.model.vocab_size].float()
+
+
+# ---------------------------------------------------------------- Megatron-LM legacy checkpoints
+
+
+class NotAllowListed:
+    """Stands for arbitrary pickled code in a checkpoint (the --trust-pickle test)."""
+
+    def __init__(self, value=1):
+        self.value = value
+
+
+def _canonical_from_hf(hf_dir: Path, *, padded_rows: int) -> tuple[dict, object]:
+    """Global Megatron tensors (canonical keys) of an HF model, via its family's mapping table."""
+    import re
+
+    from megacli.convert import families, hf_io
+    from megacli.convert.mapping import VOCAB_KEYS, fit_vocab_rows
+    from megacli.recipe.sections import ModelSection
+
+    config = hf_io.read_json(hf_dir / "config.json")
+    family, _ = families.for_hf_config(config)
+    model = ModelSection(**family.model_section(config))
+    table = family.table(model)
+    weights = hf_io.HFWeights(hf_dir)
+    by_name = {table.normalize_hf(k): k for k in weights.keys()}
+    out = {}
+    for rule in table.rules:
+        keys = [rule.megatron.replace("*", str(i)) for i in range(model.num_layers)] if "*" in rule.megatron else [rule.megatron]
+        for key in keys:
+            if not all(by_name.get(h) for h in table.hf_keys_for(key)):
+                continue  # e.g. position embeddings of a RoPE model
+            t = table.to_megatron(key, lambda n: weights.get(by_name[n]))
+            if key in VOCAB_KEYS:
+                t = fit_vocab_rows(t, rows=padded_rows, vocab_size=model.vocab_size, key=key)
+            out[key] = t
+    assert all(re.match(r"(embedding|decoder|output_layer)", k) for k in out)
+    return out, model
+
+
+def _shard(key: str, t, tp: int, rank: int, swiglu: bool):
+    import torch
+
+    if key.endswith(("linear_fc1.weight", "linear_fc1.bias")) and swiglu:
+        gate, up = t.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]]).clone()
+    if key.endswith(("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias",
+                     "linear_fc1.weight", "linear_fc1.bias")):
+        return t.chunk(tp, dim=0)[rank].clone()
+    if key.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return t.chunk(tp, dim=1)[rank].clone()
+    return t.clone()
+
+
+_LEGACY_MODEL_NAMES = [  # canonical -> megatron/legacy/model names (inside language_model.encoder)
+    ("self_attention.linear_qkv.layer_norm_", "input_norm."),
+    ("self_attention.linear_qkv.", "self_attention.query_key_value."),
+    ("self_attention.linear_proj.", "self_attention.dense."),
+    ("mlp.linear_fc1.layer_norm_", "post_attention_norm."),
+    ("mlp.linear_fc1.", "mlp.dense_h_to_4h."),
+    ("mlp.linear_fc2.", "mlp.dense_4h_to_h."),
+]
+
+
+def _legacy_model_state(local: dict) -> dict:
+    """Canonical (local layer numbers) -> the legacy GPTModel's nested state_dict_for_save_checkpoint."""
+    lm: dict = {}
+    encoder: dict = {}
+    for key, t in local.items():
+        if key.startswith("embedding."):
+            kind, _, rest = key[len("embedding."):].partition(".")
+            lm.setdefault("embedding", {}).setdefault(kind, {})[rest] = t
+        elif key.startswith("decoder.layers."):
+            num, _, rest = key[len("decoder.layers."):].partition(".")
+            for canon, legacy in _LEGACY_MODEL_NAMES:
+                if rest.startswith(canon):
+                    rest = legacy + rest[len(canon):]
+                    break
+            encoder[f"layers.{num}.{rest}"] = t
+        elif key.startswith("decoder.final_layernorm."):
+            encoder["final_norm." + key.rsplit(".", 1)[1]] = t
+        elif key == "output_layer.weight":
+            lm.setdefault("output_layer", {})["weight"] = t
+    if encoder:
+        lm["encoder"] = encoder
+    return {"language_model": lm}
+
+
+def write_legacy(hf_dir: Path, out: Path, *, tp: int, pp: int, iteration: int = 10, style: str = "mcore",
+                 extra_args: dict | None = None) -> None:
+    """Write a Megatron-LM legacy (torch format) checkpoint of an HF model at TP×PP, as
+    megatron/training/checkpointing.py lays it out: latest_checkpointed_iteration.txt,
+    iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt with args, checkpoint_version 3.0, model,
+    optimizer, rng_state. ``style``: "mcore" (Megatron-Core keys, TE spec, with _extra_state) or
+    "legacy" (megatron/legacy/model nested language_model dicts)."""
+    import numpy as np
+    import torch
+    from megatron.core.transformer.enums import AttnBackend
+
+    divisible_by = 128
+    from megacli.convert import hf_io
+
+    vocab = hf_io.read_json(hf_dir / "config.json")["vocab_size"]
+    padded = -(-vocab // (divisible_by * tp)) * divisible_by * tp
+    tensors, model = _canonical_from_hf(hf_dir, padded_rows=padded)
+    m = model
+    args = argparse.Namespace(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+        group_query_attention=m.query_groups != m.num_attention_heads, num_query_groups=m.query_groups,
+        kv_channels=m.head_dim, ffn_hidden_size=m.ffn_size, seq_length=m.seq_length,
+        max_position_embeddings=m.max_positions,
+        position_embedding_type="rope" if m.position_embedding == "rope" else "learned_absolute",
+        rotary_base=int(m.rotary_base), rotary_percent=1.0, normalization="RMSNorm" if m.normalization == "rmsnorm" else "LayerNorm",
+        norm_epsilon=m.norm_epsilon, swiglu=m.activation == "swiglu", openai_gelu=m.activation == "gelu_tanh",
+        add_bias_linear=m.add_bias_linear, add_qkv_bias=m.add_qkv_bias,
+        untie_embeddings_and_output_weights=m.untie_embeddings, tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None,
+        make_vocab_size_divisible_by=divisible_by, padded_vocab_size=padded, vocab_size=vocab,
+        params_dtype=torch.float32, bf16=False, fp16=False, tokenizer_type="NullTokenizer", hidden_dropout=0.0,
+        attention_dropout=0.0, attention_backend=AttnBackend.auto, iteration=iteration, ckpt_format="torch",
+        **(extra_args or {}))
+    per_stage = m.num_layers // pp
+    it_dir = out / f"iter_{iteration:07d}"
+    for p in range(pp):
+        local = {}
+        for key, t in tensors.items():
+            if key.startswith("decoder.layers."):
+                num, _, rest = key[len("decoder.layers."):].partition(".")
+                if p * per_stage <= int(num) < (p + 1) * per_stage:
+                    local[f"decoder.layers.{int(num) - p * per_stage}.{rest}"] = t
+            elif key.startswith("embedding.") and p == 0:
+                local[key] = t
+            elif key.startswith(("decoder.final_layernorm", "output_layer")) and p == pp - 1:
+                local[key] = t
+        if p == pp - 1 and pp > 1 and not m.untie_embeddings and style == "mcore":
+            local["output_layer.weight"] = tensors["embedding.word_embeddings.weight"]  # the tied copy on the last stage
+        for r in range(tp):
+            state = {k: _shard(k, t, tp, r, m.activation == "swiglu") for k, t in local.items()}
+            if style == "mcore":
+                for k in list(state):
+                    if k.endswith(("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")):
+                        state[k.rsplit(".", 1)[0] + "._extra_state"] = io.BytesIO(b"")  # TE's extra state
+                model_state = state
+            else:
+                model_state = _legacy_model_state(state)
+                if p == pp - 1 and pp > 1 and not m.untie_embeddings:
+                    emb = tensors["embedding.word_embeddings.weight"]
+                    model_state["word_embeddings_for_head"] = {"weight": _shard("word_embeddings.weight", emb, tp, r, False)}
+            name = f"mp_rank_{r:02d}" if pp == 1 else f"mp_rank_{r:02d}_{p:03d}"
+            (it_dir / name).mkdir(parents=True, exist_ok=True)
+            torch.save({
+                "args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": model_state,
+                "optimizer": {"state": {}, "param_groups": [{"lr": 1e-4, "params": [0]}]},
+                "opt_param_scheduler": {"num_steps": iteration},
+                "rng_state": [{"random_rng_state": (3, tuple(range(5)), None), "np_rng_state": np.random.get_state(),
+                               "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": torch.zeros(4, dtype=torch.uint8),
+                               "rng_tracker_states": {}}],
+                "num_floating_point_operations_so_far": 0.0,
+            }, it_dir / name / "model_optim_rng.pt")
+    (out / "latest_checkpointed_iteration.txt").write_text(str(iteration))
