@@ -151,6 +151,9 @@ class HuggingFaceTokenizer(Tokenizer):
             self._tok = RustTokenizer.from_file(str(file))
         except Exception as exc:
             raise UserError(f"tokenizer.path = {path!r}: cannot read {file}: {exc}") from None
+        # Documents are never cut or padded, whatever tokenizer.json says (as AutoTokenizer.tokenize).
+        self._tok.no_truncation()
+        self._tok.no_padding()
         self.name = str(path)
         specials = _special_tokens(config_dir)
         token_id = self._tok.token_to_id
