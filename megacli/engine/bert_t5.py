@@ -18,8 +18,10 @@ from __future__ import annotations
 import contextlib
 import copy
 
+import torch
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.bert.bert_model import BertModel as _MegatronBertModel
+from megatron.core.models.T5 import T5Model as _MegatronT5Model
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import CrossAttention, CrossAttentionSubmodules, SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
@@ -135,12 +137,56 @@ def build_bert(*, recipe, config, padded_vocab: int) -> list:
     return chunks
 
 
+class _BiasGradient(torch.autograd.Function):
+    """Identity on a block's input hidden states that, in backward, also hands ``bias`` the gradient
+    collected on ``leaf`` (its detached copy that the block's layers used). The block's input is
+    the last thing its backward reaches, so by then every layer has added its share to leaf.grad."""
+
+    @staticmethod
+    def forward(ctx, hidden, bias, leaf):
+        ctx.leaf = leaf
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad):
+        leaf, ctx.leaf = ctx.leaf, None
+        bias_grad, leaf.grad = leaf.grad, None
+        return grad, bias_grad, None
+
+
+class _RecomputableBiasBlock(TransformerBlock):
+    """A TransformerBlock whose attention bias survives activation recompute. Megatron-Core's
+    recompute (full: TransformerBlock._checkpointed_forward; selective: the attention's
+    _checkpointed_attention_forward) closes over ``attention_bias`` instead of passing it as a
+    checkpoint input, so every checkpoint's backward walks back into the bias's graph - the T5
+    relative position embedding shared by all layers - and the second one fails ("backward through
+    the graph a second time"). Here the layers get a detached leaf copy; its gradient, summed over
+    the layers, flows into the bias graph once (see _BiasGradient)."""
+
+    def forward(self, hidden_states, *args, attention_bias=None, **kwargs):
+        if (attention_bias is None or not attention_bias.requires_grad or hidden_states is None
+                or not self.training or self.config.recompute_granularity is None):
+            return super().forward(hidden_states, *args, attention_bias=attention_bias, **kwargs)
+        leaf = attention_bias.detach().requires_grad_()
+        hidden_states = _BiasGradient.apply(hidden_states, attention_bias, leaf)
+        return super().forward(hidden_states, *args, attention_bias=leaf, **kwargs)
+
+
+class T5Model(_MegatronT5Model):
+    """Megatron-Core's T5Model whose relative position biases work with activation recompute
+    (see _RecomputableBiasBlock)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for block in (self.encoder, self.decoder):
+            if block is not None and self.position_embedding_type == "relative":
+                block.__class__ = _RecomputableBiasBlock  # T5Model builds plain TransformerBlocks itself
+
+
 def build_t5(*, recipe, config, padded_vocab: int) -> list:
     """One chunk: encoder and decoder on every rank (Megatron-Core 0.16.1 has no T5 pipelining; the
     recipe refuses parallel.pipeline > 1). ``config`` is the decoder's (num_layers = decoder
     layers); the encoder gets a copy with the encoder's layer count, as Megatron-LM builds it."""
-    from megatron.core.models.T5 import T5Model
-
     m = recipe.model
     encoder_config = copy.deepcopy(config)
     encoder_config.num_layers = m.num_layers

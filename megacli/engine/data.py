@@ -199,7 +199,7 @@ def build_masked_datasets(*, arch: str, data, masking, seq_length: int, decoder_
         masking_probability=masking.probability,
         short_sequence_probability=masking.short_sequence_probability,
         masking_max_ngram=masking.ngram(arch),
-        masking_do_full_word=masking.whole_word,
+        masking_do_full_word=masking.whole_word and tokenizer.whole_word_masking,  # needs marked word pieces
         masking_do_permutation=False,
         masking_use_longer_ngrams=False,
         masking_use_geometric_distribution=masking.geometric(arch),
