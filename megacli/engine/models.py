@@ -1,4 +1,5 @@
-"""Recipe -> Megatron TransformerConfig -> model chunks. The only place that builds Megatron models.
+"""Recipe -> Megatron TransformerConfig -> model chunks. With engine.bert_t5 (BERT, T5), the only
+place that builds Megatron models.
 
 A model is a list of chunks: one per virtual pipeline stage held by this rank (one without
 interleaving), as Megatron's schedules expect.
