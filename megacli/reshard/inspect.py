@@ -61,6 +61,7 @@ def render(info: dict, console) -> None:
     from rich.table import Table
 
     from megacli.reshard.core import _size
+    from megacli.reshard.plan import split_optimizer_key
 
     m = (info.get("recipe") or {}).get("model") or {}
     t = (info.get("recipe") or {}).get("train") or {}
@@ -88,15 +89,35 @@ def render(info: dict, console) -> None:
     head.add_row("files", f"{len(info['files'])} shard file(s), {_size(info['total_bytes'])} of tensors")
     console.print(head)
 
-    table = Table(title=f"{len(info['tensors'])} tensors (global shapes)", title_justify="left")
-    table.add_column("tensor", overflow="fold")
-    table.add_column("shape", justify="right")
-    table.add_column("dtype")
-    table.add_column("stored as")
-    table.add_column("size", justify="right")
-    for row in info["tensors"]:
-        table.add_row(row["name"], "×".join(map(str, row["shape"])) or "()", row["dtype"],
-                      f"{row['chunks']} chunk{'s' if row['chunks'] != 1 else ''}: {row['split']}", _size(row["bytes"]))
+    # One row per model tensor; its optimizer state (same global shape and split) in a column.
+    rows = [r for r in info["tensors"] if r["kind"] == "model"]
+    by_name = {r["name"]: r for r in rows}
+    states: dict[str, list[str]] = {}
+    extra = []
+    for r in info["tensors"]:
+        if r["kind"] != "optimizer":
+            continue
+        state, base = split_optimizer_key(r["name"])
+        model = by_name.get(base)
+        if model is None or model["shape"] != r["shape"] or model["split"] != r["split"]:
+            extra.append(r)
+            continue
+        states.setdefault(base, []).append(state if r["dtype"] == model["dtype"] else f"{state} ({r['dtype']})")
+    n_opt = sum(1 for r in info["tensors"] if r["kind"] == "optimizer")
+    table = Table(title=f"{len(rows)} model tensors, {n_opt} optimizer-state tensors (global shapes)", title_justify="left")
+    table.add_column("tensor", overflow="fold", ratio=3)
+    table.add_column("shape", justify="right", no_wrap=True)
+    table.add_column("dtype", no_wrap=True)
+    table.add_column("stored as", ratio=1)
+    table.add_column("optimizer state", ratio=1)
+    table.add_column("size", justify="right", no_wrap=True)
+    for r in rows + extra:
+        opt_size = sum(x["bytes"] for x in info["tensors"] if x["kind"] == "optimizer" and split_optimizer_key(x["name"])[1] == r["name"]
+                       and x not in extra) if r["kind"] == "model" else 0
+        table.add_row(r["name"], "×".join(map(str, r["shape"])) or "()", r["dtype"],
+                      f"{r['chunks']} chunk{'s' if r['chunks'] != 1 else ''}: {r['split']}",
+                      ", ".join(states.get(r["name"], [])) or ("-" if r["kind"] == "model" else "(optimizer)"),
+                      _size(r["bytes"] + opt_size))
     console.print(table)
     other = info["objects"]["other"]
     if other:

@@ -194,12 +194,13 @@ def target_chunks(key: str, shape: tuple[int, ...], *, tp: int, gated: bool) -> 
         tp_dim = lead
     elif base.endswith(_ROW):
         tp_dim = lead + 1
-    if tp > 1 and tp_dim is not None and tp_dim < ndim:
+    if tp_dim is not None and tp_dim < ndim:
         size = shape[tp_dim]
         if gated and base.endswith(("linear_fc1.weight", "linear_fc1.bias")) and size % (2 * tp) == 0:
+            # SwiGLU: each rank holds its slice of the gate half and of the up half (two chunks, also at TP 1)
             half, part = size // 2, size // (2 * tp)
             axes[tp_dim] = [(h * half + r * part, part) for r in range(tp) for h in (0, 1)]
-        elif size % tp == 0:
+        elif tp > 1 and size % tp == 0:
             part = size // tp
             axes[tp_dim] = [(r * part, part) for r in range(tp)]
     chunks: list[tuple[tuple[int, ...], tuple[int, ...]]] = [((), ())]
@@ -329,32 +330,29 @@ def build_plan(src: Checkpoint, target: Target, recipe=None) -> Plan:
         notes.append(f"vocabulary padding {rows_now} → {rows_new} rows (make_vocab_size_divisible_by × TP); "
                      f"{'new rows are zeros' if rows_new > rows_now else 'padding rows beyond the vocabulary are dropped'}")
 
-    def fit(key: str, produce: Callable[[], torch.Tensor]) -> tuple[tuple[int, ...], Callable[[], torch.Tensor]]:
-        info = reader.tensors[key]
-        _, base = split_optimizer_key(key)
-        if rows_now is None or rows_new == rows_now or not base.endswith(VOCAB_KEYS) or info.shape[0] != rows_now:
-            return info.shape, produce
-        shape = (rows_new,) + tuple(info.shape[1:])
-
-        def fitted():
-            t = produce()
-            if rows_new < rows_now:
-                return t[:rows_new].contiguous()
-            out = torch.zeros(shape, dtype=t.dtype)
-            out[:rows_now] = t
-            return out
-
-        return shape, fitted
-
     def entry(key_out: str, key_in: str, how: str = "copy", cast: Optional[torch.dtype] = None) -> TensorEntry:
         info = reader.tensors[key_in]
-        produce = (lambda k=key_in: reader.read(k))
-        if cast is not None and cast != info.dtype:
-            produce = (lambda k=key_in, c=cast: reader.read(k).to(c))
-        shape, produce = fit(key_in, produce)
+        _, base = split_optimizer_key(key_in)
+        shape = tuple(info.shape)
+        rows = None  # rows of the source that exist, when the vocabulary padding changes
+        if rows_now is not None and rows_new != rows_now and base.endswith(VOCAB_KEYS) and shape and shape[0] == rows_now:
+            shape = (rows_new,) + shape[1:]
+            rows = rows_now
+            how = f"{how}, vocab rows {rows_now} → {rows_new}"
         dtype = cast or info.dtype
-        return TensorEntry(key=key_out, shape=shape, dtype=dtype, chunks=target_chunks(key_out, shape, tp=target.layout.tensor, gated=gated),
-                           produce=produce, how=how)
+
+        def region(offsets, sizes, key_in=key_in, rows=rows, dtype=dtype):
+            if rows is not None and offsets[0] + sizes[0] > rows:
+                out = torch.zeros(sizes, dtype=dtype)  # padding rows past the source's
+                have = max(0, rows - offsets[0])
+                if have:
+                    out[:have] = reader.read_region(key_in, offsets, (have,) + tuple(sizes[1:])).to(dtype)
+                return out
+            t = reader.read_region(key_in, offsets, sizes)
+            return t if t.dtype == dtype else t.to(dtype)
+
+        return TensorEntry(key=key_out, shape=shape, dtype=dtype, how=how, region=region,
+                           chunks=target_chunks(key_out, shape, tp=target.layout.tensor, gated=gated))
 
     tensors: list[TensorEntry] = []
     for key in src.model_keys:

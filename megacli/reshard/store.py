@@ -1,20 +1,22 @@
 """torch_dist checkpoints as global tensors, read and written in one process, one tensor at a time.
 
 A Megatron torch_dist checkpoint is a torch.distributed.checkpoint (DCP) directory: ``.metadata``
-lists every entry with its *global* shape and the chunks (offsets, sizes) the saving ranks wrote;
-``__R_F.distcp`` files hold the chunks; ``common.pt`` the non-tensor state every rank shares;
-``metadata.json`` names the backend. Reading needs neither Megatron's parallel state nor a
-process group: ``FileSystemReader`` gives the metadata and ``dcp.load(..., no_dist=True)`` fills
-a global tensor from whichever chunks overlap it.
+lists every entry with its *global* shape and the chunks (offsets, sizes) the saving ranks wrote,
+and where each chunk is stored (a torch.save'd tensor at a byte range of a ``__R_F.distcp``
+file); ``common.pt`` holds the non-tensor state every rank shares; ``metadata.json`` names the
+backend. Reading needs neither Megatron's parallel state nor a process group:
+``FileSystemReader.read_metadata()`` gives the index, and any box of a global tensor is
+assembled from the stored chunks that overlap it.
 
-Writing goes through DCP too, with a planner of our own: the state dict holds lazy entries that
-describe a tensor (global shape, dtype, the chunks to write) and produce its data only when the
-writer asks for it, so peak memory is one global tensor (plus the chunk being written), not the
-model. One writer thread and no copy-ahead keep the writer asking in plan order.
+Writing goes through ``dcp.save`` with a planner of our own: one write item per target chunk,
+whose data is produced only when the writer asks for it (one writer thread, no copy-ahead). So
+peak memory is a few chunks - the one being written and the source chunks it is cut from - never
+a whole stacked tensor, let alone the model.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import io
 import json
@@ -36,7 +38,7 @@ BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "commo
 
 
 def _quiet_dcp():
-    """dcp.load/save with no_dist warn on every call that they assume a single process (we do)."""
+    """dcp.save with no_dist warns that it assumes a single process (it does)."""
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
     warnings.filterwarnings("ignore", message=".*assuming the intent is to.*")
 
@@ -76,7 +78,9 @@ class TorchDistReader:
             self.metadata = reader.read_metadata()
         except Exception as exc:  # noqa: BLE001 - a corrupt .metadata is a user-facing problem
             raise UserError(f"{self.path / DCP_META}: cannot read the checkpoint metadata ({exc})") from None
-        self._reader = _CachedReader(str(self.path), self.metadata)
+        self._cache: list[tuple[tuple, torch.Tensor]] = []
+        self._index: dict[str, tuple] = {}
+        self.cache_chunks = 2
         self.tensors: dict[str, TensorInfo] = {}
         self.objects: list[str] = []
         for key, md in self.metadata.state_dict_metadata.items():
@@ -97,37 +101,117 @@ class TorchDistReader:
 
     def read(self, key: str) -> torch.Tensor:
         """The global tensor ``key``, assembled from all its chunks."""
-        import torch.distributed.checkpoint as dcp
+        info = self._info(key)
+        return self.read_region(key, (0,) * len(info.shape), info.shape)
 
+    def read_region(self, key: str, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+        """The box [offsets, offsets + sizes) of the global tensor ``key``, from the stored chunks that
+        overlap it (each read whole: a torch.save'd tensor at a byte range of a .distcp file). The
+        last few chunks read are kept, so walking a chunk piece by piece reads it once."""
+        info = self._info(key)
+        offsets, sizes = tuple(offsets), tuple(sizes)
+        out = torch.empty(sizes, dtype=info.dtype)
+        covered = 0
+        for c_off, c_size in self._overlapping(info, offsets, sizes):
+            lo = [max(a, b) for a, b in zip(offsets, c_off)]
+            hi = [min(a + s, b + t) for a, s, b, t in zip(offsets, sizes, c_off, c_size)]
+            if any(h <= l for l, h in zip(lo, hi)):
+                continue
+            chunk = self._chunk(key, c_off, c_size, info.dtype)
+            src = chunk[tuple(slice(l - b, h - b) for l, h, b in zip(lo, hi, c_off))]
+            out[tuple(slice(l - a, h - a) for l, h, a in zip(lo, hi, offsets))] = src
+            n = 1
+            for l, h in zip(lo, hi):
+                n *= h - l
+            covered += n
+        want = 1
+        for s in sizes:
+            want *= s
+        if covered != want:
+            raise UserError(f"{self.path}: the stored chunks of {key} do not cover {list(offsets)}+{list(sizes)} "
+                            f"({covered} of {want} elements)")
+        return out
+
+    def _overlapping(self, info: TensorInfo, offsets, sizes):
+        """The stored chunks that may overlap a box (an index over dim 0: stacked layers have
+        hundreds of chunks, and a reshard asks for hundreds of boxes)."""
+        if not info.shape:
+            return info.chunks
+        index = self._index.get(info.key)
+        if index is None:
+            ordered = sorted(info.chunks, key=lambda c: c[0][0])
+            index = ([c[0][0] for c in ordered], ordered, max(c[1][0] for c in ordered))
+            self._index[info.key] = index
+        starts, ordered, longest = index
+        lo = bisect.bisect_right(starts, offsets[0] - longest)
+        hi = bisect.bisect_left(starts, offsets[0] + sizes[0])
+        return ordered[lo:hi]
+
+    def _info(self, key: str) -> TensorInfo:
         info = self.tensors.get(key)
         if info is None:
             raise UserError(f"{self.path}: no tensor {key!r}")
-        out = torch.empty(info.shape, dtype=info.dtype)
-        _quiet_dcp()
+        return info
+
+    def _chunk(self, key: str, offsets, sizes, dtype) -> torch.Tensor:
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        cache_key = (key, tuple(offsets))
+        for i, (k, t) in enumerate(self._cache):
+            if k == cache_key:
+                self._cache.append(self._cache.pop(i))
+                return t
+        storage = self.metadata.storage_data.get(MetadataIndex(key, torch.Size(offsets)))
+        if storage is None:
+            raise UserError(f"{self.path}: {key} chunk at {list(offsets)} is listed but not stored")
+        where = f"{key} chunk at {list(offsets)} ({storage.relative_path})"
+        if getattr(storage, "transform_descriptors", None):
+            raise UserError(f"{self.path}: {where} is stored with transforms {storage.transform_descriptors} (not supported)")
+        self._cache.clear() if self.cache_chunks <= 1 else None  # free before allocating the next
         try:
-            dcp.load({key: out}, storage_reader=self._reader, no_dist=True)
+            with open(self.path / storage.relative_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                if f.tell() < storage.offset + storage.length:
+                    raise UserError(f"{self.path / storage.relative_path}: truncated ({where} needs bytes up to "
+                                    f"{storage.offset + storage.length})")
+                t = torch.load(_RangeFile(f, storage.offset, storage.length), map_location="cpu", weights_only=True)
+        except UserError:
+            raise
         except Exception as exc:  # noqa: BLE001 - a torn or corrupt shard file
-            raise UserError(f"{self.path}: cannot read {key} ({_first_line(exc)})") from None
-        return out
+            raise UserError(f"{self.path}: cannot decode {where}: {_first_line(exc)}") from None
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(sizes) or t.dtype != dtype:
+            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise UserError(f"{self.path}: {where} holds {got}, the metadata says {tuple(sizes)} {dtype}")
+        self._cache.append((cache_key, t))
+        while len(self._cache) > self.cache_chunks:
+            self._cache.pop(0)
+        return t
+
+    def _bytes(self, storage, where: str) -> bytes:
+        try:
+            with open(self.path / storage.relative_path, "rb") as f:
+                f.seek(storage.offset)
+                data = f.read(storage.length)
+        except OSError as exc:
+            raise UserError(f"{self.path}: cannot read {where} ({exc})") from None
+        if len(data) != storage.length:
+            raise UserError(f"{self.path / storage.relative_path}: truncated ({where} needs {storage.length} bytes at "
+                            f"{storage.offset})")
+        return data
+
+    def drop_cache(self) -> None:
+        self._cache.clear()
 
     def read_object_bytes(self, key: str) -> bytes:
         """The stored bytes of a sharded object (a torch.save'd list of the objects)."""
         from torch.distributed.checkpoint.metadata import MetadataIndex
 
-        info = self.metadata.storage_data.get(MetadataIndex(key))
-        if info is None:
+        storage = self.metadata.storage_data.get(MetadataIndex(key))
+        if storage is None:
             raise UserError(f"{self.path}: no object {key!r}")
-        if getattr(info, "transform_descriptors", None):
-            raise UserError(f"{self.path}: {key} is stored with transforms {info.transform_descriptors} (not supported)")
-        try:
-            with open(self.path / info.relative_path, "rb") as f:
-                f.seek(info.offset)
-                data = f.read(info.length)
-        except OSError as exc:
-            raise UserError(f"{self.path}: cannot read {key} ({exc})") from None
-        if len(data) != info.length:
-            raise UserError(f"{self.path / info.relative_path}: truncated ({key} needs {info.length} bytes at {info.offset})")
-        return data
+        if getattr(storage, "transform_descriptors", None):
+            raise UserError(f"{self.path}: {key} is stored with transforms {storage.transform_descriptors} (not supported)")
+        return self._bytes(storage, key)
 
     def read_object(self, key: str):
         try:
@@ -141,17 +225,36 @@ class TorchDistReader:
         return sorted(self.path.glob("*.distcp"))
 
 
-class _CachedReader:
-    """A FileSystemReader that reads ``.metadata`` once (dcp.load asks for it on every call)."""
+class _RangeFile(io.RawIOBase):
+    """A read-only view of bytes [offset, offset + length) of an open file, so torch.load reads a
+    stored chunk straight from the shard file (no copy of its bytes in memory)."""
 
-    def __new__(cls, path: str, metadata):
-        from torch.distributed.checkpoint import FileSystemReader
+    def __init__(self, f, offset: int, length: int):
+        super().__init__()
+        self._f, self._start, self._len, self._pos = f, offset, length, 0
 
-        class Reader(FileSystemReader):
-            def read_metadata(self, *args, **kwargs):
-                return metadata
+    def readable(self) -> bool:
+        return True
 
-        return Reader(path)
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._len}[whence]
+        self._pos = max(0, min(self._len, base + pos))
+        return self._pos
+
+    def readinto(self, buf) -> int:
+        n = min(len(buf), self._len - self._pos)
+        if n <= 0:
+            return 0
+        self._f.seek(self._start + self._pos)
+        got = self._f.readinto(memoryview(buf)[:n])
+        self._pos += got or 0
+        return got or 0
 
 
 def _first_line(exc: BaseException) -> str:
@@ -164,15 +267,19 @@ def _first_line(exc: BaseException) -> str:
 
 @dataclass
 class TensorEntry:
-    """A tensor of the checkpoint to write: its global shape and dtype, the chunks to store and a
-    function producing the global tensor (called once, when the writer reaches it)."""
+    """A tensor of the checkpoint to write: its global shape and dtype, the chunks to store and
+    ``region(offsets, sizes)``, which produces any box of the global tensor on demand."""
 
     key: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     chunks: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]
-    produce: Callable[[], torch.Tensor]
+    region: Callable[[tuple[int, ...], tuple[int, ...]], torch.Tensor]
     how: str = "copy"
+
+    def produce(self) -> torch.Tensor:
+        """The whole global tensor (small tensors and tests)."""
+        return self.region((0,) * len(self.shape), tuple(self.shape))
 
 
 @dataclass
@@ -180,13 +287,6 @@ class ObjectEntry:
     key: str
     produce: Callable[[], bytes]
     how: str = "copy"
-
-
-def _chunk_slice(t: torch.Tensor, offsets, sizes) -> torch.Tensor:
-    for dim, (o, s) in enumerate(zip(offsets, sizes)):
-        if o != 0 or s != t.shape[dim]:
-            t = t.narrow(dim, o, s)
-    return t
 
 
 class _LazyPlanner:
@@ -202,8 +302,16 @@ class _LazyPlanner:
 
         class Planner(SavePlanner):
             def __init__(self):
-                self._current: tuple[str, torch.Tensor] | None = None
                 self._remaining = {t.key: len(t.chunks) for t in tensors}
+                self._written: torch.Tensor | None = None
+
+            def _release(self) -> None:
+                # DCP's writer keeps the last chunk of every key it wrote (for its safetensors
+                # format) until the file is closed; we write with torch.save, so once the writer
+                # asks for the next item the previous chunk's memory can go.
+                if self._written is not None:
+                    self._written.untyped_storage().resize_(0)
+                    self._written = None
 
             def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False):
                 pass
@@ -237,19 +345,20 @@ class _LazyPlanner:
                     on_done(key)
                     return io.BytesIO(data)
                 entry = by_key[key]
-                if self._current is None or self._current[0] != key:
-                    self._current = None  # free the previous tensor before producing the next
-                    tensor = entry.produce()
-                    if tuple(tensor.shape) != tuple(entry.shape) or tensor.dtype != entry.dtype:
-                        raise UserError(f"internal error: {key} produced {tuple(tensor.shape)} {tensor.dtype}, "
-                                        f"planned {entry.shape} {entry.dtype}")
-                    self._current = (key, tensor)
-                chunk = _chunk_slice(self._current[1], write_item.tensor_data.chunk.offsets,
-                                     write_item.tensor_data.chunk.sizes).contiguous()
+                self._release()
+                offsets = tuple(write_item.tensor_data.chunk.offsets)
+                sizes = tuple(write_item.tensor_data.chunk.sizes)
+                chunk = entry.region(offsets, sizes)
+                if tuple(chunk.shape) != sizes or chunk.dtype != entry.dtype:
+                    raise UserError(f"internal error: {key} at {list(offsets)} produced {tuple(chunk.shape)} {chunk.dtype}, "
+                                    f"planned {sizes} {entry.dtype}")
                 self._remaining[key] -= 1
                 if self._remaining[key] == 0:
-                    self._current = None
                     on_done(key)
+                chunk = chunk.contiguous()
+                if chunk.untyped_storage().nbytes() != chunk.nbytes:
+                    chunk = chunk.clone()
+                self._written = chunk
                 return chunk
 
         return Planner()
@@ -275,14 +384,27 @@ def write_torch_dist(path: Path, tensors: Sequence[TensorEntry], objects: Sequen
 # ---------------------------------------------------------------- checksums
 
 
+class Digest:
+    """A running checksum over tensors (dtype, shape and bytes of each, in order)."""
+
+    def __init__(self):
+        self._h = hashlib.blake2b(digest_size=16)
+
+    def update(self, t: torch.Tensor) -> None:
+        self._h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        flat = t.detach().contiguous().reshape(-1)
+        if flat.numel():
+            self._h.update(flat.view(torch.uint8).numpy().tobytes() if flat.dtype != torch.bool else flat.numpy().tobytes())
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
 def tensor_digest(t: torch.Tensor) -> str:
     """A checksum of a tensor's dtype, shape and bytes."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-    flat = t.detach().contiguous().reshape(-1)
-    if flat.numel():
-        h.update(flat.view(torch.uint8).numpy().tobytes() if flat.dtype != torch.bool else flat.numpy().tobytes())
-    return h.hexdigest()
+    d = Digest()
+    d.update(t)
+    return d.hexdigest()
 
 
 def bytes_digest(data: bytes) -> str:

@@ -16,8 +16,11 @@ def progress_bars(enabled: bool = True):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     console = Console(stderr=True)
+    if not console.is_terminal:  # logs and pipes get the summary line, not bar frames
+        yield None
+        return
     with Progress(TextColumn("{task.description:<10}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TextColumn("[dim]{task.fields[key]}", markup=True), console=console, transient=console.is_terminal) as prog:
+                  TextColumn("[dim]{task.fields[key]}", markup=True), console=console, transient=True) as prog:
 
         def start(description: str, total: int):
             task = prog.add_task(description, total=total, key="")
