@@ -103,6 +103,9 @@ def render(info: dict, console) -> None:
             extra.append(r)
             continue
         states.setdefault(base, []).append(state if r["dtype"] == model["dtype"] else f"{state} ({r['dtype']})")
+    order = {"param": 0, "fp32_param": 1, "exp_avg": 2, "exp_avg_sq": 3}
+    for names in states.values():
+        names.sort(key=lambda n: (order.get(n.split(" ")[0], 9), n))
     n_opt = sum(1 for r in info["tensors"] if r["kind"] == "optimizer")
     table = Table(title=f"{len(rows)} model tensors, {n_opt} optimizer-state tensors (global shapes)", title_justify="left")
     table.add_column("tensor", overflow="fold", ratio=3)

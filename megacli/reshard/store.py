@@ -376,7 +376,18 @@ def write_torch_dist(path: Path, tensors: Sequence[TensorEntry], objects: Sequen
     _quiet_dcp()
     writer = FileSystemWriter(str(path), single_file_per_rank=True, thread_count=1, per_thread_copy_ahead=0,
                               sync_files=True)
-    dcp.save({}, storage_writer=writer, planner=_LazyPlanner(tensors, objects, on_done), no_dist=True)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.save({}, storage_writer=writer, planner=_LazyPlanner(tensors, objects, on_done), no_dist=True)
+    except CheckpointException as exc:
+        # DCP wraps whatever failed while writing (our UserError for a bad source chunk, Ctrl-C, an
+        # OSError for a full disk); re-raise the original.
+        failures = list(getattr(exc, "failures", {}).values())
+        cause = failures[0][0] if failures and isinstance(failures[0], tuple) else None
+        if isinstance(cause, BaseException):
+            raise cause from None
+        raise UserError(f"writing {path} failed: {str(exc).strip().splitlines()[-1]}") from None
     torch.save(common, path / COMMON)
     (path / BACKEND_META).write_text(json.dumps(BACKEND))
 

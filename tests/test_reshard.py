@@ -1,0 +1,310 @@
+"""`megacli reshard` on CPU.
+
+One chain of real runs is shared by the checks (the runs dominate the time):
+
+    A  pretrain TP2 × PP2 × DP1 (SP, standard optimizer), 12 steps, checkpoints every 2
+    R1 = reshard A@2 -> TP1 × PP1                    (CLI: SRC DST --tensor --pipeline --verify)
+    B  pretrain TP1 from R1, steps 3-12, saves at 12
+    R2 = reshard R1 -> TP2 × PP1 × DP2 + distributed optimizer   (CLI: a reshard RECIPE)
+    C  pretrain TP2 × DP2 (SP, distributed optimizer) from R2, steps 3-12, saves at 12
+
+B and C must reproduce A's losses (the run continued under the old layout). R1/R2 must hold
+exactly the entries (keys, global shapes, dtypes, chunking, RNG objects, common state layout)
+that the engine itself writes under the new layout (B's and C's own checkpoints).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TINY = [
+    "data.path=null", "data.mock=true", "tokenizer.type=byte", "tokenizer.path=null",
+    "model.num_layers=4", "model.hidden_size=64", "model.num_attention_heads=4", "model.ffn_hidden_size=128",
+    "model.seq_length=32", "model.make_vocab_size_divisible_by=256", "model.activation=swiglu",
+    "train.iters=12", "train.micro_batch_size=2", "train.global_batch_size=8", "train.log_interval=1",
+    "train.eval_interval=null", "optim.warmup_iters=1", "optim.lr=1e-2", "train.precision=fp32",
+    "checkpoint.dir=null",
+]
+RESUMED = range(3, 13)  # the 10 steps after the checkpoint at 2
+
+
+def layout(tp=1, pp=1, dp=1, sp=False, dist_opt=False):
+    return [f"parallel.tensor={tp}", f"parallel.pipeline={pp}", f"parallel.sequence_parallel={str(sp).lower()}",
+            f"parallel.distributed_optimizer={str(dist_opt).lower()}", "parallel.virtual_pipeline=null",
+            f"launch.nproc={tp * pp * dp}"]
+
+
+def pretrain(run_dir: Path, overrides: list[str]) -> dict[int, float]:
+    sets = [*TINY, *overrides, f"run.dir={run_dir}"]
+    env = dict(os.environ)
+    if "launch.nproc=1" in overrides:
+        env["MEGACLI_IN_PROCESS"] = "1"  # one worker: run it in the launcher's process
+    out = subprocess.run([sys.executable, "-m", "megacli", "pretrain", *[x for s in sets for x in ("--set", s)]],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["iteration"]: r["loss"] for r in records if "loss" in r}
+
+
+def cli(*args):
+    from typer.testing import CliRunner
+
+    from megacli.cli import _register, app
+
+    _register()
+    return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "200"})
+
+
+def assert_close(got: dict, want: dict, steps, rel=1e-4):
+    for i in steps:
+        assert abs(got[i] - want[i]) <= rel * abs(want[i]), f"step {i}: {got[i]} vs {want[i]}"
+
+
+def entries(ckpt: Path) -> dict:
+    """What a torch_dist checkpoint holds, without the data: tensors (shape, dtype, chunks) and objects."""
+    from megacli.reshard.store import TorchDistReader
+
+    r = TorchDistReader(ckpt)
+    return {"tensors": {k: (v.shape, v.dtype, sorted(v.chunks)) for k, v in r.tensors.items()},
+            "objects": sorted(r.objects)}
+
+
+def structure(x):
+    if isinstance(x, dict):
+        return {k: structure(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [structure(v) for v in x]
+    return type(x).__name__
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("reshard")
+    out = {"tmp": tmp}
+    ck_a = tmp / "ck_a"
+    out["A"] = pretrain(tmp / "run_a", layout(tp=2, pp=2, sp=True) + [f"checkpoint.dir={ck_a}", "checkpoint.save_interval=2"])
+
+    r1 = tmp / "r1"
+    res = cli("reshard", ck_a / "iter_0000002", r1, "--tensor", "1", "--pipeline", "1", "--verify")
+    assert res.exit_code == 0, res.output
+    out["r1_output"] = res.output
+    out["B"] = pretrain(tmp / "run_b", layout() + [f"checkpoint.resume={r1}", f"checkpoint.dir={tmp / 'ck_b'}"])
+
+    r2 = tmp / "r2"
+    recipe = tmp / "to_tp2_dp2.yaml"
+    recipe.write_text(f"reshard:\n  source: {r1}\n  output: {r2}\n  tensor: 2\n  data_parallel: 2\n"
+                      f"  distributed_optimizer: true\n  sequence_parallel: true\n  verify: true\n")
+    res = cli("reshard", recipe)
+    assert res.exit_code == 0, res.output
+    out["r2_output"] = res.output
+    out["C"] = pretrain(tmp / "run_c", layout(tp=2, dp=2, sp=True, dist_opt=True)
+                        + [f"checkpoint.resume={r2}", f"checkpoint.dir={tmp / 'ck_c'}"])
+    out.update(ck_a=ck_a, r1=r1, r2=r2)
+    return out
+
+
+@pytest.mark.slow
+def test_resume_after_reshard_continues_the_old_layouts_loss_curve(chain):
+    a = chain["A"]
+    assert min(chain["B"]) == 3 and min(chain["C"]) == 3, "training continues after the checkpoint's iteration"
+    assert_close(chain["B"], a, RESUMED)  # TP2×PP2 -> TP1×PP1
+    assert_close(chain["C"], a, RESUMED)  # -> TP2×PP1×DP2, standard -> distributed optimizer
+    assert "verify: OK" in chain["r1_output"] and "verify: OK" in chain["r2_output"]
+    assert "standard → distributed" in chain["r2_output"]
+
+
+@pytest.mark.slow
+def test_reshard_writes_what_the_engine_writes_under_the_new_layout(chain):
+    """Keys, global shapes, dtypes, chunking, RNG objects and the common state's layout of R1/R2
+    equal those of the checkpoints B and C saved themselves in those layouts."""
+    import torch
+
+    tmp = chain["tmp"]
+    for ours, engines in ((chain["r1"] / "iter_0000002", tmp / "ck_b" / "iter_0000012"),
+                          (chain["r2"] / "iter_0000002", tmp / "ck_c" / "iter_0000012")):
+        assert entries(ours) == entries(engines)
+        assert structure(torch.load(ours / "common.pt", weights_only=False)) == \
+            structure(torch.load(engines / "common.pt", weights_only=False))
+        ours_meta, engines_meta = (json.loads((p / "megacli.json").read_text()) for p in (ours, engines))
+        assert ours_meta["layout"] == engines_meta["layout"]
+    meta = json.loads((chain["r2"] / "iter_0000002" / "megacli.json").read_text())
+    assert (meta["iteration"], meta["consumed_samples"]) == (2, 16)
+    assert meta["resharded_from"]["layout"]["tensor"] == 1
+    import yaml
+
+    recipe = yaml.safe_load((chain["r2"] / "iter_0000002" / "recipe.yaml").read_text())
+    assert recipe["parallel"]["tensor"] == 2 and recipe["parallel"]["pipeline"] == 1
+    assert recipe["parallel"]["distributed_optimizer"] is True and recipe["launch"]["nproc"] == 4
+    assert (chain["r2"] / "latest").read_text().strip() == "iter_0000002"
+
+
+@pytest.mark.slow
+def test_optimizer_kind_round_trip_and_vocab_padding(chain):
+    """distributed -> standard gives back R1 exactly; TP 4 pads the vocabulary (512 -> 1024 rows)."""
+    from megacli.reshard import reshard, verify
+    from megacli.reshard.store import TorchDistReader
+
+    tmp = chain["tmp"]
+    back = reshard(chain["r2"], tmp / "r3", tensor=1, data_parallel=1, distributed_optimizer=False, sequence_parallel=False)
+    assert back.target_layout == "TP 1 × PP 1 × DP 1"
+    report = verify(chain["r1"], tmp / "r3")
+    assert report.ok, report.line()
+    assert entries(tmp / "r3" / "iter_0000002") == entries(chain["r1"] / "iter_0000002")
+
+    wide = reshard(chain["r1"], tmp / "r_tp4", tensor=4, verify_after=True)
+    assert wide.verified.ok and any("1024 rows" in n for n in wide.notes), wide.notes
+    src, dst = TorchDistReader(chain["r1"] / "iter_0000002"), TorchDistReader(tmp / "r_tp4" / "iter_0000002")
+    for key in ("embedding.word_embeddings.weight", "optimizer.state.exp_avg.embedding.word_embeddings.weight"):
+        old, new = src.read(key), dst.read(key)
+        assert new.shape == (1024, 64) and (new[:512] == old).all() and (new[512:] == 0).all()
+        assert len(dst.tensors[key].chunks) == 4  # one per tensor-parallel rank
+
+
+@pytest.mark.slow
+def test_inspect_human_and_json(chain):
+    res = cli("reshard", "inspect", chain["r2"])
+    assert res.exit_code == 0, res.output
+    text = res.output
+    for want in ("torch_dist", "TP 2 × PP 1 × DP 2", "distributed optimizer", "iteration", "16 samples consumed",
+                 "decoder.layers.mlp.linear_fc1.weight", "4×256×64", "per layer", "param, exp_avg, exp_avg_sq"):
+        assert want in text, (want, text)
+    res = cli("reshard", "inspect", chain["r2"], "--json")
+    assert res.exit_code == 0, res.output
+    info = json.loads(res.stdout)
+    assert info["format"] == "torch_dist" and info["iteration"] == 2 and info["optimizer"] == "distributed"
+    assert info["layout"] == {"tensor": 2, "pipeline": 1, "virtual_pipeline": None, "data": 2, "context": 1}
+    rows = {r["name"]: r for r in info["tensors"]}
+    fc1 = rows["decoder.layers.mlp.linear_fc1.weight"]
+    assert fc1["shape"] == [4, 256, 64] and fc1["dtype"] == "float32" and fc1["chunks"] == 16  # 4 layers × TP2 × (gate, up)
+    assert rows["optimizer.state.param.decoder.layers.mlp.linear_fc1.weight"]["kind"] == "optimizer"
+    assert info["objects"]["rng_state"] == ["rng_state/shard_0.0_1.2", "rng_state/shard_0.1_1.2"]
+    assert info["recipe"]["parallel"]["tensor"] == 2
+
+
+@pytest.mark.slow
+def test_verify_catches_a_corrupted_shard(chain, tmp_path):
+    from megacli.reshard.store import TorchDistReader
+
+    bad = tmp_path / "r2_bad"
+    shutil.copytree(chain["r2"], bad)
+    it = bad / "iter_0000002"
+    reader = TorchDistReader(it)
+    # Flip bytes in the middle of the largest stored chunk's data.
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    import torch
+
+    key, info = max(reader.tensors.items(), key=lambda kv: kv[1].nbytes)
+    storage = reader.metadata.storage_data[MetadataIndex(key, torch.Size(info.chunks[0][0]))]
+    path = it / storage.relative_path
+    data = bytearray(path.read_bytes())
+    at = storage.offset + storage.length // 2
+    data[at:at + 8] = bytes(b ^ 0xFF for b in data[at:at + 8])
+    path.write_bytes(bytes(data))
+
+    res = cli("reshard", "verify", chain["r1"], chain["r2"])
+    assert res.exit_code == 0 and res.stdout.startswith("verify: OK"), res.output
+    res = cli("reshard", "verify", chain["r1"], bad)
+    assert res.exit_code == 1, res.output
+    assert res.stdout.startswith("verify: FAILED") and key in res.stdout, res.output
+
+
+@pytest.mark.slow
+def test_refuses_to_overwrite_and_an_interrupted_reshard_leaves_no_checkpoint(chain, tmp_path):
+    from megacli.reshard import reshard
+
+    res = cli("reshard", chain["r1"], chain["r2"], "--tensor", "2")
+    assert res.exit_code == 2 and "already holds a checkpoint" in res.stderr and "--overwrite" in res.stderr, res.output
+    assert "Traceback" not in res.output
+
+    out = tmp_path / "interrupted"
+
+    def progress(description, total):
+        seen = []
+
+        def done(key):
+            seen.append(key)
+            if len(seen) == 5:
+                raise KeyboardInterrupt
+
+        return done
+
+    with pytest.raises(KeyboardInterrupt):
+        reshard(chain["r1"], out, tensor=2, progress=progress)
+    assert not out.exists()
+    leftovers = list(tmp_path.iterdir())
+    assert all(not (p / "latest").exists() for p in leftovers)
+    assert not list(tmp_path.rglob("megacli.json")), "nothing that looks like a finished checkpoint"
+
+    # --overwrite replaces an existing checkpoint only once the new one is complete.
+    target = tmp_path / "again"
+    shutil.copytree(chain["r2"], target)
+    res = cli("reshard", chain["r1"], target, "--tensor", "2", "--overwrite")
+    assert res.exit_code == 0, res.output
+    assert json.loads((target / "iter_0000002" / "megacli.json").read_text())["layout"]["data"] == 1
+    assert not list(tmp_path.glob(".again.*-tmp")), "temporary directories are gone"
+
+
+_MEMORY_SCRIPT = r"""
+import json, sys, threading, time
+from pathlib import Path
+import psutil, torch, yaml
+from megacli.reshard.plan import target_chunks
+from megacli.reshard.store import TensorEntry, write_torch_dist
+
+src, recipe_from = Path(sys.argv[1]), Path(sys.argv[2])
+L, H = 64, 256
+shapes = {"decoder.layers.mlp.linear_fc2.weight": (L, H, H), "decoder.layers.self_attention.linear_proj.weight": (L, H, H),
+          "decoder.layers.self_attention.linear_qkv.weight": (L, 3 * H, H)}
+shapes.update({f"optimizer.state.{s}.{k}": v for k, v in list(shapes.items()) for s in ("exp_avg", "exp_avg_sq")})
+def fill(off, size):
+    return torch.full(size, float(off[0]))
+write_torch_dist(src, [TensorEntry(k, v, torch.float32, target_chunks(k, v, tp=1, gated=False), fill) for k, v in shapes.items()],
+                 [], {"optimizer": {"state": {"common_step": torch.tensor(1.0)}, "param_groups": []}, "scheduler": {}})
+recipe = yaml.safe_load(recipe_from.read_text())
+recipe["model"].update(num_layers=L, hidden_size=H, ffn_hidden_size=H, num_attention_heads=8, activation="gelu")
+recipe["parallel"].update(tensor=1, pipeline=1, sequence_parallel=False, distributed_optimizer=False)
+recipe["launch"]["nproc"] = 1
+(src / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+(src / "megacli.json").write_text(json.dumps({"iteration": 1, "consumed_samples": 8, "format": "torch_dist",
+    "layout": {"tensor": 1, "pipeline": 1, "virtual_pipeline": None, "data": 1, "context": 1}}))
+largest = max(torch.Size(v).numel() * 4 for v in shapes.values())
+
+from megacli.reshard import reshard
+proc = psutil.Process()
+base = proc.memory_info().rss
+peak, stop = [base], []
+def sample():
+    while not stop:
+        peak[0] = max(peak[0], proc.memory_info().rss)
+        time.sleep(0.001)
+thread = threading.Thread(target=sample)
+thread.start()
+result = reshard(src, src.parent / "out", tensor=4, pipeline=2, verify_after=True)
+stop.append(1)
+thread.join()
+print(json.dumps({"growth": peak[0] - base, "largest": largest, "total": sum(torch.Size(v).numel() * 4 for v in shapes.values()),
+                  "ok": result.verified.ok}))
+"""
+
+
+@pytest.mark.slow
+def test_reshard_streams_chunks(chain, tmp_path):
+    """Peak memory of reshard + verify of a 240 MiB checkpoint (stacked tensors up to 48 MiB, 0.75 MiB
+    per layer and rank) stays well under its largest tensor."""
+    src = tmp_path / "big" / "iter_0000001"
+    src.mkdir(parents=True)
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")  # freed chunks go back to the OS, so RSS is live memory
+    out = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, str(src), str(chain["r1"] / "iter_0000002" / "recipe.yaml")],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    m = json.loads(out.stdout.strip().splitlines()[-1])
+    assert m["ok"]
+    assert m["growth"] < m["largest"] / 2, f"peak growth {m['growth'] / 2**20:.1f} MiB vs largest tensor {m['largest'] / 2**20:.0f} MiB"
