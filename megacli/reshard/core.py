@@ -46,6 +46,7 @@ class Result:
     seconds: float
     notes: list[str] = field(default_factory=list)
     verified: Optional["VerifyReport"] = None
+    format: str = "torch_dist"
 
 
 @dataclass
@@ -146,8 +147,16 @@ def _reshard(source, output, *, tensor, pipeline, virtual_pipeline, data_paralle
     _check_output(output, src_dir, overwrite)
     from megacli.reshard import legacy
 
+    if output_format not in ("torch_dist", "legacy"):
+        raise UserError(f"output format {output_format!r}: expected torch_dist or legacy")
+    if output_format == "legacy":
+        if distributed_optimizer:
+            raise UserError("the legacy format holds the standard optimizer's state; drop --distributed-optimizer "
+                            "(Megatron-LM can still train the result with --use-distributed-optimizer after a torch_dist save)")
+        distributed_optimizer = False
+    original = src_dir
     if legacy.is_legacy(src_dir):
-        src_dir = legacy.import_to_staging(src_dir, trust_pickle=trust_pickle, progress=progress)
+        src_dir = legacy.import_to_staging(src_dir, where=output.resolve().parent, trust_pickle=trust_pickle, progress=progress)
     try:
         src = Checkpoint(src_dir)
         target = resolve_target(src.layout, src.section("parallel"), tensor=tensor, pipeline=pipeline,
@@ -173,7 +182,7 @@ def _reshard(source, output, *, tensor, pipeline, virtual_pipeline, data_paralle
             legacy_tmp = tmp_sibling(output, "legacy")
             if legacy_tmp.exists():
                 shutil.rmtree(legacy_tmp)
-            legacy.export(it_dir, legacy_tmp, trust_pickle=trust_pickle, progress=progress)
+            plan.notes.extend(legacy.export(it_dir, legacy_tmp, progress=progress))
             shutil.rmtree(tmp)
             tmp = legacy_tmp
             it_dir = tmp / it_name
@@ -181,9 +190,10 @@ def _reshard(source, output, *, tensor, pipeline, virtual_pipeline, data_paralle
             (tmp / LATEST).write_text(it_name + "\n")
         fsync_dir(tmp)
         _replace(tmp, output)
-        return Result(output=output, iteration_dir=output / it_name, source=src_dir, source_layout=str(src.layout),
+        return Result(output=output, iteration_dir=output / it_name, source=original, source_layout=str(src.layout),
                       target_layout=str(target.layout), tensors=len(plan.tensors), objects=len(plan.objects),
-                      bytes=plan.total_bytes, seconds=time.perf_counter() - start, notes=plan.notes, verified=report)
+                      bytes=plan.total_bytes, seconds=time.perf_counter() - start, notes=plan.notes, verified=report,
+                      format=output_format)
     finally:
         legacy.cleanup_staging(src_dir)
 
@@ -243,10 +253,17 @@ def _verify(source, target, *, trust_pickle: bool, progress) -> VerifyReport:
     tgt_dir = find_checkpoint(tgt_path) if tgt_path.exists() else None
     if tgt_dir is None:
         if tgt_path.exists() and legacy.is_legacy(tgt_path):
-            tgt_dir = legacy.import_to_staging(tgt_path, trust_pickle=trust_pickle, progress=progress)
+            tgt_dir = legacy.import_to_staging(tgt_path, where=tgt_path.resolve().parent, trust_pickle=trust_pickle, progress=progress)
         else:
             raise UserError(f"{target}: not a checkpoint")
-    staged_src = legacy.import_to_staging(src_dir, trust_pickle=trust_pickle, progress=progress) if legacy.is_legacy(src_dir) else src_dir
+    staged_src = src_dir
+    if legacy.is_legacy(src_dir):
+        try:
+            staged_src = legacy.import_to_staging(src_dir, where=tgt_path.resolve().parent, trust_pickle=trust_pickle,
+                                                  progress=progress)
+        except BaseException:
+            legacy.cleanup_staging(tgt_dir)
+            raise
     try:
         src = Checkpoint(staged_src)
         tgt = Checkpoint(tgt_dir)

@@ -7,7 +7,7 @@ from pathlib import Path
 from megacli.errors import UserError
 
 
-def inspect_checkpoint(path: str | Path) -> dict:
+def inspect_checkpoint(path: str | Path, *, trust_pickle: bool = False) -> dict:
     """Format, layout, iteration, recipe and a row per tensor (global shape, dtype, split)."""
     from megacli.reshard import legacy
     from megacli.reshard.core import find_source
@@ -15,7 +15,7 @@ def inspect_checkpoint(path: str | Path) -> dict:
 
     src = find_source(path)
     if legacy.is_legacy(src):
-        return legacy.inspect(src)
+        return legacy.inspect(src, trust_pickle=trust_pickle)
     ck = Checkpoint(src)
     meta = ck.meta
     tensors = []

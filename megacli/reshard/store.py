@@ -25,7 +25,7 @@ import pickle
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -276,6 +276,7 @@ class TensorEntry:
     chunks: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]
     region: Callable[[tuple[int, ...], tuple[int, ...]], torch.Tensor]
     how: str = "copy"
+    sort_key: Optional[Callable[[tuple[int, ...]], tuple]] = None  # write order of chunks (default: plan order)
 
     def produce(self) -> torch.Tensor:
         """The whole global tensor (small tensors and tests)."""
@@ -320,15 +321,17 @@ class _LazyPlanner:
                 items = []
                 for o in objects:
                     items.append(WriteItem(index=MetadataIndex(o.key), type=WriteItemType.BYTE_IO))
-                for t in tensors:
-                    props = TensorProperties(dtype=t.dtype)
-                    for offsets, sizes in t.chunks:
-                        items.append(WriteItem(
-                            index=MetadataIndex(t.key, torch.Size(offsets)),
-                            type=WriteItemType.SHARD,
-                            tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
-                                                        properties=props, size=torch.Size(t.shape)),
-                        ))
+                pieces = [(t, offsets, sizes) for t in tensors for offsets, sizes in t.chunks]
+                if any(t.sort_key for t in tensors):
+                    # e.g. a legacy import: all chunks of one pipeline stage's files, then the next
+                    pieces.sort(key=lambda x: x[0].sort_key(x[1]) if x[0].sort_key else ())
+                for t, offsets, sizes in pieces:
+                    items.append(WriteItem(
+                        index=MetadataIndex(t.key, torch.Size(offsets)),
+                        type=WriteItemType.SHARD,
+                        tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
+                                                    properties=TensorProperties(dtype=t.dtype), size=torch.Size(t.shape)),
+                    ))
                 return SavePlan(items)
 
             def create_global_plan(self, all_plans):

@@ -49,5 +49,9 @@ def print_result(result, console) -> None:
         console.print(f"  {note}", markup=False, soft_wrap=True)
     if result.verified is not None:
         console.print(result.verified.line(), markup=False, soft_wrap=True)
-    console.print(f"resume with: megacli pretrain {result.iteration_dir / 'recipe.yaml'} --set checkpoint.resume={result.output}",
-                  markup=False, soft_wrap=True)
+    if result.format == "legacy":
+        console.print(f"Megatron-LM: --load {result.output} --ckpt-format torch (with the layout's --tensor/--pipeline-model-parallel-size)",
+                      markup=False, soft_wrap=True)
+    else:
+        console.print(f"resume with: megacli pretrain {result.iteration_dir / 'recipe.yaml'} --set checkpoint.resume={result.output}",
+                      markup=False, soft_wrap=True)
