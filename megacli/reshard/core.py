@@ -165,6 +165,8 @@ def _reshard(source, output, *, tensor, pipeline, virtual_pipeline, data_paralle
                                 overrides=overrides)
         plan = build_plan(src, target)
         _check_precision(src, plan)
+        if original != src_dir:  # imported from Megatron-LM: name the legacy checkpoint, not the staging copy
+            plan.meta["resharded_from"].update(path=str(original.resolve()), format="megatron-lm torch")
 
         tmp = tmp_sibling(output, "reshard")
         if tmp.exists():

@@ -283,7 +283,7 @@ def target_recipe(src: Checkpoint, target: Target):
         launch.update(nproc=world, nnodes=1, node_rank=0)
     raw["launch"] = launch
     raw = apply_overrides(raw, target.overrides)
-    recipe = validate(TrainingRecipe, raw, f"the recipe for {lay}")
+    recipe = validate(TrainingRecipe, raw, f"for {lay} (edit the written recipe with --set key=value)")
     if recipe.data_parallel_size != lay.data:
         raise UserError(f"the written recipe has data-parallel size {recipe.data_parallel_size}, not {lay.data} "
                         f"(launch.nproc × launch.nnodes must be TP × PP × CP × DP = {world})")
