@@ -14,21 +14,13 @@ pick lower-casing from the vocabulary). A standalone tool: megacli never imports
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+
+from train_tokenizer import texts  # same folder: scripts run as `python data_tools/...`
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-
-
-def texts(paths: list[str], key: str) -> Iterator[str]:
-    for path in paths:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    yield json.loads(line)[key]
 
 
 def main(argv: list[str] | None = None) -> int:
