@@ -55,7 +55,7 @@ def build_trainer(recipe, runtime) -> tuple[Trainer, object]:
     from megacli.engine.steps import forward_step_for, load_custom_loss
 
     m, p, t = recipe.model, recipe.parallel, recipe.train
-    tokenizer = load_tokenizer(type=recipe.tokenizer.type, path=recipe.tokenizer.path)
+    tokenizer = load_tokenizer(type=recipe.tokenizer.type, path=recipe.tokenizer.path, vocab_size=m.vocab_size)
     masked_tokenizer = None
     if m.arch in ("bert", "t5"):  # Megatron's masked datasets read a Megatron-style tokenizer (T5: plus sentinels)
         masked_tokenizer = data_mod.MegatronTokenizer(tokenizer, sentinels=recipe.masking.sentinel_tokens if m.arch == "t5" else 0)
