@@ -319,7 +319,6 @@ def test_megacli_logits_match_hf_at_tp2_pp2(converted):
     assert len(last) == 1, "exactly one rank (last stage, TP rank 0) reports logits"
     for name in MODELS:
         ref = torch.load(root / name / "hf_logits.pt")
-        print(name, _max_diff(last[0][name], ref), float(ref.abs().max()))
         assert _max_diff(last[0][name], ref) < TOL, name
     assert _max_diff(last[0]["legacy_mcore"], torch.load(root / "llama_untied_gqa" / "hf_logits.pt")) < TOL
 
@@ -343,6 +342,39 @@ def test_cli_one_off_convert_and_print_structure(converted, tmp_path):
     assert recipe["train"]["precision"] == "bf16" and recipe["parallel"]["tensor"] == 2
     out = _megacli("convert", str(dst), "--print-structure")
     assert out.returncode == 0 and "decoder.layers.mlp.linear_fc1.weight  [2, 128, 32]  bfloat16" in out.stdout, out.stderr
+
+
+@pytest.mark.slow
+def test_pretrain_starts_from_a_converted_checkpoint(converted, tmp_path):
+    """The converted checkpoint's own recipe runs `megacli pretrain` in the layout it was prepared
+    for (TP=2 PP=2, four processes), starting from the converted weights at iteration 0."""
+    root, _ = converted
+    ck = root / "llama_tied_gqa" / "mc"
+    sets = ["train.iters=2", "train.eval_interval=null", "train.log_interval=1", "model.seq_length=16",
+            "train.global_batch_size=2", f"run.dir={tmp_path / 'run'}"]
+    out = _megacli("pretrain", str(ck / "iter_0000000" / "recipe.yaml"), *[x for s in sets for x in ("--set", s)])
+    assert out.returncode == 0, out.stderr[-3000:]
+    said = "".join(out.stdout.split())  # the console wraps long lines
+    assert f"resumedfrom{ck.resolve() / 'iter_0000000'}atiteration0" in said, out.stdout
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert [r["iteration"] for r in records if "loss" in r] == [1, 2] and all(0 < x < 20 for x in losses)
+
+
+def test_convert_recipe_and_one_off_arguments(tmp_path):
+    from megacli.cli.convert import _load_recipe
+    from megacli.recipe.base import RecipeErrors
+
+    r = _load_recipe(["src", "dst"], ["parallel.tensor=2", "convert.dtype=bf16"])
+    assert (r.convert.source, r.convert.destination, r.parallel.tensor, r.convert.dtype) == ("src", "dst", 2, "bf16")
+    recipe = tmp_path / "convert.yaml"
+    recipe.write_text("convert:\n  source: a\n  destination: b\n  max_shard_size: 500MB\nparallel:\n  pipeline: 2\n")
+    r = _load_recipe([str(recipe)], ["convert.to=hf"])
+    assert r.convert.to == "hf" and r.parallel.pipeline == 2 and r.convert.max_shard_size == "500MB"
+    with pytest.raises(RecipeErrors, match="max_shard_size"):
+        _load_recipe(["a", "b"], ["convert.max_shard_size=lots"])
+    with pytest.raises(RecipeErrors, match="convert.to"):
+        _load_recipe(["a", "b"], ["convert.to=onnx"])
 
 
 def test_cli_errors_are_one_message(tmp_path):

@@ -1,15 +1,16 @@
 """Hugging Face model directories: config.json, weights (safetensors or PyTorch .bin, sharded
 with an index or not), generation_config.json and tokenizer files.
 
-Reading is lazy, tensor by tensor (safetensors reads only the requested tensor; .bin shards are
-memory-mapped). Writing fills shards up to ``max_shard_size`` and writes each as soon as it is
-full, so at most one shard is held in memory.
+Reading is lazy, tensor by tensor (safetensors: plain reads of just that tensor; .bin shards are
+memory-mapped). Writing streams: shards are planned from the names, shapes and dtypes up front,
+each file's header is written first and every tensor's bytes as it arrives, so no shard is ever
+held in memory.
 """
 
 from __future__ import annotations
 
 import json
-import os
+import math
 import shutil
 from pathlib import Path
 from typing import Iterable
@@ -29,6 +30,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 _SAFE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                 "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
                 "BOOL": torch.bool}
+_SAFE_CODES = {v: k for k, v in _SAFE_DTYPES.items()}
 
 
 def is_hf_dir(path: Path) -> bool:
@@ -55,13 +57,46 @@ def parse_size(text: str | int) -> int:
         raise UserError(f"max_shard_size = {exc}") from None
 
 
+def read_safetensors_header(f: Path) -> tuple[dict, int]:
+    with open(f, "rb") as fh:
+        size = int.from_bytes(fh.read(8), "little")
+        try:
+            header = json.loads(fh.read(size))
+        except ValueError:
+            raise UserError(f"{f}: not a safetensors file (unreadable header)") from None
+    header.pop("__metadata__", None)
+    return header, 8 + size
+
+
+def read_safetensors_tensor(f: Path, entry: dict, data_start: int) -> torch.Tensor:
+    """One tensor read with plain file reads into its own memory (no memory map: a mapped file
+    would stay resident and count against this process for the whole conversion)."""
+    dtype = _SAFE_DTYPES.get(entry["dtype"])
+    if dtype is None:
+        raise UserError(f"{f}: unsupported safetensors dtype {entry['dtype']}")
+    start, end = entry["data_offsets"]
+    out = torch.empty(entry["shape"], dtype=dtype)
+    view = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+    if len(view) != end - start:
+        raise UserError(f"{f}: tensor data size {end - start} does not match shape {entry['shape']} {entry['dtype']}")
+    with open(f, "rb") as fh:
+        fh.seek(data_start + start)
+        done = 0
+        while done < len(view):
+            n = fh.readinto(view[done:])
+            if not n:
+                raise UserError(f"{f}: truncated file")
+            done += n
+    return out
+
+
 class HFWeights:
-    """The tensors of an HF directory, read one at a time."""
+    """The tensors of an HF directory, read one at a time (safetensors headers parsed once)."""
 
     def __init__(self, root: Path):
         self.root = root
         self._where: dict[str, Path] = {}
-        self._handles: dict[Path, object] = {}
+        self._headers: dict[Path, tuple[dict, int]] = {}
         self._bin_cache: tuple[Path, dict] | None = None
         files = self._weight_files()
         if not files:
@@ -84,15 +119,14 @@ class HFWeights:
 
     def _keys_of(self, f: Path) -> list[str]:
         if f.suffix == ".safetensors":
-            return list(self._safe(f).keys())
+            return list(self._safe(f)[0])
         return list(self._bin(f).keys())
 
-    def _safe(self, f: Path):
-        from safetensors import safe_open
-
-        if f not in self._handles:
-            self._handles[f] = safe_open(str(f), framework="pt")
-        return self._handles[f]
+    def _safe(self, f: Path) -> tuple[dict, int]:
+        """(header without __metadata__, offset of the data) of a safetensors file."""
+        if f not in self._headers:
+            self._headers[f] = read_safetensors_header(f)
+        return self._headers[f]
 
     def _bin(self, f: Path) -> dict:
         if self._bin_cache is None or self._bin_cache[0] != f:
@@ -114,15 +148,16 @@ class HFWeights:
         if f is None:
             raise UserError(f"{self.root}: the weights have no tensor {key!r} (the config and the weights disagree?)")
         if f.suffix == ".safetensors":
-            return self._safe(f).get_tensor(key)
+            header, data_start = self._safe(f)
+            return read_safetensors_tensor(f, header[key], data_start)
         return self._bin(f)[key]
 
     def describe(self, key: str) -> tuple[tuple[int, ...], str]:
         """(shape, dtype name) without reading the data (for safetensors)."""
         f = self._where[key]
         if f.suffix == ".safetensors":
-            sl = self._safe(f).get_slice(key)
-            return tuple(sl.get_shape()), str(_SAFE_DTYPES.get(sl.get_dtype(), sl.get_dtype())).replace("torch.", "")
+            entry = self._safe(f)[0][key]
+            return tuple(entry["shape"]), str(_SAFE_DTYPES.get(entry["dtype"], entry["dtype"])).replace("torch.", "")
         t = self._bin(f)[key]
         return tuple(t.shape), str(t.dtype).replace("torch.", "")
 
@@ -136,65 +171,84 @@ class HFWeights:
         return torch.float32
 
 
-class ShardWriter:
-    """Writes (name, tensor) pairs into safetensors shards of at most ``max_shard_bytes`` (a
-    tensor larger than that gets a shard of its own), then the index."""
-
-    def __init__(self, root: Path, max_shard_bytes: int):
-        self.root = root
-        self.max_bytes = max_shard_bytes
-        self._pending: dict[str, torch.Tensor] = {}
-        self._pending_bytes = 0
-        self._written: list[tuple[Path, list[str]]] = []
-        self.total_bytes = 0
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        if name in self._pending or any(name in keys for _, keys in self._written):
-            raise ValueError(f"tensor {name!r} written twice")
-        size = tensor.numel() * tensor.element_size()
-        if self._pending and self._pending_bytes + size > self.max_bytes:
-            self._flush()
-        # safetensors refuses tensors that share storage (views from a split): own each one.
-        tensor = tensor.detach().contiguous()
-        if tensor.untyped_storage().nbytes() != size:
-            tensor = tensor.clone()
-        self._pending[name] = tensor
-        self._pending_bytes += size
-        self.total_bytes += size
-
-    def _flush(self) -> None:
-        from safetensors.torch import save_file
-
-        path = self.root / f"model-{len(self._written) + 1:05d}.safetensors.part"
-        save_file(self._pending, str(path), metadata={"format": "pt"})
-        self._written.append((path, list(self._pending)))
-        self._pending, self._pending_bytes = {}, 0
-
-    def close(self) -> list[str]:
-        """Write the last shard, give the shards their final names, write the index (when there is
-        more than one shard). Returns the file names."""
-        if self._pending or not self._written:
-            self._flush()
-        n = len(self._written)
-        if n == 1:
-            final = self.root / "model.safetensors"
-            os.replace(self._written[0][0], final)
-            return [final.name]
-        weight_map, names = {}, []
-        for i, (part, keys) in enumerate(self._written, 1):
-            final = self.root / f"model-{i:05d}-of-{n:05d}.safetensors"
-            os.replace(part, final)
-            names.append(final.name)
-            weight_map.update({k: final.name for k in keys})
-        write_json(self.root / SAFE_INDEX, {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map})
-        return names + [SAFE_INDEX]
+Planned = tuple[str, tuple[int, ...], torch.dtype]  # (name, shape, dtype) of a tensor to write
 
 
-def write_weights(root: Path, tensors: Iterable[tuple[str, torch.Tensor]], *, max_shard_size: str | int) -> list[str]:
-    writer = ShardWriter(root, parse_size(max_shard_size))
-    for name, tensor in tensors:
-        writer.add(name, tensor)
-    return writer.close()
+def plan_shards(planned: list[Planned], max_bytes: int) -> list[list[Planned]]:
+    """Consecutive tensors into shards of at most ``max_bytes`` (a larger tensor gets its own)."""
+    shards: list[list[Planned]] = [[]]
+    size = 0
+    for entry in planned:
+        nbytes = math.prod(entry[1]) * entry[2].itemsize
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += nbytes
+    return shards
+
+
+class SafetensorsStream:
+    """A safetensors file written tensor by tensor: the header is written first from the planned
+    names, shapes and dtypes, then each tensor's bytes as it arrives, in plan order."""
+
+    def __init__(self, path: Path, entries: list[Planned]):
+        self.path = path
+        self.entries = list(entries)
+        header: dict = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for name, shape, dtype in self.entries:
+            nbytes = math.prod(shape) * dtype.itemsize
+            header[name] = {"dtype": _SAFE_CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        self._file = open(path, "wb")
+        self._file.write(len(raw).to_bytes(8, "little") + raw)
+        self._next = 0
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        want_name, shape, dtype = self.entries[self._next]
+        if (name, tuple(tensor.shape), tensor.dtype) != (want_name, tuple(shape), dtype):
+            raise RuntimeError(f"{self.path.name}: got {name} {list(tensor.shape)} {tensor.dtype}, planned "
+                               f"{want_name} {list(shape)} {dtype}")
+        self._file.write(memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
+        self._next += 1
+
+    def close(self) -> None:
+        self._file.close()
+
+    def finish(self) -> None:
+        self.close()
+        if self._next != len(self.entries):
+            raise RuntimeError(f"{self.path.name}: {len(self.entries) - self._next} planned tensors never arrived")
+
+
+def write_weights(root: Path, planned: list[Planned], tensors: Iterable[tuple[str, torch.Tensor]], *,
+                  max_shard_size: str | int) -> list[str]:
+    """Write ``tensors`` (arriving in the order of ``planned``) as safetensors shards of at most
+    ``max_shard_size``, plus the index when there is more than one. Holds no tensor beyond the one
+    being written. Returns the file names."""
+    shards = plan_shards(planned, parse_size(max_shard_size))
+    n = len(shards)
+    names = ["model.safetensors"] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    stream = iter(tensors)
+    for name, entries in zip(names, shards):
+        out = SafetensorsStream(root / name, entries)
+        try:
+            for _ in entries:
+                out.write(*next(stream))
+        finally:
+            out.close()
+        out.finish()
+    if next(stream, None) is not None:
+        raise RuntimeError("more tensors arrived than were planned")
+    if n == 1:
+        return names
+    weight_map = {entry[0]: name for name, entries in zip(names, shards) for entry in entries}
+    total = sum(math.prod(e[1]) * e[2].itemsize for e in planned)
+    write_json(root / SAFE_INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    return names + [SAFE_INDEX]
 
 
 def copy_tokenizer_files(src: Path, dst: Path) -> list[str]:

@@ -357,12 +357,13 @@ class LegacyCheckpoint:
             return torch.cat(parts, dim=1)
         return parts[0]
 
-    def groups(self) -> Iterator[dict[str, torch.Tensor]]:
-        """Global tensors by canonical key, stage by stage (non-layer tensors with their stage)."""
+    def groups(self, meta: bool = False) -> Iterator[dict[str, torch.Tensor]]:
+        """Global tensors by canonical key, stage by stage (non-layer tensors with their stage).
+        ``meta``: shapes and dtypes only (meta tensors)."""
         found_layers = 0
         for pp_rank in range(self.pp):
             stage = self._stage_tensors(pp_rank)
-            out = {name: self._merge(name, parts) for name, parts in stage.items()}
+            out = {name: self._merge(name, [p.to("meta") for p in parts] if meta else parts) for name, parts in stage.items()}
             found_layers += len({m.group(1) for m in map(_LAYER.match, out) if m})
             yield out
         self._stage = None

@@ -3,9 +3,11 @@
 A torch_dist checkpoint stores every tensor in its global (unsharded) shape, whatever layout wrote
 it, and loads under any TP/PP/DP. So:
 
-* writing builds the model once at TP=1, PP=1 in a single gloo process, copies the global tensors
-  into it and saves with the engine's ``checkpoint.save`` (weights only); the target layout is
-  the recipe's ``parallel:`` section and the vocabulary padding it implies;
+* writing builds the model once at TP=1, PP=1 in a single gloo process, only for its sharded state
+  dict (canonical keys, shapes, sharding metadata; its parameters are never filled), hands the
+  converted global tensors to that state dict and saves with the engine's ``checkpoint.save``
+  (weights only). The target layout is the recipe's ``parallel:`` section and the vocabulary
+  padding it implies;
 * reading needs no model: the checkpoint's own metadata gives keys, global shapes and dtypes, and
   Megatron's loader reads one layer at a time.
 
@@ -70,14 +72,25 @@ def canonical_key(state_key: str, sharded_key: str) -> str:
     return f"{head}{sep}layers.{m.group(1)}.{tail}"
 
 
-def model_tensors(chunk) -> Iterator[tuple[str, torch.Tensor]]:
-    """(canonical key, parameter tensor) of a model built at TP=PP=1 (local layer = global layer)."""
+def _entries(state: dict) -> list[tuple[str, str, object]]:
+    """(canonical key, state-dict key, ShardedTensor or factory) of the sharded state dict of a
+    model built at TP=PP=1 (local layer = global layer); extra-state objects left out."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    for state_key, sh in chunk.sharded_state_dict().items():
-        if isinstance(sh, ShardedObject) or sh is None:
-            continue
-        yield canonical_key(state_key, sh.key), sh.data
+    return [(canonical_key(state_key, sh.key), state_key, sh) for state_key, sh in state.items()
+            if sh is not None and not isinstance(sh, ShardedObject)]
+
+
+class _FilledModel:
+    """Stands in for a model chunk in ``checkpoint.save``: the model's sharded state dict with the
+    converted tensors as data. The model's own parameters are never written to (torch.empty
+    pages stay unallocated), so the conversion holds each weight once."""
+
+    def __init__(self, state: dict):
+        self._state = state
+
+    def sharded_state_dict(self) -> dict:
+        return self._state
 
 
 def shape_mismatch(key: str, got: tuple, want: tuple, source: str) -> UserError:
@@ -98,7 +111,8 @@ def shape_mismatch(key: str, got: tuple, want: tuple, source: str) -> UserError:
 
 def write_checkpoint(*, recipe, dst: Path, iteration: int, fetch: Callable[[str], torch.Tensor], vocab_size: int,
                      extra_meta: dict | None = None, check_keys: Callable[[list[str]], None] | None = None) -> Path:
-    """Build the recipe's model at TP=PP=1, fill every tensor with ``fetch(canonical key)`` (global,
+    """Build the recipe's model at TP=PP=1 (for its sharded state dict: the canonical keys, shapes
+    and sharding metadata), give every entry the tensor ``fetch(canonical key)`` returns (global,
     any float dtype; vocabulary rows are padded for the recipe's TP here) and save it as a
     weights-only megacli checkpoint under ``dst``. ``check_keys`` sees every canonical key before
     anything is read (to report all missing or unused source tensors at once). Returns the
@@ -115,20 +129,38 @@ def write_checkpoint(*, recipe, dst: Path, iteration: int, fetch: Callable[[str]
         config = transformer_config(model=m, parallel=single.parallel, precision=recipe.train.precision, on_cuda=False,
                                     use_cpu_initialization=True, perform_initialization=False)
         chunks = build_model(recipe=single, config=config, vocab_size=padded)
-        params = list(model_tensors(chunks[0]))
+        state = chunks[0].sharded_state_dict()
+        entries = _entries(state)
         if check_keys:
-            check_keys([key for key, _ in params])
+            check_keys([key for key, _, _ in entries])
         with torch.no_grad():
-            for key, param in params:
+            for key, state_key, sh in entries:
                 tensor = fetch(key)
-                if key in VOCAB_KEYS and tensor.dim() == 2 and tensor.shape[1] == param.shape[1]:
-                    tensor = fit_vocab_rows(tensor, rows=param.shape[0], vocab_size=vocab_size, key=key)
-                if tuple(tensor.shape) != tuple(param.shape):
-                    raise shape_mismatch(key, tensor.shape, param.shape, "the source")
-                param.copy_(tensor)
+                want = tuple(sh.data.shape)
+                if key in VOCAB_KEYS and tensor.dim() == 2 and tensor.shape[1] == want[1]:
+                    tensor = fit_vocab_rows(tensor, rows=want[0], vocab_size=vocab_size, key=key)
+                if tuple(tensor.shape) != want:
+                    raise shape_mismatch(key, tensor.shape, want, "the source")
+                state[state_key] = _with_data(sh, tensor.to(sh.data.dtype))
                 del tensor
-        return checkpoint.save(ckpt_dir=dst, iteration=iteration, consumed_samples=0, chunks=chunks, optimizer=None,
-                               scheduler=None, recipe_yaml=dump(recipe), extra_meta=extra_meta)
+        return checkpoint.save(ckpt_dir=dst, iteration=iteration, consumed_samples=0, chunks=[_FilledModel(state)],
+                               optimizer=None, scheduler=None, recipe_yaml=dump(recipe), extra_meta=extra_meta)
+
+
+def _with_data(sh, tensor: torch.Tensor):
+    """``sh`` holding ``tensor``. A factory (SwiGLU's fc1: [gate; up] saved as two halves) is built
+    into its ShardedTensors, each given its own copy of its half: Megatron's writer would copy
+    halves that are views of one storage anyway, all at once before writing."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    if not isinstance(sh, ShardedTensorFactory):
+        sh.data = tensor
+        return sh
+    built = sh.build()
+    halves = tensor.chunk(len(built), dim=0)
+    for part, half in zip(built, halves):
+        part.data = half.clone()
+    return built
 
 
 class CheckpointReader:
@@ -174,21 +206,25 @@ class CheckpointReader:
     def dtype(self) -> torch.dtype:
         return next((d for _, d in self.stored.values() if d.is_floating_point), torch.float32)
 
-    def groups(self) -> Iterator[dict[str, torch.Tensor]]:
-        """Global tensors by canonical key: the non-layer tensors first, then each layer."""
+    def groups(self, meta: bool = False) -> Iterator[dict[str, torch.Tensor]]:
+        """Global tensors by canonical key: the embeddings first, then each layer, then the final
+        norm and output layer. ``meta``: shapes and dtypes only (meta tensors, nothing read)."""
         plain = {k: v for k, v in self.stored.items() if not _STACKED.search(k)}
         first = {k: v for k, v in plain.items() if not k.startswith(("output_layer", "decoder.final"))}
         last = {k: v for k, v in plain.items() if k not in first}
-        yield self._load({k: (k, None) for k in first})
+        yield self._load({k: (k, None) for k in first}, meta)
         for i in range(self.num_layers):
-            yield self._load({self._canonical(k, i): (k, i) for k in self.stored if _STACKED.search(k)})
+            yield self._load({self._canonical(k, i): (k, i) for k in self.stored if _STACKED.search(k)}, meta)
         if last:
-            yield self._load({k: (k, None) for k in last})
+            yield self._load({k: (k, None) for k in last}, meta)
 
-    def _load(self, wanted: dict[str, tuple[str, int | None]]) -> dict[str, torch.Tensor]:
+    def _load(self, wanted: dict[str, tuple[str, int | None]], meta: bool) -> dict[str, torch.Tensor]:
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
+        if meta:
+            return {name: torch.empty(self.stored[key][0][1 if layer is not None else 0:], dtype=self.stored[key][1],
+                                      device="meta") for name, (key, layer) in wanted.items()}
         request = {}
         for name, (key, layer) in wanted.items():
             shape, dtype = self.stored[key]

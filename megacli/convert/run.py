@@ -288,20 +288,22 @@ def _export_hf(source, model, work: Path, *, vocab: int, carried: Path | None, t
     for key in source.canonical_keys():
         table.rule_for(key)  # every stored tensor has a rule, before anything is written
 
-    def tensors() -> Iterable:
-        for group in source.groups():
+    def converted(meta: bool) -> Iterable:
+        for group in source.groups(meta=meta):
             for key, t in group.items():
                 if key in VOCAB_KEYS:
                     t = fit_vocab_rows(t, rows=vocab, vocab_size=vocab, key=key)
                 try:
-                    converted = table.to_hf(key, t)
+                    pairs = table.to_hf(key, t)
                 except RuntimeError as exc:  # a reshape that does not fit: the model section is wrong
                     raise UserError(f"cannot convert {key} of shape {list(t.shape)} for {arch} with "
                                     f"{model.num_attention_heads} heads / {model.query_groups} query groups: {exc}") from None
-                for name, h in converted:
+                for name, h in pairs:
                     yield name, h.to(target)
 
-    files = hf_io.write_weights(work, tensors(), max_shard_size=max_shard_size)
+    # Plan the shards on meta tensors (shapes only), then stream the real tensors into them.
+    planned = [(name, tuple(t.shape), t.dtype) for name, t in converted(meta=True)]
+    files = hf_io.write_weights(work, planned, converted(meta=False), max_shard_size=max_shard_size)
     config = family.hf_config(model, architecture=arch, vocab_size=vocab, base=base)
     dtype_key = "dtype" if base and "dtype" in base and "torch_dtype" not in base else "torch_dtype"
     config[dtype_key] = _HF_DTYPE_NAMES[precision]
