@@ -377,6 +377,24 @@ def test_convert_recipe_and_one_off_arguments(tmp_path):
         _load_recipe(["a", "b"], ["convert.to=onnx"])
 
 
+def test_converted_recipe_for_a_target_layout(tmp_path):
+    from megacli.convert.families import llama
+    from megacli.convert.run import converted_recipe
+    from megacli.recipe.base import RecipeErrors
+    from megacli.recipe.sections import ParallelSection
+
+    model = llama.model_section(dict(architectures=["MistralForCausalLM"], hidden_size=64, num_attention_heads=8,
+                                     num_key_value_heads=4, num_hidden_layers=4, intermediate_size=128,
+                                     max_position_embeddings=256, vocab_size=1000))
+    r = converted_recipe(model=model, parallel=ParallelSection(tensor=2, pipeline=2, virtual_pipeline=2), precision="bf16",
+                         tokenizer={"type": "null"}, resume=tmp_path)
+    assert r.launch.nproc == 4 and r.num_microbatches % 2 == 0 and r.train.precision == "bf16"
+    assert r.checkpoint.resume == str(tmp_path) and not r.checkpoint.load_optimizer
+    with pytest.raises(RecipeErrors, match="parallel.tensor = 8: must divide model.num_query_groups = 4"):
+        converted_recipe(model=model, parallel=ParallelSection(tensor=8), precision="fp32", tokenizer={"type": "null"},
+                         resume=tmp_path)
+
+
 def test_cli_errors_are_one_message(tmp_path):
     hf = tmp_path / "falcon"
     hf.mkdir()

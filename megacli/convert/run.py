@@ -247,6 +247,9 @@ def _megacli_to_hf(src: Path, work: Path, *, dtype: str | None, max_shard_size, 
         _export_hf(CheckpointReader(ckpt), recipe.model, work, vocab=vocab, carried=carried, tokenizer=tokenizer,
                    tokenizer_src=tok_files, dtype=dtype, max_shard_size=max_shard_size, say=say,
                    what=f"megacli checkpoint {ckpt}")
+    sp = Path(recipe.tokenizer.path or "")
+    if recipe.tokenizer.type == "sentencepiece" and sp.is_file() and not (work / "tokenizer.model").exists():
+        shutil.copy2(sp, work / "tokenizer.model")  # the name HF's SentencePiece tokenizers look for
 
 
 def _tokenizer_source(recipe) -> Path | None:
@@ -273,9 +276,9 @@ def _legacy_to_hf(legacy, work: Path, *, dtype: str | None, max_shard_size, say:
 
 def _export_hf(source, model, work: Path, *, vocab: int, carried: Path | None, tokenizer, tokenizer_src: Path | None,
                dtype: str | None, max_shard_size, say: Say, what: str) -> None:
-    """Write an HF directory from a source of canonical global tensors (``groups()``,
-    ``describe()``, ``dtype()``): weights tensor by tensor, then config, generation config and
-    tokenizer files."""
+    """Write an HF directory from a source of canonical global tensors (``canonical_keys()``,
+    ``groups(meta)``, ``dtype()``: a megacli or a legacy checkpoint): weights streamed tensor by
+    tensor, then generation config, tokenizer files and config.json."""
     from megacli.convert import families
     from megacli.convert.mapping import VOCAB_KEYS, fit_vocab_rows
 
