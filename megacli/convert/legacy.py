@@ -358,14 +358,20 @@ class LegacyCheckpoint:
         return parts[0]
 
     def groups(self, meta: bool = False) -> Iterator[dict[str, torch.Tensor]]:
-        """Global tensors by canonical key, stage by stage (non-layer tensors with their stage).
-        ``meta``: shapes and dtypes only (meta tensors)."""
+        """Global tensors by canonical key, merged one group at a time: per pipeline stage its
+        non-layer tensors, then each of its layers. ``meta``: shapes and dtypes only."""
         found_layers = 0
         for pp_rank in range(self.pp):
             stage = self._stage_tensors(pp_rank)
-            out = {name: self._merge(name, [p.to("meta") for p in parts] if meta else parts) for name, parts in stage.items()}
-            found_layers += len({m.group(1) for m in map(_LAYER.match, out) if m})
-            yield out
+            by_layer: dict[int | None, list[str]] = {}
+            for name in stage:
+                m = _LAYER.match(name)
+                by_layer.setdefault(int(m.group(1)) if m else None, []).append(name)
+            found_layers += len([k for k in by_layer if k is not None])
+            order = [None] + sorted(k for k in by_layer if k is not None) if None in by_layer else sorted(by_layer)
+            for layer in order:
+                yield {name: self._merge(name, [p.to("meta") for p in stage[name]] if meta else stage[name])
+                       for name in by_layer[layer]}
         self._stage = None
         if found_layers != self.num_layers:
             raise UserError(f"{self.it_dir}: found {found_layers} transformer layers, args say num_layers = {self.num_layers}")

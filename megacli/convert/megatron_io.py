@@ -180,10 +180,14 @@ class CheckpointReader:
             raise UserError(f"cannot read the tensor metadata of {ckpt}: {exc}") from None
         self.all_tensors = {k: (tuple(v.global_shape), v.dtype) for k, v in metadata.items()}
         self.stored = {k: v for k, v in self.all_tensors.items() if k.split(".")[0] not in _NOT_MODEL}
-        stacked = {v[0][0] for k, v in self.stored.items() if _STACKED.search(k)}
-        if len(stacked) > 1:
-            raise UserError(f"{ckpt}: layer-stacked tensors disagree on the number of layers: {sorted(stacked)}")
-        self.num_layers = stacked.pop() if stacked else 0
+        # Layers per stack ("decoder"; T5 also has "encoder"): the leading axis of its stacked tensors.
+        self.stacks: dict[str, int] = {}
+        for key, (shape, _) in self.stored.items():
+            if _STACKED.search(key):
+                head = _STACKED.split(key, maxsplit=1)[0]
+                if self.stacks.setdefault(head, shape[0]) != shape[0]:
+                    raise UserError(f"{ckpt}: layer-stacked tensors of {head or 'the model'} disagree on the number of "
+                                    f"layers ({self.stacks[head]} vs {shape[0]} in {key})")
 
     def _canonical(self, key: str, layer: int) -> str:
         head, tail = _STACKED.split(key, maxsplit=1)
@@ -213,8 +217,10 @@ class CheckpointReader:
         first = {k: v for k, v in plain.items() if not k.startswith(("output_layer", "decoder.final"))}
         last = {k: v for k, v in plain.items() if k not in first}
         yield self._load({k: (k, None) for k in first}, meta)
-        for i in range(self.num_layers):
-            yield self._load({self._canonical(k, i): (k, i) for k in self.stored if _STACKED.search(k)}, meta)
+        for head, layers in self.stacks.items():
+            stacked = [k for k in self.stored if _STACKED.search(k) and _STACKED.split(k, maxsplit=1)[0] == head]
+            for i in range(layers):
+                yield self._load({self._canonical(k, i): (k, i) for k in stacked}, meta)
         if last:
             yield self._load({k: (k, None) for k in last}, meta)
 
