@@ -34,6 +34,13 @@ class Splits:
     test: object | None
 
 
+def megatron_blend(data) -> tuple[list[str], list[float] | None]:
+    """The data section as Megatron's blend: (prefixes, weights); weights None for one dataset."""
+    if data.path:
+        return [data.path], None
+    return data.prefixes, [w for w, _ in data.blend]
+
+
 def is_built_on_rank() -> bool:
     return True  # every rank reads its own batches; Megatron builds the index caches on rank 0 first
 
@@ -45,12 +52,7 @@ def build_gpt_datasets(*, data, seq_length: int, seed: int, tokenizer, train_sam
 
     ds_tok = DatasetTokenizer(vocab_size=tokenizer.vocab_size, eod=tokenizer.eod, pad=getattr(tokenizer, "pad", None),
                               unique_identifiers={"class": type(tokenizer).__name__, "vocab_size": tokenizer.vocab_size})
-    if data.mock:
-        blend = None
-    elif data.path:
-        blend = ([data.path], None)
-    else:
-        blend = ([p for _, p in data.blend], [w for w, _ in data.blend])
+    blend = None if data.mock else megatron_blend(data)
     if blend is not None:
         check_vocabulary(blend[0], tokenizer.vocab_size)
     config = GPTDatasetConfig(
@@ -186,7 +188,7 @@ def build_masked_datasets(*, arch: str, data, masking, seq_length: int, decoder_
     from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDatasetConfig
 
     tokenizer.require(arch)
-    blend = ([data.path], None) if data.path else ([p for _, p in data.blend], [w for w, _ in data.blend])
+    blend = megatron_blend(data)
     check_vocabulary(blend[0], tokenizer.tokenizer.vocab_size)
     common = dict(
         random_seed=seed,
