@@ -253,6 +253,27 @@ def test_refuses_to_overwrite_and_an_interrupted_reshard_leaves_no_checkpoint(ch
 
 
 @pytest.mark.slow
+def test_into_and_out_of_the_interleaved_pipeline(chain, tmp_path):
+    """R1 (TP1) -> PP2 × VPP2 (one layer per model chunk): resuming with the interleaved schedule
+    continues A's curve; its own checkpoint at 12, with the layers spread over chunks and stages,
+    reshards back to TP1 exactly (verify) into what the engine writes at TP1 (B's checkpoint)."""
+    vpp = tmp_path / "vpp"
+    res = cli("reshard", chain["r1"], vpp, "--pipeline", "2", "--virtual-pipeline", "2", "--verify")
+    assert res.exit_code == 0 and "verify: OK" in res.output, res.output
+    meta = json.loads((vpp / "iter_0000002" / "megacli.json").read_text())
+    assert (meta["layout"]["pipeline"], meta["layout"]["virtual_pipeline"]) == (2, 2), meta["layout"]
+    losses = pretrain(tmp_path / "run_d", layout(pp=2) + ["parallel.virtual_pipeline=2", f"checkpoint.resume={vpp}",
+                                                          f"checkpoint.dir={tmp_path / 'ck_d'}"])
+    assert min(losses) == 3
+    assert_close(losses, chain["A"], RESUMED)
+
+    back = tmp_path / "back"
+    res = cli("reshard", tmp_path / "ck_d" / "iter_0000012", back, "--pipeline", "1", "--virtual-pipeline", "1", "--verify")
+    assert res.exit_code == 0 and "verify: OK" in res.output, res.output
+    assert entries(back / "iter_0000012") == entries(chain["tmp"] / "ck_b" / "iter_0000012")
+
+
+@pytest.mark.slow
 def test_megatron_lm_legacy_round_trip(chain, tmp_path):
     """megacli torch_dist -> Megatron-LM legacy (torch format) at TP2 × PP2 -> megacli at TP1: weights,
     Adam state, scheduler, RNG and data position come back exactly; megacli.convert's legacy reader

@@ -219,6 +219,24 @@ def _prepare_distributed_optimizer_load(optimizer) -> None:
         opt._set_main_param_and_optimizer_states = set_states
 
 
+def _check_optimizer_kind(ckpt: Path, optimizer) -> None:
+    """The distributed and the standard optimizer save differently named state; loading one into
+    the other fails deep inside Megatron. Say what to do instead."""
+    import yaml
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    recipe = yaml.safe_load((ckpt / "recipe.yaml").read_text()) if (ckpt / "recipe.yaml").is_file() else {}
+    saved = bool(((recipe or {}).get("parallel") or {}).get("distributed_optimizer", False))
+    running = any(isinstance(o, DistributedOptimizer) for o in getattr(optimizer, "chained_optimizers", [optimizer]))
+    if saved != running:
+        kind = {True: "distributed", False: "standard"}
+        flag = "--distributed-optimizer" if running else "--no-distributed-optimizer"
+        raise UserError(
+            f"{ckpt} holds {kind[saved]}-optimizer state but this run uses the {kind[running]} optimizer "
+            f"(parallel.distributed_optimizer={str(running).lower()}). Convert it with "
+            f"`megacli reshard {ckpt} NEW_DIR {flag}`, or set checkpoint.load_optimizer=false to load the weights only.")
+
+
 def load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool) -> Restored:
     """Load model (and optimizer, scheduler, RNG when asked and possible) into the built chunks.
     The RNG state is restored only when the layout is unchanged (it is per rank)."""
@@ -228,6 +246,7 @@ def load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool) -> R
     restore_rng = meta.get("layout") == _layout() and meta.get("has_rng_state", True)
     has_optimizer = load_optimizer and meta.get("has_optimizer", True)
     if has_optimizer:
+        _check_optimizer_kind(ckpt, optimizer)
         _prepare_distributed_optimizer_load(optimizer)
     state = _sharded_state(chunks, optimizer, scheduler, loading=True, with_optimizer=has_optimizer, with_rng=restore_rng)
     try:
