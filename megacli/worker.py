@@ -17,6 +17,10 @@ def run_job(job: str, recipe) -> None:
         from megacli.engine.loop import train
 
         train(recipe, job=job)
+    elif job == "generate":
+        from megacli.engine.generate import run
+
+        run(recipe)
     else:
         raise ValueError(f"unknown job {job!r}")
 

@@ -1,11 +1,151 @@
-"""`megacli generate`."""
+"""`megacli generate`: complete prompts (or score text) with a trained or converted GPT checkpoint."""
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, List, Optional
+
+import typer
+
 from megacli.cli import app
-from megacli.cli.common import RecipeArg, SetOpt, fail
+from megacli.cli.common import RecipeArg, SetOpt, guarded
 
 
-@app.command(help="(not available in this version yet)")
-def generate(recipe: RecipeArg = None, set_: SetOpt = None) -> None:
-    raise fail("megacli generate is not available in this version yet")
+def _opt(help: str, *names: str):
+    return typer.Option(*names, help=help, show_default=False)
+
+
+@app.command(help="Generate text from a checkpoint (greedy, sampling or beam search), or score text "
+                  "(--score, --cloze). megacli generate --checkpoint DIR --prompt TEXT [...] | megacli generate RECIPE")
+@guarded
+def generate(
+    recipe: RecipeArg = None,
+    checkpoint: Annotated[Optional[Path], _opt("Checkpoint directory; the model and tokenizer come from its recipe.", "--checkpoint", "-c")] = None,
+    prompt: Annotated[Optional[List[str]], _opt("A prompt (repeatable).", "--prompt", "-p")] = None,
+    prompts: Annotated[Optional[Path], _opt("JSONL with a `prompt` field, or text with one prompt per line.", "--prompts")] = None,
+    max_new_tokens: Annotated[Optional[int], _opt("Tokens to generate at most.", "--max-new-tokens", "-n")] = None,
+    temperature: Annotated[Optional[float], _opt("0 = greedy (default); above 0 samples.", "--temperature")] = None,
+    top_k: Annotated[Optional[int], _opt("Sample among the k most likely tokens.", "--top-k")] = None,
+    top_p: Annotated[Optional[float], _opt("Sample among the tokens holding probability p.", "--top-p")] = None,
+    num_beams: Annotated[Optional[int], _opt("Beam search with this many beams.", "--num-beams")] = None,
+    length_penalty: Annotated[Optional[float], _opt("Beam search length penalty (exponent).", "--length-penalty")] = None,
+    repetition_penalty: Annotated[Optional[float], _opt("Penalise tokens already in the sequence.", "--repetition-penalty")] = None,
+    seed: Annotated[Optional[int], _opt("Sampling seed.", "--seed")] = None,
+    tensor: Annotated[Optional[int], _opt("Tensor-parallel size to run in (default 1).", "--tensor", "-t")] = None,
+    pipeline: Annotated[Optional[int], _opt("Pipeline-parallel size to run in (default 1).", "--pipeline")] = None,
+    output: Annotated[Optional[Path], _opt("Write one JSON object per prompt here.", "--output", "-o")] = None,
+    logprobs: Annotated[bool, typer.Option("--logprobs", help="Write the generated tokens' log-probabilities.")] = False,
+    no_cache: Annotated[bool, typer.Option("--no-cache", help="Recompute the whole sequence each step (no KV cache).")] = False,
+    score: Annotated[Optional[Path], _opt("Report log-likelihood and perplexity of this text/JSONL file.", "--score")] = None,
+    cloze: Annotated[Optional[Path], _opt("LAMBADA-style last-word accuracy on this JSONL file.", "--cloze")] = None,
+    set_: SetOpt = None,
+) -> None:
+    flags = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
+             "num_beams": num_beams, "length_penalty": length_penalty, "repetition_penalty": repetition_penalty,
+             "seed": seed, "output": output and str(output), "prompts_file": prompts and str(prompts),
+             "score": score and str(score), "cloze": cloze and str(cloze), "checkpoint": checkpoint and str(checkpoint)}
+    flags = {k: v for k, v in flags.items() if v is not None}
+    if prompt:
+        flags["prompts"] = list(prompt)
+    if logprobs:
+        flags["logprobs"] = True
+    if no_cache:
+        flags["use_cache"] = False
+    job = build_recipe(recipe, flags, tensor=tensor, pipeline=pipeline, overrides=set_ or [])
+    g = job.generate
+    if not (g.prompts or g.prompts_file or g.score or g.cloze):
+        if job.world_size > 1 or not sys.stdin.isatty():
+            from megacli.errors import UserError
+
+            raise UserError("no prompts: give --prompt TEXT, --prompts FILE, --score FILE or --cloze FILE")
+        return _interactive(job)
+    _run(job)
+
+
+def build_recipe(recipe_path: Optional[Path], flags: dict, *, tensor: Optional[int], pipeline: Optional[int],
+                 overrides: list[str]):
+    """The checkpoint's recipe, then the RECIPE file's sections, then the flags, then --set."""
+    from megacli.engine.checkpoint import find_checkpoint
+    from megacli.errors import UserError
+    from megacli.recipe import base
+    from megacli.recipe.generate import GenerateRecipe
+
+    given = base.read_yaml(recipe_path) if recipe_path else {}
+    gen = {**(given.get("generate") or {}), **flags}
+    source = gen.get("checkpoint")
+    if not source:
+        raise UserError("which model? give --checkpoint DIR (or generate.checkpoint in the recipe)")
+    ckpt = find_checkpoint(source)
+    if ckpt is None:
+        raise UserError(f"{source}: not a megacli checkpoint (no `latest` or megacli.json); convert a Hugging Face "
+                        f"model with `megacli convert` first")
+    raw = _merge(base.read_yaml(ckpt / "recipe.yaml"), given)
+    raw["generate"] = gen
+    par = raw.setdefault("parallel", {})
+    tp = tensor or (given.get("parallel") or {}).get("tensor") or 1
+    pp = pipeline or (given.get("parallel") or {}).get("pipeline") or 1
+    par.update(tensor=tp, pipeline=pp, virtual_pipeline=None, sequence_parallel=False, context=1,
+               distributed_optimizer=False, recompute="none")
+    raw.setdefault("launch", {})["nproc"] = tp * pp
+    train = raw.setdefault("train", {})
+    train["global_batch_size"] = train.get("micro_batch_size", 1)  # no training: keep the batch arithmetic trivially valid
+    raw.setdefault("run", {})["dir"] = (given.get("run") or {}).get("dir", "runs/generate")
+    raw = base.apply_overrides(raw, overrides)
+    return base.validate(GenerateRecipe, raw, f"{ckpt / 'recipe.yaml'} + generate options")
+
+
+def _merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _run(job) -> None:
+    from megacli import launch, rundir
+
+    if launch.inside_torchrun():
+        from megacli.worker import run_guarded
+
+        if run_guarded("generate", job):
+            raise launch.first_worker_error(job.run.dir)
+        return
+    recipe_file = rundir.prepare(job, job.run.dir)
+    if job.world_size == 1:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(launch.free_port()))
+        from megacli.engine.generate import run
+
+        run(job)
+        return
+    launch.launch_workers("generate", recipe_file, run_dir=job.run.dir, nproc=job.world_size, nnodes=1, node_rank=0,
+                          rdzv_endpoint=None)
+
+
+def _interactive(job) -> None:
+    """Read prompts from the terminal, one model load for the session."""
+    from megacli import launch
+    from megacli.engine import distributed
+    from megacli.engine.generate import Generator, Model
+    from megacli.data.tokenizers import load_tokenizer
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(launch.free_port()))
+    runtime = distributed.setup(parallel=job.parallel, launch=job.launch, seed=job.generate.seed)
+    try:
+        tok = load_tokenizer(type=job.tokenizer.type, path=job.tokenizer.path, vocab_size=job.model.vocab_size)
+        gen = Generator(Model(job, runtime), tok, job.generate)
+        print("type a prompt and Enter (Ctrl-D to quit)", flush=True)
+        while True:
+            try:
+                text = input("> ")
+            except EOFError:
+                print()
+                return
+            if text.strip():
+                out = gen.run_batch([text])[0]
+                print(out.text, flush=True)
+    finally:
+        distributed.teardown()

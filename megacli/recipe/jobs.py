@@ -16,6 +16,10 @@ def recipe_model(job: str):
         from megacli.recipe.preprocess import PreprocessRecipe
 
         return PreprocessRecipe
+    if job == "generate":
+        from megacli.recipe.generate import GenerateRecipe
+
+        return GenerateRecipe
     if job == "reshard":
         from megacli.recipe.reshard import ReshardRecipe
 
