@@ -71,7 +71,7 @@ class BeamResult:
 def beam_search(step: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor], first_logits: torch.Tensor, *,
                 batch: int, num_beams: int, max_new_tokens: int, stop_ids: set[int], length_penalty: float) -> BeamResult:
     """Beam search with the semantics of Hugging Face's `generate(num_beams=N)` (early_stopping
-    False): at each step keep the best 2N continuations over all beams; continuations that end
+    False): at each step keep the best 2N continuations over all beams (more with several stop tokens); continuations that end
     with a stop token (or reach max_new_tokens) are finished hypotheses scored
     sum(logprobs) / length ** length_penalty; the N best unfinished ones run on; a prompt is done
     when no running beam can beat its worst finished hypothesis at the current length.
@@ -81,7 +81,7 @@ def beam_search(step: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor
     says which previous row each running beam continues (the caller reorders its KV cache).
     """
     device = first_logits.device
-    keep = 2 * num_beams
+    keep = max(2, 1 + len(stop_ids)) * num_beams  # enough that N beams survive even if all but one end here
     running_scores = torch.zeros(batch, num_beams, device=device)
     running_scores[:, 1:] = NEG  # identical beams at the start: only the first one spreads
     running = torch.zeros(batch, num_beams, 0, dtype=torch.long, device=device)
