@@ -103,6 +103,7 @@ def _decode_all(root: Path, stops: dict) -> dict:
             results[case] = [c.tokens for c in gen.run_batch(PROMPTS)]
             if case == "greedy":
                 results["score"] = [r["logprob"] for r in gen.score(SCORE_TEXTS)["per_text"]]
+                results["greedy_alone"] = [gen.run_batch([p])[0].tokens for p in PROMPTS]  # no padding, no mask
         out[name] = results
     distributed.teardown()
     return out
@@ -143,6 +144,7 @@ def test_tp1_greedy_and_beam_search_equal_hugging_face(generated, name):
     _, refs, ours = generated
     ref, got = refs[name], ours[name]
     assert got["greedy"] == ref["greedy"]
+    assert got["greedy_alone"] == ref["greedy"], "a prompt decodes alone as in a left-padded batch"
     assert got["greedy_no_cache"] == ref["greedy"], "the KV cache changes nothing"
     assert got["beam"] == ref["beam"]
     assert got["beam_stop"] == ref["beam_stop"]

@@ -143,6 +143,24 @@ def cpu_device_mode():
         yield
 
 
+@contextlib.contextmanager
+def device_rewriting_paused():
+    """Pop the device-rewriting mode for code that creates no CUDA tensors by name (an inference
+    forward: its buffers come from ``torch.cuda.current_device()``, which stays patched). Every
+    torch call through the mode pays a Python dispatch - about half of a decode step's time on a
+    small model. A no-op when the backend is not enabled (CUDA runs)."""
+    if not _enabled:
+        yield
+        return
+    from torch.overrides import _get_current_function_mode, _pop_mode_temporarily
+
+    if not isinstance(_get_current_function_mode(), _mode_cls):
+        yield
+        return
+    with _pop_mode_temporarily():
+        yield
+
+
 # --------------------------------------------------------------------------------------------
 # torch.cuda replacements
 

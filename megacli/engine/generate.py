@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from megacli.backend.cpu import device_rewriting_paused
 from megacli.engine import decoding, distributed
 from megacli.errors import UserError
 
@@ -79,7 +80,8 @@ class Model:
             self.net.set_input_tensor(hidden)
         if context is not None:
             context.materialize_only_last_token_logits = not all_positions
-        out = self.net(tokens, positions, mask, inference_context=context, runtime_gather_output=True)
+        with device_rewriting_paused():
+            out = self.net(tokens, positions, mask, inference_context=context, runtime_gather_output=True)
         if not self.last:
             dist.send(out.contiguous(), dst=self.next_rank)
             shape = (b, s if all_positions else 1, self.vocab_size)
@@ -110,6 +112,18 @@ def _prefill_mask(pad_mask: torch.Tensor) -> torch.Tensor:
     mask = pad_mask[:, None, None, :].expand(-1, 1, s, s).clone()
     mask &= ~torch.eye(s, dtype=torch.bool, device=pad_mask.device)
     return mask
+
+
+def _step_mask(pad_mask: torch.Tensor, upto: int) -> torch.Tensor | None:
+    """Decode-step mask [b, 1, 1, upto] (True = pad key), or None when nothing is padded (the
+    attention then needs no mask at all, which is faster)."""
+    return pad_mask[:, None, None, :upto] if pad_mask.any() else None
+
+
+def _full_mask(pad_mask: torch.Tensor, upto: int) -> torch.Tensor | None:
+    """Prefill (or cache-less) mask over the first `upto` positions, or None without padding
+    (plain causal attention)."""
+    return _prefill_mask(pad_mask[:, :upto]) if pad_mask.any() else None
 
 
 class Generator:
@@ -178,7 +192,7 @@ class Generator:
         pad_mask = torch.nn.functional.pad(pad_mask, (0, g.max_new_tokens))
         positions = torch.cat([positions, positions[:, -1:] + 1 + torch.arange(g.max_new_tokens, device=device)], 1)
         ctx = self.context(b, total)
-        logits = self.model.forward(tokens[:, :width], positions[:, :width], _prefill_mask(pad_mask[:, :width]), ctx)
+        logits = self.model.forward(tokens[:, :width], positions[:, :width], _full_mask(pad_mask, width), ctx)
         generated = [[] for _ in range(b)]
         logprobs = [[] for _ in range(b)]
         done = torch.zeros(b, dtype=torch.bool)
@@ -204,11 +218,11 @@ class Generator:
             if ctx is not None:
                 ctx.sequence_len_offset = cur
                 ctx.enable_decode_mode()
-                step_mask = pad_mask[:, None, None, : cur + 1]
-                logits = self.model.forward(tokens[:, cur : cur + 1], positions[:, cur : cur + 1], step_mask, ctx)
+                logits = self.model.forward(tokens[:, cur : cur + 1], positions[:, cur : cur + 1],
+                                            _step_mask(pad_mask, cur + 1), ctx)
             else:
                 logits = self.model.forward(tokens[:, : cur + 1], positions[:, : cur + 1],
-                                            _prefill_mask(pad_mask[:, : cur + 1]), None)
+                                            _full_mask(pad_mask, cur + 1), None)
         return generated, logprobs
 
     def _hit_stop_string(self, generated: list[int]) -> bool:
@@ -233,7 +247,7 @@ class Generator:
         pad_mask = torch.nn.functional.pad(pad_mask, (0, g.max_new_tokens))
         positions = torch.cat([positions, positions[:, -1:] + 1 + torch.arange(g.max_new_tokens, device=device)], 1)
         ctx = self.context(len(rows), total)
-        first = self.model.forward(tokens[:, :width], positions[:, :width], _prefill_mask(pad_mask[:, :width]), ctx)
+        first = self.model.forward(tokens[:, :width], positions[:, :width], _full_mask(pad_mask, width), ctx)
         state = {"cur": width, "tokens": tokens}
 
         def step(last: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
@@ -245,10 +259,10 @@ class Generator:
                 ctx.sequence_len_offset = cur
                 ctx.enable_decode_mode()
                 out = self.model.forward(state["tokens"][:, cur : cur + 1], positions[:, cur : cur + 1],
-                                         pad_mask[:, None, None, : cur + 1], ctx)
+                                         _step_mask(pad_mask, cur + 1), ctx)
             else:
                 out = self.model.forward(state["tokens"][:, : cur + 1], positions[:, : cur + 1],
-                                         _prefill_mask(pad_mask[:, : cur + 1]), None)
+                                         _full_mask(pad_mask, cur + 1), None)
             state["cur"] = cur + 1
             return out
 
