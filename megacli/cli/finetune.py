@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from megacli.cli import app
-from megacli.cli.common import RecipeArg, SetOpt, fail
+from megacli.cli.common import DryRunOpt, RecipeArg, SetOpt, guarded
 
 
-@app.command(help="(not available in this version yet)")
-def finetune(recipe: RecipeArg = None, set_: SetOpt = None) -> None:
-    raise fail("megacli finetune is not available in this version yet")
+@app.command(help="Finetune from a checkpoint (checkpoint.pretrained, e.g. one from `megacli convert`) on "
+                  "instruction data (sft:) or indexed data (data:), with the same engine as pretrain.")
+@guarded
+def finetune(recipe: RecipeArg = None, set_: SetOpt = None, dry_run: DryRunOpt = False) -> None:
+    from megacli.cli.training import run_training_job
+
+    run_training_job("finetune", recipe, set_ or [], dry_run)

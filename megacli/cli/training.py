@@ -52,6 +52,13 @@ def check_inputs(recipe) -> None:
         if missing:
             raise UserError(f"data prefix {prefix!r}: missing {' and '.join(missing)} "
                             f"(build it with `megacli preprocess`; the prefix is the path without .bin/.idx)")
+    sft = getattr(recipe, "sft", None)
+    for path in (sft.train, sft.valid) if sft else ():
+        if path and not Path(path).is_file():
+            raise UserError(f"sft data {path!r} does not exist")
+    pretrained = recipe.checkpoint.pretrained
+    if pretrained and not Path(pretrained).exists():
+        raise UserError(f"checkpoint.pretrained {pretrained!r} does not exist")
     tok = recipe.tokenizer
     if tok.type in ("huggingface", "sentencepiece", "wordpiece") and not Path(tok.path).exists():
         raise UserError(f"tokenizer.path {tok.path!r} does not exist")

@@ -260,6 +260,11 @@ def load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool) -> R
     if has_optimizer:
         optimizer.load_state_dict(loaded["optimizer"])
         scheduler.load_state_dict(loaded["scheduler"])
+    elif optimizer is not None:
+        # Weights only (finetuning, a converted checkpoint): mixed-precision and distributed
+        # optimizers step fp32 main copies made when they were built; refresh them from the
+        # loaded weights, or the first step would write the initial weights back.
+        optimizer.reload_model_params()
     if restore_rng and "rng_state" in loaded:
         _set_rng_state(loaded["rng_state"])
     if not has_optimizer:

@@ -103,6 +103,13 @@ def build_trainer(recipe, runtime) -> tuple[Trainer, object]:
                                                 decoder_seq_length=m.dec_seq_length, binary_head=m.bert_binary_head,
                                                 seed=t.seed, tokenizer=masked_tokenizer, train_samples=train_samples,
                                                 valid_samples=valid_samples, cache_dir=cache_dir)
+    elif recipe.sft is not None:
+        from megacli.data.sft import build_sft_datasets
+
+        train_ds, valid_ds, summary = build_sft_datasets(sft=recipe.sft, tokenizer=tokenizer, seq_length=m.seq_length,
+                                                         seed=t.seed)
+        train_ds.summary = summary
+        splits = data_mod.Splits(train=train_ds, valid=valid_ds, test=None)
     else:
         splits = data_mod.build_gpt_datasets(data=recipe.data, seq_length=m.seq_length, seed=t.seed, tokenizer=tokenizer,
                                              train_samples=train_samples, valid_samples=valid_samples, cache_dir=cache_dir)
@@ -200,10 +207,14 @@ def _train(recipe, runtime) -> None:
     trainer, tokenizer = build_trainer(recipe, runtime)
     start_iter, consumed = 0, 0
     source = _resume_source(ck)
+    pretrained = _pretrained_source(ck) if source is None else None
     if source is not None:
         restored = checkpoint.load(ckpt=source, chunks=trainer.chunks, optimizer=trainer.optimizer,
                                    scheduler=trainer.scheduler, load_optimizer=ck.load_optimizer)
         start_iter, consumed = restored.iteration, restored.consumed_samples
+    elif pretrained is not None:
+        checkpoint.load(ckpt=pretrained, chunks=trainer.chunks, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
+                        load_optimizer=False)
 
     reporting = is_reporting_rank()
     m = recipe.model
@@ -216,6 +227,10 @@ def _train(recipe, runtime) -> None:
     log.say(f"megacli {recipe.model.arch} | {n_params / 1e6:.2f}M params | TP {p.tensor} × PP {p.pipeline} × CP {p.context} × "
             f"DP {recipe.data_parallel_size} on {runtime.world_size} {runtime.device.type} processes | "
             f"{recipe.num_microbatches} micro-batches/step | {describe_kernels(runtime)}")
+    for line in getattr(trainer.train_data, "summary", []):
+        log.say(line)
+    if pretrained is not None:
+        log.say(f"starting from the weights of {pretrained}")
     if source is not None:
         log.say(f"resumed from {source} at iteration {start_iter}")
         if start_iter >= t.iters:
@@ -269,6 +284,18 @@ def _train(recipe, runtime) -> None:
         log.say(f"done: {iteration} iterations | final validation loss {last_val:.4f} | perplexity {ppl:.2f}")
     else:
         log.say(f"done: {iteration} iterations")
+
+
+def _pretrained_source(ck):
+    if not ck.pretrained:
+        return None
+    from megacli.errors import UserError
+
+    found = checkpoint.find_checkpoint(ck.pretrained)
+    if found is None:
+        raise UserError(f"checkpoint.pretrained = {ck.pretrained!r}: no checkpoint there (convert a Hugging Face "
+                        f"model with `megacli convert`, or give a megacli checkpoint directory)")
+    return found
 
 
 def _resume_source(ck):

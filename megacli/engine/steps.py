@@ -36,6 +36,15 @@ def token_loss_func(loss_mask, output_tensor, *, labels=None, custom=None):
     return loss, num_tokens, report
 
 
+def example_mask(batch: dict):
+    """Packed instruction data: [b, 1, s, s], True where a token would attend to another example
+    (the causal part is the attention's own); None for plain token streams."""
+    segments = batch.get("segments")
+    if segments is None:
+        return None
+    return segments[:, None, :, None] != segments[:, None, None, :]
+
+
 def gpt_forward_step(*, context_parallel: int, custom_loss=None):
     """Megatron forward_step for GPT: every stage reads the micro-batch (cheap), the first uses
     tokens, the last labels and the loss mask."""
@@ -46,7 +55,7 @@ def gpt_forward_step(*, context_parallel: int, custom_loss=None):
             from megatron.core.utils import get_batch_on_this_cp_rank
 
             batch = get_batch_on_this_cp_rank(batch)
-        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        output = model(batch["tokens"], batch["position_ids"], example_mask(batch), labels=batch["labels"])
         return output, partial(token_loss_func, batch["loss_mask"], labels=batch["labels"], custom=custom_loss)
 
     return forward_step

@@ -5,6 +5,8 @@ Every check names the field, the value and the arithmetic; nothing here changes 
 
 from __future__ import annotations
 
+from typing import Optional
+
 from pydantic import model_validator
 
 from megacli.recipe.base import RecipeError, Section
@@ -17,6 +19,7 @@ from megacli.recipe.sections import (
     OptimSection,
     ParallelSection,
     RunSection,
+    SFTSection,
     TokenizerSection,
     TrainSection,
 )
@@ -35,6 +38,8 @@ class TrainingRecipe(Section):
     """Tokenizer used to build the data (its vocabulary sizes the embedding)."""
     data: DataSection = DataSection(mock=True)
     """Training data."""
+    sft: Optional[SFTSection] = None
+    """Instruction data for finetuning (instead of data:)."""
     masking: MaskingSection = MaskingSection()
     """bert/t5: how samples are masked."""
     train: TrainSection = TrainSection()
@@ -139,11 +144,26 @@ class TrainingRecipe(Section):
                               f"must be shorter than the decay horizon (optim.decay_iters or train.iters = {horizon} steps)")
         if m.arch in ("bert", "t5"):
             self._check_bert_t5()
+        if self.sft is not None:
+            self._check_sft()
         if m.moe is not None and p.expert > 1 and m.moe.get("num_experts", 0) % p.expert:
             raise RecipeError("parallel.expert", p.expert, f"must divide model.moe.num_experts = {m.moe.get('num_experts')}")
         if p.expert > 1 and dp % p.expert:
             raise RecipeError("parallel.expert", p.expert, f"must divide the data-parallel size {dp}")
         return self
+
+    def _check_sft(self) -> None:
+        if self.model.arch != "gpt":
+            raise RecipeError("sft", self.sft.train, f"instruction finetuning is for gpt models, not {self.model.arch}")
+        if self.data.path or self.data.blend:
+            raise RecipeError("sft", self.sft.train, "give sft (instruction data) or data.path/data.blend (continued "
+                                                     "pretraining), not both")
+        if self.parallel.context > 1:
+            raise RecipeError("parallel.context", self.parallel.context,
+                              "packed instruction data needs per-example attention masks; context parallelism "
+                              "does not support them yet")
+        if self.tokenizer.type == "null":
+            raise RecipeError("tokenizer.type", "null", "instruction data is text: it needs a real tokenizer")
 
     def _check_bert_t5(self) -> None:
         """What Megatron-Core 0.16.1's BertModel/T5Model and their masked datasets support."""

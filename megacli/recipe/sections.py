@@ -192,6 +192,23 @@ class DataSection(Section):
 
 
 
+
+class SFTSection(Section):
+    """Instruction data for `megacli finetune` (JSONL): {"prompt", "response"} or {"messages": [...]}."""
+
+    train: str
+    """Training JSONL file."""
+    valid: Optional[str] = None
+    """Validation JSONL file; null = hold out valid_fraction of the training file."""
+    valid_fraction: float = Field(0.05, ge=0, lt=1)
+    """Share of the training records held out for validation when no valid file is given."""
+    template: Literal["plain", "chatml"] = "plain"
+    """How records become text: plain (the texts one after the other) or chatml (<|im_start|>role ... <|im_end|>)."""
+    packing: bool = True
+    """Pack several examples into one sequence (attention and positions restart per example); false pads each."""
+    too_long: Literal["truncate", "drop"] = "truncate"
+    """What to do with an example longer than model.seq_length + 1 tokens."""
+
 class MaskingSection(Section):
     """How BERT and T5 samples are masked (Megatron-Core's masked WordPiece datasets); unused by gpt."""
 
@@ -303,6 +320,9 @@ class CheckpointSection(Section):
     """auto (continue from dir's latest if any), none (start fresh), or a checkpoint path to load."""
     load_optimizer: bool = True
     """Restore optimizer and scheduler state when resuming (off for finetuning from pretrained weights)."""
+    pretrained: Optional[str] = None
+    """Weights to start from when there is nothing to resume (finetuning): a megacli checkpoint,
+    e.g. one from `megacli convert`. Its optimizer state and iteration are not used."""
     keep_last: Optional[PositiveInt] = None
     """Delete older iterations, keeping this many (null = keep all)."""
 

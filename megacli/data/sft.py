@@ -1,0 +1,190 @@
+"""Instruction data for finetuning: JSONL records -> token ids with a loss mask -> fixed-length
+training samples (packed or padded).
+
+A record is `{"prompt": ..., "response": ...}` or `{"messages": [{"role": ..., "content": ...}, ...]}`.
+Only response (assistant) tokens carry loss. Packing puts several examples into one sequence;
+each token then carries its example's index (`segments`), from which the engine builds a
+block-diagonal causal mask, and its position restarts at 0 with each example, so a packed
+example is computed exactly as it would be alone.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from megacli.errors import UserError
+
+TEMPLATES = ("plain", "chatml")
+
+
+def render(record: dict, template: str) -> list[tuple[str, bool]]:
+    """The record as (text, carries loss) pieces, in order."""
+    if "messages" in record:
+        messages = record["messages"]
+    else:
+        messages = [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["response"]}]
+    pieces = []
+    for m in messages:
+        trained = m["role"] == "assistant"
+        if template == "chatml":
+            pieces += [(f"<|im_start|>{m['role']}\n", False), (m["content"] + "<|im_end|>\n", trained)]
+        else:  # plain: the texts as they are, one after the other
+            pieces.append((m["content"], trained))
+    return pieces
+
+
+def read_records(path: str) -> list[dict]:
+    """Parse and check every line; a bad one is named by file and line."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"{path}: no such file")
+    records = []
+    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{where}: not valid JSON ({exc.msg})") from None
+        if not isinstance(record, dict):
+            raise UserError(f"{where}: expected a JSON object")
+        if "messages" in record:
+            msgs = record["messages"]
+            if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                             and isinstance(m.get("content"), str) for m in msgs)):
+                raise UserError(f"{where}: messages must be a list of {{role, content}} objects with string values")
+            if not any(m["role"] == "assistant" for m in msgs):
+                raise UserError(f"{where}: no assistant message (nothing to learn)")
+        elif not (isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str)):
+            raise UserError(f"{where}: expected string fields prompt and response, or messages")
+        records.append(record)
+    if not records:
+        raise UserError(f"{path}: no records")
+    return records
+
+
+@dataclass
+class Example:
+    ids: list[int]
+    trained: list[bool]  # per token: does predicting it carry loss
+
+
+def tokenize(record: dict, tokenizer, template: str) -> Example:
+    ids, trained = [], []
+    for text, carries in render(record, template):
+        piece = tokenizer.encode(text)
+        ids += piece
+        trained += [carries] * len(piece)
+    if tokenizer.eod is not None:  # the end of the response is learned too
+        ids.append(tokenizer.eod)
+        trained.append(trained[-1] if trained else False)
+    return Example(ids, trained)
+
+
+@dataclass
+class SftStats:
+    examples: int = 0
+    truncated: int = 0
+    dropped: int = 0
+    sequences: int = 0
+    tokens: int = 0
+    loss_tokens: int = 0
+
+    def describe(self, name: str) -> str:
+        frac = self.loss_tokens / self.tokens if self.tokens else 0.0
+        return (f"{name}: {self.examples} examples -> {self.sequences} sequences; {self.loss_tokens} of {self.tokens} "
+                f"tokens carry loss ({frac:.1%}); {self.truncated} truncated, {self.dropped} dropped as too long")
+
+
+class SftDataset:
+    """Fixed-length samples: tokens, labels, loss_mask, position_ids, segments (example index
+    within the sequence, -1 on padding)."""
+
+    def __init__(self, examples: list[Example], *, seq_length: int, pad_id: int, packing: bool, too_long: str,
+                 stats: SftStats):
+        self.seq_length = seq_length
+        window = seq_length + 1  # inputs and labels are the same tokens shifted by one
+        kept = []
+        for ex in examples:
+            if len(ex.ids) > window:
+                if too_long == "drop":
+                    stats.dropped += 1
+                    continue
+                stats.truncated += 1
+                ex = Example(ex.ids[:window], ex.trained[:window])
+            if not any(ex.trained[1:]):
+                stats.dropped += 1  # nothing left to learn (its response was cut away)
+                continue
+            kept.append(ex)
+        groups: list[list[Example]] = []
+        for ex in kept:
+            if packing and groups and sum(len(e.ids) for e in groups[-1]) + len(ex.ids) <= window:
+                groups[-1].append(ex)
+            else:
+                groups.append([ex])
+        self.samples = [self._sample(g, window, pad_id) for g in groups]
+        stats.sequences += len(self.samples)
+        for s in self.samples:
+            stats.tokens += int((s["segments"] >= 0).sum())
+            stats.loss_tokens += int(s["loss_mask"].sum())
+        if not self.samples:
+            raise UserError("no finetuning example is left (all dropped as too long?)")
+
+    @staticmethod
+    def _sample(group: list[Example], window: int, pad_id: int) -> dict:
+        ids = np.full(window, pad_id, dtype=np.int64)
+        trained = np.zeros(window, dtype=bool)
+        segments = np.full(window, -1, dtype=np.int64)
+        positions = np.zeros(window, dtype=np.int64)
+        at = 0
+        for i, ex in enumerate(group):
+            n = len(ex.ids)
+            ids[at : at + n] = ex.ids
+            trained[at : at + n] = ex.trained
+            segments[at : at + n] = i
+            positions[at : at + n] = np.arange(n)
+            at += n
+        # Label t is token t+1; it carries loss when that token is trained and in the same example.
+        same = (segments[1:] == segments[:-1]) & (segments[1:] >= 0)
+        return {"tokens": ids[:-1], "labels": ids[1:], "loss_mask": (trained[1:] & same).astype(np.float32),
+                "position_ids": positions[:-1], "segments": segments[:-1]}
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.samples[i]
+
+
+def build_sft_datasets(*, sft, tokenizer, seq_length: int, seed: int) -> tuple[SftDataset, SftDataset | None, list[str]]:
+    """Train and validation datasets (validation from sft.valid, or a seeded sft.valid_fraction of
+    the training file) and one summary line per split."""
+    if tokenizer.eod is None and tokenizer.pad is None:
+        raise UserError("finetuning needs a tokenizer with an end-of-document token")
+    pad_id = tokenizer.pad if tokenizer.pad is not None else tokenizer.eod
+    records = read_records(sft.train)
+    if sft.valid:
+        valid_records = read_records(sft.valid)
+    else:
+        order = list(range(len(records)))
+        random.Random(seed).shuffle(order)
+        n_valid = int(round(len(records) * sft.valid_fraction))
+        valid_records = [records[i] for i in sorted(order[:n_valid])]
+        records = [records[i] for i in sorted(order[n_valid:])]
+    out, lines = [], []
+    for name, recs in (("train", records), ("validation", valid_records)):
+        if not recs:
+            out.append(None)
+            continue
+        stats = SftStats(examples=len(recs))
+        ds = SftDataset([tokenize(r, tokenizer, sft.template) for r in recs], seq_length=seq_length, pad_id=pad_id,
+                        packing=sft.packing, too_long=sft.too_long, stats=stats)
+        out.append(ds)
+        lines.append(stats.describe(name))
+    return out[0], out[1], lines
