@@ -10,13 +10,12 @@ example is computed exactly as it would be alone.
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
+from megacli.data.jsonl import iter_lines
 from megacli.errors import UserError
 
 TEMPLATES = ("plain", "chatml")
@@ -40,18 +39,8 @@ def render(record: dict, template: str) -> list[tuple[str, bool]]:
 
 def read_records(path: str) -> list[dict]:
     """Parse and check every line; a bad one is named by file and line."""
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"{path}: no such file")
     records = []
-    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{n}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{where}: not valid JSON ({exc.msg})") from None
+    for where, record in iter_lines(path):
         if not isinstance(record, dict):
             raise UserError(f"{where}: expected a JSON object")
         if "messages" in record:

@@ -337,23 +337,16 @@ class Generator:
 
 def read_texts(path: str, key: str) -> list[str]:
     """JSONL (one object per line with `key`) or plain text (one item per line); errors name the line."""
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"{path}: no such file")
+    from megacli.data.jsonl import iter_lines
+
     items = []
-    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        if line.lstrip().startswith("{"):
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UserError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
-            if not isinstance(record.get(key), str):
-                raise UserError(f"{path}:{n}: no string field {key!r}")
-            items.append(record[key])
+    for where, item in iter_lines(path, plain_text=True):
+        if isinstance(item, str):
+            items.append(item)
+        elif isinstance(item, dict) and isinstance(item.get(key), str):
+            items.append(item[key])
         else:
-            items.append(line)
+            raise UserError(f"{where}: no string field {key!r}")
     return items
 
 

@@ -6,7 +6,7 @@ the command-line flags, so the model is described once, where it was trained or 
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Optional
 
 from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
 
