@@ -88,8 +88,8 @@ def megacli_side(workdir: Path, new: int, repeats: int) -> dict:
     recipes = {cache: base.validate(GenerateRecipe, {**raw, "generate": {**common, "use_cache": cache}}, "bench")
                for cache in (True, False)}
     runtime = distributed.setup(parallel=recipes[True].parallel, launch=recipes[True].launch, seed=0)
-    model = Model(recipes[True], runtime)
     tok = load_tokenizer(type="huggingface", path=str(workdir / "hf"))
+    model = Model(recipes[True], runtime, vocab_size=recipes[True].model.vocab_size)
     out = {}
     for cache, label in ((True, "megacli (KV cache)"), (False, "megacli (no cache)")):
         gen = Generator(model, tok, recipes[cache].generate)

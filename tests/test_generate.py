@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests._convert_models import VOCAB
 
 PROMPTS = ["the quick brown", "lazy dog jumps over the", "fox", "over the lazy dog the quick brown fox"]
 NEW = 10
@@ -97,8 +96,8 @@ def _decode_all(root: Path, stops: dict) -> dict:
             if runtime is None:  # one process group for both models
                 runtime = distributed.setup(parallel=recipe.parallel, launch=recipe.launch, seed=0)
             if model is None:
-                model = Model(recipe, runtime)
                 tok = load_tokenizer(type=recipe.tokenizer.type, path=recipe.tokenizer.path)
+                model = Model(recipe, runtime, vocab_size=recipe.model.vocab_size)
             gen = Generator(model, tok, recipe.generate)
             results[case] = [c.tokens for c in gen.run_batch(PROMPTS)]
             if case == "greedy":

@@ -128,15 +128,13 @@ def _interactive(job) -> None:
     """Read prompts from the terminal, one model load for the session."""
     from megacli import launch
     from megacli.engine import distributed
-    from megacli.engine.generate import Generator, Model
-    from megacli.data.tokenizers import load_tokenizer
+    from megacli.engine.generate import build_generator
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(launch.free_port()))
     runtime = distributed.setup(parallel=job.parallel, launch=job.launch, seed=job.generate.seed)
     try:
-        tok = load_tokenizer(type=job.tokenizer.type, path=job.tokenizer.path, vocab_size=job.model.vocab_size)
-        gen = Generator(Model(job, runtime), tok, job.generate)
+        gen = build_generator(job, runtime)
         print("type a prompt and Enter (Ctrl-D to quit)", flush=True)
         while True:
             try:

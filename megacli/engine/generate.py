@@ -39,7 +39,7 @@ class Completion:
 class Model:
     """One GPT replica split over this rank's TP/PP group, stepped token by token."""
 
-    def __init__(self, recipe, runtime):
+    def __init__(self, recipe, runtime, *, vocab_size: int):
         from megatron.core import parallel_state as ps
 
         from megacli.engine import checkpoint
@@ -54,7 +54,7 @@ class Model:
         m = recipe.model
         self.config = transformer_config(model=m, parallel=recipe.parallel, precision=recipe.train.precision,
                                          on_cuda=runtime.is_cuda)
-        self.vocab_size = m.vocab_size
+        self.vocab_size = vocab_size  # as training sized it: model.vocab_size, else the tokenizer's
         chunks = build_model(recipe=recipe, config=self.config, vocab_size=self.vocab_size)
         chunks = [c.to(runtime.device) for c in chunks]
         checkpoint.load(ckpt=ckpt, chunks=chunks, optimizer=None, scheduler=None, load_optimizer=False)
@@ -350,6 +350,14 @@ def read_texts(path: str, key: str) -> list[str]:
     return items
 
 
+def build_generator(recipe, runtime) -> Generator:
+    """The recipe's tokenizer and model (the vocabulary sized as training sized it)."""
+    from megacli.data.tokenizers import load_tokenizer
+
+    tok = load_tokenizer(type=recipe.tokenizer.type, path=recipe.tokenizer.path, vocab_size=recipe.model.vocab_size)
+    return Generator(Model(recipe, runtime, vocab_size=recipe.model.vocab_size or tok.vocab_size), tok, recipe.generate)
+
+
 def run(recipe) -> None:
     runtime = distributed.setup(parallel=recipe.parallel, launch=recipe.launch, seed=recipe.generate.seed)
     try:
@@ -359,16 +367,11 @@ def run(recipe) -> None:
 
 
 def _run(recipe, runtime) -> None:
-    from megacli.data.tokenizers import load_tokenizer
-
     if recipe.model.arch != "gpt":
         raise UserError(f"generation supports GPT models; model.arch = {recipe.model.arch!r} is not available yet")
     g = recipe.generate
-    tok = load_tokenizer(type=recipe.tokenizer.type, path=recipe.tokenizer.path, vocab_size=recipe.model.vocab_size)
-    if recipe.model.vocab_size is None:
-        raise UserError("model.vocab_size is not set in the checkpoint's recipe")
-    model = Model(recipe, runtime)
-    gen = Generator(model, tok, g)
+    gen = build_generator(recipe, runtime)
+    tok = gen.tok
     speaker = runtime.rank == 0
     if g.score or g.cloze:
         texts = read_texts(g.score or g.cloze, "text")
