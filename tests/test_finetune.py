@@ -46,6 +46,29 @@ def test_loss_mask_by_hand():
                     ("yo<|im_end|>\n", True)]
 
 
+def test_the_tokenizers_chat_template_is_used_when_it_has_one(tmp_path):
+    from types import SimpleNamespace
+
+    from megacli.data.sft import build_sft_datasets, chat_template_of
+
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": "{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{{ eos_token }}{% endfor %}",
+        "bos_token": "[", "eos_token": "]"}))
+    record = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    assert render(record, "tokenizer", chat_template_of(str(tmp_path))) == [("[<user>q]", False), ("<assistant>a]", True)]
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps(record) + "\n")
+    sft = SimpleNamespace(train=str(data), valid=str(data), template="auto", packing=True, too_long="truncate")
+    train, _, summary = build_sft_datasets(sft=sft, tokenizer=BYTE, tokenizer_path=str(tmp_path), seq_length=32, seed=0)
+    assert "(template: tokenizer)" in summary[0]
+    text = bytes(t for t in train[0]["tokens"].tolist() if t < 256).decode()
+    assert text == "[<user>q]<assistant>a]"
+    # Loss on "<assistant>a]" and the end of document; none on the user turn.
+    assert int(train[0]["loss_mask"].sum()) == len("<assistant>a]") + 1
+    _, _, summary = build_sft_datasets(sft=sft, tokenizer=BYTE, tokenizer_path=None, seq_length=32, seed=0)
+    assert "(template: plain)" in summary[0]
+
+
 def test_packing_restarts_positions_and_separates_examples():
     ds, stats = samples([{"prompt": "ab", "response": "c"}, {"prompt": "x", "response": "yz"}, {"prompt": "pq", "response": "r"}],
                         seq_length=12)

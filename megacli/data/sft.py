@@ -12,22 +12,58 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from megacli.data.jsonl import iter_lines
 from megacli.errors import UserError
 
-TEMPLATES = ("plain", "chatml")
+@dataclass(frozen=True)
+class ChatTemplate:
+    source: str
+    specials: dict
 
 
-def render(record: dict, template: str) -> list[tuple[str, bool]]:
-    """The record as (text, carries loss) pieces, in order."""
+def chat_template_of(tokenizer_path: str | None) -> ChatTemplate | None:
+    """The Hugging Face tokenizer's chat template (tokenizer_config.json), if it has one."""
+    if not tokenizer_path or not Path(tokenizer_path).is_dir():
+        return None
+    config = Path(tokenizer_path) / "tokenizer_config.json"
+    if not config.is_file():
+        return None
+    import json
+
+    settings = json.loads(config.read_text(encoding="utf-8"))
+    template = settings.get("chat_template")
+    if not isinstance(template, str):
+        return None
+    # Templates may name the special tokens (as transformers' apply_chat_template passes them).
+    specials = {k: v for k, v in settings.items() if k in ("bos_token", "eos_token") and isinstance(v, str)}
+    return ChatTemplate(template, specials)
+
+
+def render(record: dict, template: str, chat_template: ChatTemplate | None = None) -> list[tuple[str, bool]]:
+    """The record as (text, carries loss) pieces, in order. template "tokenizer" renders with the
+    tokenizer's Jinja chat template: each message is what rendering one more message adds."""
     if "messages" in record:
         messages = record["messages"]
     else:
         messages = [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["response"]}]
     pieces = []
+    if template == "tokenizer":
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        done = ""
+        for i, m in enumerate(messages):
+            text = render_jinja_template(conversations=[messages[: i + 1]], chat_template=chat_template.source,
+                                         **chat_template.specials)[0][0]
+            if not text.startswith(done):
+                raise UserError("the tokenizer's chat template does not render a conversation as a prefix of the "
+                                "next one; use sft.template: chatml or plain")
+            pieces.append((text[len(done):], m["role"] == "assistant"))
+            done = text
+        return pieces
     for m in messages:
         trained = m["role"] == "assistant"
         if template == "chatml":
@@ -64,9 +100,9 @@ class Example:
     trained: list[bool]  # per token: does predicting it carry loss
 
 
-def tokenize(record: dict, tokenizer, template: str) -> Example:
+def tokenize(record: dict, tokenizer, template: str, chat_template: ChatTemplate | None = None) -> Example:
     ids, trained = [], []
-    for text, carries in render(record, template):
+    for text, carries in render(record, template, chat_template):
         piece = tokenizer.encode(text)
         ids += piece
         trained += [carries] * len(piece)
@@ -151,11 +187,18 @@ class SftDataset:
         return self.samples[i]
 
 
-def build_sft_datasets(*, sft, tokenizer, seq_length: int, seed: int) -> tuple[SftDataset, SftDataset | None, list[str]]:
+def build_sft_datasets(*, sft, tokenizer, tokenizer_path: str | None, seq_length: int,
+                       seed: int) -> tuple[SftDataset, SftDataset | None, list[str]]:
     """Train and validation datasets (validation from sft.valid, or a seeded sft.valid_fraction of
     the training file) and one summary line per split."""
     if tokenizer.eod is None and tokenizer.pad is None:
         raise UserError("finetuning needs a tokenizer with an end-of-document token")
+    chat_template = chat_template_of(tokenizer_path)
+    template = sft.template
+    if template == "auto":
+        template = "tokenizer" if chat_template else "plain"
+    elif template == "tokenizer" and not chat_template:
+        raise UserError(f"sft.template: tokenizer, but {tokenizer_path} has no chat_template in tokenizer_config.json")
     pad_id = tokenizer.pad if tokenizer.pad is not None else tokenizer.eod
     records = read_records(sft.train)
     if sft.valid:
@@ -172,8 +215,8 @@ def build_sft_datasets(*, sft, tokenizer, seq_length: int, seed: int) -> tuple[S
             out.append(None)
             continue
         stats = SftStats(examples=len(recs))
-        ds = SftDataset([tokenize(r, tokenizer, sft.template) for r in recs], seq_length=seq_length, pad_id=pad_id,
+        ds = SftDataset([tokenize(r, tokenizer, template, chat_template) for r in recs], seq_length=seq_length, pad_id=pad_id,
                         packing=sft.packing, too_long=sft.too_long, stats=stats)
         out.append(ds)
-        lines.append(stats.describe(name))
+        lines.append(stats.describe(name) + f" (template: {template})")
     return out[0], out[1], lines

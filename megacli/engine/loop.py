@@ -106,8 +106,8 @@ def build_trainer(recipe, runtime) -> tuple[Trainer, object]:
     elif recipe.sft is not None:
         from megacli.data.sft import build_sft_datasets
 
-        train_ds, valid_ds, summary = build_sft_datasets(sft=recipe.sft, tokenizer=tokenizer, seq_length=m.seq_length,
-                                                         seed=t.seed)
+        train_ds, valid_ds, summary = build_sft_datasets(sft=recipe.sft, tokenizer=tokenizer, tokenizer_path=recipe.tokenizer.path,
+                                                         seq_length=m.seq_length, seed=t.seed)
         train_ds.summary = summary
         splits = data_mod.Splits(train=train_ds, valid=valid_ds, test=None)
     else:

@@ -202,8 +202,9 @@ class SFTSection(Section):
     """Validation JSONL file; null = hold out valid_fraction of the training file."""
     valid_fraction: float = Field(0.05, ge=0, lt=1)
     """Share of the training records held out for validation when no valid file is given."""
-    template: Literal["plain", "chatml"] = "plain"
-    """How records become text: plain (the texts one after the other) or chatml (<|im_start|>role ... <|im_end|>)."""
+    template: Literal["auto", "tokenizer", "chatml", "plain"] = "auto"
+    """How records become text: the tokenizer's chat template (auto: when it has one, else plain),
+    chatml (<|im_start|>role ... <|im_end|>), or plain (the texts one after the other)."""
     packing: bool = True
     """Pack several examples into one sequence (attention and positions restart per example); false pads each."""
     too_long: Literal["truncate", "drop"] = "truncate"
