@@ -115,10 +115,16 @@ def bert_single(data, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def t5_single(data, tmp_path_factory):
+def t5_trained(data, tmp_path_factory):
+    """The single-process T5 run's losses and its final checkpoint (for generation)."""
     run_dir = tmp_path_factory.mktemp("t5") / "single"
-    pretrain(data, run_dir, T5 + layout())
-    return records(run_dir)
+    pretrain(data, run_dir, T5 + layout() + [f"checkpoint.dir={run_dir / 'ck'}"])
+    return records(run_dir), run_dir / "ck"
+
+
+@pytest.fixture(scope="module")
+def t5_single(t5_trained):
+    return t5_trained[0]
 
 
 # ------------------------------------------------------------------ end to end (slow)
@@ -318,3 +324,54 @@ def test_document_level_data_fails_instead_of_hanging(tmp_path):
                 train_samples=8, valid_samples=0, cache_dir=str(tmp_path / "cache"))
     finally:
         dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ T5 generation
+
+
+def _t5_generate_tp2(rank, world, ckpt: str, prompts: list[str]):
+    """Greedy T5 generation at TP=2, and the decoder run once over the whole generated prefix:
+    its argmax at every position must be the token generated there."""
+    import torch
+
+    from megacli.cli.generate import build_recipe
+    from megacli.engine import distributed
+    from megacli.engine.generate import build_generator
+
+    job = build_recipe(None, {"checkpoint": ckpt, "max_new_tokens": 6, "stop_at_eod": False, "prompts": prompts},
+                       tensor=2, pipeline=None, overrides=["launch.device=cpu"])
+    runtime = distributed.setup(parallel=job.parallel, launch=job.launch, seed=0)
+    gen = build_generator(job, runtime)
+    out = [c.tokens for c in gen.run_batch(prompts)]
+    consistent = []
+    for prompt, tokens in zip(prompts, out):
+        enc = torch.tensor([gen.encode(prompt)])
+        enc_pad = torch.zeros(1, 1, 1, enc.size(1), dtype=torch.bool)
+        dec = torch.tensor([[gen.tok.bos] + tokens[:-1]])
+        with torch.no_grad():
+            full = gen.model.net(enc, dec, enc_pad, None, enc_pad)
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        full = gather_from_tensor_model_parallel_region(full)[0, :, : gen.model.vocab_size]
+        consistent.append(full.argmax(-1).tolist() == tokens)
+    distributed.teardown()
+    return out, consistent
+
+
+@pytest.mark.slow
+def test_t5_generation_tp1_equals_tp2_and_the_full_decoder(t5_trained, tmp_path):
+    from tests._dist import spawn
+
+    ck = t5_trained[1]
+    prompts = ["The cat sees the red ball", "A dog follows the morning train near the river"]
+    out = tmp_path / "out.jsonl"
+    res = subprocess.run([sys.executable, "-m", "megacli", "generate", "--checkpoint", str(ck), "--prompt", prompts[0],
+                          "--prompt", prompts[1], "-n", "6", "--output", str(out), "--set", "generate.stop_at_eod=false",
+                          "--set", f"run.dir={tmp_path / 'gen'}"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    tp1 = [json.loads(line)["tokens"] for line in out.read_text().splitlines()]
+    assert all(len(t) == 6 for t in tp1)
+    results = spawn(_t5_generate_tp2, 2, str(ck), prompts)
+    for tp2, consistent in results:
+        assert tp2 == tp1
+        assert all(consistent)

@@ -332,6 +332,90 @@ class Generator:
         return {"texts": len(texts), "correct": correct, "accuracy": correct / len(texts) if texts else float("nan")}
 
 
+# ---------------------------------------------------------------- T5
+
+
+class Seq2Seq:
+    """A T5 replica (tensor parallel; Megatron-Core has no T5 pipelining): the encoder runs once
+    per batch, the decoder over the whole target prefix at each step (no KV cache: T5's decoder
+    inputs here are short, and its relative position biases are computed per length)."""
+
+    def __init__(self, recipe, runtime, *, vocab_size: int):
+        from megacli.engine import checkpoint
+        from megacli.engine.models import build_model, transformer_config, unwrap
+
+        ckpt = checkpoint.find_checkpoint(recipe.generate.checkpoint) if recipe.generate.checkpoint else None
+        if ckpt is None:
+            raise UserError(f"generate.checkpoint = {recipe.generate.checkpoint!r}: no checkpoint there")
+        m = recipe.model
+        config = transformer_config(model=m, parallel=recipe.parallel, precision=recipe.train.precision,
+                                    on_cuda=runtime.is_cuda)
+        chunks = [c.to(runtime.device) for c in build_model(recipe=recipe, config=config, vocab_size=vocab_size)]
+        checkpoint.load(ckpt=ckpt, chunks=chunks, optimizer=None, scheduler=None, load_optimizer=False)
+        self.net, self.device, self.vocab_size = unwrap(chunks[0]).eval(), runtime.device, vocab_size
+        self.recipe = recipe
+
+    @torch.no_grad()
+    def encode(self, enc: torch.Tensor, enc_pad: torch.Tensor) -> torch.Tensor:
+        with device_rewriting_paused():
+            return self.net(enc, None, enc_pad, None, None, output_encoder_hidden_only=True)
+
+    @torch.no_grad()
+    def logits(self, enc, enc_hidden, enc_pad, dec) -> torch.Tensor:
+        """[b, vocab] for the next decoder token, gathered over TP."""
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        with device_rewriting_paused():
+            out = self.net(enc, dec, enc_pad, None, enc_pad, encoder_hidden_states=enc_hidden)
+        return gather_from_tensor_model_parallel_region(out[:, -1:].contiguous())[:, -1, : self.vocab_size].float()
+
+
+class Seq2SeqGenerator(Generator):
+    """Greedy or sampled T5 generation: prompts go to the encoder, the decoder starts from BOS."""
+
+    def _check_length(self, prompt: str, n: int) -> None:
+        m = self.model.recipe.model
+        if n > m.seq_length:
+            raise UserError(f"prompt {prompt[:40]!r}… has {n} tokens; the encoder takes {m.seq_length}")
+        if self.g.max_new_tokens + 1 > m.dec_seq_length:
+            raise UserError(f"max_new_tokens = {self.g.max_new_tokens} exceeds the decoder's {m.dec_seq_length - 1} positions")
+
+    def _beam(self, encoded):
+        raise UserError("beam search is available for GPT models; T5 generation is greedy or sampled")
+
+    def _sample(self, encoded: list[list[int]], on_token) -> tuple[list[list[int]], list[list[float]]]:
+        g, device = self.g, self.model.device
+        b, width = len(encoded), max(map(len, encoded))
+        pad = self.tok.pad if self.tok.pad is not None else 0
+        enc = torch.full((b, width), pad, dtype=torch.long, device=device)
+        for i, ids in enumerate(encoded):
+            enc[i, : len(ids)] = torch.tensor(ids)
+        lengths = torch.tensor([len(x) for x in encoded], device=device)
+        enc_pad = (torch.arange(width, device=device)[None, :] >= lengths[:, None])[:, None, None, :]
+        hidden = self.model.encode(enc, enc_pad)
+        dec = torch.full((b, 1), self.tok.bos, dtype=torch.long, device=device)
+        generated, logprobs = [[] for _ in range(b)], [[] for _ in range(b)]
+        done = torch.zeros(b, dtype=torch.bool)
+        top_p = g.top_p
+        for _ in range(g.max_new_tokens):
+            logits = self.model.logits(enc, hidden, enc_pad, dec)
+            scores = decoding.repetition_penalty(logits, dec, g.repetition_penalty)
+            nxt = decoding.choose(scores, temperature=g.temperature, top_k=g.top_k, top_p=top_p, generator=self.sampler)
+            top_p = decoding.decayed_top_p(top_p, g.top_p_decay, g.top_p_bound)
+            lp = torch.log_softmax(logits, -1).gather(1, nxt[:, None]).squeeze(1)
+            dec = torch.cat([dec, nxt[:, None]], 1)
+            for i in range(b):
+                if not done[i]:
+                    generated[i].append(int(nxt[i]))
+                    logprobs[i].append(float(lp[i]))
+                    done[i] = int(nxt[i]) in self.stop_ids or self._hit_stop_string(generated[i])
+            if on_token is not None:
+                on_token(generated)
+            if done.all():
+                break
+        return generated, logprobs
+
+
 # ---------------------------------------------------------------- the job
 
 
@@ -355,6 +439,11 @@ def build_generator(recipe, runtime) -> Generator:
     from megacli.data.tokenizers import load_tokenizer
 
     tok = load_tokenizer(type=recipe.tokenizer.type, path=recipe.tokenizer.path, vocab_size=recipe.model.vocab_size)
+    if recipe.model.arch == "t5":
+        from megacli.engine.data import MegatronTokenizer
+
+        vocab = recipe.model.vocab_size or MegatronTokenizer(tok, sentinels=recipe.masking.sentinel_tokens).vocab_size
+        return Seq2SeqGenerator(Seq2Seq(recipe, runtime, vocab_size=vocab), tok, recipe.generate)
     return Generator(Model(recipe, runtime, vocab_size=recipe.model.vocab_size or tok.vocab_size), tok, recipe.generate)
 
 
@@ -367,9 +456,9 @@ def run(recipe) -> None:
 
 
 def _run(recipe, runtime) -> None:
-    if recipe.model.arch != "gpt":
-        raise UserError(f"generation supports GPT models; model.arch = {recipe.model.arch!r} is not available yet")
     g = recipe.generate
+    if recipe.model.arch == "t5" and (g.score or g.cloze):
+        raise UserError("--score and --cloze are for GPT models (T5's likelihood depends on what the encoder is given)")
     gen = build_generator(recipe, runtime)
     tok = gen.tok
     speaker = runtime.rank == 0
