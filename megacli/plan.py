@@ -23,12 +23,24 @@ def padded_vocab_size(vocab_size: int, *, divisible_by: int, tensor_parallel: in
 @dataclass(frozen=True)
 class ParamCounts:
     embedding: int  # word (+ learned position) embedding
-    per_layer: int
+    per_layer: int  # a dense layer
     final_norm: int
     output_layer: int  # 0 when tied to the embedding
+    moe_layers: int = 0  # how many layers are MoE
+    moe_layer: int = 0  # a MoE layer: attention, norms, router, every expert, the shared expert
+    moe_layer_active: int = 0  # the part of a MoE layer one token goes through (top-k experts)
+    moe_experts: int = 0  # the routed experts' share of moe_layer (split over EP × expert TP)
 
     def total(self, num_layers: int) -> int:
-        return self.embedding + self.per_layer * num_layers + self.final_norm + self.output_layer
+        return self._sum(num_layers, self.moe_layer)
+
+    def active(self, num_layers: int) -> int:
+        """Parameters one token is multiplied by (for FLOPs): the total for a dense model."""
+        return self._sum(num_layers, self.moe_layer_active)
+
+    def _sum(self, num_layers: int, per_moe_layer: int) -> int:
+        dense = num_layers - self.moe_layers
+        return self.embedding + self.per_layer * dense + per_moe_layer * self.moe_layers + self.final_norm + self.output_layer
 
 
 def count_params(recipe: TrainingRecipe, vocab_size: int) -> ParamCounts:
@@ -41,14 +53,27 @@ def count_params(recipe: TrainingRecipe, vocab_size: int) -> ParamCounts:
     attn = h * (q_width + 2 * kv_width) + q_width * h
     attn += (q_width + 2 * kv_width) * int(bias or m.add_qkv_bias) + h * int(bias)
     glu = 2 if m.activation == "swiglu" else 1
-    mlp = h * m.ffn_size * glu + m.ffn_size * h + (m.ffn_size * glu + h) * int(bias)
+
+    def mlp_params(ffn: int) -> int:
+        return h * ffn * glu + ffn * h + (ffn * glu + h) * int(bias)
+
     vocab = padded_vocab_size(vocab_size, divisible_by=m.make_vocab_size_divisible_by, tensor_parallel=recipe.parallel.tensor)
     pos = m.max_positions * h if m.position_embedding == "learned" else 0
+    rest = attn + 2 * norm + (2 * hd if m.qk_layernorm else 0)
+    moe = {}
+    if m.moe is not None:
+        e = m.moe
+        router = e.num_experts * h + e.num_experts * int(bias)
+        shared = mlp_params(e.shared_expert_ffn_hidden_size) + h * int(e.shared_expert_gate) if e.shared_expert_ffn_hidden_size else 0
+        expert = mlp_params(m.expert_ffn_size)
+        moe = dict(moe_layers=sum(m.moe_layers()), moe_layer=rest + router + shared + e.num_experts * expert,
+                   moe_layer_active=rest + router + shared + e.router_topk * expert, moe_experts=e.num_experts * expert)
     return ParamCounts(
         embedding=vocab * h + pos,
-        per_layer=attn + mlp + 2 * norm + (2 * hd if m.qk_layernorm else 0),
+        per_layer=rest + mlp_params(m.ffn_size),
         final_norm=norm,
         output_layer=vocab * h if m.untie_embeddings else 0,
+        **moe,
     )
 
 
@@ -59,6 +84,7 @@ class RankMemory:
     grads_gib: float
     optimizer_gib: float
     optimizer_gib_without_dist_opt: float
+    optimizer_gib_with_dist_opt: float
     activations_gib: float
 
     @property
@@ -96,13 +122,17 @@ def estimate(recipe: TrainingRecipe, vocab_size: int) -> tuple[ParamCounts, Rank
     p = recipe.parallel
     counts = count_params(recipe, vocab_size)
     layers = recipe.layers_per_stage
-    stage_params = counts.per_layer * layers + counts.embedding
+    moe_layers = sum(recipe.model.moe_layers()[:layers])
+    stage_params = counts.per_layer * (layers - moe_layers) + (counts.moe_layer - counts.moe_experts) * moe_layers + counts.embedding
     if p.pipeline == 1:
         stage_params += counts.final_norm + counts.output_layer
-    rank_params = stage_params // p.tensor
+    # Routed experts are split over expert parallel × expert tensor parallel, the rest over TP.
+    expert_params = counts.moe_experts * moe_layers // (p.expert * recipe.expert_tensor_size)
+    rank_params = stage_params // p.tensor + expert_params
     w, g, o = bytes_per_param(recipe.train.precision)
-    dp = recipe.data_parallel_size
-    optimizer = o / dp if p.distributed_optimizer else o
+    dp, edp = recipe.data_parallel_size, recipe.expert_data_parallel_size
+    # The distributed optimizer shards expert state over the expert data-parallel group.
+    sharded = o * (rank_params - expert_params) / dp + o * expert_params / edp
     # 1F1B: the first stage holds activations of `pipeline` micro-batches (L/p layers each = L layers),
     # interleaving adds (1 + (p-1)/(p·v)) (Narayanan et al. 2021).
     in_flight_layers = layers * min(p.pipeline, recipe.num_microbatches)
@@ -113,8 +143,9 @@ def estimate(recipe: TrainingRecipe, vocab_size: int) -> tuple[ParamCounts, Rank
         params=rank_params,
         weights_gib=rank_params * w / GIB,
         grads_gib=rank_params * g / GIB,
-        optimizer_gib=rank_params * optimizer / GIB,
+        optimizer_gib=(sharded if p.distributed_optimizer else rank_params * o) / GIB,
         optimizer_gib_without_dist_opt=rank_params * o / GIB,
+        optimizer_gib_with_dist_opt=sharded / GIB,
         activations_gib=act / GIB,
     )
     return counts, mem

@@ -21,6 +21,9 @@ What ``enable()`` changes, and why (one line each):
     - rewrites a CUDA target of ``Tensor.to(...)`` to ``cpu``: same, for moves;
     - drops ``pin_memory=True``: a CPU-only build has no pinned allocator, and Megatron pins
       host staging tensors (e.g. the context-parallel RoPE index in ``get_pos_emb_on_this_cp_rank``);
+    - turns tensor split sizes of ``torch.distributed.all_to_all_single`` into lists: Megatron's MoE
+      all-to-all dispatcher copies its split sizes to the host as NumPy arrays, a step that leaves
+      tensors already on the CPU as they are, and the collective takes no tensor;
     - makes ``Tensor.cuda()`` return the tensor itself: optimizer and checkpoint code call it;
     - makes ``Tensor.type()`` of a CPU tensor answer ``'torch.cuda.<T>Tensor'`` (and accepts such
       names as a cast target): Megatron's optimizers reject parameters whose ``type()`` is not one
@@ -42,6 +45,11 @@ What ``enable()`` changes, and why (one line each):
   ``get_cuda_rng_tracker().fork()``, shared dropout outside it) and recompute replays it.
 * ``torch.cuda.default_generators`` -> an indexable that returns the CPU default generator for any
   index: the tracker's ``_set_cuda_rng_state`` indexes it by device.
+* ``torch.cuda.Stream``, ``Event``, ``current_stream``, ``default_stream`` and ``stream(...)`` ->
+  stand-ins where waiting, recording and synchronising do nothing and the stream context is empty:
+  CPU kernels run in order on the calling thread. Megatron's MoE all-to-all token dispatcher
+  creates a side stream for its device-to-host copies when it is built, and syncs on an event
+  recorded on it every forward.
 * ``megatron.core.tensor_parallel.random._lazy_call`` -> call now: Megatron imported
   ``torch.cuda._lazy_call``, which on a CPU build queues the call until CUDA initialises, i.e.
   forever - every RNG state restore (tracker fork exit, recompute) would be silently dropped.
@@ -51,9 +59,9 @@ What ``enable()`` changes, and why (one line each):
 
 Left alone on purpose: ``torch.cuda.is_available()`` stays False (nothing on the CPU training
 path needs True, and False keeps Megatron off TE, CUDA graphs, NCCL-only and straggler-detector
-code); ``torch.cuda.device_count()`` stays 0; ``torch.cuda.Stream/Event`` are not replaced (only
-CUDA-only features use them: partial distributed-optimizer instances, MoE/A2A overlap, activation
-offloading, CUDA graphs); ``torch.cuda.memory_*`` already answer 0 on a CPU build.
+code); ``torch.cuda.device_count()`` stays 0; ``torch.cuda.memory_*`` already answer 0 on a CPU
+build. Gloo's ``all_to_all_single`` (with uneven splits, as the MoE dispatcher uses it) exists for
+CPU tensors, so expert parallelism needs no collective bridged.
 
 Consequences the caller must know:
 
@@ -184,6 +192,45 @@ class _CpuGenerators:
         return iter((self._gen,))
 
 
+class _CpuEvent:
+    """Stands in for ``torch.cuda.Event``: CPU work is already complete when it is recorded."""
+
+    def record(self, stream=None):
+        return None
+
+    def synchronize(self):
+        return None
+
+    def wait(self, stream=None):
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class _CpuStream:
+    """Stands in for ``torch.cuda.Stream``: one in-order CPU "stream", nothing to wait for."""
+
+    def __init__(self, device=None, priority=0, **kwargs):
+        self.device = device
+        self.priority = priority
+
+    def wait_stream(self, stream):
+        return None
+
+    def wait_event(self, event):
+        return None
+
+    def record_event(self, event=None):
+        return event if event is not None else _CpuEvent()
+
+    def synchronize(self):
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
 def _patch_torch_cuda(torch) -> None:
     cuda = torch.cuda
     cuda_random = torch.cuda.random
@@ -212,6 +259,12 @@ def _patch_torch_cuda(torch) -> None:
         mod.set_rng_state = set_rng_state
         mod.manual_seed = manual_seed
     cuda.default_generators = _CpuGenerators(torch)
+    the_stream = _CpuStream()
+    cuda.Stream = _CpuStream
+    cuda.Event = _CpuEvent
+    cuda.current_stream = lambda device=None: the_stream
+    cuda.default_stream = lambda device=None: the_stream
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
 
 
 def _patch_autograd_engine(torch, mode_cls) -> None:
@@ -256,6 +309,9 @@ def _make_mode_class(torch):
     tensor_cuda = Tensor.cuda
     tensor_type = Tensor.type
     tensor_to = Tensor.to
+    import torch.distributed as dist
+
+    all_to_all_single = getattr(dist, "all_to_all_single", None)
 
     def is_cuda(dev) -> bool:
         if isinstance(dev, torch.device):
@@ -291,6 +347,9 @@ def _make_mode_class(torch):
                 kwargs = {**kwargs, "pin_memory": False}
             if func is tensor_to and len(args) > 1 and is_cuda(args[1]) and not isinstance(args[1], Tensor):
                 args = (args[0], cpu) + tuple(args[2:])
+            if func is all_to_all_single:
+                kwargs = {k: v.tolist() if isinstance(v, Tensor) and k.endswith("split_sizes") else v
+                          for k, v in kwargs.items()}
             return func(*args, **kwargs)
 
     return CudaToCpu

@@ -35,9 +35,15 @@ def print_plan(recipe) -> None:
     layout.add_row("micro-batches per step", f"{recipe.num_microbatches} = global {t.global_batch_size} / (micro {t.micro_batch_size} × DP {recipe.data_parallel_size})")
     layout.add_row("tokens per step", f"{recipe.tokens_per_step:,} = {t.global_batch_size} × {m.seq_length}")
     layout.add_row("vocabulary", f"{vocab:,} ({vocab_src}) → padded {plan.padded_vocab_size(vocab, divisible_by=m.make_vocab_size_divisible_by, tensor_parallel=p.tensor):,}")
-    layout.add_row("parameters (model)", f"{total:,}")
+    if m.moe is not None:
+        layout.add_row("experts", f"{m.moe.num_experts} per MoE layer × {counts.moe_layers} MoE layers, top-{m.moe.router_topk}; "
+                                  f"expert layers: ETP {recipe.expert_tensor_size} × EP {p.expert} × expert-DP "
+                                  f"{recipe.expert_data_parallel_size} per pipeline stage")
+        layout.add_row("parameters (model)", f"{total:,} ({counts.active(m.num_layers):,} active per token)")
+    else:
+        layout.add_row("parameters (model)", f"{total:,}")
     layout.add_row("parameters per rank (first stage)", f"{mem.params:,}")
-    layout.add_row("training FLOPs per step", f"{plan.flops_per_token(recipe, total) * recipe.tokens_per_step:.3e}")
+    layout.add_row("training FLOPs per step", f"{plan.flops_per_token(recipe, counts.active(m.num_layers)) * recipe.tokens_per_step:.3e}")
     console.print(layout)
 
     w, g, o = plan.bytes_per_param(t.precision)
@@ -52,7 +58,8 @@ def print_plan(recipe) -> None:
                    f"{mem.optimizer_gib:.3f}",
                    f"{o}/{dp} B/param (distributed optimizer)" if p.distributed_optimizer else f"{o} B/param")
     memory.add_row("  without distributed optimizer", f"{mem.optimizer_gib_without_dist_opt:.3f}", f"{o} B/param")
-    memory.add_row("  with distributed optimizer", f"{mem.optimizer_gib_without_dist_opt / dp:.3f}", f"{o}/{dp} B/param")
+    memory.add_row("  with distributed optimizer", f"{mem.optimizer_gib_with_dist_opt:.3f}",
+                   f"{o}/{dp} B/param" + (f" ({o}/{recipe.expert_data_parallel_size} for experts)" if m.moe else ""))
     memory.add_row("activations", f"{mem.activations_gib:.3f}",
                    f"sbh(34+5as/h) per layer, {_act_form(recipe)}, × in-flight layers")
     memory.add_row("total", f"{mem.total_gib:.3f}", "")

@@ -219,14 +219,18 @@ def _train(recipe, runtime) -> None:
     reporting = is_reporting_rank()
     m = recipe.model
     layers = m.num_layers + (m.dec_num_layers if m.arch == "t5" else 0)  # an estimate for t5 (no cross-attention)
-    n_params = count_params(recipe, m.vocab_size or tokenizer.vocab_size).total(layers)
+    counts = count_params(recipe, m.vocab_size or tokenizer.vocab_size)
+    n_params = counts.total(layers)
     log = MetricsLog(run_dir=recipe.run.dir, enabled=reporting, total_iters=t.iters, start_iter=start_iter,
-                     tokens_per_step=recipe.tokens_per_step, flops_per_step=flops_per_token(recipe, n_params) * recipe.tokens_per_step,
+                     tokens_per_step=recipe.tokens_per_step,
+                     flops_per_step=flops_per_token(recipe, counts.active(layers)) * recipe.tokens_per_step,
                      world_size=runtime.world_size, device=runtime.device, tensorboard=t.tensorboard)
     p = recipe.parallel
-    log.say(f"megacli {recipe.model.arch} | {n_params / 1e6:.2f}M params | TP {p.tensor} × PP {p.pipeline} × CP {p.context} × "
-            f"DP {recipe.data_parallel_size} on {runtime.world_size} {runtime.device.type} processes | "
+    experts = f" | {m.moe.num_experts} experts, top-{m.moe.router_topk}, EP {p.expert}" if m.moe else ""
+    log.say(f"megacli {recipe.model.arch} | {n_params / 1e6:.2f}M params{experts} | TP {p.tensor} × PP {p.pipeline} × "
+            f"CP {p.context} × DP {recipe.data_parallel_size} on {runtime.world_size} {runtime.device.type} processes | "
             f"{recipe.num_microbatches} micro-batches/step | {describe_kernels(runtime)}")
+    expert_stats = _expert_stats(recipe, trainer, runtime)
     for line in getattr(trainer.train_data, "summary", []):
         log.say(line)
     if pretrained is not None:
@@ -259,7 +263,8 @@ def _train(recipe, runtime) -> None:
                 log.step(iteration=iteration, loss=mean.pop("loss"), lr=trainer.optimizer.param_groups[0]["lr"],
                          grad_norm=float(grad_norm) if grad_norm is not None else None,
                          seconds_per_step=window_time / window_steps, loss_scale=scale,
-                         extra=None if ok else {"skipped_step": True}, losses=mean)
+                         extra=None if ok else {"skipped_step": True}, losses=mean,
+                         experts=expert_stats.collect(window_steps) if expert_stats else None)
                 window_losses, window_steps, window_time = {}, 0, 0.0
             else:
                 log.advance(iteration)
@@ -284,6 +289,18 @@ def _train(recipe, runtime) -> None:
         log.say(f"done: {iteration} iterations | final validation loss {last_val:.4f} | perplexity {ppl:.2f}")
     else:
         log.say(f"done: {iteration} iterations")
+
+
+def _expert_stats(recipe, trainer, runtime):
+    """Load-balancing loss and expert load reporting for a MoE model (None for a dense one)."""
+    m = recipe.model
+    if m.moe is None:
+        return None
+    from megacli.engine.moe import ExpertStats
+
+    return ExpertStats(trainer.chunks, num_layers=m.num_layers, num_experts=m.moe.num_experts,
+                       aux_loss=m.moe.aux_loss_coeff > 0, data_parallel=recipe.data_parallel_size,
+                       microbatches=recipe.num_microbatches, device=runtime.device)
 
 
 def _pretrained_source(ck):

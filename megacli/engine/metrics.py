@@ -40,6 +40,13 @@ def _describe_losses(losses: dict | None) -> str:
     return "".join(f" | {k} {v:.4f}" for k, v in (losses or {}).items())
 
 
+def _describe_experts(experts: dict | None) -> str:
+    if not experts:
+        return ""
+    lb = f" | load balancing {experts['load_balancing_loss']:.4f}" if "load_balancing_loss" in experts else ""
+    return f"{lb} | tokens/expert {experts['expert_tokens_min']:,.0f}-{experts['expert_tokens_max']:,.0f}"
+
+
 def memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1024**3
@@ -88,8 +95,10 @@ class MetricsLog:
                     self.writer.add_scalar(k, v, step)
 
     def step(self, *, iteration: int, loss: float, lr: float, grad_norm: float | None, seconds_per_step: float,
-             loss_scale: float | None = None, extra: dict | None = None, losses: dict | None = None) -> None:
-        """One logged step; ``losses``: the loss terms besides ``loss`` (see loss_metrics)."""
+             loss_scale: float | None = None, extra: dict | None = None, losses: dict | None = None,
+             experts: dict | None = None) -> None:
+        """One logged step; ``losses``: the loss terms besides ``loss`` (see loss_metrics); ``experts``:
+        a MoE model's load-balancing loss and tokens per expert (see engine.moe.ExpertStats)."""
         if not self.enabled:
             return
         tokens_per_s = self.tokens_per_step / seconds_per_step
@@ -101,11 +110,13 @@ class MetricsLog:
             record["mfu"] = tflops * 1e12 / self.peak
         if loss_scale is not None:
             record["loss_scale"] = loss_scale
+        record.update(experts or {})
         record.update(extra or {})
         self._write(record)
         gn = f"{grad_norm:.3f}" if grad_norm is not None else "-"
         mfu = f" | MFU {record['mfu'] * 100:.1f}%" if "mfu" in record else ""
-        self.console.print(f"iter {iteration:>6} | loss {loss:.4f}{_describe_losses(losses)} | lr {lr:.3e} | grad norm {gn} | "
+        self.console.print(f"iter {iteration:>6} | loss {loss:.4f}{_describe_losses(losses)}{_describe_experts(experts)} | "
+                           f"lr {lr:.3e} | grad norm {gn} | "
                            f"{tokens_per_s:,.0f} tok/s | {tflops:.3g} TFLOP/s{mfu} | mem {record['memory_gib']:.2f} GiB")
         self.progress.update(self.task, completed=iteration, loss=f"loss {loss:.4f}")
 

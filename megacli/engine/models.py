@@ -106,6 +106,10 @@ def transformer_config(*, model, parallel, precision: str, on_cuda: bool, **over
         # Megatron's BERT objective: per micro-batch masked-LM mean + sentence-order mean, averaged
         # over micro-batches and data-parallel ranks (see steps.bert_loss_func).
         kwargs["calculate_per_token_loss"] = False
+    if model.moe is not None:
+        from megacli.engine import moe
+
+        kwargs.update(moe.config_kwargs(model=model, parallel=parallel, on_cuda=on_cuda))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
@@ -149,19 +153,24 @@ def build_model(*, recipe, config, vocab_size: int) -> list:
 def gpt_block_spec(*, model, config, vp_stage):
     """This chunk's layers plus a final norm of ours (Megatron's default final norm refuses SP)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_block import (TransformerBlock, TransformerBlockSubmodules,
+                                                             get_num_layers_to_build, get_transformer_layer_offset)
 
     from megacli.engine.layers import Norm
 
     layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    pattern = model.moe_layers()[offset:offset + layers]
+    specs = {kind: gpt_layer_spec(model=model, moe_config=config if kind else None) for kind in set(pattern)}
     return ModuleSpec(module=TransformerBlock,
-                      submodules=TransformerBlockSubmodules(layer_specs=[gpt_layer_spec(model=model)] * layers, layer_norm=Norm))
+                      submodules=TransformerBlockSubmodules(layer_specs=[specs[kind] for kind in pattern], layer_norm=Norm))
 
 
-def gpt_layer_spec(*, model):
+def gpt_layer_spec(*, model, moe_config=None):
     """Megatron-Core's local GPT layer with our pieces: a norm that works under sequence
     parallelism, and SDPA core attention (ALiBi, ring context parallelism). Checkpoint keys stay
-    those of Megatron's TE layout (norms fused into the following linear's key names)."""
+    those of Megatron's TE layout (norms fused into the following linear's key names). With
+    ``moe_config`` (a MoE model's TransformerConfig), the MLP is a mixture of experts (engine.moe)."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
@@ -176,6 +185,14 @@ def gpt_layer_spec(*, model):
 
     bias = "alibi" if model.position_embedding == "alibi" else "none"
     qk_norm = Norm if model.qk_layernorm else IdentityOp
+    keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
+    if moe_config is None:
+        mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
+        keys_map["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
+    else:  # a MoE layer keeps pre_mlp_layernorm under its own name, as Megatron's TE spec does
+        from megacli.engine.moe import moe_mlp_spec
+
+        mlp = moe_mlp_spec(config=moe_config)
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -193,12 +210,9 @@ def gpt_layer_spec(*, model):
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=Norm,
-            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
+            mlp=mlp,
             mlp_bda=get_bias_dropout_add,
-            sharded_state_dict_keys_map={
-                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
-            },
+            sharded_state_dict_keys_map=keys_map,
         ),
     )
 
@@ -220,8 +234,17 @@ def unwrap(module):
 
 
 def _global_names(chunk) -> dict[int, str]:
-    """param id -> layout-free name: global layer numbers, shared output weight named as the embedding."""
+    """param id -> layout-free name: global layer numbers, global expert numbers, shared output
+    weight named as the embedding."""
+    from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from megacli.engine.moe import global_expert_name
+
+    config = getattr(chunk, "config", None)
+    experts = getattr(config, "num_moe_experts", None)
+    ep_rank = ps.get_expert_model_parallel_rank() if experts else 0
+    local_experts = experts // ps.get_expert_model_parallel_world_size() if experts else 0
 
     names: dict[int, str] = {}
     layer_prefix: dict[str, str] = {}
@@ -237,6 +260,8 @@ def _global_names(chunk) -> dict[int, str]:
                 break
         if getattr(p, "shared_embedding", False) or (name == "output_layer.weight" and getattr(chunk, "share_embeddings_and_output_weights", False)):
             glob = "embedding.word_embeddings.weight"
+        if experts:
+            glob = global_expert_name(glob, ep_rank=ep_rank, local_experts=local_experts)
         names[id(p)] = glob
     return names
 
@@ -257,7 +282,8 @@ def init_weights(chunks, *, seed: int, std: float, num_layers: int, gated: bool,
     Output projections use Megatron's scaled init std/sqrt(2·num_layers); biases 0; norm gains 1."""
     from megatron.core import parallel_state as ps
 
-    tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    dense_tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    expert_tp = ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
     scaled_std = std / (2.0 * num_layers) ** 0.5
     for chunk in chunks:
         names = _global_names(unwrap(chunk))
@@ -271,11 +297,13 @@ def init_weights(chunks, *, seed: int, std: float, num_layers: int, gated: bool,
                 if kind == "ones":
                     p.fill_(0.0 if zero_centered_gamma else 1.0)
                     continue
+                # Megatron marks routed-expert weights allreduce=False; they are split over the expert TP group.
+                tp_rank, tp = dense_tp if getattr(p, "allreduce", True) else expert_tp
                 full = _full_shape(p, tp)
                 gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
                 sigma = scaled_std if name.endswith(("linear_proj.weight", "linear_fc2.weight")) else std
                 master = torch.empty(full, dtype=torch.float32).normal_(0.0, sigma, generator=gen)
-                p.copy_(_shard(master, p, tp_rank, tp, gated and name.endswith("mlp.linear_fc1.weight")).to(p.dtype))
+                p.copy_(_shard(master, p, tp_rank, tp, gated and name.endswith("linear_fc1.weight")).to(p.dtype))
 
 
 def _full_shape(p, tp: int) -> tuple[int, ...]:

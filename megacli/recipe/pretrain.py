@@ -142,15 +142,64 @@ class TrainingRecipe(Section):
         if self.optim.warmup_iters and self.optim.warmup_iters >= horizon:
             raise RecipeError("optim.warmup_iters", self.optim.warmup_iters,
                               f"must be shorter than the decay horizon (optim.decay_iters or train.iters = {horizon} steps)")
+        self._check_moe()
         if m.arch in ("bert", "t5"):
             self._check_bert_t5()
         if self.sft is not None:
             self._check_sft()
-        if m.moe is not None and p.expert > 1 and m.moe.get("num_experts", 0) % p.expert:
-            raise RecipeError("parallel.expert", p.expert, f"must divide model.moe.num_experts = {m.moe.get('num_experts')}")
-        if p.expert > 1 and dp % p.expert:
-            raise RecipeError("parallel.expert", p.expert, f"must divide the data-parallel size {dp}")
         return self
+
+    @property
+    def expert_tensor_size(self) -> int:
+        """Tensor-parallel size inside the experts (parallel.expert_tensor, default parallel.tensor)."""
+        return self.parallel.expert_tensor or self.parallel.tensor
+
+    @property
+    def expert_data_parallel_size(self) -> int:
+        """Replicas of each expert: the ranks of a pipeline stage / (expert tensor × expert parallel)."""
+        return self.world_size // self.parallel.pipeline // (self.expert_tensor_size * self.parallel.expert)
+
+    def _check_moe(self) -> None:
+        """Expert parallelism re-slices each pipeline stage's TP × CP × DP ranks as ETP × EP × expert-DP."""
+        m, p = self.model, self.parallel
+        moe = m.moe
+        if moe is None:
+            if p.expert > 1:
+                raise RecipeError("parallel.expert", p.expert, "expert parallelism needs experts: set model.moe "
+                                  "(e.g. model.moe.num_experts: 8), or parallel.expert: 1")
+            if p.expert_tensor is not None and p.expert_tensor != p.tensor:
+                raise RecipeError("parallel.expert_tensor", p.expert_tensor, "is for MoE models (model.moe)")
+            return
+        if m.arch != "gpt":
+            raise RecipeError("model.moe", f"num_experts: {moe.num_experts}", f"mixture of experts is for gpt, not {m.arch}")
+        if moe.num_experts % p.expert:
+            raise RecipeError("parallel.expert", p.expert,
+                              f"must divide model.moe.num_experts = {moe.num_experts} ({moe.num_experts} % {p.expert} = "
+                              f"{moe.num_experts % p.expert}); try {_largest_divisor(moe.num_experts, p.expert)}")
+        etp = self.expert_tensor_size
+        stage_ranks = self.world_size // p.pipeline  # TP × CP × DP
+        if stage_ranks % (etp * p.expert):
+            raise RecipeError("parallel.expert", p.expert,
+                              f"expert tensor × expert parallel = {etp} × {p.expert} = {etp * p.expert} must divide the "
+                              f"ranks of a pipeline stage, tensor × context × data-parallel = {p.tensor} × {p.context} × "
+                              f"{self.data_parallel_size} = {stage_ranks} (world {self.world_size} / pipeline {p.pipeline})")
+        if m.expert_ffn_size % etp:
+            raise RecipeError("model.moe.ffn_hidden_size", m.expert_ffn_size,
+                              f"must be divisible by the expert tensor-parallel size {etp}")
+        if moe.shared_expert_ffn_hidden_size and moe.shared_expert_ffn_hidden_size % p.tensor:
+            raise RecipeError("model.moe.shared_expert_ffn_hidden_size", moe.shared_expert_ffn_hidden_size,
+                              f"must be divisible by parallel.tensor = {p.tensor}")
+        if m.add_bias_linear and (moe.shared_expert_ffn_hidden_size or etp > 1):
+            why = "a shared expert" if moe.shared_expert_ffn_hidden_size else f"expert tensor parallelism ({etp})"
+            raise RecipeError("model.add_bias_linear", True, f"Megatron-Core supports no linear biases with {why}: set "
+                              "model.add_bias_linear: false (model.add_qkv_bias still works)")
+        if isinstance(moe.layer_freq, list) and len(moe.layer_freq) != m.num_layers:
+            raise RecipeError("model.moe.layer_freq", moe.layer_freq,
+                              f"has {len(moe.layer_freq)} entries for model.num_layers = {m.num_layers} layers")
+        if p.tensor > 1 and not p.sequence_parallel:
+            raise RecipeError("parallel.sequence_parallel", False,
+                              "MoE layers with parallel.tensor > 1 need sequence parallelism (Megatron-Core refuses "
+                              "to train them without): set parallel.sequence_parallel: true")
 
     def _check_sft(self) -> None:
         if self.model.arch != "gpt":

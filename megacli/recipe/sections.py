@@ -3,11 +3,70 @@ ones a GPT-2-style run would choose, so a recipe lists only what differs."""
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from pydantic import Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
-from megacli.recipe.base import Section
+from megacli.recipe.base import RecipeError, Section
+
+
+class MoESection(Section):
+    """Mixture of experts (Megatron-Core's MoELayer): a router sends each token to ``router_topk`` of
+    ``num_experts`` MLPs and sums their outputs weighted by the router probabilities. Experts are
+    split over ``parallel.expert`` ranks (expert parallelism) and tokens travel to them by all-to-all."""
+
+    num_experts: PositiveInt
+    """Routed experts per MoE layer (Mixtral: 8)."""
+    router_topk: PositiveInt = 2
+    """Experts each token is sent to."""
+    ffn_hidden_size: Optional[PositiveInt] = None
+    """MLP inner width of each expert; default model.ffn_hidden_size."""
+    aux_loss_coeff: float = Field(1e-2, ge=0)
+    """Weight of the Switch-Transformer load-balancing loss, E · Σ_i f_i · P_i per layer
+    (f_i: share of routed tokens, P_i: mean router probability of expert i); 0 = off."""
+    capacity_factor: Optional[PositiveFloat] = None
+    """Expert capacity as a multiple of the even share (tokens × top-k / experts); tokens over it are
+    dropped (they skip the experts, keeping the residual). null = dropless."""
+    drop_policy: Literal["probs", "position"] = "probs"
+    """With a capacity: which tokens an over-full expert keeps: highest router probability, or earliest position."""
+    pad_to_capacity: bool = False
+    """With a capacity: pad every expert's input to exactly its capacity (static shapes)."""
+    shared_expert_ffn_hidden_size: Optional[PositiveInt] = None
+    """Inner width of an always-on shared expert added to the routed output (Qwen2-MoE); null = none."""
+    shared_expert_gate: bool = False
+    """Scale the shared expert's output by sigmoid(x · w), a learned per-token gate (Qwen2-MoE)."""
+    layer_freq: Union[PositiveInt, list[Literal[0, 1]]] = 1
+    """Which layers are MoE: N = every N-th layer starting with the first (1 = all), or one 0/1 per layer."""
+    router_dtype: Optional[Literal["fp32", "fp64"]] = "fp32"
+    """Precision of the router logits, softmax and top-k; null = the model's precision."""
+    router_pre_softmax: bool = False
+    """Softmax over all experts before the top-k, probabilities kept as they are (Qwen2-MoE without
+    norm_topk_prob); false: softmax over the top-k logits, i.e. renormalised (Mixtral)."""
+    dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    """How tokens reach the experts' ranks: all-to-all (only the routed tokens travel) or all-gather."""
+    grouped_gemm: bool = True
+    """On CUDA, run all local experts as one grouped GEMM when the grouped_gemm package is installed
+    (Megatron's GroupedMLP); sequential per-expert GEMMs otherwise (and always on CPU)."""
+
+    def layer_pattern(self, num_layers: int) -> list[int]:
+        """1 for each MoE layer, 0 for each dense one."""
+        if isinstance(self.layer_freq, int):
+            return [int(i % self.layer_freq == 0) for i in range(num_layers)]
+        return list(self.layer_freq)
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.router_topk > self.num_experts:
+            raise RecipeError("model.moe.router_topk", self.router_topk,
+                              f"a token cannot go to more than model.moe.num_experts = {self.num_experts} experts")
+        if self.pad_to_capacity and self.capacity_factor is None:
+            raise RecipeError("model.moe.pad_to_capacity", True, "needs model.moe.capacity_factor (the capacity to pad to)")
+        if self.shared_expert_gate and self.shared_expert_ffn_hidden_size is None:
+            raise RecipeError("model.moe.shared_expert_gate", True,
+                              "needs a shared expert: set model.moe.shared_expert_ffn_hidden_size")
+        if isinstance(self.layer_freq, list) and not any(self.layer_freq):
+            raise RecipeError("model.moe.layer_freq", self.layer_freq, "marks no layer as MoE (use model.moe: null for a dense model)")
+        return self
 
 
 class ModelSection(Section):
@@ -65,8 +124,8 @@ class ModelSection(Section):
     """Std of the normal weight initialisation."""
     bert_binary_head: bool = True
     """bert only: train the sentence-order binary head beside masked LM."""
-    moe: Optional[dict[str, Any]] = None
-    """Mixture-of-experts settings (see the MoE documentation); null = dense model."""
+    moe: Optional[MoESection] = None
+    """Mixture of experts: replace the MLP of some layers by routed experts; null = dense model."""
 
     @property
     def query_groups(self) -> int:
@@ -79,6 +138,15 @@ class ModelSection(Section):
     @property
     def ffn_size(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def expert_ffn_size(self) -> int:
+        """MLP inner width of each routed expert (MoE models)."""
+        return (self.moe.ffn_hidden_size if self.moe else None) or self.ffn_size
+
+    def moe_layers(self) -> list[int]:
+        """1 for each MoE layer, 0 for each dense one (all 0 for a dense model)."""
+        return self.moe.layer_pattern(self.num_layers) if self.moe else [0] * self.num_layers
 
     @property
     def max_positions(self) -> int:
