@@ -163,30 +163,39 @@ def _export_parity(rank, world, ckpt: str, hf_dir: str):
     return float((cm.hf_logits(cm.load_hf(Path(hf_dir)), toks) - ours).abs().max())
 
 
-@pytest.mark.slow
-def test_finetune_from_a_converted_model_then_export(tmp_path):
+@pytest.fixture(scope="module")
+def converted_llama(tmp_path_factory) -> Path:
+    """A tiny random Hugging Face Llama with a tokenizer (root/hf), its `megacli convert` (root/base)
+    and a small instruction set (root/sft.jsonl): half prompt/response pairs, half chats."""
     import random
 
     from tests import _convert_models as cm
 
-    cm.build_hf("llama_tied_gqa", tmp_path / "hf", with_tokenizer=True)
-    out = subprocess.run([sys.executable, "-m", "megacli", "convert", str(tmp_path / "hf"), str(tmp_path / "base")],
+    root = tmp_path_factory.mktemp("llama")
+    cm.build_hf("llama_tied_gqa", root / "hf", with_tokenizer=True)
+    out = subprocess.run([sys.executable, "-m", "megacli", "convert", str(root / "hf"), str(root / "base")],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     rng = random.Random(0)
     words = "the quick brown fox jumps over lazy dog".split()
-    with (tmp_path / "sft.jsonl").open("w") as f:
+    with (root / "sft.jsonl").open("w") as f:
         for i in range(300):
             xs = " ".join(rng.choice(words) for _ in range(rng.randint(2, 5)))
             record = ({"prompt": f"repeat: {xs}\n", "response": xs} if i % 2 else
                       {"messages": [{"role": "user", "content": f"repeat: {xs}"}, {"role": "assistant", "content": xs}]})
             f.write(json.dumps(record) + "\n")
-    sets = ["sft.train=" + str(tmp_path / "sft.jsonl"), "sft.template=chatml", f"checkpoint.pretrained={tmp_path / 'base'}",
+    return root
+
+
+@pytest.mark.slow
+def test_finetune_from_a_converted_model_then_export(tmp_path, converted_llama):
+    base = converted_llama / "base"
+    sets = ["sft.train=" + str(converted_llama / "sft.jsonl"), "sft.template=chatml", f"checkpoint.pretrained={base}",
             "checkpoint.resume=auto", f"checkpoint.dir={tmp_path / 'ft'}", f"run.dir={tmp_path / 'run'}",
             "train.iters=24", "train.micro_batch_size=2", "train.global_batch_size=8", "train.eval_interval=6",
             "train.eval_iters=2", "train.log_interval=4", "optim.lr=3e-3", "optim.warmup_iters=2", "launch.nproc=2",
             "parallel.tensor=2"]
-    recipe = tmp_path / "base" / "iter_0000000" / "recipe.yaml"
+    recipe = base / "iter_0000000" / "recipe.yaml"
     out = subprocess.run([sys.executable, "-m", "megacli", "finetune", str(recipe), *[x for s in sets for x in ("--set", s)]],
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -203,3 +212,92 @@ def test_finetune_from_a_converted_model_then_export(tmp_path):
 
     diff = spawn(_export_parity, 1, str(tmp_path / "ft"), str(tmp_path / "hf_out"))[0]
     assert diff < 1e-4, diff
+
+
+# ---------------------------------------------------------------- LoRA
+
+
+def _lora_tp2_then_tp1(rank, world, base: str, data: str, out: str, sp: bool = True):
+    """Three LoRA steps at TP=2 with sequence parallelism, save, two more; then, in the same
+    processes at TP=1 × DP=2, resume from that checkpoint and take the same two steps."""
+    from megatron.core import parallel_state as ps
+
+    from megacli.engine import checkpoint, distributed
+    from megacli.engine.loop import build_trainer, data_iterators, train_step
+    from megacli.engine.models import unwrap
+    from megacli.recipe.base import dump, load
+    from megacli.recipe.pretrain import TrainingRecipe
+    from tests import _convert_models as cm
+
+    def recipe_at(tp: int):
+        return load(TrainingRecipe, Path(base) / "iter_0000000" / "recipe.yaml", [
+            f"parallel.tensor={tp}", f"parallel.sequence_parallel={sp and tp > 1}", "launch.nproc=2", "launch.device=cpu",
+            f"sft.train={data}", "sft.template=chatml", f"checkpoint.pretrained={base}", "checkpoint.resume=none",
+            "lora.rank=4", "lora.alpha=8", "train.micro_batch_size=2", "train.global_batch_size=4", "train.iters=10",
+            "train.precision=fp32", "optim.lr=2e-2", "optim.decay_style=constant", "optim.min_lr=0"])
+
+    def steps(trainer, iterators, n):
+        return [train_step(trainer, iterators)[0]["loss"] for _ in range(n)]
+
+    recipe = recipe_at(2)
+    runtime = distributed.setup(parallel=recipe.parallel, launch=recipe.launch, seed=recipe.train.seed)
+    trainer, _ = build_trainer(recipe, runtime)
+    pretrained = checkpoint.find_checkpoint(base)
+    checkpoint.load(ckpt=pretrained, chunks=trainer.chunks, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
+                    load_optimizer=False)
+    net = unwrap(trainer.chunks[0])
+    frozen_before = {n: p.detach().clone() for n, p in net.named_parameters() if not p.requires_grad}
+    trainable = sorted(n for n, p in net.named_parameters() if p.requires_grad)
+    iterators = data_iterators(trainer, trainer.train_data, start_sample=0)
+    first = steps(trainer, iterators, 3)
+    saved = checkpoint.save(ckpt_dir=out, iteration=3, consumed_samples=12, chunks=trainer.chunks, optimizer=trainer.optimizer,
+                            scheduler=trainer.scheduler, recipe_yaml=dump(recipe), lora_base=pretrained)
+    later_tp2 = steps(trainer, iterators, 2)
+    frozen = all(torch.equal(p, frozen_before[n]) for n, p in net.named_parameters() if n in frozen_before)
+    toks = cm.tokens()
+    logits_tp2 = cm.megacli_logits(saved, toks)  # a fresh LoRA model loaded from base + adapters
+
+    ps.destroy_model_parallel()
+    recipe = recipe_at(1)
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    trainer, _ = build_trainer(recipe, runtime)
+    restored = checkpoint.load(ckpt=saved, chunks=trainer.chunks, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
+                               load_optimizer=True)
+    later_tp1 = steps(trainer, data_iterators(trainer, trainer.train_data, start_sample=restored.consumed_samples), 2)
+    logits_tp1 = cm.megacli_logits(saved, toks)
+    distributed.teardown()
+    return dict(first=first, later_tp2=later_tp2, later_tp1=later_tp1, frozen=frozen, trainable=trainable,
+                logits_tp2=logits_tp2, logits_tp1=logits_tp1, saved=str(saved))
+
+
+@pytest.mark.slow
+def test_lora_at_tp2_equals_tp1_and_the_merged_export(tmp_path, converted_llama):
+    """LoRA adapters on every attention and MLP linear layer (SwiGLU, GQA) trained at TP=2 with
+    sequence parallelism: only adapters train and are saved; resuming at TP=1 continues with the
+    same losses; the TP=2 and TP=1 models give the logits of the merged Hugging Face export."""
+    from megacli.convert.megatron_io import CheckpointReader
+    from tests import _convert_models as cm
+    from tests._dist import spawn
+
+    base = converted_llama / "base"
+    r = spawn(_lora_tp2_then_tp1, 2, str(base), str(converted_llama / "sft.jsonl"), str(tmp_path / "lora"))[0]
+    assert r["frozen"], "a base weight changed"
+    assert r["trainable"] and all(n.endswith(("lora_a", "lora_b")) for n in r["trainable"])
+    assert len(r["trainable"]) == 2 * 4 * 2  # A and B, four linear layers, two layers
+    assert r["first"][-1] < r["first"][0], r["first"]
+    np.testing.assert_allclose(r["later_tp1"], r["later_tp2"], rtol=1e-5)  # resume at another layout, same steps
+
+    stored = CheckpointReader(Path(r["saved"])).canonical_keys()
+    assert stored and all(k.endswith(("lora_a", "lora_b")) for k in stored), stored  # adapters only
+    assert json.loads((Path(r["saved"]) / "megacli.json").read_text())["lora"]["base"] == str(
+        (base / "iter_0000000").resolve())
+
+    out = subprocess.run([sys.executable, "-m", "megacli", "convert", str(tmp_path / "lora"), str(tmp_path / "hf_lora")],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "merged into" in out.stdout
+    merged = cm.hf_logits(cm.load_hf(tmp_path / "hf_lora"), cm.tokens())
+    before = cm.hf_logits(cm.load_hf(converted_llama / "hf"), cm.tokens())
+    assert float((merged - before).abs().max()) > 1e-2, "the adapters changed nothing: the parity would prove nothing"
+    assert float((r["logits_tp2"] - merged).abs().max()) < 1e-4
+    assert float((r["logits_tp1"] - merged).abs().max()) < 1e-4

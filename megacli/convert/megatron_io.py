@@ -245,3 +245,34 @@ class CheckpointReader:
             return {}
         loaded = dist_checkpointing.load(request, str(self.ckpt), validate_access_integrity=False)
         return {name: loaded[name][0] if wanted[name][1] is not None else loaded[name] for name in request}
+
+
+class MergedLoRA:
+    """A LoRA run's checkpoint read as full weights (the interface of CheckpointReader): its base
+    checkpoint's tensors, each adapted weight replaced by W + (alpha / rank)·B·A."""
+
+    def __init__(self, ckpt: Path, *, base: Path, scale: float):
+        self.base, self.adapters, self.scale = CheckpointReader(base), CheckpointReader(ckpt), scale
+        for key in self.adapters.canonical_keys():
+            if not key.endswith(("lora_a", "lora_b")):
+                raise UserError(f"{ckpt}: a LoRA checkpoint holds adapters only, not {key}")
+            weight = key.rsplit(".", 1)[0] + ".weight"
+            if weight not in self.base.describe():
+                raise UserError(f"{ckpt}: adapter {key} has no base weight {weight} in {base}")
+
+    def canonical_keys(self) -> list[str]:
+        return self.base.canonical_keys()
+
+    def dtype(self) -> torch.dtype:
+        return self.base.dtype()
+
+    def groups(self, meta: bool = False) -> Iterator[dict[str, torch.Tensor]]:
+        from megacli.engine.lora import merged
+
+        adapters = {} if meta else {k: v for group in self.adapters.groups() for k, v in group.items()}
+        for group in self.base.groups(meta=meta):
+            for key in group:
+                stem = key[: -len("weight")]
+                if stem + "lora_a" in adapters:
+                    group[key] = merged(group[key], adapters.pop(stem + "lora_a"), adapters.pop(stem + "lora_b"), self.scale)
+            yield group

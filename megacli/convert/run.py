@@ -70,7 +70,8 @@ def convert(src: str | Path, dst: str | Path, *, to: str | None = None, parallel
     to = to or ("hf" if fmt == "megacli" else "megacli")
     if to not in ("hf", "megacli"):
         raise UserError(f"--to {to!r}: expected hf or megacli")
-    if to == fmt:
+    lora_run = fmt == "megacli" and _lora_base(src) is not None
+    if to == fmt and not lora_run:
         hint = " (to change a megacli checkpoint's layout, just load it under the new one)" if fmt == "megacli" else ""
         raise UserError(f"{src} is already a {fmt} checkpoint{hint}")
     if dtype is not None and dtype not in PRECISIONS:
@@ -86,6 +87,8 @@ def convert(src: str | Path, dst: str | Path, *, to: str | None = None, parallel
     try:
         if fmt == "hf":
             _hf_to_megacli(src, work, final, parallel=parallel, dtype=dtype, say=say)
+        elif fmt == "megacli" and to == "megacli":
+            _merge_lora(src, work, final, parallel=parallel, dtype=dtype, say=say)
         elif fmt == "megacli":
             _megacli_to_hf(src, work, dtype=dtype, max_shard_size=max_shard_size, say=say)
         else:
@@ -230,7 +233,41 @@ def _megacli_to_hf(src: Path, work: Path, *, dtype: str | None, max_shard_size, 
 
     ckpt = find_checkpoint(src)
     recipe = load(TrainingRecipe, ckpt / "recipe.yaml")
+    source_of, what = _weights_of(ckpt, recipe)
     carried = _carried_hf_dir(ckpt, recipe)
+    vocab, tokenizer = _vocab_of(ckpt, recipe)
+    tok_files = carried if carried is not None else _tokenizer_source(recipe)
+    with megatron_process():
+        _export_hf(source_of(), recipe.model, work, vocab=vocab, carried=carried, tokenizer=tokenizer,
+                   tokenizer_src=tok_files, dtype=dtype, max_shard_size=max_shard_size, say=say, what=what)
+    sp = Path(recipe.tokenizer.path or "")
+    if recipe.tokenizer.type == "sentencepiece" and sp.is_file() and not (work / "tokenizer.model").exists():
+        shutil.copy2(sp, work / "tokenizer.model")  # the name HF's SentencePiece tokenizers look for
+
+
+def _lora_base(src: Path) -> Path | None:
+    from megacli.engine.checkpoint import find_checkpoint, lora_base_of
+
+    return lora_base_of(find_checkpoint(src))
+
+
+def _weights_of(ckpt: Path, recipe):
+    """A reader of the checkpoint's full weights (made inside megatron_process()), and its description:
+    a LoRA run's adapters are merged into its base weights."""
+    from megacli.convert.megatron_io import CheckpointReader, MergedLoRA
+
+    base = _lora_base(ckpt)
+    if base is None:
+        return (lambda: CheckpointReader(ckpt)), f"megacli checkpoint {ckpt}"
+    if recipe.lora is None:
+        raise UserError(f"{ckpt} holds LoRA adapters but its recipe.yaml has no lora section (rank and alpha)")
+    scale = recipe.lora.alpha / recipe.lora.rank
+    return (lambda: MergedLoRA(ckpt, base=base, scale=scale)), f"LoRA checkpoint {ckpt} merged into {base}"
+
+
+def _vocab_of(ckpt: Path, recipe) -> tuple[int, object]:
+    """The vocabulary size training used (model.vocab_size, else the tokenizer's) and the tokenizer
+    (None when there is none to load)."""
     vocab = recipe.model.vocab_size
     tokenizer = None
     if recipe.tokenizer.type != "null" and (recipe.tokenizer.path or recipe.tokenizer.type == "byte"):
@@ -241,15 +278,41 @@ def _megacli_to_hf(src: Path, work: Path, *, dtype: str | None, max_shard_size, 
         except UserError as exc:
             if vocab is None:
                 raise UserError(f"{ckpt / 'recipe.yaml'}: needs the tokenizer for the vocabulary size: {exc}") from None
-    vocab = vocab or tokenizer.vocab_size
-    tok_files = carried if carried is not None else _tokenizer_source(recipe)
-    with megatron_process():
-        _export_hf(CheckpointReader(ckpt), recipe.model, work, vocab=vocab, carried=carried, tokenizer=tokenizer,
-                   tokenizer_src=tok_files, dtype=dtype, max_shard_size=max_shard_size, say=say,
-                   what=f"megacli checkpoint {ckpt}")
-    sp = Path(recipe.tokenizer.path or "")
-    if recipe.tokenizer.type == "sentencepiece" and sp.is_file() and not (work / "tokenizer.model").exists():
-        shutil.copy2(sp, work / "tokenizer.model")  # the name HF's SentencePiece tokenizers look for
+    return vocab or tokenizer.vocab_size, tokenizer
+
+
+def _merge_lora(src: Path, work: Path, final: Path, *, parallel, dtype: str | None, say: Say) -> None:
+    """A LoRA run's checkpoint -> a full megacli checkpoint (adapters merged into the base weights),
+    with the tokenizer files and HF config the run used."""
+    from megacli.convert.megatron_io import megatron_process, write_checkpoint
+    from megacli.engine.checkpoint import find_checkpoint
+    from megacli.recipe.base import load
+    from megacli.recipe.pretrain import TrainingRecipe
+
+    ckpt = find_checkpoint(src)
+    recipe = load(TrainingRecipe, ckpt / "recipe.yaml")
+    source_of, what = _weights_of(ckpt, recipe)
+    vocab, _ = _vocab_of(ckpt, recipe)
+    with megatron_process():  # the merged weights held once, as an import holds them
+        source = source_of()
+        precision = dtype or _precision_of(source.dtype())
+        tensors = {k: t for group in source.groups() for k, t in group.items()}
+    tokenizer = recipe.tokenizer.model_dump()
+    hf = _carried_hf_dir(ckpt, recipe)
+    if hf is not None:
+        for name in (hf_io.CONFIG, hf_io.GENERATION_CONFIG):
+            if (hf / name).is_file():
+                (work / HF_DIR).mkdir(exist_ok=True)
+                shutil.copy2(hf / name, work / HF_DIR / name)
+        copied = hf_io.copy_tokenizer_files(hf, work / HF_DIR)
+        if copied:
+            tokenizer = _tokenizer_section(final / HF_DIR, copied)
+    out = converted_recipe(model={**recipe.model.model_dump(), "vocab_size": vocab}, parallel=parallel, precision=precision,
+                           tokenizer=tokenizer, resume=final)
+    target = _torch_dtype(precision)
+    written = write_checkpoint(recipe=out, dst=work, iteration=0, fetch=lambda key: tensors.pop(key).to(target),
+                               vocab_size=vocab, extra_meta={"converted_from": {"format": "megacli lora", "path": str(ckpt.resolve())}})
+    say(f"{what} -> megacli checkpoint {final / written.name} ({precision})")
 
 
 def _tokenizer_source(recipe) -> Path | None:

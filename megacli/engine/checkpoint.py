@@ -107,12 +107,16 @@ def _rng_sharded_object(state):
                          replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
 
 
-def _sharded_state(chunks, optimizer, scheduler, *, loading: bool, with_optimizer: bool, with_rng: bool) -> dict:
+def _sharded_state(chunks, optimizer, scheduler, *, loading: bool, with_optimizer: bool, with_rng: bool,
+                   keep=None) -> dict:
+    """``keep``: which model entries (by state-dict key) to include; all when None."""
     from megacli.engine.models import unwrap
 
     state: dict = {}
     for key, chunk in zip(_model_keys(chunks), chunks):
         state[key] = unwrap(chunk).sharded_state_dict()
+        if keep is not None:
+            state[key] = {k: v for k, v in state[key].items() if keep(k)}
     if with_optimizer:
         model_state = {k: v for k, v in state.items()}
         state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=loading, metadata=OPTIM_SHARDING)
@@ -123,10 +127,11 @@ def _sharded_state(chunks, optimizer, scheduler, *, loading: bool, with_optimize
 
 
 def save(*, ckpt_dir: str | Path, iteration: int, consumed_samples: int, chunks, optimizer, scheduler,
-         recipe_yaml: str, keep_last: int | None = None, extra_meta: dict | None = None) -> Path:
+         recipe_yaml: str, keep_last: int | None = None, extra_meta: dict | None = None, lora_base: Path | None = None) -> Path:
     """Save atomically; returns the final iteration directory. Collective: every rank calls it.
     With ``optimizer=None`` only the model weights are saved (no optimizer, scheduler or RNG
-    state: what `megacli convert` writes); ``extra_meta`` adds entries to megacli.json."""
+    state: what `megacli convert` writes); ``extra_meta`` adds entries to megacli.json.
+    ``lora_base``: save only the LoRA adapters, noting the checkpoint holding the frozen base weights."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
@@ -141,8 +146,14 @@ def save(*, ckpt_dir: str | Path, iteration: int, consumed_samples: int, chunks,
         tmp.mkdir()
     dist.barrier()
     weights_only = optimizer is None
+    keep = None
+    if lora_base is not None:
+        from megacli.engine.lora import is_adapter_key
+
+        keep = is_adapter_key
+        extra_meta = {**(extra_meta or {}), "lora": {"base": str(Path(lora_base).resolve())}}
     state = _sharded_state(chunks, optimizer, scheduler, loading=False, with_optimizer=not weights_only,
-                           with_rng=not weights_only)
+                           with_rng=not weights_only, keep=keep)
     dist_checkpointing.save(state, str(tmp))
     if os.environ.get("MEGACLI_TEST_CRASH_IN_SAVE") == str(iteration):
         # Fault injection for the atomic-save test: fail after the shards are written, before publishing.
@@ -237,9 +248,42 @@ def _check_optimizer_kind(ckpt: Path, optimizer) -> None:
             f"`megacli reshard {ckpt} NEW_DIR {flag}`, or set checkpoint.load_optimizer=false to load the weights only.")
 
 
+def lora_base_of(ckpt: Path) -> Path | None:
+    """The base checkpoint of a LoRA run's checkpoint (which holds adapters only), else None."""
+    base = read_meta(ckpt).get("lora", {}).get("base")
+    if base is None:
+        return None
+    found = find_checkpoint(base) if Path(base).exists() else None
+    if found is None:
+        raise UserError(f"{ckpt} holds LoRA adapters for the base checkpoint {base}, which is not there any more")
+    return found
+
+
 def load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool) -> Restored:
     """Load model (and optimizer, scheduler, RNG when asked and possible) into the built chunks.
-    The RNG state is restored only when the layout is unchanged (it is per rank)."""
+    The RNG state is restored only when the layout is unchanged (it is per rank).
+
+    A model with LoRA adapters takes its base weights from a full checkpoint (the adapters keep
+    their initial values) or from the base a LoRA checkpoint names, then the adapters from it."""
+    from megacli.engine.lora import is_adapter_key
+    from megacli.engine.models import unwrap
+
+    has_adapters = any(is_adapter_key(name) for c in chunks for name, _ in unwrap(c).named_parameters())
+    base = lora_base_of(ckpt)
+    if base is None:
+        keep = None if not has_adapters else (lambda k: not is_adapter_key(k))
+        return _load(ckpt=ckpt, chunks=chunks, optimizer=optimizer, scheduler=scheduler, load_optimizer=load_optimizer,
+                     keep=keep)
+    if not has_adapters:
+        raise UserError(f"{ckpt} holds LoRA adapters only: load it with its recipe's lora section, or merge them into "
+                        f"the base weights first (`megacli convert {ckpt} DST --to megacli`)")
+    _load(ckpt=base, chunks=chunks, optimizer=None, scheduler=None, load_optimizer=False,
+          keep=lambda k: not is_adapter_key(k))
+    return _load(ckpt=ckpt, chunks=chunks, optimizer=optimizer, scheduler=scheduler, load_optimizer=load_optimizer,
+                 keep=is_adapter_key)
+
+
+def _load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool, keep) -> Restored:
     from megatron.core import dist_checkpointing
 
     meta = read_meta(ckpt)
@@ -248,7 +292,8 @@ def load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool) -> R
     if has_optimizer:
         _check_optimizer_kind(ckpt, optimizer)
         _prepare_distributed_optimizer_load(optimizer)
-    state = _sharded_state(chunks, optimizer, scheduler, loading=True, with_optimizer=has_optimizer, with_rng=restore_rng)
+    state = _sharded_state(chunks, optimizer, scheduler, loading=True, with_optimizer=has_optimizer, with_rng=restore_rng,
+                           keep=keep)
     try:
         loaded = dist_checkpointing.load(state, str(ckpt))
     except Exception as exc:
@@ -256,7 +301,10 @@ def load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool) -> R
     from megacli.engine.models import unwrap
 
     for key, chunk in zip(_model_keys(chunks), chunks):
-        unwrap(chunk).load_state_dict(loaded[key], strict=True)
+        missing, unexpected = unwrap(chunk).load_state_dict(loaded[key], strict=keep is None)
+        left = [k for k in missing if keep(k)] if keep is not None else []
+        if unexpected or left:
+            raise UserError(f"cannot load checkpoint {ckpt}: missing {left[:4]}, unexpected {unexpected[:4]}")
     if has_optimizer:
         optimizer.load_state_dict(loaded["optimizer"])
         scheduler.load_state_dict(loaded["scheduler"])

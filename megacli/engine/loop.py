@@ -63,6 +63,10 @@ def build_trainer(recipe, runtime) -> tuple[Trainer, object]:
     config = transformer_config(model=m, parallel=p, precision=t.precision, on_cuda=runtime.is_cuda)
     chunks = build_model(recipe=recipe, config=config, vocab_size=vocab)
     init_weights(chunks, seed=t.seed, std=m.init_method_std, num_layers=config.num_layers, gated=config.gated_linear_unit)
+    if recipe.lora is not None:
+        from megacli.engine.lora import freeze_base
+
+        freeze_base(chunks)
     chunks = [c.to(runtime.device) for c in chunks]
     if t.precision != "fp32":
         from megatron.core.transformer.module import Float16Module
@@ -235,6 +239,15 @@ def _train(recipe, runtime) -> None:
         log.say(line)
     if pretrained is not None:
         log.say(f"starting from the weights of {pretrained}")
+    lora_base = None
+    if recipe.lora is not None:
+        from megacli.engine.lora import adapter_params
+
+        lora_base = (checkpoint.lora_base_of(source) if source is not None else None) or _pretrained_source(ck)
+        lo = recipe.lora
+        n_lora = adapter_params(m, lo)
+        log.say(f"LoRA rank {lo.rank}, alpha {lo.alpha:g}, dropout {lo.dropout:g} on {', '.join(lo.targets)}: "
+                f"{n_lora / 1e6:.3f}M trainable params ({n_lora / n_params:.2%} of the model), base weights frozen")
     if source is not None:
         log.say(f"resumed from {source} at iteration {start_iter}")
         if start_iter >= t.iters:
@@ -277,7 +290,7 @@ def _train(recipe, runtime) -> None:
             if ck.dir and ((ck.save_interval and iteration % ck.save_interval == 0) or iteration == stop_at):
                 path = checkpoint.save(ckpt_dir=ck.dir, iteration=iteration, consumed_samples=consumed, chunks=trainer.chunks,
                                        optimizer=trainer.optimizer, scheduler=trainer.scheduler, recipe_yaml=recipe_yaml,
-                                       keep_last=ck.keep_last)
+                                       keep_last=ck.keep_last, lora_base=lora_base)
                 log.say(f"saved checkpoint {path}")
                 watch.lap()
     finally:

@@ -134,7 +134,7 @@ def build_model(*, recipe, config, vocab_size: int) -> list:
         vp_stage = stage if vp else None
         chunk = GPTModel(
             config=config,
-            transformer_layer_spec=gpt_block_spec(model=m, config=config, vp_stage=vp_stage),
+            transformer_layer_spec=gpt_block_spec(model=m, config=config, vp_stage=vp_stage, lora=getattr(recipe, "lora", None)),
             vocab_size=padded,
             max_sequence_length=m.max_positions,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -150,7 +150,7 @@ def build_model(*, recipe, config, vocab_size: int) -> list:
     return chunks
 
 
-def gpt_block_spec(*, model, config, vp_stage):
+def gpt_block_spec(*, model, config, vp_stage, lora=None):
     """This chunk's layers plus a final norm of ours (Megatron's default final norm refuses SP)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import (TransformerBlock, TransformerBlockSubmodules,
@@ -161,16 +161,17 @@ def gpt_block_spec(*, model, config, vp_stage):
     layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     pattern = model.moe_layers()[offset:offset + layers]
-    specs = {kind: gpt_layer_spec(model=model, moe_config=config if kind else None) for kind in set(pattern)}
+    specs = {kind: gpt_layer_spec(model=model, moe_config=config if kind else None, lora=lora) for kind in set(pattern)}
     return ModuleSpec(module=TransformerBlock,
                       submodules=TransformerBlockSubmodules(layer_specs=[specs[kind] for kind in pattern], layer_norm=Norm))
 
 
-def gpt_layer_spec(*, model, moe_config=None):
+def gpt_layer_spec(*, model, moe_config=None, lora=None):
     """Megatron-Core's local GPT layer with our pieces: a norm that works under sequence
-    parallelism, and SDPA core attention (ALiBi, ring context parallelism). Checkpoint keys stay
-    those of Megatron's TE layout (norms fused into the following linear's key names). With
-    ``moe_config`` (a MoE model's TransformerConfig), the MLP is a mixture of experts (engine.moe)."""
+    parallelism, SDPA core attention (ALiBi, ring context parallelism) and, with a lora section,
+    adapters on the targeted linear layers. Checkpoint keys stay those of Megatron's TE layout
+    (norms fused into the following linear's key names). With ``moe_config`` (a MoE model's
+    TransformerConfig), the MLP is a mixture of experts (engine.moe)."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
@@ -182,12 +183,15 @@ def gpt_layer_spec(*, model, moe_config=None):
 
     from megacli.engine.attention import CoreAttention
     from megacli.engine.layers import Norm
+    from megacli.engine.lora import linear_spec
 
     bias = "alibi" if model.position_embedding == "alibi" else "none"
     qk_norm = Norm if model.qk_layernorm else IdentityOp
     keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
     if moe_config is None:
-        mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
+        mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(
+            linear_fc1=linear_spec(ColumnParallelLinear, "linear_fc1", lora, swiglu=model.activation == "swiglu"),
+            linear_fc2=linear_spec(RowParallelLinear, "linear_fc2", lora)))
         keys_map["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
     else:  # a MoE layer keeps pre_mlp_layernorm under its own name, as Megatron's TE spec does
         from megacli.engine.moe import moe_mlp_spec
@@ -201,9 +205,9 @@ def gpt_layer_spec(*, model, moe_config=None):
                 module=SelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
-                    linear_qkv=ColumnParallelLinear,
+                    linear_qkv=linear_spec(ColumnParallelLinear, "linear_qkv", lora),
                     core_attention=ModuleSpec(module=CoreAttention, params={"position_bias": bias}),
-                    linear_proj=RowParallelLinear,
+                    linear_proj=linear_spec(RowParallelLinear, "linear_proj", lora),
                     q_layernorm=qk_norm,
                     k_layernorm=qk_norm,
                 ),
@@ -267,7 +271,7 @@ def _global_names(chunk) -> dict[int, str]:
 
 
 def _init_kind(name: str, param) -> str:
-    if name.endswith("bias"):
+    if name.endswith(("bias", "lora_b")):  # a LoRA adapter starts as a no-op: B = 0
         return "zeros"
     if param.dim() == 1:
         return "ones"  # norm gains
@@ -302,6 +306,8 @@ def init_weights(chunks, *, seed: int, std: float, num_layers: int, gated: bool,
                 full = _full_shape(p, tp)
                 gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
                 sigma = scaled_std if name.endswith(("linear_proj.weight", "linear_fc2.weight")) else std
+                if name.endswith("lora_a"):
+                    sigma = (3.0 * full[1]) ** -0.5  # the spread of PEFT's kaiming-uniform A
                 master = torch.empty(full, dtype=torch.float32).normal_(0.0, sigma, generator=gen)
                 p.copy_(_shard(master, p, tp_rank, tp, gated and name.endswith("linear_fc1.weight")).to(p.dtype))
 

@@ -14,6 +14,7 @@ from megacli.recipe.sections import (
     CheckpointSection,
     DataSection,
     LaunchSection,
+    LoRASection,
     MaskingSection,
     ModelSection,
     OptimSection,
@@ -40,6 +41,8 @@ class TrainingRecipe(Section):
     """Training data."""
     sft: Optional[SFTSection] = None
     """Instruction data for finetuning (instead of data:)."""
+    lora: Optional[LoRASection] = None
+    """Train low-rank adapters instead of all weights (finetuning); null = full-parameter training."""
     masking: MaskingSection = MaskingSection()
     """bert/t5: how samples are masked."""
     train: TrainSection = TrainSection()
@@ -147,6 +150,8 @@ class TrainingRecipe(Section):
             self._check_bert_t5()
         if self.sft is not None:
             self._check_sft()
+        if self.lora is not None:
+            self._check_lora()
         return self
 
     @property
@@ -213,6 +218,17 @@ class TrainingRecipe(Section):
                               "does not support them yet")
         if self.tokenizer.type == "null":
             raise RecipeError("tokenizer.type", "null", "instruction data is text: it needs a real tokenizer")
+
+    def _check_lora(self) -> None:
+        if self.model.arch != "gpt":
+            raise RecipeError("lora", self.lora.targets, f"LoRA adapters are for gpt models, not {self.model.arch}")
+        if self.checkpoint.pretrained is None:
+            raise RecipeError("checkpoint.pretrained", None, "LoRA trains adapters on top of pretrained weights: "
+                              "name the checkpoint to start from (e.g. one from `megacli convert`)")
+        mlp = [t for t in self.lora.targets if t in ("linear_fc1", "linear_fc2")]
+        if self.model.moe is not None and mlp:
+            raise RecipeError("lora.targets", self.lora.targets, f"the MLP of a mixture-of-experts model has no "
+                              f"{' or '.join(mlp)} to adapt; target the attention (linear_qkv, linear_proj)")
 
     def _check_bert_t5(self) -> None:
         """What Megatron-Core 0.16.1's BertModel/T5Model and their masked datasets support."""

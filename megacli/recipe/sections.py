@@ -278,6 +278,34 @@ class SFTSection(Section):
     too_long: Literal["truncate", "drop"] = "truncate"
     """What to do with an example longer than model.seq_length + 1 tokens."""
 
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+class LoRASection(Section):
+    """Low-rank adapters (LoRA) for finetuning: each target linear layer W gets trainable A (rank ×
+    in) and B (out × rank), the layer computes W·x + (alpha / rank)·B·A·dropout(x); the base
+    weights stay frozen and only the adapters are trained and saved."""
+
+    rank: PositiveInt = 8
+    """Adapter rank r."""
+    alpha: PositiveFloat = 16.0
+    """Scaling numerator: the adapter's output is multiplied by alpha / rank."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input (training only)."""
+    targets: list[Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]] = list(LORA_TARGETS)
+    """Which linear layers of every transformer layer get adapters: linear_qkv (attention input),
+    linear_proj (attention output), linear_fc1 and linear_fc2 (MLP)."""
+
+    @field_validator("targets")
+    @classmethod
+    def _some_targets(cls, targets):
+        if not targets:
+            raise ValueError(f"name at least one of {', '.join(LORA_TARGETS)}")
+        if len(set(targets)) != len(targets):
+            raise ValueError("a target is named twice")
+        return targets
+
+
 class MaskingSection(Section):
     """How BERT and T5 samples are masked (Megatron-Core's masked WordPiece datasets); unused by gpt."""
 
