@@ -33,6 +33,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 from megacli.engine.attention import CoreAttention
 from megacli.engine.layers import Norm
+from megacli.engine.models import mask_padded_vocab
 
 POSITION_TYPES = {"learned": "learned_absolute", "rope": "rope", "relative": "relative"}
 
@@ -107,7 +108,7 @@ def _bert_lm_head_norm():
         bert_lm_head.LNImpl = saved
 
 
-def build_bert(*, recipe, config, padded_vocab: int) -> list:
+def build_bert(*, recipe, config, padded_vocab: int, vocab_size: int) -> list:
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
@@ -133,6 +134,8 @@ def build_bert(*, recipe, config, padded_vocab: int) -> list:
                 add_binary_head=m.bert_binary_head,
                 vp_stage=vp_stage,
             )
+        if chunk.post_process:
+            mask_padded_vocab(chunk.output_layer, vocab_size=vocab_size)
         chunks.append(chunk)
     return chunks
 
@@ -183,7 +186,7 @@ class T5Model(_MegatronT5Model):
                 block.__class__ = _RecomputableBiasBlock  # T5Model builds plain TransformerBlocks itself
 
 
-def build_t5(*, recipe, config, padded_vocab: int) -> list:
+def build_t5(*, recipe, config, padded_vocab: int, vocab_size: int) -> list:
     """One chunk: encoder and decoder on every rank (Megatron-Core 0.16.1 has no T5 pipelining; the
     recipe refuses parallel.pipeline > 1). ``config`` is the decoder's (num_layers = decoder
     layers); the encoder gets a copy with the encoder's layer count, as Megatron-LM builds it."""
@@ -208,4 +211,5 @@ def build_t5(*, recipe, config, padded_vocab: int) -> list:
         add_encoder=True,
         add_decoder=True,
     )
+    mask_padded_vocab(model.lm_head.output_layer, vocab_size=vocab_size)
     return [model]

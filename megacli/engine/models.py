@@ -124,7 +124,7 @@ def build_model(*, recipe, config, vocab_size: int) -> list:
         from megacli.engine import bert_t5
 
         build = bert_t5.build_bert if m.arch == "bert" else bert_t5.build_t5
-        return build(recipe=recipe, config=config, padded_vocab=padded)
+        return build(recipe=recipe, config=config, padded_vocab=padded, vocab_size=vocab_size)
     from megatron.core.models.gpt import GPTModel
 
     pos_type = {"learned": "learned_absolute", "rope": "rope"}.get(m.position_embedding, "none")
@@ -146,8 +146,27 @@ def build_model(*, recipe, config, vocab_size: int) -> list:
             vp_stage=vp_stage,
         )
         chunk.model_type = _model_type("encoder_or_decoder")
+        if chunk.post_process:
+            mask_padded_vocab(chunk.output_layer, vocab_size=vocab_size)
         chunks.append(chunk)
     return chunks
+
+
+def mask_padded_vocab(output_layer, *, vocab_size: int) -> None:
+    """Keep the padded vocabulary rows out of the softmax: their logits become the dtype's lowest
+    value. The rows exist only so the vocabulary splits evenly over TP ranks; counted as tokens,
+    they would make the loss depend on the TP size (the padding grows with it) and differ from
+    a converted model's Hugging Face loss."""
+    def hook(module, _inputs, output):
+        logits, bias = output
+        width = logits.shape[-1]
+        first = 0 if width == module.output_size else module.output_size_per_partition * module.tp_group.rank()
+        if first + width <= vocab_size:
+            return output
+        ids = torch.arange(first, first + width, device=logits.device)
+        return logits.masked_fill(ids >= vocab_size, torch.finfo(logits.dtype).min), bias
+
+    output_layer.register_forward_hook(hook)
 
 
 def gpt_block_spec(*, model, config, vp_stage, lora=None):
