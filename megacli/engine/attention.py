@@ -154,15 +154,25 @@ class CoreAttention(MegatronModule):
             alibi = alibi_bias(slopes, positions[sk - sq :], positions)
             bias = alibi if bias is None else bias + alibi
         attn_mask, is_causal = _sdpa_mask(sq, sk, causal and sq > 1, attention_mask, bias, q.dtype, q.device)
-        # Native GQA is a flash-kernel feature; the kernels that take a mask need expanded heads.
+        # Native GQA is a flash-kernel feature; the kernels that take a mask need as many key heads
+        # as query heads: either a query group's heads become rows of one head (a boolean mask
+        # shared by all heads), or keys and values are repeated (a per-head bias).
         gqa = np_ != ng and attn_mask is None
-        if np_ != ng and not gqa:
+        fold = np_ != ng and not gqa and attn_mask.dtype == torch.bool and attn_mask.dim() <= 4 and (
+            attn_mask.dim() < 4 or attn_mask.size(1) == 1)
+        if fold:
+            r = np_ // ng
+            q = q.reshape(b, ng, r * sq, hn)  # head g·r + j, position t -> head g, row j·sq + t
+            mask4 = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+            attn_mask = mask4.expand(mask4.size(0), 1, sq, sk).unsqueeze(2).expand(-1, -1, r, -1, -1)
+            attn_mask = attn_mask.reshape(mask4.size(0), 1, r * sq, sk)
+        elif np_ != ng and not gqa:
             k, v = (t.repeat_interleave(np_ // ng, dim=1) for t in (k, v))
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
             scale=self.effective_scale, enable_gqa=gqa,
         )
-        return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+        return out.reshape(b, np_, sq, hn).permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
 
     def _attend_ring(self, query, key, value, attention_mask, causal, dropout_p):
         s, b, np_, hn = query.shape

@@ -43,6 +43,7 @@ class Model:
         from megatron.core import parallel_state as ps
 
         from megacli.engine import checkpoint
+        from megacli.engine.inference import lean_linears
         from megacli.engine.models import build_model, transformer_config, unwrap
 
         g = recipe.generate
@@ -59,6 +60,7 @@ class Model:
         chunks = [c.to(runtime.device) for c in chunks]
         checkpoint.load(ckpt=ckpt, chunks=chunks, optimizer=None, scheduler=None, load_optimizer=False)
         self.net = unwrap(chunks[0]).eval()
+        lean_linears(self.net)
         self.dtype = self.config.params_dtype
         self.first, self.last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         self.pp_group = ps.get_pipeline_model_parallel_group()
@@ -156,9 +158,9 @@ class Generator:
                             f"--max-new-tokens)")
 
     def context(self, batch: int, length: int):
-        from megatron.core.inference.contexts import StaticInferenceContext
+        from megacli.engine.inference import DecodeContext
 
-        return StaticInferenceContext(batch, length) if self.g.use_cache else None
+        return DecodeContext(batch, length) if self.g.use_cache else None
 
     def run_batch(self, prompts: list[str], on_token=None) -> list[Completion]:
         encoded = [self.encode(p) for p in prompts]

@@ -193,7 +193,7 @@ def gpt_layer_spec(*, model, moe_config=None, lora=None):
     TransformerConfig), the MLP is a mixture of experts (engine.moe)."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+    from megatron.core.transformer.attention import SelfAttentionSubmodules
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
@@ -201,6 +201,7 @@ def gpt_layer_spec(*, model, moe_config=None, lora=None):
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
     from megacli.engine.attention import CoreAttention
+    from megacli.engine.inference import CachedRotarySelfAttention
     from megacli.engine.layers import Norm
     from megacli.engine.lora import linear_spec
 
@@ -221,7 +222,7 @@ def gpt_layer_spec(*, model, moe_config=None, lora=None):
         submodules=TransformerLayerSubmodules(
             input_layernorm=Norm,
             self_attention=ModuleSpec(
-                module=SelfAttention,
+                module=CachedRotarySelfAttention,  # Megatron's, with a KV cache of rotated keys
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=linear_spec(ColumnParallelLinear, "linear_qkv", lora),
