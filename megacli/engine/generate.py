@@ -43,7 +43,7 @@ class Model:
         from megatron.core import parallel_state as ps
 
         from megacli.engine import checkpoint
-        from megacli.engine.inference import lean_linears
+        from megacli.engine.inference import lean_layers, lean_linears
         from megacli.engine.models import build_model, transformer_config, unwrap
 
         g = recipe.generate
@@ -61,6 +61,7 @@ class Model:
         checkpoint.load(ckpt=ckpt, chunks=chunks, optimizer=None, scheduler=None, load_optimizer=False)
         self.net = unwrap(chunks[0]).eval()
         lean_linears(self.net)
+        lean_layers(self.net)
         self.dtype = self.config.params_dtype
         self.first, self.last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         self.pp_group = ps.get_pipeline_model_parallel_group()
@@ -69,7 +70,7 @@ class Model:
         self.pp_size = ps.get_pipeline_model_parallel_world_size()
         self.checkpoint = ckpt
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, context,
                 *, all_positions: bool = False) -> torch.Tensor:
         """Logits [b, vocab] of the last position (all_positions: [b, s, vocab]) on every rank."""

@@ -108,3 +108,28 @@ def lean_linears(net) -> None:
             module.forward = functools.partial(_column_forward, module)
         elif type(module) is RowParallelLinear and not module.sequence_parallel and module.input_is_parallel:
             module.forward = functools.partial(_row_forward, module)
+
+
+def _decode_layer(layer, hidden_states, attention_mask=None, inference_context=None, rotary_pos_emb=None,
+                  attention_bias=None, **_unused):
+    """TransformerLayer.forward of a pre-norm GPT layer in eval mode (dropout off, so each
+    bias-dropout-add is a plain sum), without its recompute, offload and CUDA-graph plumbing."""
+    out, bias = layer.self_attention(layer.input_layernorm(hidden_states), attention_mask=attention_mask,
+                                     inference_context=inference_context, rotary_pos_emb=rotary_pos_emb,
+                                     attention_bias=attention_bias)
+    hidden_states = hidden_states + (out if bias is None else out + bias)
+    out, bias = layer.mlp(layer.pre_mlp_layernorm(hidden_states))
+    return hidden_states + (out if bias is None else out + bias), None
+
+
+def lean_layers(net) -> None:
+    """Give every plain GPT layer (self-attention, dense MLP, residual taken before the norm) of
+    an inference-only model the lean forward."""
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    for layer in net.modules():
+        if (isinstance(layer, TransformerLayer) and type(layer.mlp) is MLP and isinstance(layer.cross_attention, IdentityOp)
+                and not layer.config.apply_residual_connection_post_layernorm and not layer.config.fp32_residual_connection):
+            layer.forward = functools.partial(_decode_layer, layer)
