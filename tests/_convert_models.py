@@ -25,7 +25,15 @@ MODELS = {
     "mistral": ("MistralConfig", dict(COMMON_LLAMA, tie_word_embeddings=False, sliding_window=4096)),
     "qwen2": ("Qwen2Config", dict(COMMON_LLAMA, tie_word_embeddings=False)),
 }
-ARCHITECTURES = {"GPT2Config": "GPT2LMHeadModel", "LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralForCausalLM",
+# Mixture of experts: 4 experts, top 2; Qwen2-MoE with a gated shared expert, QKV biases and its
+# second layer dense (mlp_only_layers).
+MOE_MODELS = {
+    "mixtral": ("MixtralConfig", dict(COMMON_LLAMA, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48,
+                                      tie_word_embeddings=False)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(COMMON_LLAMA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                         shared_expert_intermediate_size=40, mlp_only_layers=[1], tie_word_embeddings=False)),
+}
+ARCHITECTURES = {"MixtralConfig": "MixtralForCausalLM", "Qwen2MoeConfig": "Qwen2MoeForCausalLM", "GPT2Config": "GPT2LMHeadModel", "LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralForCausalLM",
                  "Qwen2Config": "Qwen2ForCausalLM"}
 
 
@@ -56,7 +64,7 @@ def build_hf(name: str, path: Path, *, with_tokenizer: bool = False):
     import torch
     import transformers
 
-    cls_name, kwargs = MODELS[name]
+    cls_name, kwargs = {**MODELS, **MOE_MODELS}[name]
     config = getattr(transformers, cls_name)(**kwargs, architectures=[ARCHITECTURES[cls_name]])
     config._attn_implementation = "eager"
     torch.manual_seed(hash(name) % 1000)
@@ -91,11 +99,11 @@ def load_hf(path: Path):
 # ---------------------------------------------------------------- megacli logits
 
 
-def megacli_logits(ckpt_dir: Path, toks):
+def megacli_logits(ckpt_dir: Path, toks, overrides: tuple[str, ...] = ()):
     """Logits [b, s, vocab] of a megacli checkpoint under the current Megatron parallel state
     (built and loaded through the engine, forward through Megatron's forward-only schedule,
     vocab-parallel logits gathered over TP, padding trimmed). None except on the last pipeline
-    stage's first TP rank."""
+    stage's first TP rank. ``overrides``: more recipe --set items (sequence or expert parallelism)."""
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -110,7 +118,7 @@ def megacli_logits(ckpt_dir: Path, toks):
     ckpt = checkpoint.find_checkpoint(ckpt_dir)
     recipe = load(TrainingRecipe, ckpt / "recipe.yaml",
                   [f"parallel.tensor={tp}", f"parallel.pipeline={pp}", "parallel.virtual_pipeline=null",
-                   "parallel.sequence_parallel=false", f"launch.nproc={tp * pp}", "train.global_batch_size=8"])
+                   "parallel.sequence_parallel=false", f"launch.nproc={tp * pp}", "train.global_batch_size=8", *overrides])
     config = transformer_config(model=recipe.model, parallel=recipe.parallel, precision="fp32", on_cuda=False)
     chunks = build_model(recipe=recipe, config=config, vocab_size=recipe.model.vocab_size)
     checkpoint.load(ckpt=ckpt, chunks=chunks, optimizer=None, scheduler=None, load_optimizer=False)

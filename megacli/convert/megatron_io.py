@@ -12,7 +12,9 @@ it, and loads under any TP/PP/DP. So:
   Megatron's loader reads one layer at a time.
 
 Canonical keys are the ShardedTensor keys of ``GPTModel.sharded_state_dict()`` with the global
-layer number put back after ``layers.`` (there, layers are stacked along a leading axis).
+layer number put back after ``layers.`` (there, layers are stacked along a leading axis). A MoE
+layer's experts stay stacked along their own leading axis under one key per layer
+(``decoder.layers.3.mlp.experts.experts.linear_fc1.weight``: [experts, ...]).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from megacli.errors import UserError
 
 _LAYER_IN_STATE_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _STACKED = re.compile(r"(?:^|\.)layers\.(?!\d)")
+_LOCAL_EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
 # Checkpoint entries that are not model weights.
 _NOT_MODEL = ("optimizer", "rng_state", "scheduler")
 
@@ -132,10 +135,17 @@ def write_checkpoint(*, recipe, dst: Path, iteration: int, fetch: Callable[[str]
         state = chunks[0].sharded_state_dict()
         entries = _entries(state)
         if check_keys:
-            check_keys([key for key, _, _ in entries])
+            check_keys(list(dict.fromkeys(key for key, _, _ in entries)))
+        stacked_key, stacked = None, None
         with torch.no_grad():
             for key, state_key, sh in entries:
-                tensor = fetch(key)
+                expert = _LOCAL_EXPERT.search(state_key)
+                if expert is None:
+                    tensor = fetch(key)
+                else:  # one entry per expert, all under the layer's stacked key (built at EP=1: local = global)
+                    if key != stacked_key:
+                        stacked_key, stacked = key, fetch(key)
+                    tensor = stacked[int(expert.group(1))]
                 want = tuple(sh.data.shape)
                 if key in VOCAB_KEYS and tensor.dim() == 2 and tensor.shape[1] == want[1]:
                     tensor = fit_vocab_rows(tensor, rows=want[0], vocab_size=vocab_size, key=key)

@@ -118,9 +118,12 @@ def converted_recipe(*, model: dict, parallel, precision: str, tokenizer: dict, 
     from megacli.recipe.pretrain import TrainingRecipe
 
     pp = parallel.pipeline
+    layout = parallel.model_dump()
+    if model.get("moe") and parallel.tensor > 1:
+        layout["sequence_parallel"] = True  # Megatron-Core's MoE layers need it under tensor parallelism
     raw = {
         "model": model,
-        "parallel": parallel.model_dump(),
+        "parallel": layout,
         "launch": {"nproc": parallel.tensor * pp * parallel.context},
         "tokenizer": tokenizer,
         # One sequence per micro-batch; a global batch the interleaved schedule accepts at this PP.

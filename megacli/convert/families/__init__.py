@@ -3,7 +3,7 @@
 A family is one module here with:
 
     ARCHITECTURES     the HF architecture names it handles
-    ARCH              the recipe ``model.arch`` it produces ("gpt"; "bert" and "t5" later)
+    ARCH              the recipe ``model.arch`` it produces ("gpt")
     model_section(hf_config: dict) -> dict
                       the recipe ``model:`` section for an HF config (UserError when the config
                       uses a feature the Megatron model cannot express)
@@ -26,7 +26,7 @@ from types import ModuleType
 
 from megacli.errors import UserError
 
-FAMILY_MODULES = ("gpt2", "llama")
+FAMILY_MODULES = ("gpt2", "llama", "moe")
 
 
 def _load(name: str) -> ModuleType:
