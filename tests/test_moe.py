@@ -121,3 +121,12 @@ def test_expert_parallel_matches_single_process(single, tmp_path):
     for a, b in zip(ep2, ref):
         assert abs(a["load_balancing_loss"] - b["load_balancing_loss"]) <= 1e-4 * b["load_balancing_loss"]
         assert a["expert_tokens"] == b["expert_tokens"]
+
+
+@pytest.mark.slow
+def test_allgather_dispatcher_matches_single_process(single, tmp_path):
+    """The all-gather token dispatcher (every rank sees all tokens, keeps those for its experts)
+    under EP=2 on gloo gives the same losses and expert loads as one process."""
+    pretrain(tmp_path, "ag", MOE + SINGLE + ["launch.nproc=2", "parallel.expert=2", "model.moe.dispatcher=allgather"])
+    assert_close(losses(tmp_path, "ag"), losses(single.parent, "run"), range(1, 7))
+    assert [r["expert_tokens"] for r in records(tmp_path / "ag")] == [r["expert_tokens"] for r in records(single)]
