@@ -27,8 +27,8 @@ import torch
 
 from megacli.errors import UserError
 
-# The Megatron keys whose first dimension is the (padded) vocabulary.
-VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+# The Megatron keys whose first dimension is the (padded) vocabulary (BERT's LM head has a bias).
+VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias")
 
 ToMegatron = Callable[..., torch.Tensor]
 ToHF = Callable[[torch.Tensor], Sequence[torch.Tensor]]

@@ -147,7 +147,7 @@ def write_checkpoint(*, recipe, dst: Path, iteration: int, fetch: Callable[[str]
                         stacked_key, stacked = key, fetch(key)
                     tensor = stacked[int(expert.group(1))]
                 want = tuple(sh.data.shape)
-                if key in VOCAB_KEYS and tensor.dim() == 2 and tensor.shape[1] == want[1]:
+                if key in VOCAB_KEYS and tensor.dim() == len(want) and tensor.shape[1:] == want[1:]:
                     tensor = fit_vocab_rows(tensor, rows=want[0], vocab_size=vocab_size, key=key)
                 if tuple(tensor.shape) != want:
                     raise shape_mismatch(key, tensor.shape, want, "the source")

@@ -130,6 +130,8 @@ def converted_recipe(*, model: dict, parallel, precision: str, tokenizer: dict, 
         "train": {"precision": precision, "micro_batch_size": 1, "global_batch_size": pp * math.ceil(8 / pp)},
         "checkpoint": {"resume": str(resume), "load_optimizer": False},
     }
+    if model["arch"] != "gpt":  # no mock data for BERT/T5: name the dataset to set before training
+        raw["data"] = {"path": "SET/data.path/TO/A/PREFIX_text_sentence"}
     return validate(TrainingRecipe, raw, "the converted checkpoint's recipe")
 
 
