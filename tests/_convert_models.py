@@ -82,6 +82,10 @@ def build_hf(name: str, path: Path, *, with_tokenizer: bool = False):
     return model
 
 
+def max_diff(a, b) -> float:
+    return float((a - b).abs().max())
+
+
 def hf_logits(model, toks):
     import torch
 

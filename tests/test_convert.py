@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import _convert_models as cm
 from tests._convert_models import MODELS
 
 TOL = 1e-4
@@ -142,10 +143,6 @@ def test_legacy_files_load_safely_and_refuse_arbitrary_code(tmp_path):
 # ---------------------------------------------------------------- conversions (one spawned process)
 
 
-def _max_diff(a, b) -> float:
-    return float((a - b).abs().max())
-
-
 def _prepare(rank, world, root: str):
     """Build the tiny HF models, convert them both ways (and via legacy checkpoints), and measure
     everything a test asserts. Runs in a fresh process: conversions enable the CPU backend."""
@@ -173,7 +170,7 @@ def _prepare(rank, world, root: str):
             "same_keys": sorted(a) == sorted(b),
             "bitwise": all(torch.equal(a[k], b[k]) for k in a if k in b),
             "config": (json.loads((d / "hf" / "config.json").read_text()), json.loads((d / "hf2" / "config.json").read_text())),
-            "export_logits": _max_diff(cm.hf_logits(cm.load_hf(d / "hf2"), toks), ref),
+            "export_logits": cm.max_diff(cm.hf_logits(cm.load_hf(d / "hf2"), toks), ref),
         }
     # bf16 both ways, and an export in many small shards.
     d = root / "llama_untied_gqa"
@@ -183,7 +180,7 @@ def _prepare(rank, world, root: str):
     out["bf16_round_trip"] = all(b[k].dtype == torch.bfloat16 and torch.equal(a[k].to(torch.bfloat16), b[k]) for k in a)
     convert(d / "mc", d / "hf_sharded", max_shard_size="20KB", say=say)
     out["shards"] = sorted(p.name for p in (d / "hf_sharded").glob("*.safetensors"))
-    out["sharded_logits"] = _max_diff(cm.hf_logits(cm.load_hf(d / "hf_sharded"), toks), torch.load(d / "hf_logits.pt"))
+    out["sharded_logits"] = cm.max_diff(cm.hf_logits(cm.load_hf(d / "hf_sharded"), toks), torch.load(d / "hf_logits.pt"))
 
     # Megatron-LM legacy checkpoints -> HF (logits) and -> megacli.
     legacy_cases = {"legacy_mcore": ("llama_untied_gqa", 2, 2, "mcore"), "legacy_model_gpt2": ("gpt2", 2, 1, "legacy"),
@@ -192,7 +189,7 @@ def _prepare(rank, world, root: str):
         d = root / case
         cm.write_legacy(root / name / "hf", d / "ckpt", tp=tp, pp=pp, style=style)
         convert(d / "ckpt", d / "hf", to="hf", say=say)
-        out[case] = {"hf_logits": _max_diff(cm.hf_logits(cm.load_hf(d / "hf"), toks), torch.load(root / name / "hf_logits.pt"))}
+        out[case] = {"hf_logits": cm.max_diff(cm.hf_logits(cm.load_hf(d / "hf"), toks), torch.load(root / name / "hf_logits.pt"))}
     convert(root / "legacy_mcore" / "ckpt", root / "legacy_mcore" / "mc", say=say)
     out["structure"] = {fmt: list(structure(p)) for fmt, p in
                         (("hf", root / "qwen2" / "hf"), ("megacli", root / "qwen2" / "mc"), ("legacy", root / "legacy_mcore" / "ckpt"))}
@@ -203,8 +200,8 @@ def _prepare(rank, world, root: str):
 
     distributed.setup(parallel=ParallelSection(), launch=LaunchSection(device="cpu"), seed=0)
     for name in MODELS:
-        out[name]["tp1_logits"] = _max_diff(cm.megacli_logits(root / name / "mc", toks), torch.load(root / name / "hf_logits.pt"))
-    out["legacy_mcore"]["tp1_logits"] = _max_diff(cm.megacli_logits(root / "legacy_mcore" / "mc", toks),
+        out[name]["tp1_logits"] = cm.max_diff(cm.megacli_logits(root / name / "mc", toks), torch.load(root / name / "hf_logits.pt"))
+    out["legacy_mcore"]["tp1_logits"] = cm.max_diff(cm.megacli_logits(root / "legacy_mcore" / "mc", toks),
                                                   torch.load(root / "llama_untied_gqa" / "hf_logits.pt"))
     distributed.teardown()
     return out
@@ -319,8 +316,8 @@ def test_megacli_logits_match_hf_at_tp2_pp2(converted):
     assert len(last) == 1, "exactly one rank (last stage, TP rank 0) reports logits"
     for name in MODELS:
         ref = torch.load(root / name / "hf_logits.pt")
-        assert _max_diff(last[0][name], ref) < TOL, name
-    assert _max_diff(last[0]["legacy_mcore"], torch.load(root / "llama_untied_gqa" / "hf_logits.pt")) < TOL
+        assert cm.max_diff(last[0][name], ref) < TOL, name
+    assert cm.max_diff(last[0]["legacy_mcore"], torch.load(root / "llama_untied_gqa" / "hf_logits.pt")) < TOL
 
 
 # ---------------------------------------------------------------- the command line

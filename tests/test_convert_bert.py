@@ -95,10 +95,6 @@ def _megacli_logits(ckpt_dir: Path):
     return reports[0]["logits"][..., : recipe.model.vocab_size].float(), reports[0]["binary"].float()
 
 
-def _max_diff(a, b) -> float:
-    return float((a - b).abs().max())
-
-
 def _convert_both_ways(rank, world, root: str) -> dict:
     from safetensors.torch import load_file
 
@@ -117,7 +113,7 @@ def _convert_both_ways(rank, world, root: str) -> dict:
     distributed.setup(parallel=ParallelSection(), launch=LaunchSection(device="cpu"), seed=0)
     ours = _megacli_logits(root / "mc")
     distributed.teardown()
-    out["tp1"] = [_max_diff(x, y) for x, y in zip(ours, ref)]
+    out["tp1"] = [cm.max_diff(x, y) for x, y in zip(ours, ref)]
     return out
 
 
@@ -156,7 +152,7 @@ def test_logits_match_hf_at_tp2_pp2(converted):
     results = [r for r in spawn(_logits_tp2_pp2, 4, str(root)) if r is not None]
     assert len(results) == 1, "exactly one rank (last stage, TP rank 0) reports logits"
     ref = torch.load(root / "hf_logits.pt")
-    assert [_max_diff(x, y) < TOL for x, y in zip(results[0], ref)] == [True, True]
+    assert [cm.max_diff(x, y) < TOL for x, y in zip(results[0], ref)] == [True, True]
 
 
 def test_post_ln_bert_is_refused_with_the_reason(tmp_path):

@@ -19,10 +19,6 @@ from tests import _convert_models as cm
 TOL = 1e-4
 
 
-def _max_diff(a, b) -> float:
-    return float((a - b).abs().max())
-
-
 def _convert_both_ways(rank, world, root: str) -> dict:
     from safetensors.torch import load_file
 
@@ -46,11 +42,11 @@ def _convert_both_ways(rank, world, root: str) -> dict:
             "same_keys": sorted(a) == sorted(b),
             "bitwise": all(torch.equal(a[k], b[k]) for k in a if k in b),
             "config": [json.loads((d / x / "config.json").read_text()) for x in ("hf", "hf2")],
-            "bare_export_logits": _max_diff(cm.hf_logits(cm.load_hf(d / "hf3"), toks), ref),
+            "bare_export_logits": cm.max_diff(cm.hf_logits(cm.load_hf(d / "hf3"), toks), ref),
         }
     distributed.setup(parallel=ParallelSection(), launch=LaunchSection(device="cpu"), seed=0)
     for name in cm.MOE_MODELS:
-        out[name]["tp1_logits"] = _max_diff(cm.megacli_logits(root / name / "mc", toks), torch.load(root / name / "hf_logits.pt"))
+        out[name]["tp1_logits"] = cm.max_diff(cm.megacli_logits(root / name / "mc", toks), torch.load(root / name / "hf_logits.pt"))
     distributed.teardown()
     return out
 
@@ -103,6 +99,6 @@ def test_logits_match_hf_at_tp2_and_at_ep2(converted):
     for name in cm.MOE_MODELS:
         ref = torch.load(root / name / "hf_logits.pt")
         assert second[(name, "tp2")] is None  # TP rank 1 reports nothing
-        assert _max_diff(first[(name, "tp2")], ref) < TOL, name
+        assert cm.max_diff(first[(name, "tp2")], ref) < TOL, name
         for r in (first, second):  # EP=2 × DP=2: both ranks hold the whole output
-            assert _max_diff(r[(name, "ep2")], ref) < TOL, name
+            assert cm.max_diff(r[(name, "ep2")], ref) < TOL, name
