@@ -231,7 +231,7 @@ def _carried_hf_dir(ckpt: Path, recipe) -> Path | None:
 
 
 def _megacli_to_hf(src: Path, work: Path, *, dtype: str | None, max_shard_size, say: Say) -> None:
-    from megacli.convert.megatron_io import CheckpointReader, megatron_process
+    from megacli.convert.megatron_io import megatron_process
     from megacli.engine.checkpoint import find_checkpoint
     from megacli.recipe.base import load
     from megacli.recipe.pretrain import TrainingRecipe
