@@ -52,7 +52,7 @@ def count_params(recipe: TrainingRecipe, vocab_size: int) -> ParamCounts:
     norm = h if m.normalization == "rmsnorm" else 2 * h
     attn = h * (q_width + 2 * kv_width) + q_width * h
     attn += (q_width + 2 * kv_width) * int(bias or m.add_qkv_bias) + h * int(bias)
-    glu = 2 if m.activation == "swiglu" else 1
+    glu = 2 if m.gated else 1
 
     def mlp_params(ffn: int) -> int:
         return h * ffn * glu + ffn * h + (ffn * glu + h) * int(bias)

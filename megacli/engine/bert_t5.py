@@ -185,6 +185,17 @@ class T5Model(_MegatronT5Model):
             if block is not None and self.position_embedding_type == "relative":
                 block.__class__ = _RecomputableBiasBlock  # T5Model builds plain TransformerBlocks itself
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None) -> dict:
+        """Megatron's, with the LM head also stored as lm_head.output_layer (the module output_layer
+        aliases) following the vocabulary padding as output_layer does: a checkpoint then loads at
+        any TP size."""
+        state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        for name in ("weight", "bias"):
+            entry = state.get(f"{prefix}lm_head.output_layer.{name}")
+            if entry is not None and hasattr(entry, "allow_shape_mismatch"):
+                entry.allow_shape_mismatch = True
+        return state
+
 
 def build_t5(*, recipe, config, padded_vocab: int, vocab_size: int) -> list:
     """One chunk: encoder and decoder on every rank (Megatron-Core 0.16.1 has no T5 pipelining; the

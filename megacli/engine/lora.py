@@ -138,7 +138,7 @@ def adapter_params(model, lora) -> int:
     shapes = {
         "linear_qkv": (model.hidden_size, heads + 2 * model.query_groups * model.head_dim),
         "linear_proj": (heads, model.hidden_size),
-        "linear_fc1": (model.hidden_size, model.ffn_size * (2 if model.activation == "swiglu" else 1)),
+        "linear_fc1": (model.hidden_size, model.ffn_size * (2 if model.gated else 1)),
         "linear_fc2": (model.ffn_size, model.hidden_size),
     }
     return model.num_layers * sum(lora.rank * sum(shapes[t]) for t in lora.targets)

@@ -24,6 +24,7 @@ def _activation(name: str):
         "gelu": (F.gelu, False),
         "gelu_tanh": (functools.partial(F.gelu, approximate="tanh"), False),
         "swiglu": (F.silu, True),
+        "geglu": (functools.partial(F.gelu, approximate="tanh"), True),
         "relu": (F.relu, False),
         "squared_relu": (lambda x: torch.pow(F.relu(x), 2), False),
     }[name]
@@ -51,6 +52,7 @@ def transformer_config(*, model, parallel, precision: str, on_cuda: bool, **over
         num_attention_heads=model.num_attention_heads,
         num_query_groups=model.query_groups,
         kv_channels=model.head_dim,
+        softmax_scale=model.softmax_scale,
         ffn_hidden_size=model.ffn_size,
         hidden_dropout=model.dropout,
         attention_dropout=model.attention_dropout,
@@ -210,7 +212,7 @@ def gpt_layer_spec(*, model, moe_config=None, lora=None):
     keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
     if moe_config is None:
         mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(
-            linear_fc1=linear_spec(ColumnParallelLinear, "linear_fc1", lora, swiglu=model.activation == "swiglu"),
+            linear_fc1=linear_spec(ColumnParallelLinear, "linear_fc1", lora, swiglu=model.gated),
             linear_fc2=linear_spec(RowParallelLinear, "linear_fc2", lora)))
         keys_map["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
     else:  # a MoE layer keeps pre_mlp_layernorm under its own name, as Megatron's TE spec does

@@ -102,8 +102,9 @@ class ModelSection(Section):
     """Norm layer type."""
     norm_epsilon: PositiveFloat = 1e-5
     """Epsilon of the norm layers."""
-    activation: Literal["gelu", "gelu_tanh", "swiglu", "relu", "squared_relu"] = "gelu"
-    """MLP activation: gelu (exact), gelu_tanh (GPT-2's gelu_new), swiglu (gated SiLU), relu, squared_relu."""
+    activation: Literal["gelu", "gelu_tanh", "swiglu", "geglu", "relu", "squared_relu"] = "gelu"
+    """MLP activation: gelu (exact), gelu_tanh (GPT-2's gelu_new), swiglu (gated SiLU), geglu (gated
+    tanh-GELU, T5 v1.1), relu, squared_relu."""
     add_bias_linear: bool = True
     """Biases on all linear layers (GPT-2/BERT yes, Llama no)."""
     add_qkv_bias: bool = False
@@ -116,6 +117,9 @@ class ModelSection(Section):
     """Hidden (residual) dropout probability."""
     attention_dropout: float = Field(0.0, ge=0, lt=1)
     """Attention-probability dropout."""
+    softmax_scale: Optional[PositiveFloat] = None
+    """Factor on the attention scores before the softmax; null = 1/sqrt(head dim). T5 uses 1.0 (its
+    query weights carry the scale)."""
     vocab_size: Optional[PositiveInt] = None
     """Vocabulary size; default: taken from the tokenizer."""
     make_vocab_size_divisible_by: PositiveInt = 128
@@ -126,6 +130,11 @@ class ModelSection(Section):
     """bert only: train the sentence-order binary head beside masked LM."""
     moe: Optional[MoESection] = None
     """Mixture of experts: replace the MLP of some layers by routed experts; null = dense model."""
+
+    @property
+    def gated(self) -> bool:
+        """A gated MLP: linear_fc1 holds [gate; up]."""
+        return self.activation in ("swiglu", "geglu")
 
     @property
     def query_groups(self) -> int:

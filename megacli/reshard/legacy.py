@@ -486,7 +486,7 @@ def export(it_dir: Path, out: Path, *, progress=None) -> list[str]:
     lay = ck.layout
     m = recipe.model
     L, T, P, V = m.num_layers, lay.tensor, lay.pipeline, lay.vp
-    swiglu = m.activation == "swiglu"
+    swiglu = m.gated
     reader = ck.reader
     model_keys = set(ck.model_keys)
     states = sorted({split_optimizer_key(k)[0] for k in reader.tensors if k.startswith(OPT_PREFIX)})

@@ -320,7 +320,7 @@ def build_plan(src: Checkpoint, target: Target, recipe=None) -> Plan:
     with the target layout, see target_recipe)."""
     recipe = recipe if recipe is not None else target_recipe(src, target)
     m = recipe.model
-    gated = m.activation == "swiglu"
+    gated = m.gated
     notes: list[str] = []
     reader = src.reader
 

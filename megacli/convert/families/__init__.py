@@ -3,7 +3,7 @@
 A family is one module here with:
 
     ARCHITECTURES     the HF architecture names it handles
-    ARCH              the recipe ``model.arch`` it produces ("gpt" or "bert")
+    ARCH              the recipe ``model.arch`` it produces ("gpt", "bert" or "t5")
     model_section(hf_config: dict) -> dict
                       the recipe ``model:`` section for an HF config (UserError when the config
                       uses a feature the Megatron model cannot express)
@@ -16,7 +16,7 @@ A family is one module here with:
     table(model) -> MappingTable
                       the weight mapping for that model
 
-Adding a family (T5) is one module plus its name in FAMILY_MODULES.
+Adding a family is one module plus its name in FAMILY_MODULES.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from types import ModuleType
 
 from megacli.errors import UserError
 
-FAMILY_MODULES = ("gpt2", "llama", "moe", "bert")
+FAMILY_MODULES = ("gpt2", "llama", "moe", "bert", "t5")
 
 
 def _load(name: str) -> ModuleType:

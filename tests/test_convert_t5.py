@@ -1,0 +1,151 @@
+"""`megacli convert` for T5: tiny random T5ForConditionalGeneration models (gated-GELU with the LM
+head tied to the embedding, ReLU with a separate LM head; relative position biases; no output
+scaling) built from config dicts. Checked: HF -> megacli -> HF is bitwise with the same config;
+the converted model's logits (padded encoder batch, teacher-forced decoder) equal Hugging Face's at
+TP=1 and TP=2 (T5 has no pipeline parallelism in Megatron-Core 0.16.1); a T5 that scales its
+decoder output (t5-small style) is refused with the reason."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import _convert_models as cm
+
+TOL = 1e-4
+COMMON = dict(vocab_size=cm.VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+              dropout_rate=0.0, decoder_start_token_id=0)
+MODELS = {"t5_gated_tied": dict(feed_forward_proj="gated-gelu"), "t5_relu_untied": dict(feed_forward_proj="relu")}
+
+
+def _batch():
+    enc = cm.tokens(1)
+    dec = cm.tokens(2)[:, :10]
+    attend = torch.ones_like(enc)
+    attend[1, 11:] = 0  # the second encoder sample is padded
+    return enc, dec, attend
+
+
+def _build_hf(name: str, path: Path):
+    from transformers import BertTokenizerFast, T5Config, T5ForConditionalGeneration
+
+    config = T5Config(**COMMON, **MODELS[name], tie_word_embeddings=False, architectures=["T5ForConditionalGeneration"])
+    config.tie_word_embeddings = name.endswith("_tied")  # transformers 5 ties unless told after construction
+    torch.manual_seed(1)
+    model = T5ForConditionalGeneration(config)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p)) if "layer_norm" in pname else p.normal_(0, 0.1)
+        for stack in (model.encoder, model.decoder):  # as in T5 checkpoints: both stacks read the shared table
+            stack.embed_tokens.weight.copy_(model.shared.weight)
+    model.eval().save_pretrained(path)
+    # A WordPiece vocabulary with the special tokens the T5 recipe needs (sentinels are appended).
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    (path / "vocab.txt").write_text("\n".join(words + [f"w{i}" for i in range(cm.VOCAB - 100 - len(words))]) + "\n")
+    BertTokenizerFast(vocab_file=str(path / "vocab.txt")).save_pretrained(path)
+    enc, dec, attend = _batch()
+    with torch.no_grad():
+        return model(input_ids=enc, attention_mask=attend, decoder_input_ids=dec).logits.float()
+
+
+def _megacli_logits(ckpt_dir: Path):
+    """Logits of a T5 checkpoint through the engine under the current TP; None on TP rank > 0."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from megacli.engine import checkpoint
+    from megacli.engine.models import build_model, transformer_config
+    from megacli.recipe.base import load
+    from megacli.recipe.pretrain import TrainingRecipe
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    ckpt = checkpoint.find_checkpoint(ckpt_dir)
+    recipe = load(TrainingRecipe, ckpt / "recipe.yaml", [f"parallel.tensor={tp}", "parallel.sequence_parallel=false",
+                                                         f"launch.nproc={tp}"])
+    config = transformer_config(model=recipe.model, parallel=recipe.parallel, precision="fp32", on_cuda=False)
+    model = build_model(recipe=recipe, config=config, vocab_size=recipe.model.vocab_size)[0]
+    checkpoint.load(ckpt=ckpt, chunks=[model], optimizer=None, scheduler=None, load_optimizer=False)
+    model.eval()
+    enc, dec, attend = _batch()
+    pad = (attend == 0)[:, None, None, :]
+    with torch.no_grad():
+        logits = gather_from_tensor_model_parallel_region(model(enc, dec, pad, None, pad))
+    return logits[..., : recipe.model.vocab_size].float() if ps.get_tensor_model_parallel_rank() == 0 else None
+
+
+def _convert_both_ways(rank, world, root: str) -> dict:
+    from safetensors.torch import load_file
+
+    from megacli.convert import convert
+    from megacli.engine import distributed
+    from megacli.recipe.sections import LaunchSection, ParallelSection
+
+    root, out = Path(root), {}
+    for name in MODELS:
+        d = root / name
+        torch.save(_build_hf(name, d / "hf"), d / "hf_logits.pt")
+        convert(d / "hf", d / "mc", parallel=ParallelSection(tensor=2), say=lambda *_: None)
+        convert(d / "mc", d / "hf2", say=lambda *_: None)
+        a, b = load_file(d / "hf" / "model.safetensors"), load_file(d / "hf2" / "model.safetensors")
+        out[name] = {"same_keys": sorted(a) == sorted(b), "bitwise": all(torch.equal(a[k], b[k]) for k in a if k in b),
+                     "config": [json.loads((d / x / "config.json").read_text()) for x in ("hf", "hf2")]}
+    distributed.setup(parallel=ParallelSection(), launch=LaunchSection(device="cpu"), seed=0)
+    for name in MODELS:
+        out[name]["tp1"] = cm.max_diff(_megacli_logits(root / name / "mc"), torch.load(root / name / "hf_logits.pt"))
+    distributed.teardown()
+    return out
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    from tests._dist import spawn
+
+    root = tmp_path_factory.mktemp("convert_t5")
+    return root, spawn(_convert_both_ways, 1, str(root), timeout=900)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MODELS))
+def test_round_trip_is_bitwise_and_logits_match_at_tp1(converted, name):
+    _, out = converted
+    r = out[name]
+    assert r["same_keys"] and r["bitwise"]
+    src, back = r["config"]
+    assert src == back
+    assert r["tp1"] < TOL, r["tp1"]
+
+
+def _logits_tp2(rank, world, root: str):
+    from megacli.engine import distributed
+    from megacli.recipe.sections import LaunchSection, ParallelSection
+
+    distributed.setup(parallel=ParallelSection(tensor=2), launch=LaunchSection(device="cpu", nproc=2), seed=0)
+    out = {name: _megacli_logits(Path(root) / name / "mc") for name in MODELS}
+    distributed.teardown()
+    return out
+
+
+@pytest.mark.slow
+def test_logits_match_hf_at_tp2(converted):
+    from tests._dist import spawn
+
+    root, _ = converted
+    first, second = spawn(_logits_tp2, 2, str(root))
+    for name in MODELS:
+        assert second[name] is None
+        assert cm.max_diff(first[name], torch.load(root / name / "hf_logits.pt")) < TOL, name
+
+
+def test_output_scaling_t5_is_refused_with_the_reason(tmp_path):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from megacli.convert import convert
+    from megacli.errors import UserError
+
+    T5ForConditionalGeneration(T5Config(**COMMON, architectures=["T5ForConditionalGeneration"])).save_pretrained(tmp_path / "hf")
+    with pytest.raises(UserError) as err:
+        convert(tmp_path / "hf", tmp_path / "mc", say=lambda *_: None)
+    assert "d_model**-0.5" in str(err.value)
