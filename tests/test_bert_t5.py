@@ -107,24 +107,42 @@ def assert_close(a: dict, b: dict, steps, rel: float, key: str = "loss"):
         assert abs(a[i][key] - b[i][key]) <= rel * abs(b[i][key]), f"step {i} {key}: {a[i][key]} vs {b[i][key]}"
 
 
+def trained(data, run_dir: Path, overrides: list[str]) -> tuple[dict, Path]:
+    """A run's losses and its checkpoints (saved at steps 3 and 6: later tests resume from step 3)."""
+    pretrain(data, run_dir, overrides + [f"checkpoint.dir={run_dir / 'ck'}", "checkpoint.save_interval=3"])
+    return records(run_dir), run_dir / "ck"
+
+
 @pytest.fixture(scope="module")
-def bert_single(data, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("bert") / "single"
-    pretrain(data, run_dir, BERT + layout())
-    return records(run_dir)
+def bert_trained(data, tmp_path_factory):
+    return trained(data, tmp_path_factory.mktemp("bert") / "single", BERT + layout())
+
+
+@pytest.fixture(scope="module")
+def bert_single(bert_trained):
+    return bert_trained[0]
 
 
 @pytest.fixture(scope="module")
 def t5_trained(data, tmp_path_factory):
-    """The single-process T5 run's losses and its final checkpoint (for generation)."""
-    run_dir = tmp_path_factory.mktemp("t5") / "single"
-    pretrain(data, run_dir, T5 + layout() + [f"checkpoint.dir={run_dir / 'ck'}"])
-    return records(run_dir), run_dir / "ck"
+    """The single-process T5 run's losses and its checkpoints (the last one for generation)."""
+    return trained(data, tmp_path_factory.mktemp("t5") / "single", T5 + layout())
 
 
 @pytest.fixture(scope="module")
 def t5_single(t5_trained):
     return t5_trained[0]
+
+
+@pytest.fixture(scope="module")
+def bert_tp2pp2(data, tmp_path_factory):
+    return trained(data, tmp_path_factory.mktemp("bert") / "tp2pp2", BERT + layout(tp=2, pp=2, sp=True, recompute="full"))
+
+
+@pytest.fixture(scope="module")
+def t5_tp2dp2(data, tmp_path_factory):
+    return trained(data, tmp_path_factory.mktemp("t5") / "tp2dp2",
+                   T5 + layout(tp=2, nproc=4, sp=True, dist_opt=True, recompute="selective"))
 
 
 # ------------------------------------------------------------------ end to end (slow)
@@ -136,7 +154,10 @@ def test_bert_loss_falls_and_reports_lm_and_sop(bert_single):
     for r in bert_single.values():
         assert r["loss"] == pytest.approx(r["lm_loss"] + r["sop_loss"], rel=1e-9)
     assert last["lm_loss"] < first["lm_loss"] - 0.5, bert_single
-    assert last["loss"] < first["loss"] - 0.5, bert_single
+    # The total also carries the sentence-order loss, which barely moves in 6 steps. (This bound was 0.5
+    # while the 54 padded vocabulary rows were part of the softmax: they added ln(256/202) = 0.24 to the
+    # first loss and most of it came off as the model learned to ignore them.)
+    assert last["loss"] < first["loss"] - 0.3, bert_single
 
 
 @pytest.mark.slow
@@ -146,35 +167,31 @@ def test_t5_loss_falls(t5_single):
 
 
 @pytest.mark.slow
-def test_bert_tp2_pp2_sp_full_recompute_matches_single_process(data, bert_single, tmp_path):
+def test_bert_tp2_pp2_sp_full_recompute_matches_single_process(bert_tp2pp2, bert_single):
     """TP=2 × PP=2 with sequence parallelism and full recompute gives the single-process losses,
     both terms (the LM head's norm and the pooler under SP, the binary head, padding masks)."""
-    pretrain(data, tmp_path / "tp2pp2", BERT + layout(tp=2, pp=2, sp=True, recompute="full"))
-    tp2pp2 = records(tmp_path / "tp2pp2")
+    tp2pp2 = bert_tp2pp2[0]
     for key in ("lm_loss", "sop_loss"):
         assert_close(tp2pp2, bert_single, range(1, 4), rel=1e-4, key=key)
 
 
 @pytest.mark.slow
-def test_t5_tp2_dp2_sp_distributed_optimizer_selective_recompute_matches_single_process(data, t5_single, tmp_path):
+def test_t5_tp2_dp2_sp_distributed_optimizer_selective_recompute_matches_single_process(t5_tp2dp2, t5_single):
     """TP=2 × DP=2 (T5 has no pipeline parallelism in Megatron-Core 0.16.1) with SP, the
     distributed optimizer and selective recompute, which needs the relative-position-bias bridge."""
-    pretrain(data, tmp_path / "tp2dp2", T5 + layout(tp=2, nproc=4, sp=True, dist_opt=True, recompute="selective"))
-    assert_close(records(tmp_path / "tp2dp2"), t5_single, range(1, 4), rel=1e-4)
+    assert_close(t5_tp2dp2[0], t5_single, range(1, 4), rel=1e-4)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["bert", "t5"])
-def test_resume_reproduces_uninterrupted_run(arch, data, bert_single, t5_single, tmp_path):
-    single, model = (bert_single, BERT) if arch == "bert" else (t5_single, T5)
-    ck = tmp_path / "ck"
-    run_dir = tmp_path / "part"
-    pretrain(data, run_dir, model + layout() + [f"checkpoint.dir={ck}", "train.exit_after_iters=3"])
-    assert (ck / "latest").read_text().strip() == "iter_0000003"
-    pretrain(data, run_dir, model + layout() + [f"checkpoint.dir={ck}"])
-    resumed = records(run_dir)
-    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
-    assert_close(resumed, single, range(1, 7), rel=1e-6)
+def test_resume_reproduces_uninterrupted_run(arch, data, bert_trained, t5_trained, tmp_path):
+    """Resuming the single-process run's step-3 checkpoint gives its steps 4-6 (model, optimizer,
+    scheduler, RNG and data position restored)."""
+    (single, ck), model = (bert_trained, BERT) if arch == "bert" else (t5_trained, T5)
+    pretrain(data, tmp_path / "resumed", model + layout() + [f"checkpoint.resume={ck / 'iter_0000003'}"])
+    resumed = records(tmp_path / "resumed")
+    assert sorted(resumed) == [4, 5, 6]
+    assert_close(resumed, single, range(4, 7), rel=1e-6)
 
 
 def reshard(src: Path, dst: Path, *flags: str) -> str:
@@ -183,25 +200,25 @@ def reshard(src: Path, dst: Path, *flags: str) -> str:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["bert", "t5"])
-def test_reshard_then_resume_continues_the_loss_curve(arch, data, bert_single, t5_single, tmp_path):
+def test_reshard_then_resume_continues_the_loss_curve(arch, data, bert_single, t5_single, bert_tp2pp2, t5_tp2dp2, tmp_path):
     """Checkpoint at step 3 in a 4-process layout, reshard offline, resume: steps 4-6 give the
     losses of the uninterrupted single-process run (= continuing the old layout: layouts agree
     within 1e-4, tests above), for every loss term. BERT: TP2 × PP2 + SP -> TP1 -> TP1 × DP2 with
     the distributed optimizer (binary head, LM head, pre-LN stacks across stages). T5 (no pipeline
     parallelism in Megatron-Core 0.16.1): TP2 × DP2 + SP + distributed optimizer -> TP1
-    (encoder and decoder stacks, relative position biases, distributed -> standard optimizer)."""
+    (encoder and decoder stacks, relative position biases, distributed -> standard optimizer).
+    The step-3 checkpoints come from the layout tests' runs (full / selective recompute)."""
     single, model = (bert_single, BERT) if arch == "bert" else (t5_single, T5)
     keys = ("lm_loss", "sop_loss") if arch == "bert" else ("loss",)
-    first = layout(tp=2, pp=2, sp=True) if arch == "bert" else layout(tp=2, nproc=4, sp=True, dist_opt=True)
-    pretrain(data, tmp_path / "a", model + first + [f"checkpoint.dir={tmp_path / 'ck_a'}", "train.exit_after_iters=3"])
+    ck_a = (bert_tp2pp2 if arch == "bert" else t5_tp2dp2)[1]
 
     if arch == "t5":  # the checkpoint holds distributed-optimizer state: a standard run says how to convert it
         fail = subprocess.run([sys.executable, "-m", "megacli", "pretrain", *[x for s in [*common(data), *model, *layout(),
-                               f"run.dir={tmp_path / 'wrong'}", f"checkpoint.resume={tmp_path / 'ck_a'}"] for x in ("--set", s)]],
+                               f"run.dir={tmp_path / 'wrong'}", f"checkpoint.resume={ck_a / 'iter_0000003'}"] for x in ("--set", s)]],
                               capture_output=True, text=True, timeout=600, cwd=ROOT)
         assert fail.returncode == 2 and "--no-distributed-optimizer" in fail.stderr, fail.stderr[-2000:]
     kind = ["--no-distributed-optimizer"] if arch == "t5" else []
-    out = reshard(tmp_path / "ck_a" / "iter_0000003", tmp_path / "r1", "--tensor", "1", "--pipeline", "1", *kind)
+    out = reshard(ck_a / "iter_0000003", tmp_path / "r1", "--tensor", "1", "--pipeline", "1", *kind)
     assert "verify: OK" in out, out
     pretrain(data, tmp_path / "b", model + layout() + [f"checkpoint.resume={tmp_path / 'r1'}"])
     resumed = records(tmp_path / "b")
