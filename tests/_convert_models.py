@@ -82,6 +82,23 @@ def build_hf(name: str, path: Path, *, with_tokenizer: bool = False):
     return model
 
 
+def round_trip(d: Path, *, parallel, say=lambda *_: None) -> dict:
+    """d/hf (an HF model) -> d/mc (megacli, prepared for ``parallel``) -> d/hf2: whether the tensors
+    come back bitwise under the same names, and both config.json files."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    from megacli.convert import convert
+
+    convert(d / "hf", d / "mc", parallel=parallel, say=say)
+    convert(d / "mc", d / "hf2", say=say)
+    a, b = load_file(d / "hf" / "model.safetensors"), load_file(d / "hf2" / "model.safetensors")
+    return {"same_keys": sorted(a) == sorted(b), "bitwise": all(torch.equal(a[k], b[k]) for k in a if k in b),
+            "config": [json.loads((d / x / "config.json").read_text()) for x in ("hf", "hf2")]}
+
+
 def max_diff(a, b) -> float:
     return float((a - b).abs().max())
 

@@ -163,15 +163,8 @@ def _prepare(rank, world, root: str):
         model = cm.build_hf(name, d / "hf", with_tokenizer=name == "gpt2")
         ref = cm.hf_logits(model, toks)
         torch.save(ref, d / "hf_logits.pt")
-        convert(d / "hf", d / "mc", parallel=tp2pp2, say=say)
-        convert(d / "mc", d / "hf2", say=say)
-        a, b = load_file(d / "hf" / "model.safetensors"), load_file(d / "hf2" / "model.safetensors")
-        out[name] = {
-            "same_keys": sorted(a) == sorted(b),
-            "bitwise": all(torch.equal(a[k], b[k]) for k in a if k in b),
-            "config": (json.loads((d / "hf" / "config.json").read_text()), json.loads((d / "hf2" / "config.json").read_text())),
-            "export_logits": cm.max_diff(cm.hf_logits(cm.load_hf(d / "hf2"), toks), ref),
-        }
+        out[name] = {**cm.round_trip(d, parallel=tp2pp2, say=say),
+                     "export_logits": cm.max_diff(cm.hf_logits(cm.load_hf(d / "hf2"), toks), ref)}
     # bf16 both ways, and an export in many small shards.
     d = root / "llama_untied_gqa"
     convert(d / "hf", d / "mc_bf16", dtype="bf16", say=say)

@@ -6,7 +6,6 @@ reason."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -96,20 +95,13 @@ def _megacli_logits(ckpt_dir: Path):
 
 
 def _convert_both_ways(rank, world, root: str) -> dict:
-    from safetensors.torch import load_file
-
-    from megacli.convert import convert
     from megacli.engine import distributed
     from megacli.recipe.sections import LaunchSection, ParallelSection
 
     root = Path(root)
     ref = _hf_logits(_build_hf(root / "hf"))
     torch.save(ref, root / "hf_logits.pt")
-    convert(root / "hf", root / "mc", parallel=ParallelSection(tensor=2, pipeline=2), say=lambda *_: None)
-    convert(root / "mc", root / "hf2", say=lambda *_: None)
-    a, b = load_file(root / "hf" / "model.safetensors"), load_file(root / "hf2" / "model.safetensors")
-    out = {"same_keys": sorted(a) == sorted(b), "bitwise": all(torch.equal(a[k], b[k]) for k in a if k in b),
-           "config": [json.loads((root / x / "config.json").read_text()) for x in ("hf", "hf2")]}
+    out = cm.round_trip(root, parallel=ParallelSection(tensor=2, pipeline=2))
     distributed.setup(parallel=ParallelSection(), launch=LaunchSection(device="cpu"), seed=0)
     ours = _megacli_logits(root / "mc")
     distributed.teardown()

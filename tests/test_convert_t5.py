@@ -7,7 +7,6 @@ decoder output (t5-small style) is refused with the reason."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -77,9 +76,6 @@ def _megacli_logits(ckpt_dir: Path):
 
 
 def _convert_both_ways(rank, world, root: str) -> dict:
-    from safetensors.torch import load_file
-
-    from megacli.convert import convert
     from megacli.engine import distributed
     from megacli.recipe.sections import LaunchSection, ParallelSection
 
@@ -87,11 +83,7 @@ def _convert_both_ways(rank, world, root: str) -> dict:
     for name in MODELS:
         d = root / name
         torch.save(_build_hf(name, d / "hf"), d / "hf_logits.pt")
-        convert(d / "hf", d / "mc", parallel=ParallelSection(tensor=2), say=lambda *_: None)
-        convert(d / "mc", d / "hf2", say=lambda *_: None)
-        a, b = load_file(d / "hf" / "model.safetensors"), load_file(d / "hf2" / "model.safetensors")
-        out[name] = {"same_keys": sorted(a) == sorted(b), "bitwise": all(torch.equal(a[k], b[k]) for k in a if k in b),
-                     "config": [json.loads((d / x / "config.json").read_text()) for x in ("hf", "hf2")]}
+        out[name] = cm.round_trip(d, parallel=ParallelSection(tensor=2))
     distributed.setup(parallel=ParallelSection(), launch=LaunchSection(device="cpu"), seed=0)
     for name in MODELS:
         out[name]["tp1"] = cm.max_diff(_megacli_logits(root / name / "mc"), torch.load(root / name / "hf_logits.pt"))
