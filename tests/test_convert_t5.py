@@ -1,9 +1,9 @@
 """`megacli convert` for T5: tiny random T5ForConditionalGeneration models (gated-GELU with the LM
-head tied to the embedding, ReLU with a separate LM head; relative position biases; no output
-scaling) built from config dicts. Checked: HF -> megacli -> HF is bitwise with the same config;
+head tied to the embedding, ReLU with a separate LM head, ReLU tied with the original T5's output
+scaling; relative position biases) built from config dicts. Checked: HF -> megacli -> HF is bitwise with the same config;
 the converted model's logits (padded encoder batch, teacher-forced decoder) equal Hugging Face's at
-TP=1 and TP=2 (T5 has no pipeline parallelism in Megatron-Core 0.16.1); a T5 that scales its
-decoder output (t5-small style) is refused with the reason."""
+TP=1 and TP=2 (T5 has no pipeline parallelism in Megatron-Core 0.16.1), also for a T5 that scales
+its decoder output before the tied head (t5-small style)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,10 @@ from tests import _convert_models as cm
 TOL = 1e-4
 COMMON = dict(vocab_size=cm.VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
               dropout_rate=0.0, decoder_start_token_id=0)
-MODELS = {"t5_gated_tied": dict(feed_forward_proj="gated-gelu"), "t5_relu_untied": dict(feed_forward_proj="relu")}
+# name -> (config, tied LM head, decoder output scaled by d_model**-0.5 as in the original T5)
+MODELS = {"t5_gated_tied": (dict(feed_forward_proj="gated-gelu"), True, False),
+          "t5_relu_untied": (dict(feed_forward_proj="relu"), False, False),
+          "t5_relu_scaled": (dict(feed_forward_proj="relu"), True, True)}
 
 
 def _batch():
@@ -31,8 +34,11 @@ def _batch():
 def _build_hf(name: str, path: Path):
     from transformers import BertTokenizerFast, T5Config, T5ForConditionalGeneration
 
-    config = T5Config(**COMMON, **MODELS[name], tie_word_embeddings=False, architectures=["T5ForConditionalGeneration"])
-    config.tie_word_embeddings = name.endswith("_tied")  # transformers 5 ties unless told after construction
+    kwargs, tied, scaled = MODELS[name]
+    # transformers 5 reads tie_word_embeddings at construction as "scale the decoder output", and ties
+    # the head unless told so afterwards.
+    config = T5Config(**COMMON, **kwargs, tie_word_embeddings=scaled, architectures=["T5ForConditionalGeneration"])
+    config.tie_word_embeddings = tied
     torch.manual_seed(1)
     model = T5ForConditionalGeneration(config)
     with torch.no_grad():
@@ -129,15 +135,3 @@ def test_logits_match_hf_at_tp2(converted):
     for name in MODELS:
         assert second[name] is None
         assert cm.max_diff(first[name], torch.load(root / name / "hf_logits.pt")) < TOL, name
-
-
-def test_output_scaling_t5_is_refused_with_the_reason(tmp_path):
-    from transformers import T5Config, T5ForConditionalGeneration
-
-    from megacli.convert import convert
-    from megacli.errors import UserError
-
-    T5ForConditionalGeneration(T5Config(**COMMON, architectures=["T5ForConditionalGeneration"])).save_pretrained(tmp_path / "hf")
-    with pytest.raises(UserError) as err:
-        convert(tmp_path / "hf", tmp_path / "mc", say=lambda *_: None)
-    assert "d_model**-0.5" in str(err.value)

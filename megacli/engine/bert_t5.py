@@ -223,4 +223,7 @@ def build_t5(*, recipe, config, padded_vocab: int, vocab_size: int) -> list:
         add_decoder=True,
     )
     mask_padded_vocab(model.lm_head.output_layer, vocab_size=vocab_size)
+    if m.scale_decoder_output:
+        scale = m.hidden_size ** -0.5
+        model.lm_head.register_forward_pre_hook(lambda _module, args: (args[0] * scale, *args[1:]))
     return [model]

@@ -146,6 +146,8 @@ class TrainingRecipe(Section):
             raise RecipeError("optim.warmup_iters", self.optim.warmup_iters,
                               f"must be shorter than the decay horizon (optim.decay_iters or train.iters = {horizon} steps)")
         self._check_moe()
+        if m.scale_decoder_output and m.arch != "t5":
+            raise RecipeError("model.scale_decoder_output", True, f"is for t5 (its decoder output), not {m.arch}")
         if m.arch in ("bert", "t5"):
             self._check_bert_t5()
         if self.sft is not None:

@@ -128,6 +128,9 @@ class ModelSection(Section):
     """Std of the normal weight initialisation."""
     bert_binary_head: bool = True
     """bert only: train the sentence-order binary head beside masked LM."""
+    scale_decoder_output: bool = False
+    """t5 only: multiply the decoder output by hidden_size**-0.5 before the LM head (the original T5
+    with its tied head; T5 v1.1 and flan-T5 do not)."""
     moe: Optional[MoESection] = None
     """Mixture of experts: replace the MLP of some layers by routed experts; null = dense model."""
 

@@ -1,7 +1,8 @@
 """T5 (T5ForConditionalGeneration): encoder-decoder, RMSNorm without bias, relative position
 biases (one table per stack, in its first layer on the HF side), no attention scaling (the query
 weights carry it: ``model.softmax_scale: 1.0``), ReLU (T5) or gated tanh-GELU (T5 v1.1, flan-T5)
-MLPs without biases, one embedding shared by encoder and decoder.
+MLPs without biases, one embedding shared by encoder and decoder; the original T5 scales the decoder
+output by d_model**-0.5 before its tied head (``model.scale_decoder_output``).
 
 Megatron-Core's cross-attention keeps queries (``linear_q``) apart from keys and values
 (``linear_kv``: per head, its key rows then its value rows). Its LM head has a bias when tied to the
@@ -34,10 +35,6 @@ def model_section(c: dict) -> dict:
     act = c.get("feed_forward_proj", "relu")
     if act not in _ACTIVATIONS:
         raise UserError(f"T5 feed_forward_proj {act!r} is not supported; supported: {', '.join(_ACTIVATIONS)}")
-    if _scales_decoder_output(c):
-        raise UserError("this T5 scales the decoder output by d_model**-0.5 before its tied LM head (t5-small/base/"
-                        "large), which Megatron-Core's T5Model does not do; T5 v1.1 / flan-T5 style checkpoints "
-                        "(no output scaling) convert")
     buckets = c.get("relative_attention_num_buckets", _BUCKETS)
     distance = c.get("relative_attention_max_distance", _MAX_DISTANCE)
     if (buckets, distance) != (_BUCKETS, _MAX_DISTANCE):
@@ -61,6 +58,7 @@ def model_section(c: dict) -> dict:
         activation=_ACTIVATIONS[act],
         add_bias_linear=False,
         softmax_scale=1.0,
+        scale_decoder_output=_scales_decoder_output(c),
         untie_embeddings=not c.get("tie_word_embeddings", True),
         vocab_size=require(c, "vocab_size"),
         dropout=c.get("dropout_rate", 0.1),
@@ -93,7 +91,7 @@ def hf_config(m, *, architecture: str, vocab_size: int, base: dict | None) -> di
         "feed_forward_proj": _HF_ACTIVATION[m.activation],
         "is_encoder_decoder": True,
         "tie_word_embeddings": not m.untie_embeddings,
-        "scale_decoder_outputs": False,
+        "scale_decoder_outputs": m.scale_decoder_output,
     }
     return {**dict(base or {}), **derived}
 
