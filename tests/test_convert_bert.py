@@ -1,11 +1,14 @@
-"""`megacli convert` for BERT: a tiny random MegatronBertForPreTraining (pre-LN, Megatron-LM's BERT
-layout) built from a config dict. Checked: HF -> megacli -> HF is bitwise with the same config;
-the converted model's masked-LM and next-sentence logits (a padded batch with both token types)
-equal Hugging Face's at TP=1 and at TP=2 × PP=2; post-LN BertForPreTraining is refused with the
-reason."""
+"""`megacli convert` for BERT: tiny random models of the four BERT architectures, built from a config
+dict: BertForPreTraining and BertForMaskedLM (post-LN, the original BERT) and their Megatron-LM
+ports MegatronBertForPreTraining and MegatronBertForMaskedLM (pre-LN). Checked for each: HF ->
+megacli -> HF is bitwise with the same config; the converted model's masked-LM (and next-sentence)
+logits on a padded batch with both token types equal Hugging Face's at TP=1 and at TP=2 × PP=2.
+Also: a pretraining checkpoint labelled BertForMaskedLM with bert-base-uncased's gamma/beta names
+imports, and a BERT without token types is refused on export with the reason."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -27,11 +30,22 @@ def _batch():
     return toks, types, attend
 
 
-def _build_hf(path: Path):
-    from transformers import BertTokenizerFast, MegatronBertConfig, MegatronBertForPreTraining
+ARCHITECTURES = ("BertForPreTraining", "BertForMaskedLM", "MegatronBertForPreTraining", "MegatronBertForMaskedLM")
 
+
+def _hf_class(architecture: str):
+    import transformers
+
+    config = transformers.MegatronBertConfig if architecture.startswith("Megatron") else transformers.BertConfig
+    return config, getattr(transformers, architecture)
+
+
+def _build_hf(path: Path, architecture: str):
+    from transformers import BertTokenizerFast
+
+    config_class, model_class = _hf_class(architecture)
     torch.manual_seed(0)
-    model = MegatronBertForPreTraining(MegatronBertConfig(**CONFIG, architectures=["MegatronBertForPreTraining"]))
+    model = model_class(config_class(**CONFIG, architectures=[architecture]))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("ln.weight") or "LayerNorm.weight" in name:
@@ -50,12 +64,15 @@ def _hf_logits(model):
     toks, types, attend = _batch()
     with torch.no_grad():
         out = model(input_ids=toks, token_type_ids=types, attention_mask=attend)
-    return out.prediction_logits.float(), out.seq_relationship_logits.float()
+    if hasattr(out, "seq_relationship_logits"):
+        return out.prediction_logits.float(), out.seq_relationship_logits.float()
+    return (out.logits.float(),)
 
 
 def _megacli_logits(ckpt_dir: Path):
     """(masked-LM logits, binary logits) of a BERT checkpoint through the engine under the current
-    parallel state; None except on the last pipeline stage's first TP rank."""
+    parallel state (masked-LM logits alone without the binary head); None except on the last
+    pipeline stage's first TP rank."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
@@ -81,7 +98,7 @@ def _megacli_logits(ckpt_dir: Path):
         def collect(output):
             logits, binary = output
             full = gather_from_tensor_model_parallel_region(logits)
-            return logits.sum() * 0, torch.tensor(1), {"logits": full.detach(), "binary": binary.detach()}
+            return logits.sum() * 0, torch.tensor(1), {"logits": full.detach(), "binary": binary}
 
         return output, collect
 
@@ -91,21 +108,24 @@ def _megacli_logits(ckpt_dir: Path):
                                               micro_batch_size=toks.shape[0], forward_only=True)
     if not ps.is_pipeline_last_stage() or ps.get_tensor_model_parallel_rank() != 0:
         return None
-    return reports[0]["logits"][..., : recipe.model.vocab_size].float(), reports[0]["binary"].float()
+    logits, binary = reports[0]["logits"][..., : recipe.model.vocab_size].float(), reports[0]["binary"]
+    return (logits,) if binary is None else (logits, binary.float())
 
 
 def _convert_both_ways(rank, world, root: str) -> dict:
     from megacli.engine import distributed
     from megacli.recipe.sections import LaunchSection, ParallelSection
 
-    root = Path(root)
-    ref = _hf_logits(_build_hf(root / "hf"))
-    torch.save(ref, root / "hf_logits.pt")
-    out = cm.round_trip(root, parallel=ParallelSection(tensor=2, pipeline=2))
-    distributed.setup(parallel=ParallelSection(), launch=LaunchSection(device="cpu"), seed=0)
-    ours = _megacli_logits(root / "mc")
-    distributed.teardown()
-    out["tp1"] = [cm.max_diff(x, y) for x, y in zip(ours, ref)]
+    out = {}
+    for architecture in ARCHITECTURES:
+        d = Path(root) / architecture
+        ref = _hf_logits(_build_hf(d / "hf", architecture))
+        torch.save(ref, d / "hf_logits.pt")
+        out[architecture] = cm.round_trip(d, parallel=ParallelSection(tensor=2, pipeline=2))
+        distributed.setup(parallel=ParallelSection(), launch=LaunchSection(device="cpu"), seed=0)
+        ours = _megacli_logits(d / "mc")
+        distributed.teardown()
+        out[architecture]["tp1"] = [cm.max_diff(x, y) for x, y in zip(ours, ref, strict=True)]
     return out
 
 
@@ -118,11 +138,14 @@ def converted(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_round_trip_is_bitwise_and_logits_match_at_tp1(converted):
-    _, out = converted
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_round_trip_is_bitwise_and_logits_match_at_tp1(converted, architecture):
+    _, results = converted
+    out = results[architecture]
     assert out["same_keys"] and out["bitwise"]
     src, back = out["config"]
     assert src == back
+    assert len(out["tp1"]) == (2 if architecture.endswith("PreTraining") else 1)
     assert max(out["tp1"]) < TOL, out["tp1"]
 
 
@@ -131,9 +154,9 @@ def _logits_tp2_pp2(rank, world, root: str):
     from megacli.recipe.sections import LaunchSection, ParallelSection
 
     distributed.setup(parallel=ParallelSection(tensor=2, pipeline=2), launch=LaunchSection(device="cpu", nproc=4), seed=0)
-    out = _megacli_logits(Path(root) / "mc")
+    out = {a: _megacli_logits(Path(root) / a / "mc") for a in ARCHITECTURES}
     distributed.teardown()
-    return out
+    return out if any(v is not None for v in out.values()) else None
 
 
 @pytest.mark.slow
@@ -143,17 +166,46 @@ def test_logits_match_hf_at_tp2_pp2(converted):
     root, _ = converted
     results = [r for r in spawn(_logits_tp2_pp2, 4, str(root)) if r is not None]
     assert len(results) == 1, "exactly one rank (last stage, TP rank 0) reports logits"
-    ref = torch.load(root / "hf_logits.pt")
-    assert [cm.max_diff(x, y) < TOL for x, y in zip(results[0], ref)] == [True, True]
+    for architecture in ARCHITECTURES:
+        ref = torch.load(root / architecture / "hf_logits.pt")
+        diffs = [cm.max_diff(x, y) for x, y in zip(results[0][architecture], ref, strict=True)]
+        assert max(diffs) < TOL, (architecture, diffs)
 
 
-def test_post_ln_bert_is_refused_with_the_reason(tmp_path):
-    from transformers import BertConfig, BertForPreTraining
+def test_a_pretraining_checkpoint_with_gamma_beta_names_imports_as_masked_lm(tmp_path):
+    """bert-base-uncased's shape: config says BertForMaskedLM, the weights are a pretraining
+    checkpoint's (pooler and NSP head included) with LayerNorm gamma/beta names."""
+    from safetensors.torch import load_file, save_file
 
     from megacli.convert import convert
-    from megacli.errors import UserError
+    from megacli.recipe.base import load
+    from megacli.recipe.pretrain import TrainingRecipe
 
-    BertForPreTraining(BertConfig(**CONFIG, architectures=["BertForPreTraining"])).save_pretrained(tmp_path / "hf")
+    _build_hf(tmp_path / "hf", "BertForPreTraining")
+    weights = load_file(tmp_path / "hf" / "model.safetensors")
+    renamed = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+               for k, v in weights.items()}
+    assert any(k.endswith("gamma") for k in renamed)
+    save_file(renamed, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "architectures": ["BertForMaskedLM"]}))
+    convert(tmp_path / "hf", tmp_path / "mc", say=lambda *_: None)
+    recipe = load(TrainingRecipe, next((tmp_path / "mc").glob("iter_*")) / "recipe.yaml")
+    assert (recipe.model.norm_position, recipe.model.bert_binary_head, recipe.model.token_types) == ("post", False, 2)
+    convert(tmp_path / "mc", tmp_path / "hf2", say=lambda *_: None)
+    back = load_file(tmp_path / "hf2" / "model.safetensors")
+    assert not any(k.startswith(("bert.pooler", "cls.seq_relationship")) for k in back)
+    assert all(torch.equal(back[k], weights[k]) for k in back)
+    assert json.loads((tmp_path / "hf2" / "config.json").read_text())["architectures"] == ["BertForMaskedLM"]
+
+
+def test_a_bert_without_token_types_is_refused_on_export():
+    from megacli.convert import families
+    from megacli.errors import UserError
+    from megacli.recipe.sections import ModelSection
+
+    model = ModelSection(arch="bert", bert_binary_head=False)
     with pytest.raises(UserError) as err:
-        convert(tmp_path / "hf", tmp_path / "mc", say=lambda *_: None)
-    assert "post-LN" in str(err.value) and "MegatronBertForPreTraining" in str(err.value)
+        families.for_model(model)
+    assert "no token-type embeddings" in str(err.value) and "bert_token_types: 2" in str(err.value)
+    assert families.for_model(model.model_copy(update={"bert_token_types": 2}))[1] == "MegatronBertForMaskedLM"

@@ -38,10 +38,28 @@ from megacli.engine.models import mask_padded_vocab
 POSITION_TYPES = {"learned": "learned_absolute", "rope": "rope", "relative": "relative"}
 
 
-def layer_spec(*, model, self_attn_mask: AttnMaskType, cross_attention: bool) -> ModuleSpec:
-    """A pre-LN transformer layer: self-attention, optionally cross-attention (T5 decoder), MLP.
-    Checkpoint keys are those of Megatron's local BERT/T5 specs."""
+class PostNormAdd(torch.nn.Module):
+    """The residual step of a post-LN layer, norm(residual + dropout(output + bias)), in the
+    bias-dropout-add slot of Megatron's TransformerLayer (which calls ``bda(training, fused)`` and
+    then the function it returns). Its norm is stored as ``<layer>.self_attn_bda.norm.*`` /
+    ``<layer>.mlp_bda.norm.*``."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.norm = Norm(config, config.hidden_size, eps=config.layernorm_epsilon)
+
+    def forward(self, training: bool, fused: bool):
+        add = get_bias_dropout_add(training, fused)
+        return lambda output_with_bias, residual, prob: self.norm(add(output_with_bias, residual, prob))
+
+
+def layer_spec(*, model, self_attn_mask: AttnMaskType, cross_attention: bool, config=None) -> ModuleSpec:
+    """A transformer layer: self-attention, optionally cross-attention (T5 decoder), MLP. Pre-LN,
+    or post-LN for ``model.norm_position: post`` (then ``config``, the TransformerConfig, builds
+    the norms in the residual steps). Checkpoint keys are those of Megatron's local BERT/T5 specs."""
     qk_norm = Norm if model.qk_layernorm else IdentityOp
+    post = model.norm_position == "post"
+    residual = ModuleSpec(module=PostNormAdd, params={"config": config}) if post else get_bias_dropout_add
     cross = {}
     if cross_attention:
         cross = dict(
@@ -57,18 +75,18 @@ def layer_spec(*, model, self_attn_mask: AttnMaskType, cross_attention: bool) ->
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=Norm,
+            input_layernorm=IdentityOp if post else Norm,
             self_attention=ModuleSpec(
                 module=SelfAttention,
                 params={"attn_mask_type": self_attn_mask},
                 submodules=SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear, core_attention=CoreAttention,
                                                    linear_proj=RowParallelLinear, q_layernorm=qk_norm, k_layernorm=qk_norm),
             ),
-            self_attn_bda=get_bias_dropout_add,
+            self_attn_bda=residual,
             **cross,
-            pre_mlp_layernorm=Norm,
+            pre_mlp_layernorm=IdentityOp if post else Norm,
             mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
-            mlp_bda=get_bias_dropout_add,
+            mlp_bda=residual,
             sharded_state_dict_keys_map={
                 "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
                 "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
@@ -77,10 +95,11 @@ def layer_spec(*, model, self_attn_mask: AttnMaskType, cross_attention: bool) ->
     )
 
 
-def block_spec(layer: ModuleSpec, num_layers: int) -> ModuleSpec:
-    """``num_layers`` copies of ``layer`` and our final norm (Megatron's default one refuses SP)."""
-    return ModuleSpec(module=TransformerBlock,
-                      submodules=TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=Norm))
+def block_spec(layer: ModuleSpec, num_layers: int, *, final_norm: bool = True) -> ModuleSpec:
+    """``num_layers`` copies of ``layer`` and (unless post-LN) our final norm (Megatron's default
+    one refuses SP)."""
+    return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
+        layer_specs=[layer] * num_layers, layer_norm=Norm if final_norm else None))
 
 
 class BertModel(_MegatronBertModel):
@@ -108,12 +127,21 @@ def _bert_lm_head_norm():
         bert_lm_head.LNImpl = saved
 
 
+def _norm_embeddings(embedding, config) -> None:
+    """Post-LN BERT normalises the summed embeddings before their dropout: a norm stored as
+    ``embedding.layernorm.*``, applied on the way into the embedding's dropout (after the
+    sequence-parallel scatter, inside its RNG fork)."""
+    embedding.layernorm = Norm(config, config.hidden_size, eps=config.layernorm_epsilon)
+    embedding.embedding_dropout.register_forward_pre_hook(lambda _module, args: (embedding.layernorm(args[0]),))
+
+
 def build_bert(*, recipe, config, padded_vocab: int, vocab_size: int) -> list:
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
     m = recipe.model
-    layer = layer_spec(model=m, self_attn_mask=AttnMaskType.padding, cross_attention=False)
+    post = m.norm_position == "post"
+    layer = layer_spec(model=m, self_attn_mask=AttnMaskType.padding, cross_attention=False, config=config)
     vp = recipe.parallel.virtual_pipeline
     chunks = []
     for stage in range(vp or 1):
@@ -121,8 +149,9 @@ def build_bert(*, recipe, config, padded_vocab: int, vocab_size: int) -> list:
         with _bert_lm_head_norm():
             chunk = BertModel(
                 config=config,
-                num_tokentypes=2 if m.bert_binary_head else 0,
-                transformer_layer_spec=block_spec(layer, get_num_layers_to_build(config, vp_stage=vp_stage)),
+                num_tokentypes=m.token_types,
+                transformer_layer_spec=block_spec(layer, get_num_layers_to_build(config, vp_stage=vp_stage),
+                                                  final_norm=not post),
                 vocab_size=padded_vocab,
                 max_sequence_length=m.max_positions,
                 pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -136,6 +165,10 @@ def build_bert(*, recipe, config, padded_vocab: int, vocab_size: int) -> list:
             )
         if chunk.post_process:
             mask_padded_vocab(chunk.output_layer, vocab_size=vocab_size)
+            if not config.gated_linear_unit:  # Megatron's head hard-codes exact GELU; HF's uses the model's activation
+                chunk.lm_head.gelu = config.activation_func
+        if post and chunk.pre_process:
+            _norm_embeddings(chunk.embedding, config)
         chunks.append(chunk)
     return chunks
 

@@ -85,14 +85,15 @@ def bert_loss_func(loss_mask, sentence_order, output_tensor, *, labels=None, cus
     return loss, report
 
 
-def bert_forward_step(*, binary_head: bool, custom_loss=None):
-    """BERT micro-batch from Megatron's BERTMaskedWordPieceDataset: tokens, token types (with the
-    binary head), a padding mask (the dataset's 1 = token), masked-LM labels and the SOP label."""
+def bert_forward_step(*, token_types: bool, custom_loss=None):
+    """BERT micro-batch from Megatron's BERTMaskedWordPieceDataset: tokens, token types (when the
+    model has token-type embeddings), a padding mask (the dataset's 1 = token), masked-LM labels
+    and the SOP label."""
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
         attend = batch["padding_mask"] == 1
-        types = torch.where(attend, batch["types"], 0) if binary_head else None  # padded types hold the pad id
+        types = torch.where(attend, batch["types"], 0) if token_types else None  # padded types hold the pad id
         output = model(batch["text"], attend.long(), tokentype_ids=types, lm_labels=batch["labels"])
         return output, partial(bert_loss_func, batch["loss_mask"], batch["is_random"], labels=batch["labels"],
                                custom=custom_loss)
@@ -119,7 +120,7 @@ def forward_step_for(recipe, custom_loss=None):
     """The forward_step of the recipe's model.arch."""
     m = recipe.model
     if m.arch == "bert":
-        return bert_forward_step(binary_head=m.bert_binary_head, custom_loss=custom_loss)
+        return bert_forward_step(token_types=m.token_types > 0, custom_loss=custom_loss)
     if m.arch == "t5":
         return t5_forward_step(custom_loss=custom_loss)
     return gpt_forward_step(context_parallel=recipe.parallel.context, custom_loss=custom_loss)

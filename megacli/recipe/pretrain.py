@@ -148,6 +148,10 @@ class TrainingRecipe(Section):
         self._check_moe()
         if m.scale_decoder_output and m.arch != "t5":
             raise RecipeError("model.scale_decoder_output", True, f"is for t5 (its decoder output), not {m.arch}")
+        if m.arch != "bert":
+            for name, value, default in (("norm_position", m.norm_position, "pre"), ("bert_token_types", m.bert_token_types, None)):
+                if value != default:
+                    raise RecipeError(f"model.{name}", value, f"is for bert, not {m.arch}")
         if m.arch in ("bert", "t5"):
             self._check_bert_t5()
         if self.sft is not None:

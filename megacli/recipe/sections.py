@@ -126,8 +126,15 @@ class ModelSection(Section):
     """The embedding is padded to a multiple of this times the tensor-parallel size (fast GEMMs)."""
     init_method_std: PositiveFloat = 0.02
     """Std of the normal weight initialisation."""
+    norm_position: Literal["pre", "post"] = "pre"
+    """bert only: pre (a norm before attention and before the MLP, and a final norm: Megatron-LM's
+    BERT) or post (a norm after each residual sum and after the embeddings, no final norm: the
+    original BERT, Hugging Face's BertForPreTraining)."""
     bert_binary_head: bool = True
-    """bert only: train the sentence-order binary head beside masked LM."""
+    """bert only: train the sentence-order binary head (with its pooler) beside masked LM."""
+    bert_token_types: Optional[Literal[0, 2]] = None
+    """bert only: token-type (segment) embeddings, 0 or 2; default 2 with the binary head, 0 without
+    (Megatron-LM's rule). Hugging Face's *ForMaskedLM models have them without the head."""
     scale_decoder_output: bool = False
     """t5 only: multiply the decoder output by hidden_size**-0.5 before the LM head (the original T5
     with its tied head; T5 v1.1 and flan-T5 do not)."""
@@ -138,6 +145,13 @@ class ModelSection(Section):
     def gated(self) -> bool:
         """A gated MLP: linear_fc1 holds [gate; up]."""
         return self.activation in ("swiglu", "geglu")
+
+    @property
+    def token_types(self) -> int:
+        """Token-type embeddings of a BERT (bert_token_types, else 2 with the binary head, else 0)."""
+        if self.bert_token_types is not None:
+            return self.bert_token_types
+        return 2 if self.bert_binary_head else 0
 
     @property
     def query_groups(self) -> int:
