@@ -199,7 +199,7 @@ def _canonical_from_hf(hf_dir: Path, *, padded_rows: int) -> tuple[dict, object]
             if key in VOCAB_KEYS:
                 t = fit_vocab_rows(t, rows=padded_rows, vocab_size=model.vocab_size, key=key)
             out[key] = t
-    assert all(re.match(r"(embedding|decoder|output_layer)", k) for k in out)
+    assert all(re.match(r"(embedding|decoder|encoder|output_layer|lm_head|pooler|binary_head)\.", k) for k in out)
     return out, model
 
 

@@ -246,6 +246,8 @@ def problem(overrides) -> str:
 @pytest.mark.parametrize("overrides, words", [
     (["model.arch=t5", "parallel.pipeline=2", "launch.nproc=2"], "cannot pipeline T5"),
     (["model.scale_decoder_output=true"], "is for t5"),
+    (["model.norm_position=post"], "is for bert, not gpt"),
+    (["model.arch=t5", "model.bert_token_types=2"], "is for bert, not t5"),
     (["model.arch=bert", "data.mock=true", "data.path=null"], "sentence-split"),
     (["model.arch=bert", "parallel.context=2", "launch.nproc=2"], "context parallelism is for gpt"),
     (["model.arch=bert", "model.position_embedding=relative"], "supports learned, rope"),

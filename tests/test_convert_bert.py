@@ -209,3 +209,160 @@ def test_a_bert_without_token_types_is_refused_on_export():
         families.for_model(model)
     assert "no token-type embeddings" in str(err.value) and "bert_token_types: 2" in str(err.value)
     assert families.for_model(model.model_copy(update={"bert_token_types": 2}))[1] == "MegatronBertForMaskedLM"
+
+
+# ---------------------------------------------------------------- Megatron-LM legacy BERT checkpoints
+
+_LEGACY_LAYER_NAMES = [  # canonical -> megatron/legacy/model names (inside language_model.encoder)
+    ("self_attention.linear_qkv.layer_norm_", "input_norm."),
+    ("self_attention.linear_qkv.", "self_attention.query_key_value."),
+    ("self_attention.linear_proj.", "self_attention.dense."),
+    ("mlp.linear_fc1.layer_norm_", "post_attention_norm."),
+    ("mlp.linear_fc1.", "mlp.dense_h_to_4h."),
+    ("mlp.linear_fc2.", "mlp.dense_4h_to_h."),
+]
+
+
+def _legacy_bert_state(local: dict, style: str) -> dict:
+    """A stage's canonical tensors (local layer numbers) as pretrain_bert.py saves them: "mcore"
+    (Megatron-Core BertModel, local-spec norm names) or "legacy" (megatron/legacy/model/bert_model.py:
+    nested language_model dicts, lm_head.bias / lm_head.norm)."""
+    if style == "mcore":
+        return {k.replace("self_attention.linear_qkv.layer_norm_", "input_layernorm.")
+                 .replace("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm."): t for k, t in local.items()}
+    lm, encoder, out = {}, {}, {}
+    for key, t in local.items():
+        top, _, rest = key.partition(".")
+        if top == "embedding":
+            kind, _, name = rest.partition(".")
+            lm.setdefault("embedding", {}).setdefault(kind, {})[name] = t
+        elif key.startswith("encoder.layers."):
+            num, _, rest = rest[len("layers."):].partition(".")
+            for canon, legacy in _LEGACY_LAYER_NAMES:
+                if rest.startswith(canon):
+                    rest = legacy + rest[len(canon):]
+                    break
+            encoder[f"layers.{num}.{rest}"] = t
+        elif key.startswith("encoder.final_layernorm."):
+            encoder["final_norm." + key.rsplit(".", 1)[1]] = t
+        elif top == "pooler":
+            lm.setdefault("pooler", {})[rest] = t
+        elif key == "output_layer.bias":
+            out.setdefault("lm_head", {})["bias"] = t
+        elif top == "lm_head":
+            out.setdefault("lm_head", {})[rest.replace("layer_norm.", "norm.")] = t
+        elif top == "binary_head":
+            out.setdefault("binary_head", {})[rest] = t
+        elif key == "word_embeddings_for_head.weight":
+            out["word_embeddings_for_head"] = {"weight": t}
+    if encoder:
+        lm["encoder"] = encoder
+    return {"language_model": lm, **out}
+
+
+def _write_legacy_bert(hf_dir: Path, out: Path, *, tp: int, pp: int, style: str) -> None:
+    """A Megatron-LM legacy BERT checkpoint (pretrain_bert.py, --ckpt-format torch) of an HF
+    MegatronBertForPreTraining at TP × PP: iter_0000010/mp_rank_TT[_PPP]/model_optim_rng.pt."""
+    import argparse
+
+    vocab = len((hf_dir / "vocab.txt").read_text().splitlines()) + 2  # Megatron's WordPiece adds [BOS] [EOS]
+    padded = -(-vocab // (128 * tp)) * 128 * tp
+    tensors, m = cm._canonical_from_hf(hf_dir, padded_rows=padded)
+    args = argparse.Namespace(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+        ffn_hidden_size=m.ffn_size, seq_length=m.seq_length, max_position_embeddings=m.max_positions,
+        position_embedding_type="learned_absolute", normalization="LayerNorm", norm_epsilon=m.norm_epsilon,
+        add_bias_linear=True, bert_binary_head=True, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        make_vocab_size_divisible_by=128, padded_vocab_size=padded, tokenizer_type="BertWordPieceLowerCase",
+        vocab_file=str(hf_dir / "vocab.txt"), hidden_dropout=0.1, attention_dropout=0.1, iteration=10, ckpt_format="torch")
+    per_stage = m.num_layers // pp
+    column = ("word_embeddings.weight", "output_layer.bias", "linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight",
+              "linear_fc1.bias")
+    for p in range(pp):
+        local = {}
+        for key, t in tensors.items():
+            if key.startswith("encoder.layers."):
+                num, _, rest = key[len("encoder.layers."):].partition(".")
+                if p * per_stage <= int(num) < (p + 1) * per_stage:
+                    local[f"encoder.layers.{int(num) - p * per_stage}.{rest}"] = t
+            elif key.startswith("embedding."):
+                if p == 0:
+                    local[key] = t
+            elif p == pp - 1:
+                local[key] = t
+        if p == pp - 1 and pp > 1:  # the last stage's copy of the tied word embedding
+            name = "output_layer.weight" if style == "mcore" else "word_embeddings_for_head.weight"
+            local[name] = tensors["embedding.word_embeddings.weight"]
+        for r in range(tp):
+            def shard(key, t):
+                if key.endswith(column) or key == "word_embeddings_for_head.weight":
+                    return t.chunk(tp, dim=0)[r].clone()
+                if key.endswith(("linear_proj.weight", "linear_fc2.weight")):
+                    return t.chunk(tp, dim=1)[r].clone()
+                return t.clone()
+
+            state = _legacy_bert_state({k: shard(k, t) for k, t in local.items()}, style)
+            d = out / "iter_0000010" / (f"mp_rank_{r:02d}" + (f"_{p:03d}" if pp > 1 else ""))
+            d.mkdir(parents=True)
+            torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 10, "model": state,
+                        "optimizer": {}, "opt_param_scheduler": {}}, d / "model_optim_rng.pt")
+    (out / "latest_checkpointed_iteration.txt").write_text("10")
+
+
+@pytest.mark.parametrize("style, tp, pp", [("legacy", 2, 2), ("mcore", 2, 1)])
+def test_megatron_lm_legacy_bert_checkpoint_converts_with_the_same_logits(tmp_path, style, tp, pp):
+    """legacy -> HF: MegatronBertForPreTraining with the source model's logits (on the vocabulary
+    the HF model has; Megatron's tokenizer adds [BOS]/[EOS]) and BERT tokenizer files; legacy ->
+    megacli -> HF gives the same tensors."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer, MegatronBertForPreTraining
+
+    from megacli.convert import convert
+    from megacli.recipe.base import load
+    from megacli.recipe.pretrain import TrainingRecipe
+
+    source = _build_hf(tmp_path / "hf", "MegatronBertForPreTraining")
+    _write_legacy_bert(tmp_path / "hf", tmp_path / "legacy", tp=tp, pp=pp, style=style)
+    said = []
+    convert(tmp_path / "legacy", tmp_path / "out", to="hf", say=said.append)
+    assert any("legacy BERT checkpoint" in s for s in said), said
+    exported = MegatronBertForPreTraining.from_pretrained(tmp_path / "out").eval()
+    assert exported.config.vocab_size == cm.VOCAB + 2
+    ours, ref = _hf_logits(exported), _hf_logits(source)
+    assert cm.max_diff(ours[0][..., : cm.VOCAB], ref[0]) < TOL and cm.max_diff(ours[1], ref[1]) < TOL
+    text = "a b c w7"
+    assert AutoTokenizer.from_pretrained(tmp_path / "out")(text)["input_ids"] == \
+        AutoTokenizer.from_pretrained(tmp_path / "hf")(text)["input_ids"]
+
+    convert(tmp_path / "legacy", tmp_path / "mc", say=lambda *_: None)
+    recipe = load(TrainingRecipe, next((tmp_path / "mc").glob("iter_*")) / "recipe.yaml")
+    assert (recipe.model.arch, recipe.model.norm_position, recipe.model.bert_binary_head) == ("bert", "pre", True)
+    assert (recipe.tokenizer.type, Path(recipe.tokenizer.path).name) == ("wordpiece", "vocab.txt")
+    convert(tmp_path / "mc", tmp_path / "hf2", say=lambda *_: None)
+    a, b = load_file(tmp_path / "out" / "model.safetensors"), load_file(tmp_path / "hf2" / "model.safetensors")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_legacy_t5_is_refused_and_reshard_refuses_bert(tmp_path):
+    import argparse
+
+    from megacli.convert import convert
+    from megacli.errors import UserError
+    from megacli.reshard.legacy import LegacySource
+
+    d = tmp_path / "t5" / "iter_0000001" / "mp_rank_00"
+    d.mkdir(parents=True)
+    args = argparse.Namespace(num_layers=1, hidden_size=8, num_attention_heads=2, tensor_model_parallel_size=1,
+                              pipeline_model_parallel_size=1)
+    model = {"language_model": {"encoder": {"layers.0.mlp.dense_h_to_4h.weight": torch.zeros(2, 2)},
+                                "decoder": {"layers.0.inter_attention.query.weight": torch.zeros(2, 2)}}}
+    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 1, "model": model}, d / "model_optim_rng.pt")
+    (tmp_path / "t5" / "latest_checkpointed_iteration.txt").write_text("1")
+    with pytest.raises(UserError, match="encoder-decoder"):
+        convert(tmp_path / "t5", tmp_path / "out", say=lambda *_: None)
+    assert not (tmp_path / "out").exists()
+
+    _build_hf(tmp_path / "hf", "MegatronBertForPreTraining")
+    _write_legacy_bert(tmp_path / "hf", tmp_path / "bert", tp=1, pp=1, style="legacy")
+    with pytest.raises(UserError, match="megacli convert"):
+        LegacySource(tmp_path / "bert")

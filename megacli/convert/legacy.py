@@ -13,6 +13,10 @@ Megatron-Core's (``decoder.layers.N.self_attention.linear_qkv.weight``, with the
 Transformer-Engine or the local spec) or the legacy model's nested ``language_model`` dicts
 (``encoder.layers.N.self_attention.query_key_value.weight``); N counts layers within the chunk.
 
+GPT and BERT (pretrain_bert.py) checkpoints are read; BERT is told apart by its masked-LM head
+(``lm_head.*``) and its layers become ``encoder.layers.N`` (Megatron-Core's BertModel names). T5
+checkpoints (a decoder with cross-attention) are refused.
+
 Tensor-parallel shards are merged as tools/checkpoint/loader_core.py does: column-parallel
 weights along dim 0 (SwiGLU's [gate; up] halves per rank), row-parallel along dim 1, the rest
 taken from rank 0. Files are loaded with ``weights_only=True`` and an allow-list of the harmless
@@ -37,7 +41,7 @@ _RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(_\d{3})?\Z")
 
 # Legacy-model (megatron/legacy/model) and local-spec names -> canonical (TE-style) names.
 _RENAMES = [
-    (r"language_model\.embedding\.(word|position)_embeddings\.", r"embedding.\1_embeddings."),
+    (r"language_model\.embedding\.(word|position|tokentype)_embeddings\.", r"embedding.\1_embeddings."),
     (r"language_model\.(?:encoder|transformer)\.layers\.(\d+)\.(?:input_norm|input_layernorm)\.(weight|bias)",
      r"decoder.layers.\1.self_attention.linear_qkv.layer_norm_\2"),
     (r"language_model\.(?:encoder|transformer)\.layers\.(\d+)\.self_attention\.query_key_value\.",
@@ -49,17 +53,22 @@ _RENAMES = [
     (r"language_model\.(?:encoder|transformer)\.layers\.(\d+)\.mlp\.dense_4h_to_h\.", r"decoder.layers.\1.mlp.linear_fc2."),
     (r"language_model\.(?:encoder|transformer)\.(?:final_norm|final_layernorm)\.", r"decoder.final_layernorm."),
     (r"language_model\.output_layer\.", r"output_layer."),
-    (r"decoder\.layers\.(\d+)\.input_layernorm\.(weight|bias)", r"decoder.layers.\1.self_attention.linear_qkv.layer_norm_\2"),
-    (r"decoder\.layers\.(\d+)\.pre_mlp_layernorm\.(weight|bias)", r"decoder.layers.\1.mlp.linear_fc1.layer_norm_\2"),
+    (r"(decoder|encoder)\.layers\.(\d+)\.input_layernorm\.(weight|bias)", r"\1.layers.\2.self_attention.linear_qkv.layer_norm_\3"),
+    (r"(decoder|encoder)\.layers\.(\d+)\.pre_mlp_layernorm\.(weight|bias)", r"\1.layers.\2.mlp.linear_fc1.layer_norm_\3"),
+    # BERT: the legacy model's pooler and masked-LM head (its vocabulary bias, its norm named norm or layernorm).
+    (r"language_model\.pooler\.", r"pooler."),
+    (r"lm_head\.bias\Z", r"output_layer.bias"),
+    (r"lm_head\.(?:norm|layernorm)\.", r"lm_head.layer_norm."),
 ]
 _RENAMES = [(re.compile(a), b) for a, b in _RENAMES]
 # Not weights: TE/fp8 extra state, RoPE frequency buffers, the last stage's copy of a tied embedding.
 _SKIP = re.compile(r"(_extra_state$|inv_freq$|^word_embeddings_for_head\.)")
 
-_COLUMN = ("embedding.word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias",
-           "linear_fc1.weight", "linear_fc1.bias")
+_COLUMN = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias", "linear_qkv.weight",
+           "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias")
 _ROW = ("linear_proj.weight", "linear_fc2.weight")
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_LAYER = re.compile(r"^(?:decoder|encoder)\.layers\.(\d+)\.(.*)$")
+_CROSS_ATTENTION = re.compile(r"(inter_attention|cross_attention|language_model\.decoder\.)")
 
 
 # ---------------------------------------------------------------- safe loading
@@ -185,8 +194,11 @@ def _arg(args, name, default=None):
     return default if value is None else value
 
 
-def model_section_from_args(args, vocab_size: int) -> dict:
-    """The recipe ``model:`` section for a Megatron-LM run's arguments."""
+def model_section_from_args(args, vocab_size: int, arch: str = "gpt") -> dict:
+    """The recipe ``model:`` section for a Megatron-LM run's arguments (``arch``: gpt or bert)."""
+    if _arg(args, "apply_residual_connection_post_layernorm", False):
+        raise UserError("apply_residual_connection_post_layernorm checkpoints are not supported (the residual "
+                        "stream takes the normalised input, which megacli's layers do not express)")
     if _arg(args, "num_experts"):
         raise UserError("legacy MoE checkpoints (num_experts) are not supported")
     if _arg(args, "rotary_interleaved", False):
@@ -207,8 +219,8 @@ def model_section_from_args(args, vocab_size: int) -> dict:
     else:
         activation = "gelu"
     seq = _arg(args, "seq_length", 1024)
-    return dict(
-        arch="gpt",
+    section = dict(
+        arch=arch,
         num_layers=args.num_layers,
         hidden_size=hidden,
         num_attention_heads=heads,
@@ -233,6 +245,9 @@ def model_section_from_args(args, vocab_size: int) -> dict:
         make_vocab_size_divisible_by=_arg(args, "make_vocab_size_divisible_by", 128),
         init_method_std=_arg(args, "init_method_std", 0.02),
     )
+    if arch == "bert":  # pretrain_bert.py: token types and the pooler come with the binary head
+        section.update(bert_binary_head=bool(_arg(args, "bert_binary_head", True)))
+    return section
 
 
 class LegacyCheckpoint:
@@ -265,6 +280,7 @@ class LegacyCheckpoint:
         self.num_layers = self.args.num_layers
         if self.num_layers % (self.pp * self.vp):
             raise UserError(f"num_layers = {self.num_layers} is not divisible by PP × VPP = {self.pp * self.vp}")
+        self.arch = self._arch(first)
         self.untied = bool(_arg(self.args, "untie_embeddings_and_output_weights", False))
         self.swiglu = bool(_arg(self.args, "swiglu", False))
         self._stage: tuple[int, dict[str, list[torch.Tensor]]] | None = None
@@ -272,6 +288,23 @@ class LegacyCheckpoint:
 
     def _load(self, f: Path) -> dict:
         return load_file(f, trust_pickle=self.trust_pickle)
+
+    def _arch(self, first: dict) -> str:
+        """gpt or bert, from the first and last stage's keys: BERT has a masked-LM head (lm_head.*)
+        on its last stage; T5 (refused) has a decoder with cross-attention beside an encoder."""
+        last = first if self.pp == 1 else self._load(self.files[(0, self.pp - 1)])
+        keys = [k for state in (first, last) for name in state if name == "model" or re.fullmatch(r"model\d+", name)
+                for k in flatten(state[name])]
+        stacks = {k.split(".", 1)[0] for k in keys if re.match(r"(encoder|decoder)\.layers\.", k)}
+        if any(_CROSS_ATTENTION.search(k) for k in keys) or stacks == {"encoder", "decoder"}:
+            raise UserError(f"{self.it_dir}: an encoder-decoder (T5) checkpoint; Megatron-LM legacy T5 checkpoints are "
+                            f"not supported (GPT and BERT are)")
+        return "bert" if any(k.startswith("lm_head.") for k in keys) else "gpt"
+
+    @property
+    def _stack(self) -> str:
+        """The canonical name of the layer stack: Megatron-Core's BertModel calls it encoder."""
+        return "encoder" if self.arch == "bert" else "decoder"
 
     # --- what the model is
 
@@ -286,11 +319,14 @@ class LegacyCheckpoint:
         given = _arg(self.args, "vocab_size")
         if given:
             return int(given)
+        from megacli.data.tokenizers import load_tokenizer
+
         tok = self.tokenizer_dir()
         if tok is not None:
-            from megacli.data.tokenizers import load_tokenizer
-
             return load_tokenizer(type="huggingface", path=str(tok)).vocab_size
+        vocab = self.wordpiece_vocab()
+        if vocab is not None:  # with the [BOS]/[EOS] Megatron's WordPiece tokenizer appends
+            return load_tokenizer(type="wordpiece", path=str(vocab)).vocab_size
         return self.padded_vocab_rows()
 
     def tokenizer_dir(self) -> Path | None:
@@ -301,8 +337,16 @@ class LegacyCheckpoint:
                 return p
         return None
 
+    def wordpiece_vocab(self) -> Path | None:
+        """The run's BERT WordPiece vocab.txt (tokenizer_type BertWordPiece*), when it exists here."""
+        if _arg(self.args, "tokenizer_type") in ("BertWordPieceLowerCase", "BertWordPieceCase"):
+            p = Path(str(_arg(self.args, "vocab_file", "")))
+            if p.is_file():
+                return p
+        return None
+
     def model_section(self) -> dict:
-        return model_section_from_args(self.args, self.vocab_size())
+        return model_section_from_args(self.args, self.vocab_size(), arch=self.arch)
 
     def dtype(self) -> torch.dtype:
         emb = self._stage_tensors(0).get("embedding.word_embeddings.weight")
@@ -330,9 +374,11 @@ class LegacyCheckpoint:
                     name = canonical_name(key)
                     if name is None or not isinstance(tensor, torch.Tensor):
                         continue
+                    if name.startswith("decoder.") and self.arch == "bert":  # the legacy model's encoder
+                        name = "encoder." + name[len("decoder."):]
                     m = _LAYER.match(name)
                     if m:
-                        name = f"decoder.layers.{int(m.group(1)) + offset}.{m.group(2)}"
+                        name = f"{self._stack}.layers.{int(m.group(1)) + offset}.{m.group(2)}"
                     if name == "output_layer.weight" and not self.untied:
                         continue  # the last stage's copy of the tied embedding
                     shards.setdefault(name, []).append(tensor)

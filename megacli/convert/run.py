@@ -198,6 +198,10 @@ def _legacy_to_megacli(legacy, work: Path, final: Path, *, parallel, dtype: str 
     hf_dir = work / HF_DIR
     copied = hf_io.copy_tokenizer_files(legacy.tokenizer_dir(), hf_dir) if legacy.tokenizer_dir() else []
     tokenizer = _tokenizer_section(final / HF_DIR, copied)
+    if legacy.wordpiece_vocab() is not None:
+        hf_dir.mkdir(exist_ok=True)
+        shutil.copy2(legacy.wordpiece_vocab(), hf_dir / "vocab.txt")
+        copied, tokenizer = ["vocab.txt"], {"type": "wordpiece", "path": str(final / HF_DIR / "vocab.txt")}
     recipe = converted_recipe(model=model, parallel=parallel, precision=precision, tokenizer=tokenizer, resume=final)
 
     def check_keys(megatron_keys: list[str]) -> None:
@@ -213,8 +217,8 @@ def _legacy_to_megacli(legacy, work: Path, final: Path, *, parallel, dtype: str 
                             extra_meta={"converted_from": {"format": "megatron-lm legacy", "path": str(legacy.root.resolve()),
                                                            "layout": {"tensor": legacy.tp, "pipeline": legacy.pp,
                                                                       "virtual_pipeline": legacy.vp}}})
-    say(f"Megatron-LM legacy checkpoint (TP={legacy.tp} PP={legacy.pp}, iteration {legacy.iteration}) -> megacli "
-        f"checkpoint {final / ckpt.name} ({precision})")
+    say(f"Megatron-LM legacy {model['arch'].upper()} checkpoint (TP={legacy.tp} PP={legacy.pp}, iteration "
+        f"{legacy.iteration}) -> megacli checkpoint {final / ckpt.name} ({precision}; tokenizer: {tokenizer['type']})")
 
 
 # ---------------------------------------------------------------- into Hugging Face
@@ -330,16 +334,24 @@ def _tokenizer_source(recipe) -> Path | None:
 def _legacy_to_hf(legacy, work: Path, *, dtype: str | None, max_shard_size, say: Say) -> None:
     from megacli.recipe.sections import ModelSection
 
+    from megacli.data.tokenizers import load_tokenizer
+
     model = ModelSection(**legacy.model_section())
-    tok_dir = legacy.tokenizer_dir()
+    tok_dir, wordpiece = legacy.tokenizer_dir(), legacy.wordpiece_vocab()
     tokenizer = None
     if tok_dir is not None:
-        from megacli.data.tokenizers import load_tokenizer
-
         tokenizer = load_tokenizer(type="huggingface", path=str(tok_dir))
+    elif wordpiece is not None:
+        tokenizer = load_tokenizer(type="wordpiece", path=str(wordpiece))
     _export_hf(legacy, model, work, vocab=model.vocab_size, carried=None, tokenizer=tokenizer, tokenizer_src=tok_dir,
                dtype=dtype, max_shard_size=max_shard_size, say=say,
-               what=f"Megatron-LM legacy checkpoint {legacy.it_dir} (TP={legacy.tp} PP={legacy.pp})")
+               what=f"Megatron-LM legacy {model.arch.upper()} checkpoint {legacy.it_dir} (TP={legacy.tp} PP={legacy.pp})")
+    if wordpiece is not None:  # Hugging Face's tokenizer files for the run's BERT vocabulary
+        from transformers import BertTokenizerFast
+
+        lower = legacy.args.tokenizer_type == "BertWordPieceLowerCase"
+        BertTokenizerFast(vocab_file=str(wordpiece), do_lower_case=lower).save_pretrained(work)
+        say(f"tokenizer: {wordpiece} -> BertTokenizerFast ({'lower case' if lower else 'cased'})")
 
 
 def _export_hf(source, model, work: Path, *, vocab: int, carried: Path | None, tokenizer, tokenizer_src: Path | None,

@@ -131,6 +131,10 @@ class LegacySource:
         quiet_megatron_imports()  # the safe-load allow-list imports Megatron's enums
 
         self.ck = LegacyCheckpoint(Path(path), trust_pickle=trust_pickle)
+        if self.ck.arch != "gpt":
+            raise UserError(f"{self.ck.it_dir}: a Megatron-LM {self.ck.arch.upper()} checkpoint; reshard imports legacy GPT "
+                            f"checkpoints with their optimizer state. For the weights, use `megacli convert "
+                            f"{path} DST` (then pretrain/finetune from DST)")
         self.args = self.ck.args
         self.tp, self.pp, self.vp = self.ck.tp, self.ck.pp, self.ck.vp
         self.num_layers = self.ck.num_layers
