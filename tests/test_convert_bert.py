@@ -41,7 +41,7 @@ def _hf_class(architecture: str):
 
 
 def _build_hf(path: Path, architecture: str):
-    from transformers import BertTokenizerFast
+    from megacli.convert import hf_io
 
     config_class, model_class = _hf_class(architecture)
     torch.manual_seed(0)
@@ -56,7 +56,7 @@ def _build_hf(path: Path, architecture: str):
     # A WordPiece vocabulary with BERT's special tokens (what masking needs), one entry per row.
     words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"abcdefghijklmnopqrstuvwxyz"]
     (path / "vocab.txt").write_text("\n".join(words + [f"w{i}" for i in range(cm.VOCAB - len(words))]) + "\n")
-    BertTokenizerFast(vocab_file=str(path / "vocab.txt")).save_pretrained(path)
+    hf_io.save_wordpiece_tokenizer(path / "vocab.txt", path, lower_case=True)
     return model
 
 
@@ -330,9 +330,10 @@ def test_megatron_lm_legacy_bert_checkpoint_converts_with_the_same_logits(tmp_pa
     assert exported.config.vocab_size == cm.VOCAB + 2
     ours, ref = _hf_logits(exported), _hf_logits(source)
     assert cm.max_diff(ours[0][..., : cm.VOCAB], ref[0]) < TOL and cm.max_diff(ours[1], ref[1]) < TOL
-    text = "a b c w7"
-    assert AutoTokenizer.from_pretrained(tmp_path / "out")(text)["input_ids"] == \
-        AutoTokenizer.from_pretrained(tmp_path / "hf")(text)["input_ids"]
+    words = (tmp_path / "hf" / "vocab.txt").read_text().splitlines()
+    text = "a B c w7"  # BertWordPieceLowerCase: lower-cased, each word one vocabulary entry
+    assert AutoTokenizer.from_pretrained(tmp_path / "out")(text, add_special_tokens=False)["input_ids"] == \
+        [words.index(w) for w in text.lower().split()]
 
     convert(tmp_path / "legacy", tmp_path / "mc", say=lambda *_: None)
     recipe = load(TrainingRecipe, next((tmp_path / "mc").glob("iter_*")) / "recipe.yaml")

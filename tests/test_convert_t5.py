@@ -32,7 +32,8 @@ def _batch():
 
 
 def _build_hf(name: str, path: Path):
-    from transformers import BertTokenizerFast, T5Config, T5ForConditionalGeneration
+    from megacli.convert import hf_io
+    from transformers import T5Config, T5ForConditionalGeneration
 
     kwargs, tied, scaled = MODELS[name]
     # transformers 5 reads tie_word_embeddings at construction as "scale the decoder output", and ties
@@ -50,7 +51,7 @@ def _build_hf(name: str, path: Path):
     # A WordPiece vocabulary with the special tokens the T5 recipe needs (sentinels are appended).
     words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
     (path / "vocab.txt").write_text("\n".join(words + [f"w{i}" for i in range(cm.VOCAB - 100 - len(words))]) + "\n")
-    BertTokenizerFast(vocab_file=str(path / "vocab.txt")).save_pretrained(path)
+    hf_io.save_wordpiece_tokenizer(path / "vocab.txt", path, lower_case=True)
     enc, dec, attend = _batch()
     with torch.no_grad():
         return model(input_ids=enc, attention_mask=attend, decoder_input_ids=dec).logits.float()
@@ -135,3 +136,43 @@ def test_logits_match_hf_at_tp2(converted):
     for name in MODELS:
         assert second[name] is None
         assert cm.max_diff(first[name], torch.load(root / name / "hf_logits.pt")) < TOL, name
+
+
+PROMPTS = ["w5 w17 w3 w40 w2 w9 w11", "w8 w1"]  # two lengths: the second encoder input is padded
+NEW = 8
+GENERATE_MODEL = "t5_gated_tied"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tensor", [1, 2])
+def test_generate_greedy_equals_hf_generate(converted, tensor, tmp_path):
+    """`megacli generate` on a converted T5 (flan-T5 style: gated GELU, tied head) gives Hugging
+    Face's greedy tokens for a padded batch: the decoder starts from the carried config's
+    decoder_start_token_id, the encoder masks the padding."""
+    import json
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer, T5ForConditionalGeneration
+
+    root, _ = converted
+    hf_dir = root / GENERATE_MODEL / "hf"
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    enc = tok(PROMPTS, add_special_tokens=False, padding=True, return_tensors="pt")
+    model = T5ForConditionalGeneration.from_pretrained(hf_dir).eval()
+    model.generation_config.eos_token_id = None  # run all NEW steps, as stop_at_eod=false does below
+    with torch.no_grad():
+        ref = model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], max_new_tokens=NEW,
+                             do_sample=False)
+    assert (ref[:, 0] == 0).all()  # HF starts the decoder from decoder_start_token_id (0)
+    want = [row[1:].tolist() for row in ref]
+    assert want[0] != want[1] and len(set(want[0])) > 1, want  # continuations that depend on the input
+
+    out = tmp_path / "out.jsonl"
+    args = ["--checkpoint", root / GENERATE_MODEL / "mc", *[x for p in PROMPTS for x in ("--prompt", p)], "-n", NEW,
+            "--tensor", tensor, "--output", out, "--set", "generate.stop_at_eod=false", "--set", f"run.dir={tmp_path / 'run'}"]
+    res = subprocess.run([sys.executable, "-m", "megacli", "generate", *map(str, args)], capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = [json.loads(line)["tokens"] for line in out.read_text().splitlines()]
+    assert got == want

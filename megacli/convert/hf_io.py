@@ -260,3 +260,13 @@ def copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
             shutil.copy2(src / name, dst / name)
             copied.append(name)
     return copied
+
+
+def save_wordpiece_tokenizer(vocab: Path, dst: Path, *, lower_case: bool) -> None:
+    """Hugging Face BERT tokenizer files (BertTokenizerFast) for a WordPiece vocab.txt. Built through
+    the tokenizers library: transformers 5's BertTokenizerFast ignores a vocab_file argument."""
+    from tokenizers import BertWordPieceTokenizer
+    from transformers import BertTokenizerFast
+
+    wordpiece = BertWordPieceTokenizer(str(vocab), lowercase=lower_case)
+    BertTokenizerFast(tokenizer_object=wordpiece._tokenizer, do_lower_case=lower_case).save_pretrained(dst)

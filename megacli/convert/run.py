@@ -224,6 +224,12 @@ def _legacy_to_megacli(legacy, work: Path, final: Path, *, parallel, dtype: str 
 # ---------------------------------------------------------------- into Hugging Face
 
 
+def carried_hf_config(ckpt: Path, recipe) -> dict | None:
+    """The Hugging Face config.json a converted checkpoint carries, None for other checkpoints."""
+    carried = _carried_hf_dir(ckpt, recipe)
+    return hf_io.read_json(carried / hf_io.CONFIG) if carried is not None else None
+
+
 def _carried_hf_dir(ckpt: Path, recipe) -> Path | None:
     """The source HF config a converted checkpoint carries (DST/hf), or the tokenizer directory
     when it holds a config.json."""
@@ -347,10 +353,8 @@ def _legacy_to_hf(legacy, work: Path, *, dtype: str | None, max_shard_size, say:
                dtype=dtype, max_shard_size=max_shard_size, say=say,
                what=f"Megatron-LM legacy {model.arch.upper()} checkpoint {legacy.it_dir} (TP={legacy.tp} PP={legacy.pp})")
     if wordpiece is not None:  # Hugging Face's tokenizer files for the run's BERT vocabulary
-        from transformers import BertTokenizerFast
-
         lower = legacy.args.tokenizer_type == "BertWordPieceLowerCase"
-        BertTokenizerFast(vocab_file=str(wordpiece), do_lower_case=lower).save_pretrained(work)
+        hf_io.save_wordpiece_tokenizer(wordpiece, work, lower_case=lower)
         say(f"tokenizer: {wordpiece} -> BertTokenizerFast ({'lower case' if lower else 'cased'})")
 
 

@@ -343,7 +343,7 @@ class Seq2Seq:
     per batch, the decoder over the whole target prefix at each step (no KV cache: T5's decoder
     inputs here are short, and its relative position biases are computed per length)."""
 
-    def __init__(self, recipe, runtime, *, vocab_size: int):
+    def __init__(self, recipe, runtime, *, vocab_size: int, bos: int | None):
         from megacli.engine import checkpoint
         from megacli.engine.models import build_model, transformer_config, unwrap
 
@@ -357,6 +357,19 @@ class Seq2Seq:
         checkpoint.load(ckpt=ckpt, chunks=chunks, optimizer=None, scheduler=None, load_optimizer=False)
         self.net, self.device, self.vocab_size = unwrap(chunks[0]).eval(), runtime.device, vocab_size
         self.recipe = recipe
+        self.decoder_start = self._decoder_start(ckpt, bos)
+
+    def _decoder_start(self, ckpt, bos: int | None) -> int:
+        from megacli.convert.run import carried_hf_config
+
+        start = self.recipe.generate.decoder_start_token
+        if start is None:
+            start = (carried_hf_config(ckpt, self.recipe) or {}).get("decoder_start_token_id", bos)
+        if start is None:
+            raise UserError("the tokenizer has no BOS token to start the T5 decoder with; set generate.decoder_start_token")
+        if not 0 <= start < self.vocab_size:
+            raise UserError(f"generate.decoder_start_token = {start} is outside the vocabulary (0..{self.vocab_size - 1})")
+        return int(start)
 
     @torch.no_grad()
     def encode(self, enc: torch.Tensor, enc_pad: torch.Tensor) -> torch.Tensor:
@@ -374,7 +387,8 @@ class Seq2Seq:
 
 
 class Seq2SeqGenerator(Generator):
-    """Greedy or sampled T5 generation: prompts go to the encoder, the decoder starts from BOS."""
+    """Greedy or sampled T5 generation: prompts go to the encoder, the decoder starts from
+    generate.decoder_start_token (see its default)."""
 
     def _check_length(self, prompt: str, n: int) -> None:
         m = self.model.recipe.model
@@ -396,7 +410,7 @@ class Seq2SeqGenerator(Generator):
         lengths = torch.tensor([len(x) for x in encoded], device=device)
         enc_pad = (torch.arange(width, device=device)[None, :] >= lengths[:, None])[:, None, None, :]
         hidden = self.model.encode(enc, enc_pad)
-        dec = torch.full((b, 1), self.tok.bos, dtype=torch.long, device=device)
+        dec = torch.full((b, 1), self.model.decoder_start, dtype=torch.long, device=device)
         generated, logprobs = [[] for _ in range(b)], [[] for _ in range(b)]
         done = torch.zeros(b, dtype=torch.bool)
         top_p = g.top_p
@@ -446,7 +460,7 @@ def build_generator(recipe, runtime) -> Generator:
         from megacli.engine.data import MegatronTokenizer
 
         vocab = recipe.model.vocab_size or MegatronTokenizer(tok, sentinels=recipe.masking.sentinel_tokens).vocab_size
-        return Seq2SeqGenerator(Seq2Seq(recipe, runtime, vocab_size=vocab), tok, recipe.generate)
+        return Seq2SeqGenerator(Seq2Seq(recipe, runtime, vocab_size=vocab, bos=tok.bos), tok, recipe.generate)
     return Generator(Model(recipe, runtime, vocab_size=recipe.model.vocab_size or tok.vocab_size), tok, recipe.generate)
 
 

@@ -43,6 +43,9 @@ class GenerateSection(Section):
     """Beam search: a finished beam scores sum(logprobs) / generated_length ** length_penalty."""
     add_bos: bool = False
     """Put the tokenizer's BOS token in front of every prompt."""
+    decoder_start_token: Optional[int] = None
+    """t5: the decoder's first input token. Default: decoder_start_token_id of the Hugging Face
+    config a converted checkpoint carries, else the tokenizer's BOS (as Megatron's T5 pretraining)."""
     stop_at_eod: bool = True
     """Stop a sequence at the tokenizer's end-of-document token."""
     stop_tokens: list[int] = []
