@@ -227,28 +227,40 @@ _LEGACY_MODEL_NAMES = [  # canonical -> megatron/legacy/model names (inside lang
 ]
 
 
-def _legacy_model_state(local: dict) -> dict:
-    """Canonical (local layer numbers) -> the legacy GPTModel's nested state_dict_for_save_checkpoint."""
+def _legacy_model_state(local: dict, stack: str = "decoder") -> dict:
+    """Canonical (local layer numbers) -> the legacy model's nested state_dict_for_save_checkpoint:
+    GPTModel's (``stack`` decoder), or BertModel's (``stack`` encoder; with its pooler, masked-LM
+    head whose vocabulary bias is lm_head.bias and norm lm_head.norm, and binary head)."""
     lm: dict = {}
     encoder: dict = {}
+    out: dict = {}
     for key, t in local.items():
-        if key.startswith("embedding."):
-            kind, _, rest = key[len("embedding."):].partition(".")
+        top, _, rest = key.partition(".")
+        if top == "embedding":
+            kind, _, rest = rest.partition(".")
             lm.setdefault("embedding", {}).setdefault(kind, {})[rest] = t
-        elif key.startswith("decoder.layers."):
-            num, _, rest = key[len("decoder.layers."):].partition(".")
+        elif key.startswith(f"{stack}.layers."):
+            num, _, rest = key[len(f"{stack}.layers."):].partition(".")
             for canon, legacy in _LEGACY_MODEL_NAMES:
                 if rest.startswith(canon):
                     rest = legacy + rest[len(canon):]
                     break
             encoder[f"layers.{num}.{rest}"] = t
-        elif key.startswith("decoder.final_layernorm."):
+        elif key.startswith(f"{stack}.final_layernorm."):
             encoder["final_norm." + key.rsplit(".", 1)[1]] = t
         elif key == "output_layer.weight":
             lm.setdefault("output_layer", {})["weight"] = t
+        elif key == "output_layer.bias":
+            out.setdefault("lm_head", {})["bias"] = t
+        elif top == "pooler":
+            lm.setdefault("pooler", {})[rest] = t
+        elif top == "lm_head":
+            out.setdefault("lm_head", {})[rest.replace("layer_norm.", "norm.")] = t
+        elif top in ("binary_head", "word_embeddings_for_head"):
+            out.setdefault(top, {})[rest] = t
     if encoder:
         lm["encoder"] = encoder
-    return {"language_model": lm}
+    return {"language_model": lm, **out}
 
 
 def write_legacy(hf_dir: Path, out: Path, *, tp: int, pp: int, iteration: int = 10, style: str = "mcore",

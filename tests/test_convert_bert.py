@@ -213,16 +213,6 @@ def test_a_bert_without_token_types_is_refused_on_export():
 
 # ---------------------------------------------------------------- Megatron-LM legacy BERT checkpoints
 
-_LEGACY_LAYER_NAMES = [  # canonical -> megatron/legacy/model names (inside language_model.encoder)
-    ("self_attention.linear_qkv.layer_norm_", "input_norm."),
-    ("self_attention.linear_qkv.", "self_attention.query_key_value."),
-    ("self_attention.linear_proj.", "self_attention.dense."),
-    ("mlp.linear_fc1.layer_norm_", "post_attention_norm."),
-    ("mlp.linear_fc1.", "mlp.dense_h_to_4h."),
-    ("mlp.linear_fc2.", "mlp.dense_4h_to_h."),
-]
-
-
 def _legacy_bert_state(local: dict, style: str) -> dict:
     """A stage's canonical tensors (local layer numbers) as pretrain_bert.py saves them: "mcore"
     (Megatron-Core BertModel, local-spec norm names) or "legacy" (megatron/legacy/model/bert_model.py:
@@ -230,34 +220,7 @@ def _legacy_bert_state(local: dict, style: str) -> dict:
     if style == "mcore":
         return {k.replace("self_attention.linear_qkv.layer_norm_", "input_layernorm.")
                  .replace("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm."): t for k, t in local.items()}
-    lm, encoder, out = {}, {}, {}
-    for key, t in local.items():
-        top, _, rest = key.partition(".")
-        if top == "embedding":
-            kind, _, name = rest.partition(".")
-            lm.setdefault("embedding", {}).setdefault(kind, {})[name] = t
-        elif key.startswith("encoder.layers."):
-            num, _, rest = rest[len("layers."):].partition(".")
-            for canon, legacy in _LEGACY_LAYER_NAMES:
-                if rest.startswith(canon):
-                    rest = legacy + rest[len(canon):]
-                    break
-            encoder[f"layers.{num}.{rest}"] = t
-        elif key.startswith("encoder.final_layernorm."):
-            encoder["final_norm." + key.rsplit(".", 1)[1]] = t
-        elif top == "pooler":
-            lm.setdefault("pooler", {})[rest] = t
-        elif key == "output_layer.bias":
-            out.setdefault("lm_head", {})["bias"] = t
-        elif top == "lm_head":
-            out.setdefault("lm_head", {})[rest.replace("layer_norm.", "norm.")] = t
-        elif top == "binary_head":
-            out.setdefault("binary_head", {})[rest] = t
-        elif key == "word_embeddings_for_head.weight":
-            out["word_embeddings_for_head"] = {"weight": t}
-    if encoder:
-        lm["encoder"] = encoder
-    return {"language_model": lm, **out}
+    return cm._legacy_model_state(local, stack="encoder")
 
 
 def _write_legacy_bert(hf_dir: Path, out: Path, *, tp: int, pp: int, style: str) -> None:
