@@ -31,6 +31,8 @@ def _batch():
 
 
 ARCHITECTURES = ("BertForPreTraining", "BertForMaskedLM", "MegatronBertForPreTraining", "MegatronBertForMaskedLM")
+# One model with the tanh GELU: the masked-LM head's transform must use it too (Megatron's hard-codes GELU).
+CONFIG_CHANGES = {"BertForMaskedLM": dict(hidden_act="gelu_new")}
 
 
 def _hf_class(architecture: str):
@@ -45,7 +47,7 @@ def _build_hf(path: Path, architecture: str):
 
     config_class, model_class = _hf_class(architecture)
     torch.manual_seed(0)
-    model = model_class(config_class(**CONFIG, architectures=[architecture]))
+    model = model_class(config_class(**{**CONFIG, **CONFIG_CHANGES.get(architecture, {})}, architectures=[architecture]))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("ln.weight") or "LayerNorm.weight" in name:
