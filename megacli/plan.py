@@ -20,61 +20,96 @@ def padded_vocab_size(vocab_size: int, *, divisible_by: int, tensor_parallel: in
     return -(-vocab_size // multiple) * multiple
 
 
+def model_vocab_size(recipe: TrainingRecipe, tokenizer) -> int:
+    """The vocabulary the model is built with: model.vocab_size, else the tokenizer's (T5: plus the
+    sentinel tokens it lacks, appended as Megatron-LM's vocab_extra_ids)."""
+    from megacli.data.tokenizers import SENTINEL
+
+    m = recipe.model
+    if m.vocab_size:
+        return m.vocab_size
+    size = tokenizer.vocab_size
+    if m.arch == "t5":
+        known = set(tokenizer.vocabulary().values())
+        size += sum(SENTINEL.format(k) not in known for k in range(recipe.masking.sentinel_tokens))
+    return size
+
+
 @dataclass(frozen=True)
 class ParamCounts:
-    embedding: int  # word (+ learned position) embedding
-    per_layer: int  # a dense layer
-    final_norm: int
-    output_layer: int  # 0 when tied to the embedding
+    embedding: int  # word (+ learned position, + BERT token-type) embedding
+    per_layer: int  # a dense layer (T5: an encoder layer)
+    layers: int  # how many layers (T5: encoder layers), MoE ones included
+    final_norm: int  # T5: one per stack
+    output_layer: int  # untied output weight and the output bias (BERT: always; T5 tied: a bias)
+    heads: int = 0  # BERT: LM-head transform, pooler and binary head; T5: relative position bias tables
+    per_decoder_layer: int = 0  # T5: self-attention, cross-attention and MLP
+    decoder_layers: int = 0
     moe_layers: int = 0  # how many layers are MoE
     moe_layer: int = 0  # a MoE layer: attention, norms, router, every expert, the shared expert
     moe_layer_active: int = 0  # the part of a MoE layer one token goes through (top-k experts)
     moe_experts: int = 0  # the routed experts' share of moe_layer (split over EP × expert TP)
 
-    def total(self, num_layers: int) -> int:
-        return self._sum(num_layers, self.moe_layer)
+    @property
+    def total(self) -> int:
+        return self._sum(self.moe_layer)
 
-    def active(self, num_layers: int) -> int:
+    @property
+    def active(self) -> int:
         """Parameters one token is multiplied by (for FLOPs): the total for a dense model."""
-        return self._sum(num_layers, self.moe_layer_active)
+        return self._sum(self.moe_layer_active)
 
-    def _sum(self, num_layers: int, per_moe_layer: int) -> int:
-        dense = num_layers - self.moe_layers
-        return self.embedding + self.per_layer * dense + per_moe_layer * self.moe_layers + self.final_norm + self.output_layer
+    def _sum(self, per_moe_layer: int) -> int:
+        dense = self.layers - self.moe_layers
+        return (self.embedding + self.per_layer * dense + per_moe_layer * self.moe_layers
+                + self.per_decoder_layer * self.decoder_layers + self.final_norm + self.output_layer + self.heads)
 
 
 def count_params(recipe: TrainingRecipe, vocab_size: int) -> ParamCounts:
-    """Parameters of the unsharded GPT-style model (BERT/T5 are close enough for an estimate)."""
+    """Parameters of the unsharded model, as Megatron-Core builds GPT, BERT and T5 (engine.models)."""
     m = recipe.model
     h, hd = m.hidden_size, m.head_dim
     q_width, kv_width = m.num_attention_heads * hd, m.query_groups * hd
-    bias = m.add_bias_linear
+    bias = int(m.add_bias_linear)
     norm = h if m.normalization == "rmsnorm" else 2 * h
     attn = h * (q_width + 2 * kv_width) + q_width * h
-    attn += (q_width + 2 * kv_width) * int(bias or m.add_qkv_bias) + h * int(bias)
+    attn += (q_width + 2 * kv_width) * int(bias or m.add_qkv_bias) + h * bias
     glu = 2 if m.gated else 1
 
     def mlp_params(ffn: int) -> int:
-        return h * ffn * glu + ffn * h + (ffn * glu + h) * int(bias)
+        return h * ffn * glu + ffn * h + (ffn * glu + h) * bias
 
     vocab = padded_vocab_size(vocab_size, divisible_by=m.make_vocab_size_divisible_by, tensor_parallel=recipe.parallel.tensor)
     pos = m.max_positions * h if m.position_embedding == "learned" else 0
     rest = attn + 2 * norm + (2 * hd if m.qk_layernorm else 0)
+    layer = rest + mlp_params(m.ffn_size)
+    output = vocab * h if m.untie_embeddings else 0
+    if m.arch == "bert":  # post-LN moves the final norm to the embeddings: the same count
+        binary = m.bert_binary_head
+        return ParamCounts(
+            embedding=vocab * h + pos + m.token_types * h,
+            per_layer=layer, layers=m.num_layers, final_norm=norm,
+            output_layer=output + vocab,  # the LM head's output layer always has a bias
+            heads=(h * h + h + norm) + ((h * h + h) + (2 * h + 2) if binary else 0),  # LM transform + norm; pooler, binary head
+        )
+    if m.arch == "t5":
+        cross = h * q_width + h * 2 * kv_width + q_width * h + (q_width + 2 * kv_width + h) * bias + norm
+        return ParamCounts(
+            embedding=vocab * h + pos, per_layer=layer, layers=m.num_layers, final_norm=2 * norm,
+            output_layer=output if m.untie_embeddings else vocab,  # tied: the LM head keeps only a bias
+            heads=2 * 32 * m.num_attention_heads if m.position_embedding == "relative" else 0,  # 32 buckets, per stack
+            per_decoder_layer=layer + cross, decoder_layers=m.dec_num_layers,
+        )
     moe = {}
     if m.moe is not None:
         e = m.moe
-        router = e.num_experts * h + e.num_experts * int(bias)
+        router = e.num_experts * h + e.num_experts * bias
         shared = mlp_params(e.shared_expert_ffn_hidden_size) + h * int(e.shared_expert_gate) if e.shared_expert_ffn_hidden_size else 0
         expert = mlp_params(m.expert_ffn_size)
         moe = dict(moe_layers=sum(m.moe_layers()), moe_layer=rest + router + shared + e.num_experts * expert,
                    moe_layer_active=rest + router + shared + e.router_topk * expert, moe_experts=e.num_experts * expert)
-    return ParamCounts(
-        embedding=vocab * h + pos,
-        per_layer=rest + mlp_params(m.ffn_size),
-        final_norm=norm,
-        output_layer=vocab * h if m.untie_embeddings else 0,
-        **moe,
-    )
+    return ParamCounts(embedding=vocab * h + pos, per_layer=layer, layers=m.num_layers, final_norm=norm,
+                       output_layer=output, **moe)
 
 
 @dataclass(frozen=True)
@@ -123,9 +158,10 @@ def estimate(recipe: TrainingRecipe, vocab_size: int) -> tuple[ParamCounts, Rank
     counts = count_params(recipe, vocab_size)
     layers = recipe.layers_per_stage
     moe_layers = sum(recipe.model.moe_layers()[:layers])
-    stage_params = counts.per_layer * (layers - moe_layers) + (counts.moe_layer - counts.moe_experts) * moe_layers + counts.embedding
-    if p.pipeline == 1:
-        stage_params += counts.final_norm + counts.output_layer
+    if p.pipeline == 1:  # the whole model, its routed experts counted below
+        stage_params = counts.total - counts.moe_experts * moe_layers
+    else:
+        stage_params = counts.per_layer * (layers - moe_layers) + (counts.moe_layer - counts.moe_experts) * moe_layers + counts.embedding
     # Routed experts are split over expert parallel × expert tensor parallel, the rest over TP.
     expert_params = counts.moe_experts * moe_layers // (p.expert * recipe.expert_tensor_size)
     rank_params = stage_params // p.tensor + expert_params

@@ -76,7 +76,7 @@ def test_dry_run_plan_counts_expert_parameters():
 
     r = base.load(TrainingRecipe, RECIPES / "mixtral_8x7b.yaml")
     counts, mem = plan.estimate(r, 32000)
-    assert round(counts.total(32) / 1e9, 1) == 46.7 and round(counts.active(32) / 1e9, 1) == 12.9
+    assert round(counts.total / 1e9, 1) == 46.7 and round(counts.active / 1e9, 1) == 12.9
     # First of 4 stages: 8 layers, each rank holds 1 of the 8 experts of each of them, plus the embedding.
     expert = 3 * 4096 * 14336
     assert mem.params == 8 * (counts.moe_layer - 8 * expert) + 8 * expert + 32000 * 4096

@@ -4,14 +4,20 @@ from __future__ import annotations
 
 
 def vocab_size_of(recipe) -> tuple[int, str]:
+    """The model's vocabulary (before padding) and where it comes from."""
+    from megacli.plan import model_vocab_size
+
     if recipe.model.vocab_size:
         return recipe.model.vocab_size, "model.vocab_size"
     try:
         from megacli.data.tokenizers import load_tokenizer
 
-        return load_tokenizer(type=recipe.tokenizer.type, path=recipe.tokenizer.path).vocab_size, "tokenizer"
+        tokenizer = load_tokenizer(type=recipe.tokenizer.type, path=recipe.tokenizer.path)
     except Exception as exc:  # a dry run should still print the rest
         return 50257, f"assumed (tokenizer not loadable: {exc})"
+    vocab = model_vocab_size(recipe, tokenizer)
+    added = vocab - tokenizer.vocab_size
+    return vocab, "tokenizer" + (f" + {added} sentinels" if added else "")
 
 
 def print_plan(recipe) -> None:
@@ -27,7 +33,7 @@ def print_plan(recipe) -> None:
     p, m, t = recipe.parallel, recipe.model, recipe.train
     vocab, vocab_src = vocab_size_of(recipe)
     counts, mem = plan.estimate(recipe, vocab)
-    total = counts.total(m.num_layers)
+    total = counts.total
 
     layout = Table(title="layout", show_header=False)
     layout.add_row("world size", f"TP {p.tensor} × PP {p.pipeline} × CP {p.context} × DP {recipe.data_parallel_size} = {recipe.world_size}")
@@ -39,11 +45,11 @@ def print_plan(recipe) -> None:
         layout.add_row("experts", f"{m.moe.num_experts} per MoE layer × {counts.moe_layers} MoE layers, top-{m.moe.router_topk}; "
                                   f"expert layers: ETP {recipe.expert_tensor_size} × EP {p.expert} × expert-DP "
                                   f"{recipe.expert_data_parallel_size} per pipeline stage")
-        layout.add_row("parameters (model)", f"{total:,} ({counts.active(m.num_layers):,} active per token)")
+        layout.add_row("parameters (model)", f"{total:,} ({counts.active:,} active per token)")
     else:
         layout.add_row("parameters (model)", f"{total:,}")
     layout.add_row("parameters per rank (first stage)", f"{mem.params:,}")
-    layout.add_row("training FLOPs per step", f"{plan.flops_per_token(recipe, counts.active(m.num_layers)) * recipe.tokens_per_step:.3e}")
+    layout.add_row("training FLOPs per step", f"{plan.flops_per_token(recipe, counts.active) * recipe.tokens_per_step:.3e}")
     console.print(layout)
 
     w, g, o = plan.bytes_per_param(t.precision)

@@ -37,6 +37,9 @@ from megacli.errors import UserError
 TOKENIZER_TYPES = ("huggingface", "byte", "sentencepiece", "wordpiece", "null")
 
 
+SENTINEL = "<extra_id_{}>"  # T5 sentinel tokens, appended to a vocabulary that lacks them (Megatron's vocab_extra_ids)
+
+
 class Tokenizer:
     """What every tokenizer offers. Special ids are None where the tokenizer has no such token."""
 

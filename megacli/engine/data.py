@@ -14,6 +14,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from megacli.data.tokenizers import SENTINEL
 from megacli.errors import UserError
 
 
@@ -77,7 +78,6 @@ def build_gpt_datasets(*, data, seq_length: int, seed: int, tokenizer, train_sam
 
 # ---------------------------------------------------------------- BERT and T5 (masked WordPiece datasets)
 
-SENTINEL = "<extra_id_{}>"
 
 
 class MegatronTokenizer:

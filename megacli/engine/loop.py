@@ -53,13 +53,14 @@ def build_trainer(recipe, runtime) -> tuple[Trainer, object]:
     from megacli.engine.models import build_model, init_weights, transformer_config
     from megacli.engine.optim import build_optimizer, build_scheduler
     from megacli.engine.steps import forward_step_for, load_custom_loss
+    from megacli.plan import model_vocab_size
 
     m, p, t = recipe.model, recipe.parallel, recipe.train
     tokenizer = load_tokenizer(type=recipe.tokenizer.type, path=recipe.tokenizer.path, vocab_size=m.vocab_size)
     masked_tokenizer = None
     if m.arch in ("bert", "t5"):  # Megatron's masked datasets read a Megatron-style tokenizer (T5: plus sentinels)
         masked_tokenizer = data_mod.MegatronTokenizer(tokenizer, sentinels=recipe.masking.sentinel_tokens if m.arch == "t5" else 0)
-    vocab = m.vocab_size or (masked_tokenizer or tokenizer).vocab_size
+    vocab = model_vocab_size(recipe, tokenizer)  # what masked_tokenizer counts (T5: + sentinels)
     config = transformer_config(model=m, parallel=p, precision=t.precision, on_cuda=runtime.is_cuda)
     chunks = build_model(recipe=recipe, config=config, vocab_size=vocab)
     init_weights(chunks, seed=t.seed, std=m.init_method_std, num_layers=config.num_layers, gated=config.gated_linear_unit)
@@ -204,7 +205,7 @@ def describe_kernels(runtime) -> str:
 
 
 def _train(recipe, runtime) -> None:
-    from megacli.plan import count_params, flops_per_token
+    from megacli.plan import count_params, flops_per_token, model_vocab_size
     from megacli.recipe.base import dump
 
     t, ck = recipe.train, recipe.checkpoint
@@ -222,12 +223,11 @@ def _train(recipe, runtime) -> None:
 
     reporting = is_reporting_rank()
     m = recipe.model
-    layers = m.num_layers + (m.dec_num_layers if m.arch == "t5" else 0)  # an estimate for t5 (no cross-attention)
-    counts = count_params(recipe, m.vocab_size or tokenizer.vocab_size)
-    n_params = counts.total(layers)
+    counts = count_params(recipe, model_vocab_size(recipe, tokenizer))
+    n_params = counts.total
     log = MetricsLog(run_dir=recipe.run.dir, enabled=reporting, total_iters=t.iters, start_iter=start_iter,
                      tokens_per_step=recipe.tokens_per_step,
-                     flops_per_step=flops_per_token(recipe, counts.active(layers)) * recipe.tokens_per_step,
+                     flops_per_step=flops_per_token(recipe, counts.active) * recipe.tokens_per_step,
                      world_size=runtime.world_size, device=runtime.device, tensorboard=t.tensorboard)
     p = recipe.parallel
     experts = f" | {m.moe.num_experts} experts, top-{m.moe.router_topk}, EP {p.expert}" if m.moe else ""
