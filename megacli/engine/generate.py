@@ -454,14 +454,13 @@ def read_texts(path: str, key: str) -> list[str]:
 def build_generator(recipe, runtime) -> Generator:
     """The recipe's tokenizer and model (the vocabulary sized as training sized it)."""
     from megacli.data.tokenizers import load_tokenizer
+    from megacli.plan import model_vocab_size
 
     tok = load_tokenizer(type=recipe.tokenizer.type, path=recipe.tokenizer.path, vocab_size=recipe.model.vocab_size)
+    vocab = model_vocab_size(recipe, tok)  # T5: with the sentinels its training appended
     if recipe.model.arch == "t5":
-        from megacli.engine.data import MegatronTokenizer
-
-        vocab = recipe.model.vocab_size or MegatronTokenizer(tok, sentinels=recipe.masking.sentinel_tokens).vocab_size
         return Seq2SeqGenerator(Seq2Seq(recipe, runtime, vocab_size=vocab, bos=tok.bos), tok, recipe.generate)
-    return Generator(Model(recipe, runtime, vocab_size=recipe.model.vocab_size or tok.vocab_size), tok, recipe.generate)
+    return Generator(Model(recipe, runtime, vocab_size=vocab), tok, recipe.generate)
 
 
 def run(recipe) -> None:
