@@ -181,7 +181,7 @@ def _canonical_from_hf(hf_dir: Path, *, padded_rows: int) -> tuple[dict, object]
 
     from megacli.convert import families, hf_io
     from megacli.convert.mapping import VOCAB_KEYS, fit_vocab_rows
-    from megacli.recipe.sections import ModelSection
+    from megacli.recipe.model import ModelSection
 
     config = hf_io.read_json(hf_dir / "config.json")
     family, _ = families.for_hf_config(config)

@@ -204,7 +204,7 @@ def test_a_pretraining_checkpoint_with_gamma_beta_names_imports_as_masked_lm(tmp
 def test_a_bert_without_token_types_is_refused_on_export():
     from megacli.convert import families
     from megacli.errors import UserError
-    from megacli.recipe.sections import ModelSection
+    from megacli.recipe.model import ModelSection
 
     model = ModelSection(arch="bert", bert_binary_head=False)
     with pytest.raises(UserError) as err:

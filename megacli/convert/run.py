@@ -338,7 +338,7 @@ def _tokenizer_source(recipe) -> Path | None:
 
 
 def _legacy_to_hf(legacy, work: Path, *, dtype: str | None, max_shard_size, say: Say) -> None:
-    from megacli.recipe.sections import ModelSection
+    from megacli.recipe.model import ModelSection
 
     from megacli.data.tokenizers import load_tokenizer
 

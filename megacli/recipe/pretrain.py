@@ -10,13 +10,13 @@ from typing import Optional
 from pydantic import model_validator
 
 from megacli.recipe.base import RecipeError, Section
+from megacli.recipe.model import ModelSection
 from megacli.recipe.sections import (
     CheckpointSection,
     DataSection,
     LaunchSection,
     LoRASection,
     MaskingSection,
-    ModelSection,
     OptimSection,
     ParallelSection,
     RunSection,
