@@ -1,4 +1,4 @@
-"""CoreAttention (megacli/engine/attention.py): against Megatron-Core's DotProductAttention, ALiBi
+"""CoreAttention (megacli/engine/models/attention.py): against Megatron-Core's DotProductAttention, ALiBi
 against an explicit softmax, and ring context parallelism (spawned gloo processes) against CP=1.
 
 All fp32 on CPU; outputs and input gradients must agree within 1e-5 absolute."""
@@ -43,7 +43,7 @@ def _config(heads: int, groups: int, **overrides):
 
 
 def _core(config, mask_type, pgs=None, layer_number=1, **kwargs):
-    from megacli.engine.attention import CoreAttention
+    from megacli.engine.models.attention import CoreAttention
 
     return CoreAttention(config, layer_number, mask_type, "self", pg_collection=pgs or _pgs(), **kwargs)
 
@@ -139,7 +139,7 @@ def test_module_spec_params_reach_init():
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
-    from megacli.engine.attention import CoreAttention
+    from megacli.engine.models.attention import CoreAttention
 
     spec = ModuleSpec(module=CoreAttention, params={"position_bias": "alibi"})
     # the keyword arguments SelfAttention passes to its core_attention submodule
@@ -169,7 +169,7 @@ def _paper_slopes(n):
 
 
 def test_alibi_slopes():
-    from megacli.engine.attention import alibi_slopes
+    from megacli.engine.models.attention import alibi_slopes
 
     assert alibi_slopes(8) == [2.0 ** -(i + 1) for i in range(8)]
     for n in (1, 2, 3, 5, 6, 12, 16, 20, 40, 96):
@@ -197,7 +197,7 @@ def test_alibi_causal_matches_explicit(heads, groups, tp):
     """Tensor-parallel rank r holds global heads r*np ... (r+1)*np - 1, with those heads' slopes."""
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megacli.engine.attention import alibi_slopes
+    from megacli.engine.models.attention import alibi_slopes
 
     torch.manual_seed(2)
     s, b = 16, 2
@@ -270,7 +270,7 @@ def _ring_directional_derivative(group, rank, dropout_p):
     (which must redraw the forward's dropout masks) against a central difference, in fp64."""
     import torch.distributed as dist
 
-    from megacli.engine.attention import ring_attention
+    from megacli.engine.models.attention import ring_attention
 
     torch.manual_seed(10 + rank)
     q = torch.randn(1, 2, 2, 8, 4, dtype=torch.float64)
@@ -344,7 +344,7 @@ def _layer_worker(rank, world_size):
     from megatron.core.transformer.spec_utils import ModuleSpec, build_module
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    from megacli.engine.attention import CoreAttention
+    from megacli.engine.models.attention import CoreAttention
 
     dist.init_process_group("gloo")
     parallel_state.initialize_model_parallel(context_parallel_size=world_size)

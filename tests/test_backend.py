@@ -2,7 +2,7 @@
 
 Every test spawns gloo worker processes (tests/_dist.py); each worker calls
 ``megacli.backend.cpu.enable()`` first. The model is a tiny Megatron-Core ``GPTModel`` built from
-the local layer spec with ``megacli.engine.layers.Norm`` in place of torch's LayerNorm (which
+the local layer spec with ``megacli.engine.models.layers.Norm`` in place of torch's LayerNorm (which
 refuses sequence parallelism), fp32, no dropout except in the recompute test. Runs that must
 start from identical weights in different layouts give every parameter a value derived from its
 global name (``_init_by_name``); the others use Megatron's own init after ``seed_all``.
@@ -74,7 +74,7 @@ def _build(config, vp_stage: int | None = None):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-    from megacli.engine.layers import Norm
+    from megacli.engine.models.layers import Norm
 
     layer = get_gpt_layer_local_spec()
     layer.submodules.input_layernorm = Norm
@@ -471,7 +471,7 @@ def test_norm_matches_torch_norms():
     import torch
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megacli.engine.layers import Norm
+    from megacli.engine.models.layers import Norm
 
     x = torch.randn(5, 3, 16, generator=torch.Generator().manual_seed(0))
     gamma = 1.0 + 0.1 * torch.randn(16, generator=torch.Generator().manual_seed(1))

@@ -80,7 +80,8 @@ def _megacli_logits(ckpt_dir: Path):
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     from megacli.engine import checkpoint
-    from megacli.engine.models import build_model, transformer_config
+    from megacli.engine.models import build_model
+    from megacli.engine.models.config import transformer_config
     from megacli.recipe.base import load
     from megacli.recipe.pretrain import TrainingRecipe
 

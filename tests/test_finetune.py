@@ -110,7 +110,9 @@ def test_bad_records_are_named_by_file_and_line(tmp_path):
 
 def _packed_vs_alone(rank, world, position_embedding: str):
     from megacli.engine import distributed
-    from megacli.engine.models import build_model, init_weights, transformer_config
+    from megacli.engine.models import build_model
+    from megacli.engine.models.config import transformer_config
+    from megacli.engine.models.init import init_weights
     from megacli.engine.steps import example_mask
     from megacli.recipe import base
     from megacli.recipe.pretrain import TrainingRecipe
@@ -224,7 +226,7 @@ def _lora_tp2_then_tp1(rank, world, base: str, data: str, out: str, sp: bool = T
 
     from megacli.engine import checkpoint, distributed
     from megacli.engine.loop import build_trainer, data_iterators, train_step
-    from megacli.engine.models import unwrap
+    from megacli.engine.models.common import unwrap
     from megacli.recipe.base import dump, load
     from megacli.recipe.pretrain import TrainingRecipe
     from tests import _convert_models as cm

@@ -33,7 +33,8 @@ def _recipe(case: str):
 
 def _built_params(rank, world_size) -> dict[str, int]:
     from megacli.engine import distributed
-    from megacli.engine.models import build_model, transformer_config
+    from megacli.engine.models import build_model
+    from megacli.engine.models.config import transformer_config
 
     counts = {}
     for i, case in enumerate(CASES):

@@ -121,7 +121,9 @@ def write_checkpoint(*, recipe, dst: Path, iteration: int, fetch: Callable[[str]
     anything is read (to report all missing or unused source tensors at once). Returns the
     iteration directory."""
     from megacli.engine import checkpoint
-    from megacli.engine.models import build_model, padded_vocab_size, transformer_config
+    from megacli.engine.models import build_model
+    from megacli.engine.models.config import transformer_config
+    from megacli.plan import padded_vocab_size
     from megacli.recipe.base import dump
     from megacli.recipe.sections import ParallelSection
 
@@ -277,7 +279,7 @@ class MergedLoRA:
         return self.base.dtype()
 
     def groups(self, meta: bool = False) -> Iterator[dict[str, torch.Tensor]]:
-        from megacli.engine.lora import merged
+        from megacli.engine.models.lora import merged
 
         adapters = {} if meta else {k: v for group in self.adapters.groups() for k, v in group.items()}
         for group in self.base.groups(meta=meta):

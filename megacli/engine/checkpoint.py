@@ -110,7 +110,7 @@ def _rng_sharded_object(state):
 def _sharded_state(chunks, optimizer, scheduler, *, loading: bool, with_optimizer: bool, with_rng: bool,
                    keep=None) -> dict:
     """``keep``: which model entries (by state-dict key) to include; all when None."""
-    from megacli.engine.models import unwrap
+    from megacli.engine.models.common import unwrap
 
     state: dict = {}
     for key, chunk in zip(_model_keys(chunks), chunks):
@@ -148,7 +148,7 @@ def save(*, ckpt_dir: str | Path, iteration: int, consumed_samples: int, chunks,
     weights_only = optimizer is None
     keep = None
     if lora_base is not None:
-        from megacli.engine.lora import is_adapter_key
+        from megacli.engine.models.lora import is_adapter_key
 
         keep = is_adapter_key
         extra_meta = {**(extra_meta or {}), "lora": {"base": str(Path(lora_base).resolve())}}
@@ -265,8 +265,8 @@ def load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool) -> R
 
     A model with LoRA adapters takes its base weights from a full checkpoint (the adapters keep
     their initial values) or from the base a LoRA checkpoint names, then the adapters from it."""
-    from megacli.engine.lora import is_adapter_key
-    from megacli.engine.models import unwrap
+    from megacli.engine.models.common import unwrap
+    from megacli.engine.models.lora import is_adapter_key
 
     has_adapters = any(is_adapter_key(name) for c in chunks for name, _ in unwrap(c).named_parameters())
     base = lora_base_of(ckpt)
@@ -298,7 +298,7 @@ def _load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool, kee
         loaded = dist_checkpointing.load(state, str(ckpt))
     except Exception as exc:
         raise UserError(f"cannot load checkpoint {ckpt}: {exc}") from exc
-    from megacli.engine.models import unwrap
+    from megacli.engine.models.common import unwrap
 
     for key, chunk in zip(_model_keys(chunks), chunks):
         missing, unexpected = unwrap(chunk).load_state_dict(loaded[key], strict=keep is None)

@@ -44,7 +44,9 @@ class Model:
 
         from megacli.engine import checkpoint
         from megacli.engine.inference import lean_layers, lean_linears
-        from megacli.engine.models import build_model, transformer_config, unwrap
+        from megacli.engine.models import build_model
+        from megacli.engine.models.common import unwrap
+        from megacli.engine.models.config import transformer_config
 
         g = recipe.generate
         ckpt = checkpoint.find_checkpoint(g.checkpoint) if g.checkpoint else None
@@ -159,7 +161,7 @@ class Generator:
                             f"--max-new-tokens)")
 
     def context(self, batch: int, length: int):
-        from megacli.engine.inference import DecodeContext
+        from megacli.engine.models.kv_cache import DecodeContext
 
         return DecodeContext(batch, length) if self.g.use_cache else None
 
@@ -345,7 +347,9 @@ class Seq2Seq:
 
     def __init__(self, recipe, runtime, *, vocab_size: int, bos: int | None):
         from megacli.engine import checkpoint
-        from megacli.engine.models import build_model, transformer_config, unwrap
+        from megacli.engine.models import build_model
+        from megacli.engine.models.common import unwrap
+        from megacli.engine.models.config import transformer_config
 
         ckpt = checkpoint.find_checkpoint(recipe.generate.checkpoint) if recipe.generate.checkpoint else None
         if ckpt is None:

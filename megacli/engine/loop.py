@@ -50,7 +50,9 @@ def build_trainer(recipe, runtime) -> tuple[Trainer, object]:
 
     from megacli.data.tokenizers import load_tokenizer
     from megacli.engine import data as data_mod
-    from megacli.engine.models import build_model, init_weights, transformer_config
+    from megacli.engine.models import build_model
+    from megacli.engine.models.config import transformer_config
+    from megacli.engine.models.init import init_weights
     from megacli.engine.optim import build_optimizer, build_scheduler
     from megacli.engine.steps import forward_step_for, load_custom_loss
     from megacli.plan import model_vocab_size
@@ -65,7 +67,7 @@ def build_trainer(recipe, runtime) -> tuple[Trainer, object]:
     chunks = build_model(recipe=recipe, config=config, vocab_size=vocab)
     init_weights(chunks, seed=t.seed, std=m.init_method_std, num_layers=config.num_layers, gated=config.gated_linear_unit)
     if recipe.lora is not None:
-        from megacli.engine.lora import freeze_base
+        from megacli.engine.models.lora import freeze_base
 
         freeze_base(chunks)
     chunks = [c.to(runtime.device) for c in chunks]
@@ -241,7 +243,7 @@ def _train(recipe, runtime) -> None:
         log.say(f"starting from the weights of {pretrained}")
     lora_base = None
     if recipe.lora is not None:
-        from megacli.engine.lora import adapter_params
+        from megacli.engine.models.lora import adapter_params
 
         lora_base = (checkpoint.lora_base_of(source) if source is not None else None) or _pretrained_source(ck)
         lo = recipe.lora
@@ -309,7 +311,7 @@ def _expert_stats(recipe, trainer, runtime):
     m = recipe.model
     if m.moe is None:
         return None
-    from megacli.engine.moe import ExpertStats
+    from megacli.engine.models.moe import ExpertStats
 
     return ExpertStats(trainer.chunks, num_layers=m.num_layers, num_experts=m.moe.num_experts,
                        aux_loss=m.moe.aux_loss_coeff > 0, data_parallel=recipe.data_parallel_size,

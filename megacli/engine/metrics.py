@@ -98,7 +98,7 @@ class MetricsLog:
              loss_scale: float | None = None, extra: dict | None = None, losses: dict | None = None,
              experts: dict | None = None) -> None:
         """One logged step; ``losses``: the loss terms besides ``loss`` (see loss_metrics); ``experts``:
-        a MoE model's load-balancing loss and tokens per expert (see engine.moe.ExpertStats)."""
+        a MoE model's load-balancing loss and tokens per expert (see engine.models.moe.ExpertStats)."""
         if not self.enabled:
             return
         tokens_per_s = self.tokens_per_step / seconds_per_step

@@ -1,0 +1,106 @@
+"""The Megatron-Core TransformerConfig a recipe describes."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from megacli.engine.models import moe
+
+
+def _activation(name: str):
+    """(activation_func, gated_linear_unit) for a recipe activation name."""
+    return {
+        "gelu": (F.gelu, False),
+        "gelu_tanh": (functools.partial(F.gelu, approximate="tanh"), False),
+        "swiglu": (F.silu, True),
+        "geglu": (functools.partial(F.gelu, approximate="tanh"), True),
+        "relu": (F.relu, False),
+        "squared_relu": (lambda x: torch.pow(F.relu(x), 2), False),
+    }[name]
+
+
+def params_dtype(precision: str) -> torch.dtype:
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def _drawn_later(tensor):
+    """Init method placeholder: init_weights draws every weight by name after the model is built."""
+    return tensor
+
+
+def transformer_config(*, model, parallel, precision: str, on_cuda: bool, **overrides):
+    """The TransformerConfig for a recipe. Fusions that need CUDA kernels are on only on CUDA."""
+    from megatron.core.transformer import TransformerConfig
+
+    activation, gated = _activation(model.activation)
+    dtype = params_dtype(precision)
+    recompute = None if parallel.recompute == "none" else parallel.recompute
+    kwargs = dict(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.query_groups,
+        kv_channels=model.head_dim,
+        softmax_scale=model.softmax_scale,
+        ffn_hidden_size=model.ffn_size,
+        hidden_dropout=model.dropout,
+        attention_dropout=model.attention_dropout,
+        normalization="RMSNorm" if model.normalization == "rmsnorm" else "LayerNorm",
+        layernorm_epsilon=model.norm_epsilon,
+        add_bias_linear=model.add_bias_linear,
+        add_qkv_bias=model.add_qkv_bias,
+        qk_layernorm=model.qk_layernorm,
+        activation_func=activation,
+        gated_linear_unit=gated,
+        init_method_std=model.init_method_std,
+        tensor_model_parallel_size=parallel.tensor,
+        pipeline_model_parallel_size=parallel.pipeline,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
+        sequence_parallel=parallel.sequence_parallel,
+        context_parallel_size=parallel.context,
+        expert_model_parallel_size=parallel.expert,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        recompute_granularity=recompute,
+        recompute_method="uniform" if recompute == "full" else None,
+        recompute_num_layers=parallel.recompute_num_layers if recompute == "full" else None,
+        # Weights are drawn by name (see init_weights), the same in every layout. Megatron's own init
+        # must still run: it is what marks weights tensor_model_parallel (used by grad clipping and
+        # checkpointing), so it runs with a no-op init method on the device.
+        use_cpu_initialization=False,
+        perform_initialization=True,
+        init_method=_drawn_later,
+        output_layer_init_method=_drawn_later,
+        embedding_init_method=_drawn_later,
+        # Loss is summed per token and normalised by the global token count (exact across DP/PP).
+        calculate_per_token_loss=True,
+        apply_query_key_layer_scaling=False,
+        gradient_accumulation_fusion=False,  # needs Apex's fused weight-gradient kernel
+        bias_activation_fusion=on_cuda and model.activation in ("gelu", "swiglu") and model.add_bias_linear,
+        bias_dropout_fusion=on_cuda,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        deallocate_pipeline_outputs=True,
+        # Batched p2p puts both directions to the same peer on one communicator. With PP=2 and
+        # interleaving, prev == next and sends get paired with the wrong receives (measured on gloo;
+        # Megatron-LM forbids it on CUDA too). The unbatched path uses two communicators for size-2
+        # pipeline groups; on CUDA the interleaved schedule also overlaps p2p with compute.
+        batch_p2p_comm=on_cuda and not parallel.virtual_pipeline,
+        overlap_p2p_comm=on_cuda and bool(parallel.virtual_pipeline),
+    )
+    if model.arch == "t5":
+        kwargs["num_layers"] = model.dec_num_layers  # the decoder's; build_t5 gives the encoder a copy with its own
+    if model.arch == "bert":
+        # Megatron's BERT objective: per micro-batch masked-LM mean + sentence-order mean, averaged
+        # over micro-batches and data-parallel ranks (see steps.bert_loss_func).
+        kwargs["calculate_per_token_loss"] = False
+    if model.moe is not None:
+        kwargs.update(moe.config_kwargs(model=model, parallel=parallel, on_cuda=on_cuda))
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
