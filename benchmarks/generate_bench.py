@@ -75,7 +75,8 @@ def hf_side(workdir: Path, new: int, repeats: int) -> dict:
 def megacli_side(workdir: Path, new: int, repeats: int) -> dict:
     from megacli.data.tokenizers import load_tokenizer
     from megacli.engine import distributed
-    from megacli.engine.generate import Generator, Model
+    from megacli.inference.generator import Generator
+    from megacli.inference.runner import Model
     from megacli.recipe import base
     from megacli.recipe.generate import GenerateRecipe
 

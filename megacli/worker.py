@@ -18,7 +18,7 @@ def run_job(job: str, recipe) -> None:
 
         train(recipe, job=job)
     elif job == "generate":
-        from megacli.engine.generate import run
+        from megacli.inference.job import run
 
         run(recipe)
     else:

@@ -356,7 +356,7 @@ def _t5_generate_tp2(rank, world, ckpt: str, prompts: list[str]):
 
     from megacli.cli.generate import build_recipe
     from megacli.engine import distributed
-    from megacli.engine.generate import build_generator
+    from megacli.inference.generator import build_generator
 
     job = build_recipe(None, {"checkpoint": ckpt, "max_new_tokens": 6, "stop_at_eod": False, "prompts": prompts},
                        tensor=2, pipeline=None, overrides=["launch.device=cpu"])

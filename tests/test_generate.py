@@ -66,7 +66,8 @@ def _hf_references(model, tok) -> dict:
 def _decode_all(root: Path, stops: dict) -> dict:
     """Our decoder on every model and case, under the current process group (any TP/PP)."""
     from megacli.data.tokenizers import load_tokenizer
-    from megacli.engine.generate import Generator, Model
+    from megacli.inference.generator import Generator
+    from megacli.inference.runner import Model
     from megacli.recipe import base
     from megacli.recipe.generate import GenerateRecipe
 
@@ -239,27 +240,27 @@ def test_filters_and_penalty_equal_hugging_face_processors():
         TopPLogitsWarper,
     )
 
-    from megacli.engine import decoding
+    from megacli.inference import sampling
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 50, generator=g) * 3
     seen = torch.randint(0, 50, (4, 7), generator=g)
     for k in (1, 5, 49):
-        assert torch.equal(decoding.top_k_filter(logits, k), TopKLogitsWarper(k)(seen, logits.clone()))
+        assert torch.equal(sampling.top_k_filter(logits, k), TopKLogitsWarper(k)(seen, logits.clone()))
     for p in (0.1, 0.5, 0.9):
-        ours = decoding.top_p_filter(logits, p)
+        ours = sampling.top_p_filter(logits, p)
         theirs = TopPLogitsWarper(p)(seen, logits.clone())
         assert torch.equal(torch.isinf(ours), torch.isinf(theirs)), p
-    assert torch.allclose(decoding.repetition_penalty(logits, seen, 1.3), RepetitionPenaltyLogitsProcessor(1.3)(seen, logits.clone()))
-    assert decoding.decayed_top_p(0.9, 0.5, 0.3) == 0.45 and decoding.decayed_top_p(0.4, 0.5, 0.3) == 0.3
-    a = decoding.choose(logits, temperature=1.0, top_k=10, top_p=0.9, generator=torch.Generator().manual_seed(3))
-    b = decoding.choose(logits, temperature=1.0, top_k=10, top_p=0.9, generator=torch.Generator().manual_seed(3))
+    assert torch.allclose(sampling.repetition_penalty(logits, seen, 1.3), RepetitionPenaltyLogitsProcessor(1.3)(seen, logits.clone()))
+    assert sampling.decayed_top_p(0.9, 0.5, 0.3) == 0.45 and sampling.decayed_top_p(0.4, 0.5, 0.3) == 0.3
+    a = sampling.choose(logits, temperature=1.0, top_k=10, top_p=0.9, generator=torch.Generator().manual_seed(3))
+    b = sampling.choose(logits, temperature=1.0, top_k=10, top_p=0.9, generator=torch.Generator().manual_seed(3))
     assert torch.equal(a, b)
-    assert torch.equal(decoding.choose(logits, temperature=0, top_k=0, top_p=0, generator=None), logits.argmax(-1))
+    assert torch.equal(sampling.choose(logits, temperature=0, top_k=0, top_p=0, generator=None), logits.argmax(-1))
 
 
 def test_vocabulary_mismatch_is_named():
-    from megacli.engine.generate import Generator
+    from megacli.inference.generator import Generator
     from megacli.errors import UserError
     from megacli.recipe.generate import GenerateSection
 

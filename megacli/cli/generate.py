@@ -116,7 +116,7 @@ def _run(job) -> None:
     if job.world_size == 1:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(launch.free_port()))
-        from megacli.engine.generate import run
+        from megacli.inference.job import run
 
         run(job)
         return
@@ -128,7 +128,7 @@ def _interactive(job) -> None:
     """Read prompts from the terminal, one model load for the session."""
     from megacli import launch
     from megacli.engine import distributed
-    from megacli.engine.generate import build_generator
+    from megacli.inference.generator import build_generator
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(launch.free_port()))

@@ -1,8 +1,5 @@
-"""Choosing tokens from next-token logits: greedy, sampling filters, and beam search.
-
-Pure tensor functions, no model and no process group: the generation loop (engine.generate)
-feeds them logits that every rank holds in full, so every rank makes the same choice.
-"""
+"""Beam search: the search itself (pure tensor code, Hugging Face's semantics) and its run over a
+GPT ``runner.Model``, whose KV cache follows the beams."""
 
 from __future__ import annotations
 
@@ -11,55 +8,9 @@ from typing import Callable
 
 import torch
 
+from megacli.inference.runner import kv_cache, left_padded
+
 NEG = -1.0e9  # a score that never wins (finite, so sums and comparisons stay well-defined)
-
-
-def repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
-    """Hugging Face's rule: a token already in the sequence has its logit divided by `penalty`
-    when positive, multiplied when negative. seen: [b, n] token ids (may repeat)."""
-    if penalty == 1.0:
-        return logits
-    picked = logits.gather(1, seen)
-    picked = torch.where(picked > 0, picked / penalty, picked * penalty)
-    return logits.scatter(1, seen, picked)
-
-
-def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
-    if k <= 0 or k >= logits.size(-1):
-        return logits
-    kth = torch.topk(logits, k, dim=-1).values[..., -1:]
-    return logits.masked_fill(logits < kth, float("-inf"))
-
-
-def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Keep the most likely tokens until their probability reaches p (always at least one)."""
-    if p <= 0 or p >= 1:
-        return logits
-    sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-    cumulative = sorted_logits.softmax(-1).cumsum(-1)
-    drop_sorted = cumulative - sorted_logits.softmax(-1) >= p  # the mass before this token already reaches p
-    drop = drop_sorted.scatter(-1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
-
-
-def choose(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: float,
-           generator: torch.Generator | None) -> torch.Tensor:
-    """Next token per row: argmax at temperature 0, else a sample after temperature and filters."""
-    if temperature == 0:
-        return logits.argmax(-1)
-    scores = top_p_filter(top_k_filter(logits / temperature, top_k), top_p)
-    probs = scores.float().softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
-def decayed_top_p(top_p: float, decay: float, bound: float) -> float:
-    """Megatron-LM's top_p decay after each generated token."""
-    if not decay or not top_p:
-        return top_p
-    return max(top_p * decay, bound)
-
-
-# ---------------------------------------------------------------- beam search
 
 
 @dataclass
@@ -134,3 +85,28 @@ def beam_search(step: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor
         logits = step(running[:, :, -1].reshape(-1), rows)
     tokens = [done_tokens[i, 0, : done_lengths[i, 0]].tolist() for i in range(batch)]
     return BeamResult(tokens=tokens, scores=done_scores[:, 0].tolist())
+
+
+def beam_generate(model, encoded: list[list[int]], *, num_beams: int, max_new_tokens: int, stop_ids: set[int],
+                  length_penalty: float, use_cache: bool) -> list[list[int]]:
+    """Each prompt's best beam (its generated tokens) with a GPT ``runner.Model``: every prompt
+    repeated for its beams, the KV cache reordered as beams are kept."""
+    rows = [ids for ids in encoded for _ in range(num_beams)]
+    batch = left_padded(rows, max_new_tokens=max_new_tokens, device=model.device)
+    cache = kv_cache(len(rows), batch.tokens.size(1), use_cache=use_cache)
+    first = model.prefill(batch, cache)
+    state = {"cur": batch.width, "tokens": batch.tokens}
+
+    def step(last: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+        cur = state["cur"]
+        state["tokens"] = state["tokens"][parents]
+        state["tokens"][:, cur] = last
+        if cache is not None:
+            cache.swap_key_value_dict(parents)
+        out = model.step(state["tokens"], batch, cur, cache)
+        state["cur"] = cur + 1
+        return out
+
+    result = beam_search(step, first, batch=len(encoded), num_beams=num_beams, max_new_tokens=max_new_tokens,
+                         stop_ids=stop_ids, length_penalty=length_penalty)
+    return result.tokens

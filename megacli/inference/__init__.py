@@ -1,0 +1,4 @@
+"""Decoding and scoring with a trained or converted checkpoint: ``runner`` loads it once and steps
+it across TP/PP, ``sampling`` and ``beam`` choose tokens, ``scoring`` scores text, ``generator``
+ties a tokenizer to them, ``job`` is the generate job's file I/O. Built on engine (models,
+distributed, checkpoint); engine never imports it."""
