@@ -16,7 +16,7 @@ def run_job(job: str, recipe) -> None:
     if job in ("pretrain", "finetune"):
         from megacli.engine.loop import train
 
-        train(recipe, job=job)
+        train(recipe)
     elif job == "generate":
         from megacli.inference.job import run
 

@@ -50,15 +50,6 @@ def _escape(text: str) -> str:
     return escape(text)
 
 
-def repo_recipes_dir() -> Path:
-    """Shipped recipes: inside the wheel (megacli/recipes) or beside the package in a checkout."""
-    here = Path(__file__).resolve().parent.parent
-    for candidate in (here / "recipes", here.parent / "recipes"):
-        if candidate.is_dir():
-            return candidate
-    return here.parent / "recipes"
-
-
 class DefaultCommandGroup(TyperGroup):
     """A group whose first argument, when it is not a subcommand name, goes to ``default_command``."""
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megacli.cli import app
+from megacli.cli.root import app
 from megacli.cli.common import DryRunOpt, RecipeArg, SetOpt, guarded
 
 

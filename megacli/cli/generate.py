@@ -9,7 +9,7 @@ from typing import Annotated, List, Optional
 
 import typer
 
-from megacli.cli import app
+from megacli.cli.root import app
 from megacli.cli.common import RecipeArg, SetOpt, guarded
 
 

@@ -6,7 +6,7 @@ from typing import Annotated, List, Optional
 
 import typer
 
-from megacli.cli import app
+from megacli.cli.root import app
 from megacli.cli.common import DefaultCommandGroup, RecipeArg, SetOpt, guarded
 
 preprocess_app = typer.Typer(

@@ -7,7 +7,7 @@ from typing import Annotated, List, Optional
 
 import typer
 
-from megacli.cli import app
+from megacli.cli.root import app
 from megacli.cli.common import DefaultCommandGroup, SetOpt, guarded
 
 reshard_app = typer.Typer(

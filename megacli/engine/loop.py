@@ -22,13 +22,14 @@ class Trainer:
     forward_step: object
     train_data: object
     valid_data: object | None
+    vocab_size: int  # the model's vocabulary before padding (plan.model_vocab_size)
 
     @property
     def num_microbatches(self) -> int:
         return self.recipe.num_microbatches
 
 
-def train(recipe, *, job: str = "pretrain") -> None:
+def train(recipe) -> None:
     runtime = distributed.setup(parallel=recipe.parallel, launch=recipe.launch, seed=recipe.train.seed)
     try:
         _train(recipe, runtime)
@@ -122,7 +123,7 @@ def build_trainer(recipe, runtime) -> tuple[Trainer, object]:
                                              train_samples=train_samples, valid_samples=valid_samples, cache_dir=cache_dir)
     forward_step = forward_step_for(recipe, custom_loss=load_custom_loss(t.loss, t.loss_kwargs))
     trainer = Trainer(recipe=recipe, runtime=runtime, chunks=chunks, optimizer=optimizer, scheduler=scheduler,
-                      forward_step=forward_step, train_data=splits.train, valid_data=splits.valid)
+                      forward_step=forward_step, train_data=splits.train, valid_data=splits.valid, vocab_size=vocab)
     return trainer, tokenizer
 
 
@@ -207,11 +208,11 @@ def describe_kernels(runtime) -> str:
 
 
 def _train(recipe, runtime) -> None:
-    from megacli.plan import count_params, flops_per_token, model_vocab_size
+    from megacli.plan import count_params, flops_per_token
     from megacli.recipe.base import dump
 
     t, ck = recipe.train, recipe.checkpoint
-    trainer, tokenizer = build_trainer(recipe, runtime)
+    trainer, _ = build_trainer(recipe, runtime)
     start_iter, consumed = 0, 0
     source = _resume_source(ck)
     pretrained = _pretrained_source(ck) if source is None else None
@@ -225,7 +226,7 @@ def _train(recipe, runtime) -> None:
 
     reporting = is_reporting_rank()
     m = recipe.model
-    counts = count_params(recipe, model_vocab_size(recipe, tokenizer))
+    counts = count_params(recipe, trainer.vocab_size)
     n_params = counts.total
     log = MetricsLog(run_dir=recipe.run.dir, enabled=reporting, total_iters=t.iters, start_iter=start_iter,
                      tokens_per_step=recipe.tokens_per_step,

@@ -27,10 +27,17 @@ def recipe_model(job: str):
     raise ValueError(f"unknown job {job!r}")
 
 
+def repo_recipes_dir() -> Path:
+    """Shipped recipes: inside the wheel (megacli/recipes) or beside the package in a checkout."""
+    here = Path(__file__).resolve().parent.parent  # megacli/
+    for candidate in (here / "recipes", here.parent / "recipes"):
+        if candidate.is_dir():
+            return candidate
+    return here.parent / "recipes"
+
+
 def default_recipe_path(job: str) -> Path | None:
     """`megacli pretrain` with no recipe runs the tiny GPT recipe (the embedded default)."""
-    from megacli.cli.common import repo_recipes_dir
-
     return {"pretrain": repo_recipes_dir() / "gpt_tiny.yaml"}.get(job)
 
 
