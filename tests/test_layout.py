@@ -12,8 +12,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "megacli"
 
 # Top to bottom: a package imports only packages in layers below its own. Unlike the data flow
-# (cli -> recipe -> engine), recipe, plan and precision sit low: every layer reads recipe sections,
-# plan's arithmetic (padded vocabulary, parameter counts) and the dtype table.
+# (cli -> recipe -> engine), recipe, plan and precision (the dtype table) sit low: every layer
+# reads recipe sections, plan's arithmetic (padded vocabulary, parameter counts) and dtypes.
 LAYERS = (
     ("__main__",),
     ("cli",),
@@ -29,8 +29,8 @@ LAYERS = (
 
 # Imports between packages of one layer, allowed one way.
 SIDEWAYS = {
-    # convert builds the recipe's model (engine.models) for a checkpoint's keys and shapes and to
-    # compare logits, and saves it through engine.checkpoint.
+    # convert builds the recipe's model (engine.models) for the keys, shapes and sharding of the
+    # checkpoint it writes, and saves it through engine.checkpoint, as training does.
     ("convert", "engine"),
 }
 
