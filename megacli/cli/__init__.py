@@ -9,7 +9,7 @@ import typer.core
 # Plain click help: rich-formatted help costs ~0.2 s of imports, and --help must be instant.
 typer.core.HAS_RICH = False
 
-ORDER = ["preprocess", "pretrain", "finetune", "generate", "convert", "reshard"]
+ORDER = ["preprocess", "pretrain", "finetune", "plot", "generate", "convert", "reshard"]
 
 
 class OrderedGroup(typer.core.TyperGroup):
@@ -35,6 +35,7 @@ def _register() -> None:
     import megacli.cli.preprocess  # noqa: F401
     import megacli.cli.pretrain  # noqa: F401
     import megacli.cli.finetune  # noqa: F401
+    import megacli.cli.plot  # noqa: F401
     import megacli.cli.generate  # noqa: F401
     import megacli.cli.convert  # noqa: F401
     import megacli.cli.reshard  # noqa: F401
