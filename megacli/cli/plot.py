@@ -10,7 +10,7 @@ import typer
 from megacli.cli import app
 from megacli.cli.common import guarded
 
-RunDirsArg = Annotated[List[Path], typer.Argument(metavar="RUN_DIR...", help="Run directories (each with a metrics.jsonl); several are overlaid.",
+RunDirsArg = Annotated[List[Path], typer.Argument(metavar="RUN_DIR", help="Run directories (each with a metrics.jsonl); several are overlaid.",
                                                   show_default=False)]
 OutputOpt = Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the plot here: .png, or .html (self-contained). "
                                                    "Default plot.png, or nothing with --ascii.", show_default=False)]

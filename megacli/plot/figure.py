@@ -19,15 +19,17 @@ def build_figure(runs: list[Run], metrics: list[str]):
     """One panel per metric, every run overlaid in its own colour. Evaluation curves are drawn with
     a marker at each evaluation; the loss panel marks the validation losses too."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     columns = 1 if len(metrics) == 1 else 2
     rows = math.ceil(len(metrics) / columns)
     figure = Figure(figsize=(6.4 * columns, 3.4 * rows), layout="constrained")
-    axes = figure.subplots(rows, columns, squeeze=False).flat
+    axes = list(figure.subplots(rows, columns, squeeze=False).flat)
     colours = [f"C{i % 10}" for i in range(len(runs))]
     for ax, metric in zip(axes, metrics):
         ax.set_title(metric)
         ax.set_xlabel("iteration")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         for run, colour in zip(runs, colours):
             curve = run.curves.get(metric)
@@ -40,7 +42,7 @@ def build_figure(runs: list[Run], metrics: list[str]):
                         markerfacecolor="none", label=f"{run.label} validation")
         if len(runs) > 1 or metric == "loss" and any("val_loss" in r.curves for r in runs):
             ax.legend(fontsize="small")
-    for ax in list(axes)[len(metrics):]:
+    for ax in axes[len(metrics):]:
         ax.set_visible(False)
     return figure
 

@@ -19,12 +19,18 @@ def text_chart(runs: list[Run], metric: str = "loss", width: int = 72, height: i
     y_lo, y_hi = min(y for _, y in points), max(y for _, y in points)
     grid = [[" "] * width for _ in range(height)]
     for mark, _, curve in curves:
+        previous = None
         for x, y in zip(curve.iterations, curve.values):
             if y != y:
                 continue
             column = round((x - x_lo) / (x_hi - x_lo) * (width - 1)) if x_hi > x_lo else 0
             row = round((y_hi - y) / (y_hi - y_lo) * (height - 1)) if y_hi > y_lo else height // 2
+            if previous is not None:  # join to the previous point, one mark per column between
+                last_column, last_row = previous
+                for between in range(last_column + 1, column):
+                    grid[round(last_row + (row - last_row) * (between - last_column) / (column - last_column))][between] = mark
             grid[row][column] = mark
+            previous = column, row
     labels = {0: y_hi, (height - 1) // 2: (y_hi + y_lo) / 2, height - 1: y_lo}
     lines = [f"{metric}"]
     for row, cells in enumerate(grid):
