@@ -122,12 +122,30 @@ def test_tensorboard_and_plot_png_written_by_the_run(tracked):
 
 
 @pytest.mark.slow
-def test_a_logger_whose_package_is_missing_warns_and_the_run_goes_on(tmp_path, monkeypatch):
+def test_only_the_last_pipeline_stage_logs(tmp_path):
+    """PP=2 on two processes: one W&B run and one MLflow run, from the stage that holds the loss."""
+    run_dir = tmp_path / "run"
+    sets = [*TINY, *layout(pp=2), "train.iters=2", "train.loggers=[wandb,mlflow]", f"run.dir={run_dir}"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "MLFLOW_", "MEGACLI_"))}
+    env.update(WANDB_MODE="offline")
+    out = subprocess.run([sys.executable, "-m", "megacli", "pretrain", *[x for s in sets for x in ("--set", s)]],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    ids = json.loads((run_dir / "trackers.json").read_text())
+    assert [p.name.rsplit("-", 1)[1] for p in (run_dir / "wandb").glob("offline-run-*")] == [ids["wandb"]]
+    experiments = [p for p in (run_dir / "mlruns").iterdir() if p.is_dir() and (p / "meta.yaml").is_file() and p.name != "0"]
+    assert len(experiments) == 1
+    assert [p.name for p in experiments[0].iterdir() if (p / "meta.yaml").is_file()] == [ids["mlflow"]]
+
+
+@pytest.mark.slow
+def test_a_missing_logger_package_warns_and_the_run_goes_on_without_plot_too(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     from megacli.cli import _register, app
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # no matplotlib: no plot.png, nothing said
     monkeypatch.setenv("MEGACLI_IN_PROCESS", "1")
     run_dir = tmp_path / "run"
     sets = [*TINY, *layout(), "train.iters=2", "train.loggers=[wandb,tensorboard]", f"run.dir={run_dir}"]
@@ -139,6 +157,7 @@ def test_a_logger_whose_package_is_missing_warns_and_the_run_goes_on(tmp_path, m
     assert [r["iteration"] for r in records(run_dir)] == [1, 2]
     assert any((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert not (run_dir / "trackers.json").exists(), "no W&B run id to keep"
+    assert not (run_dir / "plot.png").exists() and "plot" not in out.output
 
 
 def test_a_tracker_with_a_bad_uri_says_why_and_the_others_start(tmp_path, monkeypatch):
