@@ -104,7 +104,10 @@ class MetricsLog:
             return
         from megacli.plot.figure import write_run_plot
 
-        write_run_plot(self.path.parent)
+        try:
+            write_run_plot(self.path.parent)
+        except Exception as exc:  # a picture is not worth stopping the training for
+            self.warn(f"plot.png not written: {exc}")
 
     def _write(self, record: dict) -> None:
         with self.path.open("a") as f:
