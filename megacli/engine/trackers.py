@@ -23,8 +23,7 @@ INSTALL_HINT = {"tensorboard": "pip install tensorboard", "wandb": "pip install 
 
 def scalars(record: dict) -> dict[str, float]:
     """The record's numbers (booleans as 0/1), without the iteration and missing values."""
-    return {k: float(v) for k, v in record.items()
-            if k != "iteration" and isinstance(v, (int, float)) and v is not None}
+    return {k: float(v) for k, v in record.items() if k != "iteration" and isinstance(v, (int, float))}
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, str]:
