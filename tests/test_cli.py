@@ -1,4 +1,4 @@
-"""The command line: six subcommands, instant help (no torch/megatron import), recipe errors as
+"""The command line: seven subcommands, instant help (no torch/megatron import), recipe errors as
 one message with exit code 2, dry-run arithmetic."""
 
 import subprocess
@@ -6,14 +6,14 @@ import sys
 
 import pytest
 
-SUBCOMMANDS = ["preprocess", "pretrain", "finetune", "generate", "convert", "reshard"]
+SUBCOMMANDS = ["preprocess", "pretrain", "finetune", "plot", "generate", "convert", "reshard"]
 
 
 def run(*args, **kw):
     return subprocess.run([sys.executable, "-m", "megacli", *args], capture_output=True, text=True, **kw)
 
 
-def test_help_lists_the_six_subcommands():
+def test_help_lists_the_subcommands_in_order():
     out = run("--help")
     assert out.returncode == 0
     listed = [line.split()[0] for line in out.stdout.splitlines() if line.startswith("  ") and line.split()]

@@ -231,7 +231,8 @@ def _train(recipe, runtime) -> None:
     log = MetricsLog(run_dir=recipe.run.dir, enabled=reporting, total_iters=t.iters, start_iter=start_iter,
                      tokens_per_step=recipe.tokens_per_step,
                      flops_per_step=flops_per_token(recipe, counts.active) * recipe.tokens_per_step,
-                     world_size=runtime.world_size, device=runtime.device, tensorboard=t.tensorboard)
+                     world_size=runtime.world_size, device=runtime.device, loggers=t.loggers_in_use,
+                     run_name=recipe.run.name, run_config=recipe.model_dump(mode="json"), resumed=source is not None)
     p = recipe.parallel
     experts = f" | {m.moe.num_experts} experts, top-{m.moe.router_topk}, EP {p.expert}" if m.moe else ""
     log.say(f"megacli {recipe.model.arch} | {n_params / 1e6:.2f}M params{experts} | TP {p.tensor} × PP {p.pipeline} × "
@@ -295,7 +296,9 @@ def _train(recipe, runtime) -> None:
                                        optimizer=trainer.optimizer, scheduler=trainer.scheduler, recipe_yaml=recipe_yaml,
                                        keep_last=ck.keep_last, lora_base=lora_base)
                 log.say(f"saved checkpoint {path}")
+                log.plot()
                 watch.lap()
+        log.plot()
     finally:
         log.close()
     if last_val is not None:

@@ -1,6 +1,7 @@
 """What a run reports: one console line per log interval, a rich progress bar with ETA,
-metrics.jsonl (one JSON object per logged step or evaluation) and optional TensorBoard events.
-Only the reporting rank (last pipeline stage, first TP/DP/CP rank: it holds the loss) writes."""
+metrics.jsonl (one JSON object per logged step or evaluation), the experiment trackers of
+train.loggers (engine.trackers) and <run.dir>/plot.png. Only the reporting rank (last pipeline
+stage, first TP/DP/CP rank: it holds the loss) writes."""
 
 from __future__ import annotations
 
@@ -55,7 +56,10 @@ def memory_gib(device: torch.device) -> float:
 
 class MetricsLog:
     def __init__(self, *, run_dir: str, enabled: bool, total_iters: int, start_iter: int, tokens_per_step: int,
-                 flops_per_step: float, world_size: int, device: torch.device, tensorboard: bool):
+                 flops_per_step: float, world_size: int, device: torch.device, loggers: list[str],
+                 run_name: str | None = None, run_config: dict | None = None, resumed: bool = False):
+        """``loggers``: train.loggers_in_use; ``run_config``: the resolved recipe as a dict (the
+        trackers' run config); ``resumed``: continue the tracker runs named in the run directory."""
         self.enabled = enabled
         self.tokens_per_step = tokens_per_step
         self.flops_per_step = flops_per_step
@@ -63,7 +67,7 @@ class MetricsLog:
         self.device = device
         self.peak = peak_flops(device)
         self.progress = None
-        self.writer = None
+        self.trackers = None
         if not enabled:
             return
         from rich.console import Console
@@ -76,23 +80,40 @@ class MetricsLog:
                                  TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=self.console, transient=True)
         self.task = self.progress.add_task("train", total=total_iters, completed=start_iter, loss="")
         self.progress.start()
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+        if loggers:
+            from megacli.engine.trackers import Trackers
+            from megacli.rundir import versions
 
-            self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+            self.trackers = Trackers(names=loggers, run_dir=run_dir, run_name=run_name, recipe=run_config or {},
+                                     versions=versions(), resumed=resumed, warn=self.warn)
 
     def say(self, text: str) -> None:
         if self.enabled:
             self.console.print(text)
 
+    def warn(self, text: str) -> None:
+        from rich.markup import escape
+
+        self.say(f"[yellow]warning:[/] {escape(text)}")
+
+    def plot(self) -> None:
+        """Redraw <run.dir>/plot.png from metrics.jsonl; skipped without matplotlib."""
+        import importlib.util
+
+        if not self.enabled or not self.path.is_file() or importlib.util.find_spec("matplotlib") is None:
+            return
+        from megacli.plot.figure import write_run_plot
+
+        try:
+            write_run_plot(self.path.parent)
+        except Exception as exc:  # a picture is not worth stopping the training for
+            self.warn(f"plot.png not written: {exc}")
+
     def _write(self, record: dict) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        if self.writer is not None:
-            step = record["iteration"]
-            for k, v in record.items():
-                if k != "iteration" and isinstance(v, (int, float)) and v is not None:
-                    self.writer.add_scalar(k, v, step)
+        if self.trackers is not None:
+            self.trackers.log(record)
 
     def step(self, *, iteration: int, loss: float, lr: float, grad_norm: float | None, seconds_per_step: float,
              loss_scale: float | None = None, extra: dict | None = None, losses: dict | None = None,
@@ -136,8 +157,8 @@ class MetricsLog:
     def close(self) -> None:
         if self.progress is not None:
             self.progress.stop()
-        if self.writer is not None:
-            self.writer.close()
+        if self.trackers is not None:
+            self.trackers.close()
 
 
 class Stopwatch:

@@ -209,10 +209,30 @@ class TrainSection(Section):
     """Custom loss 'module:function' (called as fn(logits_loss_per_token, tokens, loss_mask, **loss_kwargs))."""
     loss_kwargs: dict[str, Any] = {}
     """Keyword arguments for the custom loss."""
+    loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = []
+    """Experiment trackers that get every metrics.jsonl record, the resolved recipe as the run
+    config, the versions and the run's name: tensorboard (<run.dir>/tensorboard), wandb (W&B;
+    WANDB_MODE=offline writes <run.dir>/wandb to sync later), mlflow (MLFLOW_TRACKING_URI, default
+    the file store <run.dir>/mlruns). A resumed run continues the same tracker run. metrics.jsonl
+    is always written."""
     tensorboard: bool = False
-    """Also write TensorBoard event files to <run.dir>/tensorboard."""
+    """Older spelling of listing tensorboard in loggers (either one turns TensorBoard on)."""
     exit_after_iters: Optional[PositiveInt] = None
     """Stop (with a checkpoint) after this many steps of this process, leaving the schedule as for iters."""
+
+    @field_validator("loggers")
+    @classmethod
+    def _loggers_once(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError("a logger is named twice")
+        return v
+
+    @property
+    def loggers_in_use(self) -> list[str]:
+        """train.loggers, plus tensorboard when the older train.tensorboard flag asks for it."""
+        if self.tensorboard and "tensorboard" not in self.loggers:
+            return ["tensorboard", *self.loggers]
+        return list(self.loggers)
 
     @field_validator("loss")
     @classmethod
