@@ -144,8 +144,8 @@ def activation_bytes_per_layer(recipe: TrainingRecipe) -> float:
     b, h, a, tp = t.micro_batch_size, m.hidden_size, m.num_attention_heads, p.tensor
     attn_term = 5 * a * s / h
     if p.recompute == "full":
-        per = 2 * s * b * h / (tp if p.sequence_parallel else 1)
-    elif p.sequence_parallel:
+        per = 2 * s * b * h / (tp if p.sp_enabled else 1)
+    elif p.sp_enabled:
         per = s * b * h * (34 + (0 if p.recompute == "selective" else attn_term)) / tp
     else:
         per = s * b * h * (10 + (24 + (0 if p.recompute == "selective" else attn_term)) / tp)

@@ -120,3 +120,15 @@ def test_yaml_errors_name_file_and_line(tmp_path):
     with pytest.raises(RecipeErrors) as info:
         base.load(TrainingRecipe, bad)
     assert str(bad) in info.value.render() and "line" in info.value.render()
+
+
+@pytest.mark.parametrize("overrides, enabled", [
+    ([], False),
+    (["parallel.tensor=2", "launch.nproc=2"], True),
+    (["parallel.tensor=2", "launch.nproc=2", "parallel.sequence_parallel=false"], False),
+    (["parallel.tensor=2", "launch.nproc=2", "parallel.sequence_parallel=true"], True),
+])
+def test_sequence_parallel_auto_is_on_exactly_with_tensor_parallelism(overrides, enabled):
+    r = load(overrides)
+    assert r.parallel.sp_enabled is enabled
+    assert r.parallel.sequence_parallel == ("auto" if not any("sequence" in o for o in overrides) else enabled)

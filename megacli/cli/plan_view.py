@@ -75,8 +75,8 @@ def print_plan(recipe) -> None:
 def _act_form(recipe) -> str:
     p = recipe.parallel
     if p.recompute == "full":
-        return "full recompute: 2sbh" + ("/t" if p.sequence_parallel else "")
-    if p.sequence_parallel:
+        return "full recompute: 2sbh" + ("/t" if p.sp_enabled else "")
+    if p.sp_enabled:
         return "TP+SP: /t" + (" selective recompute: 34sbh/t" if p.recompute == "selective" else "")
     if p.tensor > 1:
         return "TP: sbh(10+24/t+5as/(ht))" + (" selective: no 5as/h term" if p.recompute == "selective" else "")

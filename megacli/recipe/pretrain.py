@@ -123,13 +123,13 @@ class TrainingRecipe(Section):
             raise RecipeError("train.global_batch_size", t.global_batch_size,
                               f"the interleaved schedule needs micro-batches per step ({self.num_microbatches}) "
                               f"to be a multiple of parallel.pipeline = {p.pipeline}")
-        if p.sequence_parallel and tp == 1:
+        if p.sequence_parallel is True and tp == 1:
             raise RecipeError("parallel.sequence_parallel", True, "needs parallel.tensor > 1")
         if p.context > 1 and m.seq_length % (2 * p.context):
             raise RecipeError("model.seq_length", m.seq_length,
                               f"must be divisible by 2 × parallel.context = {2 * p.context} "
                               f"(each context-parallel rank holds two load-balanced chunks)")
-        if p.sequence_parallel and m.seq_length % (tp * p.context):
+        if p.sp_enabled and m.seq_length % (tp * p.context):
             raise RecipeError("model.seq_length", m.seq_length,
                               f"must be divisible by parallel.tensor × parallel.context = {tp * p.context} for sequence parallelism")
         if p.overlap_param_gather and not p.distributed_optimizer:
@@ -207,10 +207,10 @@ class TrainingRecipe(Section):
         if isinstance(moe.layer_freq, list) and len(moe.layer_freq) != m.num_layers:
             raise RecipeError("model.moe.layer_freq", moe.layer_freq,
                               f"has {len(moe.layer_freq)} entries for model.num_layers = {m.num_layers} layers")
-        if p.tensor > 1 and not p.sequence_parallel:
+        if p.tensor > 1 and not p.sp_enabled:
             raise RecipeError("parallel.sequence_parallel", False,
                               "MoE layers with parallel.tensor > 1 need sequence parallelism (Megatron-Core refuses "
-                              "to train them without): set parallel.sequence_parallel: true")
+                              "to train them without): set parallel.sequence_parallel: auto (or true)")
 
     def _check_sft(self) -> None:
         if self.model.arch != "gpt":
@@ -265,7 +265,7 @@ class TrainingRecipe(Section):
         if m.position_embedding == "learned" and m.max_positions < dec:
             raise RecipeError("model.max_position_embeddings", m.max_position_embeddings,
                               f"is smaller than the decoder length model.decoder_seq_length = {dec}")
-        if p.sequence_parallel and dec % p.tensor:
+        if p.sp_enabled and dec % p.tensor:
             raise RecipeError("model.decoder_seq_length", dec,
                               f"must be divisible by parallel.tensor = {p.tensor} for sequence parallelism")
         most = self.masking.max_masked(m.seq_length, arch)

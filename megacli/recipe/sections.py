@@ -3,7 +3,7 @@ ones a GPT-2-style run would choose, so a recipe lists only what differs."""
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from pydantic import Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
@@ -17,8 +17,9 @@ class ParallelSection(Section):
     """Pipeline-parallel size (splits the layers into stages)."""
     virtual_pipeline: Optional[PositiveInt] = None
     """Model chunks per pipeline stage for the interleaved 1F1B schedule; null = plain 1F1B."""
-    sequence_parallel: bool = False
-    """Shard norms/dropout activations along the sequence across the tensor-parallel group."""
+    sequence_parallel: Union[bool, Literal["auto"]] = "auto"
+    """Shard norms/dropout activations along the sequence across the tensor-parallel group.
+    auto: on when tensor > 1 (it only saves memory); true with tensor = 1 is an error."""
     context: PositiveInt = 1
     """Context-parallel size (ring attention over sequence chunks)."""
     expert: PositiveInt = 1
@@ -35,6 +36,17 @@ class ParallelSection(Section):
     """Overlap the data-parallel gradient reduce with the backward pass."""
     overlap_param_gather: bool = False
     """Overlap the distributed optimizer's parameter all-gather with the forward pass."""
+
+    @property
+    def sp_enabled(self) -> bool:
+        """Whether the run uses sequence parallelism (sequence_parallel with auto resolved)."""
+        return sequence_parallel_on(self.sequence_parallel, tensor=self.tensor)
+
+
+def sequence_parallel_on(value: bool | str, *, tensor: int) -> bool:
+    """parallel.sequence_parallel resolved: auto means on exactly when tensor parallelism is.
+    Also for raw recipe dicts (checkpoints' recipe.yaml)."""
+    return tensor > 1 if value == "auto" else bool(value)
 
 
 class LaunchSection(Section):

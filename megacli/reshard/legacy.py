@@ -672,7 +672,7 @@ def _args_from_recipe(recipe, ck, reader) -> argparse.Namespace:
         tokenizer_type="HuggingFaceTokenizer" if tok.type == "huggingface" else "NullTokenizer",
         tokenizer_model=tok.path,
         tensor_model_parallel_size=p.tensor, pipeline_model_parallel_size=p.pipeline,
-        virtual_pipeline_model_parallel_size=p.virtual_pipeline, sequence_parallel=p.sequence_parallel,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline, sequence_parallel=p.sp_enabled,
         context_parallel_size=p.context, data_parallel_size=recipe.data_parallel_size, world_size=recipe.world_size,
         use_distributed_optimizer=False, ckpt_format="torch", data_parallel_random_init=False,
         global_batch_size=gbs, micro_batch_size=t.micro_batch_size, train_iters=t.iters, seed=t.seed,
