@@ -132,3 +132,18 @@ def test_sequence_parallel_auto_is_on_exactly_with_tensor_parallelism(overrides,
     r = load(overrides)
     assert r.parallel.sp_enabled is enabled
     assert r.parallel.sequence_parallel == ("auto" if not any("sequence" in o for o in overrides) else enabled)
+
+
+def test_warmup_fraction_follows_the_decay_horizon_and_warmup_iters_wins():
+    r = load(["optim.warmup_fraction=0.1", "train.iters=300"])
+    assert r.optim.warmup_steps(r.train.iters) == 30
+    r = load(["optim.warmup_fraction=0.1", "train.iters=4"])
+    assert r.optim.warmup_steps(r.train.iters) == 0
+    r = load(["optim.warmup_fraction=0.1", "train.iters=300", "optim.decay_iters=100"])
+    assert r.optim.warmup_steps(r.train.iters) == 10
+    r = load(["optim.warmup_fraction=0.1", "optim.warmup_iters=5"])
+    assert r.optim.warmup_steps(r.train.iters) == 5
+    assert load([]).optim.warmup_steps(1000) == 0
+    # An explicit warmup_iters keeps its check.
+    assert "must be shorter than the decay horizon" in problem(["optim.warmup_iters=30", "train.iters=4"])
+    assert "optim.warmup_fraction = 1" in problem(["optim.warmup_fraction=1"])

@@ -141,7 +141,7 @@ class TrainingRecipe(Section):
             raise RecipeError("model.position_embedding", "relative", "is for t5; gpt uses learned, rope, alibi or none")
         if self.tokenizer.type == "null" and m.vocab_size is None:
             raise RecipeError("model.vocab_size", None, "tokenizer.type: null needs an explicit model.vocab_size")
-        horizon = self.optim.decay_iters or t.iters
+        horizon = self.optim.decay_horizon(t.iters)
         if self.optim.warmup_iters and self.optim.warmup_iters >= horizon:
             raise RecipeError("optim.warmup_iters", self.optim.warmup_iters,
                               f"must be shorter than the decay horizon (optim.decay_iters or train.iters = {horizon} steps)")

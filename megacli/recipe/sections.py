@@ -241,8 +241,13 @@ class OptimSection(Section):
     """Peak learning rate."""
     min_lr: float = Field(3e-5, ge=0)
     """Learning rate at the end of decay."""
-    warmup_iters: int = Field(0, ge=0)
-    """Linear warmup steps."""
+    warmup_iters: Optional[int] = Field(None, ge=0)
+    """Linear warmup steps, shorter than the decay horizon; when given it is used and warmup_fraction
+    is not (so `--set optim.warmup_iters=N` works on any recipe); null = warmup_fraction."""
+    warmup_fraction: Optional[float] = Field(None, ge=0, lt=1)
+    """Linear warmup as a share of the decay horizon (optim.decay_iters or train.iters), rounded down
+    as Megatron-LM's --lr-warmup-fraction; stays valid when train.iters changes. null (and no
+    warmup_iters) = no warmup."""
     decay_style: Literal["constant", "linear", "cosine", "wsd"] = "cosine"
     """Shape of the decay after warmup; wsd = warmup-stable-decay."""
     decay_iters: Optional[PositiveInt] = None
@@ -267,6 +272,16 @@ class OptimSection(Section):
         if self.min_lr > self.lr:
             raise ValueError(f"optim.min_lr ({self.min_lr}) is above optim.lr ({self.lr})")
         return self
+
+    def decay_horizon(self, train_iters: int) -> int:
+        """Steps over which the learning rate decays: decay_iters, else the whole run."""
+        return self.decay_iters or train_iters
+
+    def warmup_steps(self, train_iters: int) -> int:
+        """Warmup steps of a run of ``train_iters`` steps: warmup_iters, else warmup_fraction of the horizon."""
+        if self.warmup_iters is not None:
+            return self.warmup_iters
+        return int((self.warmup_fraction or 0.0) * self.decay_horizon(train_iters))
 
 
 class CheckpointSection(Section):

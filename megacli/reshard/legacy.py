@@ -679,7 +679,7 @@ def _args_from_recipe(recipe, ck, reader) -> argparse.Namespace:
         bf16=t.precision == "bf16", fp16=t.precision == "fp16",
         params_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision, torch.float32),
         optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, lr_decay_style={"wsd": "WSD"}.get(o.decay_style, o.decay_style),
-        lr_decay_iters=o.decay_iters or t.iters, lr_warmup_iters=o.warmup_iters, weight_decay=o.weight_decay,
+        lr_decay_iters=o.decay_horizon(t.iters), lr_warmup_iters=o.warmup_steps(t.iters), weight_decay=o.weight_decay,
         clip_grad=o.clip_grad, adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
         iteration=ck.iteration, consumed_train_samples=int(ck.meta.get("consumed_samples", ck.iteration * gbs)),
         consumed_valid_samples=0, skipped_train_samples=0,
