@@ -147,3 +147,12 @@ def test_warmup_fraction_follows_the_decay_horizon_and_warmup_iters_wins():
     # An explicit warmup_iters keeps its check.
     assert "must be shorter than the decay horizon" in problem(["optim.warmup_iters=30", "train.iters=4"])
     assert "optim.warmup_fraction = 1" in problem(["optim.warmup_fraction=1"])
+
+
+def test_mock_data_wins_over_a_path_and_a_path_or_blend_is_needed_without_it():
+    r = load([], {"data": {"path": "data/corpus_text_document"}})
+    assert r.data.prefixes == ["data/corpus_text_document"]
+    r = load(["data.mock=true"], {"data": {"path": "data/corpus_text_document"}})
+    assert r.data.mock and r.data.prefixes == [] and r.data.path == "data/corpus_text_document"
+    assert "give one of data.path, data.blend or data.mock" in problem(["data.mock=false"])
+    assert "not both" in problem(["data.path=a", "data.blend=[[1, b]]"])

@@ -215,7 +215,7 @@ class TrainingRecipe(Section):
     def _check_sft(self) -> None:
         if self.model.arch != "gpt":
             raise RecipeError("sft", self.sft.train, f"instruction finetuning is for gpt models, not {self.model.arch}")
-        if self.data.path or self.data.blend:
+        if self.data.prefixes:
             raise RecipeError("sft", self.sft.train, "give sft (instruction data) or data.path/data.blend (continued "
                                                      "pretraining), not both")
         if self.parallel.context > 1:

@@ -92,7 +92,8 @@ class DataSection(Section):
     cache_dir: Optional[str] = None
     """Where sample-index caches go; default <run.dir>/data_cache."""
     mock: bool = False
-    """Random tokens instead of files (smoke tests, benchmarks)."""
+    """Random tokens instead of files (smoke tests, benchmarks). true wins: data.path and data.blend
+    are then not read (they may stay in the recipe, so `--set data.mock=true` is all a smoke run needs)."""
 
     @field_validator("split")
     @classmethod
@@ -108,13 +109,17 @@ class DataSection(Section):
 
     @model_validator(mode="after")
     def _one_source(self):
-        given = sum(x is not None and x is not False for x in (self.path, self.blend)) + int(self.mock)
-        if given != 1:
-            raise ValueError("give exactly one of data.path, data.blend or data.mock: true")
+        if self.path and self.blend:
+            raise ValueError("give data.path or data.blend, not both")
+        if not (self.path or self.blend or self.mock):
+            raise ValueError("give one of data.path, data.blend or data.mock: true")
         return self
 
     @property
     def prefixes(self) -> list[str]:
+        """The indexed datasets the run reads (none with mock data)."""
+        if self.mock:
+            return []
         if self.path:
             return [self.path]
         return [p for _, p in self.blend or []]

@@ -683,7 +683,7 @@ def _args_from_recipe(recipe, ck, reader) -> argparse.Namespace:
         clip_grad=o.clip_grad, adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
         iteration=ck.iteration, consumed_train_samples=int(ck.meta.get("consumed_samples", ck.iteration * gbs)),
         consumed_valid_samples=0, skipped_train_samples=0,
-        data_path=[recipe.data.path] if recipe.data.path else None,
+        data_path=[recipe.data.path] if recipe.data.path and not recipe.data.mock else None,
     )
 
 
