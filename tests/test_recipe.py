@@ -156,3 +156,16 @@ def test_mock_data_wins_over_a_path_and_a_path_or_blend_is_needed_without_it():
     assert r.data.mock and r.data.prefixes == [] and r.data.path == "data/corpus_text_document"
     assert "give one of data.path, data.blend or data.mock" in problem(["data.mock=false"])
     assert "not both" in problem(["data.path=a", "data.blend=[[1, b]]"])
+
+
+@pytest.mark.parametrize("spelling", ["tokenizer.type=none", "tokenizer.type=null", "tokenizer.type='null'"])
+def test_tokenizer_type_none_and_its_old_spelling_null(spelling):
+    r = load([spelling, "model.vocab_size=1000"])
+    assert r.tokenizer.type == "none"
+    assert "tokenizer.type: none needs an explicit model.vocab_size" in problem([spelling])
+
+
+def test_tokenizer_type_null_in_a_file_is_none(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("tokenizer:\n  type: null\nmodel:\n  vocab_size: 1000\n")
+    assert base.load(TrainingRecipe, path).tokenizer.type == "none"

@@ -18,7 +18,7 @@ Megatron-LM's ``tools/preprocess_data.py`` builds:
 * byte: no files. Ids 0..255 are the UTF-8 bytes; then the specials
   256 ``<eod>``, 257 ``<bos>``, 258 ``<pad>``, 259 ``<cls>``, 260 ``<sep>``, 261 ``<mask>``;
   vocab_size 262.
-* null: text is whitespace-separated ids below ``vocab_size``; eod = vocab_size, so the
+* none: text is whitespace-separated ids below ``vocab_size``; eod = vocab_size, so the
   vocabulary holds vocab_size + 1 ids (as Megatron-LM's NullTokenizer).
 
 Every tokenizer pickles, so worker processes can receive it.
@@ -34,7 +34,7 @@ from typing import Iterable, Optional, Sequence
 
 from megacli.errors import UserError
 
-TOKENIZER_TYPES = ("huggingface", "byte", "sentencepiece", "wordpiece", "null")
+TOKENIZER_TYPES = ("huggingface", "byte", "sentencepiece", "wordpiece", "none")
 
 
 SENTINEL = "<extra_id_{}>"  # T5 sentinel tokens, appended to a vocabulary that lacks them (Megatron's vocab_extra_ids)
@@ -383,12 +383,12 @@ class WordPieceTokenizer(Tokenizer):
 
 
 def load_tokenizer(*, type: str, path: str | None, vocab_size: int | None = None) -> Tokenizer:
-    """Build the tokenizer a ``tokenizer:`` recipe section names (``vocab_size`` only for null)."""
+    """Build the tokenizer a ``tokenizer:`` recipe section names (``vocab_size`` only for none)."""
     if type == "byte":
         return ByteTokenizer()
-    if type == "null":
+    if type == "none":
         if not vocab_size:
-            raise UserError("the null tokenizer needs a vocabulary size (model.vocab_size)")
+            raise UserError("tokenizer type none needs a vocabulary size (model.vocab_size)")
         return NullTokenizer(vocab_size)
     if type not in TOKENIZER_TYPES:
         raise UserError(f"tokenizer.type = {type!r}: expected one of {', '.join(TOKENIZER_TYPES)}")
@@ -407,8 +407,8 @@ def load_tokenizer(*, type: str, path: str | None, vocab_size: int | None = None
 def guess_tokenizer_type(spec: str) -> tuple[str, Optional[str]]:
     """``--tokenizer`` one-off value -> (type, path): ``byte``, a HF directory or tokenizer.json,
     a SentencePiece ``.model`` or a WordPiece ``.txt`` vocabulary."""
-    if spec in ("byte", "null"):
-        return spec, None
+    if spec in ("byte", "none", "null"):  # null: the old spelling of none
+        return ("none" if spec == "null" else spec), None
     p = Path(spec)
     if p.is_dir():
         if (p / "tokenizer.json").is_file():

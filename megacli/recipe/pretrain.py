@@ -139,8 +139,8 @@ class TrainingRecipe(Section):
                               f"is smaller than model.seq_length = {m.seq_length}")
         if m.arch == "gpt" and m.position_embedding == "relative":
             raise RecipeError("model.position_embedding", "relative", "is for t5; gpt uses learned, rope, alibi or none")
-        if self.tokenizer.type == "null" and m.vocab_size is None:
-            raise RecipeError("model.vocab_size", None, "tokenizer.type: null needs an explicit model.vocab_size")
+        if self.tokenizer.type == "none" and m.vocab_size is None:
+            raise RecipeError("model.vocab_size", None, "tokenizer.type: none needs an explicit model.vocab_size")
         horizon = self.optim.decay_horizon(t.iters)
         if self.optim.warmup_iters and self.optim.warmup_iters >= horizon:
             raise RecipeError("optim.warmup_iters", self.optim.warmup_iters,
@@ -222,8 +222,8 @@ class TrainingRecipe(Section):
             raise RecipeError("parallel.context", self.parallel.context,
                               "packed instruction data needs per-example attention masks; context parallelism "
                               "does not support them yet")
-        if self.tokenizer.type == "null":
-            raise RecipeError("tokenizer.type", "null", "instruction data is text: it needs a real tokenizer")
+        if self.tokenizer.type == "none":
+            raise RecipeError("tokenizer.type", "none", "instruction data is text: it needs a real tokenizer")
 
     def _check_lora(self) -> None:
         if self.model.arch != "gpt":
@@ -243,8 +243,8 @@ class TrainingRecipe(Section):
             raise RecipeError("data.mock", True, f"{arch} trains on sentence-split indexed data (Megatron's masked "
                               "WordPiece datasets have no mock variant): build it with `megacli preprocess "
                               "--split-sentences` and set data.path to the PREFIX_text_sentence dataset")
-        if self.tokenizer.type == "null":
-            raise RecipeError("tokenizer.type", "null", f"{arch} masking needs a tokenizer with special tokens "
+        if self.tokenizer.type == "none":
+            raise RecipeError("tokenizer.type", "none", f"{arch} masking needs a tokenizer with special tokens "
                               "(a WordPiece vocab, a Hugging Face tokenizer with them, sentencepiece or byte)")
         if p.context > 1:
             raise RecipeError("parallel.context", p.context, f"context parallelism is for gpt; {arch} supports "

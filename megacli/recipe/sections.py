@@ -69,11 +69,18 @@ class LaunchSection(Section):
 
 
 class TokenizerSection(Section):
-    type: Literal["huggingface", "byte", "sentencepiece", "wordpiece", "null"] = "huggingface"
+    type: Literal["huggingface", "byte", "sentencepiece", "wordpiece", "none"] = "huggingface"
     """huggingface (a directory with tokenizer.json), byte (no files: 256 bytes + specials),
-    sentencepiece (a .model file), wordpiece (a BERT vocab.txt), null (ids only; needs model.vocab_size)."""
+    sentencepiece (a .model file), wordpiece (a BERT vocab.txt), none (no tokenizer: data is ids
+    already, Megatron-LM's NullTokenizer; needs model.vocab_size). The old spelling null, which
+    YAML reads as no value, still means none."""
     path: Optional[str] = None
-    """Tokenizer directory or file (not needed for byte/null)."""
+    """Tokenizer directory or file (not needed for byte/none)."""
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _old_none_spelling(cls, v):
+        return "none" if v is None or v == "null" else v
 
     @model_validator(mode="after")
     def _needs_path(self):

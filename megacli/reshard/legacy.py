@@ -272,7 +272,7 @@ def _recipe_from_args(src: LegacySource) -> dict:
     model = src.ck.model_section()
     vocab = model.get("vocab_size")
     tok_dir = src.ck.tokenizer_dir()
-    tokenizer = {"type": "huggingface", "path": str(tok_dir)} if tok_dir else {"type": "null", "path": None}
+    tokenizer = {"type": "huggingface", "path": str(tok_dir)} if tok_dir else {"type": "none", "path": None}
     if not tok_dir:
         model["vocab_size"] = vocab
     gbs = int(_arg(a, "global_batch_size", 1))
