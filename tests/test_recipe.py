@@ -169,3 +169,10 @@ def test_tokenizer_type_null_in_a_file_is_none(tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text("tokenizer:\n  type: null\nmodel:\n  vocab_size: 1000\n")
     assert base.load(TrainingRecipe, path).tokenizer.type == "none"
+
+
+@pytest.mark.parametrize("value", ["0", "null"])
+def test_zero_or_null_interval_means_never(value):
+    r = load([f"train.eval_interval={value}", f"checkpoint.save_interval={value}"])
+    assert not r.train.eval_interval and not r.checkpoint.save_interval
+    assert "train.eval_interval = -1" in problem(["train.eval_interval=-1"])

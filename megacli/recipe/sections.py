@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import Field, PositiveFloat, PositiveInt, field_validator, model_validator
+from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator, model_validator
 
 from megacli.recipe.base import Section
 
@@ -221,8 +221,8 @@ class TrainSection(Section):
     """Sequences per optimizer step across all data-parallel ranks."""
     seed: int = 1234
     """Seed of weight init, dropout and data order (the same seed gives the same init in any layout)."""
-    eval_interval: Optional[PositiveInt] = 100
-    """Evaluate every this many steps (and at the end); null = never."""
+    eval_interval: Optional[NonNegativeInt] = 100
+    """Evaluate every this many steps (and at the end); 0 or null = never."""
     eval_iters: PositiveInt = 10
     """Validation batches per evaluation."""
     log_interval: PositiveInt = 10
@@ -299,8 +299,9 @@ class OptimSection(Section):
 class CheckpointSection(Section):
     dir: Optional[str] = None
     """Checkpoint directory; null = never save."""
-    save_interval: Optional[PositiveInt] = None
-    """Save every this many steps (and at the end when dir is set)."""
+    save_interval: Optional[NonNegativeInt] = None
+    """Save every this many steps; 0 or null = never periodically. A run with checkpoint.dir set
+    always saves at its end (checkpoint.dir: null saves nothing)."""
     resume: str = "auto"
     """auto (continue from dir's latest if any), none (start fresh), or a checkpoint path to load."""
     load_optimizer: bool = True
