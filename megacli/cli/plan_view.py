@@ -20,19 +20,41 @@ def vocab_size_of(recipe) -> tuple[int, str]:
     return vocab, "tokenizer" + (f" + {added} sentinels" if added else "")
 
 
+def run_device(recipe) -> str:
+    """The device a run of this recipe gets here: launch.device, auto resolved as the launcher does."""
+    if recipe.launch.device != "auto":
+        return recipe.launch.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def print_recipe(recipe, console) -> None:
+    """The resolved recipe as block YAML: highlighted on a terminal, plain and never cut otherwise."""
+    from rich.syntax import Syntax
+
+    from megacli.recipe.base import dump
+
+    text = dump(recipe)
+    if console.is_terminal:
+        console.print(Syntax(text, "yaml", theme="ansi_dark", background_color="default", word_wrap=True))
+    else:
+        console.file.write(text)
+
+
 def print_plan(recipe) -> None:
     from rich.console import Console
-    from rich.syntax import Syntax
     from rich.table import Table
 
     from megacli import plan
-    from megacli.recipe.base import dump
 
     console = Console()
-    console.print(Syntax(dump(recipe), "yaml", theme="ansi_dark", background_color="default"))
+    print_recipe(recipe, console)
     p, m, t = recipe.parallel, recipe.model, recipe.train
     vocab, vocab_src = vocab_size_of(recipe)
-    counts, mem = plan.estimate(recipe, vocab)
+    device = run_device(recipe)
+    kernel = plan.attention_kernel(recipe, device=device)
+    counts, mem = plan.estimate(recipe, vocab, device=device)
     total = counts.total
 
     layout = Table(title="layout", show_header=False)
@@ -49,6 +71,7 @@ def print_plan(recipe) -> None:
     else:
         layout.add_row("parameters (model)", f"{total:,}")
     layout.add_row("parameters per rank (first stage)", f"{mem.params:,}")
+    layout.add_row("attention kernel", f"{kernel} on {device}: {plan.ATTENTION_KERNELS[kernel]}")
     layout.add_row("training FLOPs per step", f"{plan.flops_per_token(recipe, counts.active) * recipe.tokens_per_step:.3e}")
     console.print(layout)
 
@@ -66,8 +89,9 @@ def print_plan(recipe) -> None:
     memory.add_row("  without distributed optimizer", f"{mem.optimizer_gib_without_dist_opt:.3f}", f"{o} B/param")
     memory.add_row("  with distributed optimizer", f"{mem.optimizer_gib_with_dist_opt:.3f}",
                    f"{o}/{dp} B/param" + (f" ({o}/{recipe.expert_data_parallel_size} for experts)" if m.moe else ""))
+    scores = "sbh(34+5as/h)" if kernel == "math" else f"sbh·34 ({kernel} attention stores no 5as/h scores)"
     memory.add_row("activations", f"{mem.activations_gib:.3f}",
-                   f"sbh(34+5as/h) per layer, {_act_form(recipe)}, × in-flight layers")
+                   f"{scores} per layer, {_act_form(recipe)}, × in-flight layers")
     memory.add_row("total", f"{mem.total_gib:.3f}", "")
     console.print(memory)
 
