@@ -174,6 +174,11 @@ class HuggingFaceTokenizer(Tokenizer):
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self._fast = _AsciiByteLevel.for_tokenizer(self._tok, file)
 
+    @property
+    def shortcut(self) -> Optional[str]:
+        """The faster encoder used beside the tokenizers library's, if any (for --dry-run)."""
+        return None if self._fast is None else "ASCII byte-level BPE shortcut (same ids)"
+
     def encode(self, text: str) -> list[int]:
         return self.encode_batch([text])[0]
 
@@ -323,6 +328,11 @@ class SentencePieceTokenizer(Tokenizer):
         return {i: self._sp.id_to_piece(i) for i in range(self.vocab_size)}
 
 
+def vocab_is_lower_case(tokens: Iterable[str]) -> bool:
+    """A WordPiece vocabulary is uncased when no token but the [SPECIAL] ones has an upper-case letter."""
+    return not any(any(c.isupper() for c in tok) for tok in tokens if not (tok.startswith("[") and tok.endswith("]")))
+
+
 class WordPieceTokenizer(Tokenizer):
     """BERT WordPiece from a vocab.txt, tokenizing as Megatron-LM's legacy BertWordPiece tokenizers
     (the original BERT basic + wordpiece tokenizer, here run by the Rust implementation)."""
@@ -344,8 +354,7 @@ class WordPieceTokenizer(Tokenizer):
         if "[UNK]" not in vocab:
             raise UserError(f"WordPiece vocab {file} has no [UNK] token")
         if lower_case is None:
-            lower_case = not any(any(c.isupper() for c in tok) for tok in vocab
-                                 if not (tok.startswith("[") and tok.endswith("]")))
+            lower_case = vocab_is_lower_case(vocab)
         self.lower_case = lower_case
         self.name = f"{file} ({'lower' if lower_case else 'cased'})"
         # Megatron counts len(vocab) (a dict), then appends [BOS] and [EOS] when they are missing.
