@@ -176,3 +176,14 @@ def test_zero_or_null_interval_means_never(value):
     r = load([f"train.eval_interval={value}", f"checkpoint.save_interval={value}"])
     assert not r.train.eval_interval and not r.checkpoint.save_interval
     assert "train.eval_interval = -1" in problem(["train.eval_interval=-1"])
+
+
+def test_checkpoint_recipes_resolve_sequence_parallel_auto_for_the_target_layout():
+    from megacli.recipe.sections import sequence_parallel_on
+    from megacli.reshard.plan import Layout, resolve_target
+
+    assert sequence_parallel_on("auto", tensor=2) and not sequence_parallel_on("auto", tensor=1)
+    src = Layout(tensor=1, data=2)
+    assert resolve_target(src, {"sequence_parallel": "auto"}, tensor=2).sequence_parallel
+    assert not resolve_target(src, {"sequence_parallel": "auto"}).sequence_parallel
+    assert not resolve_target(src, {"sequence_parallel": False}, tensor=2).sequence_parallel
