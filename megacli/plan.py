@@ -158,7 +158,8 @@ def attention_kernel(recipe: TrainingRecipe, *, device: str) -> str:
         return "math" if m.attention_dropout > 0 else "flash"
     if m.head_dim % 8:
         return "math"
-    masked = m.arch != "gpt" or m.position_embedding == "alibi" or recipe.sft is not None
+    packed = recipe.sft is not None and recipe.sft.packing  # per-example masks
+    masked = m.arch != "gpt" or m.position_embedding == "alibi" or packed
     if t.precision == "fp32" or masked or m.head_dim > 256:
         return "memory-efficient"
     return "flash"
