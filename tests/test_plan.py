@@ -182,3 +182,19 @@ def test_first_step_line_states_measured_peak_memory_and_intervals_of_0_mean_nev
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert not any("val_loss" in r for r in records)
     assert sorted(p.name for p in (tmp_path / "ck").glob("iter_*")) == ["iter_0000002"]
+
+
+def test_dry_run_says_what_auto_and_warmup_fraction_resolve_to():
+    from typer.testing import CliRunner
+
+    from megacli.cli import _register, app
+
+    _register()
+    out = CliRunner().invoke(app, ["pretrain", "--dry-run", "--set", "train.iters=50"])
+    assert out.exit_code == 0, out.output
+    text = " ".join(out.output.replace("│", " ").split())
+    assert "sequence parallelism on (auto: TP 2)" in text
+    assert "learning-rate warmup 5 steps (optim.warmup_fraction 0.1 of 50), then cosine decay" in text
+    out = CliRunner().invoke(app, ["pretrain", "--dry-run", "--set", "parallel.tensor=1", "--set", "optim.warmup_iters=3"])
+    text = " ".join(out.output.replace("│", " ").split())
+    assert "sequence parallelism off (auto: TP 1)" in text and "3 steps (optim.warmup_iters)" in text

@@ -59,6 +59,8 @@ def print_plan(recipe) -> None:
 
     layout = Table(title="layout", show_header=False)
     layout.add_row("world size", f"TP {p.tensor} × PP {p.pipeline} × CP {p.context} × DP {recipe.data_parallel_size} = {recipe.world_size}")
+    sp = "on" if p.sp_enabled else "off"
+    layout.add_row("sequence parallelism", sp + (f" (auto: TP {p.tensor})" if p.sequence_parallel == "auto" else ""))
     layout.add_row("layers per pipeline stage", f"{recipe.layers_per_stage}" + (f" ({recipe.layers_per_stage // p.virtual_pipeline} per virtual stage × {p.virtual_pipeline})" if p.virtual_pipeline else ""))
     layout.add_row("micro-batches per step", f"{recipe.num_microbatches} = global {t.global_batch_size} / (micro {t.micro_batch_size} × DP {recipe.data_parallel_size})")
     layout.add_row("tokens per step", f"{recipe.tokens_per_step:,} = {t.global_batch_size} × {m.seq_length}")
@@ -72,6 +74,11 @@ def print_plan(recipe) -> None:
         layout.add_row("parameters (model)", f"{total:,}")
     layout.add_row("parameters per rank (first stage)", f"{mem.params:,}")
     layout.add_row("attention kernel", f"{kernel} on {device}: {plan.ATTENTION_KERNELS[kernel]}")
+    o = recipe.optim
+    warmup = o.warmup_steps(t.iters)
+    source = "optim.warmup_iters" if o.warmup_iters is not None else (
+        f"optim.warmup_fraction {o.warmup_fraction:g} of {o.decay_horizon(t.iters):,}" if o.warmup_fraction else "none given")
+    layout.add_row("learning-rate warmup", f"{warmup:,} steps ({source}), then {o.decay_style} decay")
     layout.add_row("training FLOPs per step", f"{plan.flops_per_token(recipe, counts.active) * recipe.tokens_per_step:.3e}")
     console.print(layout)
 
