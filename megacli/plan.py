@@ -2,7 +2,9 @@
 
 Pure arithmetic on the recipe (no torch), so `--dry-run` is instant. Memory follows
 Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"):
-activations per layer = s·b·h·(34 + 5·a·s/h) bytes at 16-bit, and its TP/SP/recompute forms.
+activations per layer = s·b·h·(34 + 5·a·s/h) bytes at 16-bit, and its TP/SP/recompute forms;
+the 5·a·s/h term (attention scores, softmax, dropout mask) only where the attention kernel
+stores the scores.
 """
 
 from __future__ import annotations
@@ -135,25 +137,55 @@ def bytes_per_param(precision: str) -> tuple[int, int, int]:
     return 2, 4, 12
 
 
-def activation_bytes_per_layer(recipe: TrainingRecipe) -> float:
+ATTENTION_KERNELS = {
+    "flash": "SDPA flash kernel: keeps only the softmax statistics, not the s×s scores",
+    "memory-efficient": "SDPA memory-efficient kernel: keeps only the softmax statistics, not the s×s scores",
+    "ring": "ring attention (context parallelism): flash-style blocks, recomputed in the backward",
+    "math": "SDPA math kernel: stores the s×s scores, softmax and dropout mask (the 5as/h term)",
+}
+
+
+def attention_kernel(recipe: TrainingRecipe, *, device: str) -> str:
+    """The kernel engine.attention.CoreAttention runs for this recipe on ``device`` ("cuda" or
+    "cpu"), by torch's SDPA rules: on CPU its flash kernel takes masks but not dropout; on CUDA
+    flash needs 16-bit inputs without a mask (causal GPT), memory-efficient takes fp32 and masks
+    (BERT/T5 padding, ALiBi and T5 biases, packed finetuning), and both need head dims divisible
+    by 8 (flash at most 256). torch decides at run time; this is the kernel it is expected to pick."""
+    m, t = recipe.model, recipe.train
+    if recipe.parallel.context > 1:
+        return "ring"
+    if device == "cpu":
+        return "math" if m.attention_dropout > 0 else "flash"
+    if m.head_dim % 8:
+        return "math"
+    packed = recipe.sft is not None and recipe.sft.packing  # per-example masks
+    masked = m.arch != "gpt" or m.position_embedding == "alibi" or packed
+    if t.precision == "fp32" or masked or m.head_dim > 256:
+        return "memory-efficient"
+    return "flash"
+
+
+def activation_bytes_per_layer(recipe: TrainingRecipe, *, kernel: str) -> float:
     """Korthikanti et al. 2022, eqs. 1-5 (16-bit activations; fp32 doubles it).
     Without parallelism: s·b·h·(34 + 5·a·s/h). TP splits all but 10·s·b·h; SP splits those too;
-    selective recompute drops the 5·a·s/h attention term; full recompute keeps only the layer input."""
+    selective recompute drops the 5·a·s/h attention term, and so does an attention ``kernel`` that
+    never stores the scores (all but math); full recompute keeps only the layer input."""
     m, p, t = recipe.model, recipe.parallel, recipe.train
     s = m.seq_length // p.context
     b, h, a, tp = t.micro_batch_size, m.hidden_size, m.num_attention_heads, p.tensor
-    attn_term = 5 * a * s / h
+    attn_term = 5 * a * s / h if kernel == "math" else 0
     if p.recompute == "full":
-        per = 2 * s * b * h / (tp if p.sequence_parallel else 1)
-    elif p.sequence_parallel:
+        per = 2 * s * b * h / (tp if p.sp_enabled else 1)
+    elif p.sp_enabled:
         per = s * b * h * (34 + (0 if p.recompute == "selective" else attn_term)) / tp
     else:
         per = s * b * h * (10 + (24 + (0 if p.recompute == "selective" else attn_term)) / tp)
     return per * (2 if t.precision == "fp32" else 1)
 
 
-def estimate(recipe: TrainingRecipe, vocab_size: int) -> tuple[ParamCounts, RankMemory]:
-    """Memory of the busiest rank: the first pipeline stage (embedding + in-flight activations)."""
+def estimate(recipe: TrainingRecipe, vocab_size: int, *, device: str = "cuda") -> tuple[ParamCounts, RankMemory]:
+    """Memory of the busiest rank: the first pipeline stage (embedding + in-flight activations),
+    with the activations of the attention kernel the run uses on ``device`` ("cuda" or "cpu")."""
     p = recipe.parallel
     counts = count_params(recipe, vocab_size)
     layers = recipe.layers_per_stage
@@ -174,7 +206,7 @@ def estimate(recipe: TrainingRecipe, vocab_size: int) -> tuple[ParamCounts, Rank
     in_flight_layers = layers * min(p.pipeline, recipe.num_microbatches)
     if p.virtual_pipeline:
         in_flight_layers *= 1 + (p.pipeline - 1) / (p.pipeline * p.virtual_pipeline)
-    act = activation_bytes_per_layer(recipe) * in_flight_layers
+    act = activation_bytes_per_layer(recipe, kernel=attention_kernel(recipe, device=device)) * in_flight_layers
     mem = RankMemory(
         params=rank_params,
         weights_gib=rank_params * w / GIB,

@@ -3,6 +3,7 @@ one message with exit code 2, dry-run arithmetic."""
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -67,3 +68,43 @@ def test_dry_run_prints_layout_and_memory():
     assert "4 = global 16 / (micro 4 × DP 1)" in text
     assert "2,048 = 16 × 128" in text
     assert "with distributed optimizer" in text and "activations" in text
+
+
+SHIPPED = sorted(p for p in (Path(__file__).parent.parent / "recipes").glob("*.yaml") if not p.name.startswith("preprocess"))
+ONE_CHANGE = ["parallel.tensor=1", "train.iters=4", "data.mock=true", "tokenizer.type=none", "tokenizer.type=null",
+              "train.eval_interval=0", "checkpoint.save_interval=0"]
+
+
+def _refusal(recipe: Path, change: str) -> str | None:
+    """The reason a shipped recipe rightly refuses a change (None: the dry run must succeed)."""
+    text = recipe.read_text()
+    masked = "arch: bert" in text or "arch: t5" in text
+    if change == "data.mock=true" and masked:
+        return "data.mock = True: "  # Megatron's masked datasets have no mock variant
+    if change.startswith("tokenizer.type="):
+        if "vocab_size:" not in text:
+            return "tokenizer.type: none needs an explicit model.vocab_size"
+        if masked or "sft:" in text:
+            return "tokenizer.type = 'none'"  # masking and instruction data need a real tokenizer
+    return None
+
+
+@pytest.mark.parametrize("change", ONE_CHANGE)
+@pytest.mark.parametrize("recipe", SHIPPED, ids=lambda p: p.stem)
+def test_one_change_to_a_shipped_recipe_dry_runs(recipe, change):
+    """What a new user tries first: one --set on a shipped recipe either dry-runs or is refused
+    (exit 2, one message) for a reason of the recipe's own, never for a spelling."""
+    from typer.testing import CliRunner
+
+    from megacli.cli import _register, app
+
+    _register()
+    job = "finetune" if recipe.stem.endswith("_sft") or recipe.stem.startswith("sft") else "pretrain"
+    out = CliRunner().invoke(app, [job, str(recipe), "--dry-run", "--set", change])
+    refusal = _refusal(recipe, change)
+    if refusal is None:
+        assert out.exit_code == 0, out.output
+        assert "layout" in out.output and "activations" in out.output
+    else:
+        assert out.exit_code == 2 and "Traceback" not in out.output, out.output
+        assert refusal in " ".join(out.output.split()), out.output

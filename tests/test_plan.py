@@ -86,3 +86,116 @@ def test_t5_vocabulary_counts_the_sentinels_the_tokenizer_lacks():
     assert count_params(plain, model_vocab_size(plain, tok)).output_layer == 384
     bert = _recipe("bert").model_copy(update={"model": _recipe("bert").model.model_copy(update={"vocab_size": None})})
     assert model_vocab_size(bert, tok) == tok.vocab_size
+
+
+def _load(overrides):
+    from megacli.recipe import base
+    from megacli.recipe.pretrain import TrainingRecipe
+
+    return base.load(TrainingRecipe, None, [*TINY, *overrides])
+
+
+def test_attention_kernel_follows_device_precision_masks_and_dropout():
+    from megacli.plan import attention_kernel
+
+    def kernel(overrides, device):
+        return attention_kernel(_load(overrides), device=device)
+
+    assert kernel(["train.precision=bf16"], "cuda") == "flash"
+    assert kernel(["train.precision=fp32"], "cuda") == "memory-efficient"
+    assert kernel(["train.precision=bf16", "model.position_embedding=alibi"], "cuda") == "memory-efficient"
+    assert kernel(["train.precision=bf16", *CASES["bert"]], "cuda") == "memory-efficient"
+    assert kernel(["train.precision=bf16", "model.kv_channels=20"], "cuda") == "math"
+    assert kernel([], "cpu") == "flash"
+    assert kernel(["model.attention_dropout=0.1"], "cpu") == "math"
+    assert kernel(["parallel.context=2", "launch.nproc=2"], "cpu") == "ring"
+
+
+def test_activations_hold_the_attention_scores_only_for_the_math_kernel():
+    from megacli.plan import activation_bytes_per_layer
+
+    r = _load(["train.precision=bf16", "train.micro_batch_size=2"])
+    s, b, h, a = 64, 2, 64, 4
+    assert activation_bytes_per_layer(r, kernel="flash") == s * b * h * 34
+    assert activation_bytes_per_layer(r, kernel="math") == s * b * h * (34 + 5 * a * s / h)
+
+
+def test_dry_run_names_the_kernel_and_the_estimate_follows_it():
+    from typer.testing import CliRunner
+
+    from megacli.cli import _register, app
+
+    _register()
+    sets = [x for s in [*TINY, "model.seq_length=1024", "train.precision=fp32"] for x in ("--set", s)]
+    flash = CliRunner().invoke(app, ["pretrain", "--dry-run", *sets])
+    math = CliRunner().invoke(app, ["pretrain", "--dry-run", *sets, "--set", "model.attention_dropout=0.1"])
+    assert flash.exit_code == 0 and math.exit_code == 0, flash.output + math.output
+    assert "flash on cpu" in flash.output and "math on cpu" in math.output
+
+    def activations(text):
+        return float(re.search(r"activations\s*│\s*([\d.]+)", text).group(1))
+
+    assert activations(math.output) > 2 * activations(flash.output)  # 5as/h = 320 against 34 at s = 1024
+
+
+def test_dry_run_recipe_is_whole_block_yaml_when_not_on_a_terminal():
+    import yaml
+    from typer.testing import CliRunner
+
+    from megacli.cli import _register, app
+    from megacli.cli.common import repo_recipes_dir
+    from megacli.recipe import base
+    from megacli.recipe.pretrain import TrainingRecipe
+
+    _register()
+    name = "a-run-name-" + "x" * 150
+    out = CliRunner().invoke(app, ["pretrain", str(repo_recipes_dir() / "gpt2_1.3b.yaml"), "--dry-run",
+                                   "--set", f"run.name={name}"])
+    assert out.exit_code == 0, out.output
+    printed = out.output[: out.output.index(" layout ")]
+    recipe = base.load(TrainingRecipe, repo_recipes_dir() / "gpt2_1.3b.yaml", [f"run.name={name}"])
+    assert yaml.safe_load(printed) == recipe.model_dump(mode="json")
+    assert printed.startswith("model:\n  arch: gpt\n") and f"  name: {name}\n" in printed
+
+
+def test_first_step_line_states_measured_peak_memory_and_intervals_of_0_mean_never(tmp_path, monkeypatch):
+    """A one-process run on CPU: the memory line follows the first step line; eval_interval 0 never
+    evaluates, save_interval 0 saves only at the end."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from megacli.cli import _register, app
+
+    _register()
+    monkeypatch.setenv("MEGACLI_IN_PROCESS", "1")
+    sets = ["data.path=null", "data.mock=true", "tokenizer.type=byte", "tokenizer.path=null", "model.num_layers=2",
+            "model.hidden_size=32", "model.num_attention_heads=2", "model.seq_length=32", "launch.nproc=1",
+            "parallel.tensor=1", "parallel.pipeline=1", "launch.device=cpu", "train.iters=2", "train.micro_batch_size=2",
+            "train.global_batch_size=2", "train.log_interval=1", "train.precision=fp32", "train.eval_interval=0",
+            "checkpoint.save_interval=0", f"checkpoint.dir={tmp_path / 'ck'}", f"run.dir={tmp_path / 'run'}"]
+    out = CliRunner().invoke(app, ["pretrain", *[x for s in sets for x in ("--set", s)]])
+    assert out.exit_code == 0, out.output
+    text = " ".join(out.output.split())  # the console wraps long lines at 80 columns here
+    steps = text.split("iter ")
+    assert len(steps) == 3 and text.count("memory: ") == 1, text
+    assert re.search(r"GiB memory: peak RSS [\d.]+ GiB \(measured.*\| estimate [\d.]+ GiB .*flash attention", steps[1]), text
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert not any("val_loss" in r for r in records)
+    assert sorted(p.name for p in (tmp_path / "ck").glob("iter_*")) == ["iter_0000002"]
+
+
+def test_dry_run_says_what_auto_and_warmup_fraction_resolve_to():
+    from typer.testing import CliRunner
+
+    from megacli.cli import _register, app
+
+    _register()
+    out = CliRunner().invoke(app, ["pretrain", "--dry-run", "--set", "train.iters=50"])
+    assert out.exit_code == 0, out.output
+    text = " ".join(out.output.replace("│", " ").split())
+    assert "sequence parallelism on (auto: TP 2)" in text
+    assert "learning-rate warmup 5 steps (optim.warmup_fraction 0.1 of 50), then cosine decay" in text
+    out = CliRunner().invoke(app, ["pretrain", "--dry-run", "--set", "parallel.tensor=1", "--set", "optim.warmup_iters=3"])
+    text = " ".join(out.output.replace("│", " ").split())
+    assert "sequence parallelism off (auto: TP 1)" in text and "3 steps (optim.warmup_iters)" in text

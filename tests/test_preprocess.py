@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 import random
+import re
 import struct
 import subprocess
 import sys
@@ -456,3 +457,128 @@ def test_ctrl_c_removes_partial_files(tmp_path, hf_dir):
         pytest.skip("the run finished before the signal arrived")
     assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err
     assert [p.name for p in tmp_path.iterdir()] == ["big.jsonl"]
+
+
+# ---- Megatron-LM's spellings and --dry-run ----
+def _cli(*args):
+    from typer.testing import CliRunner
+
+    from megacli.cli import _register, app
+
+    _register()
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def test_megatron_lm_spellings_write_what_megacli_spellings_write(tmp_path, corpus, hf_dir):
+    ours = _cli("preprocess", "--input", corpus, "--output-prefix", tmp_path / "ours", "--json-keys", "text",
+                "--json-keys", "title", "--tokenizer", hf_dir, "--append-eod", "--workers", "0", "--no-progress")
+    assert ours.exit_code == 0, ours.output
+    theirs = _cli("preprocess", "--input", corpus, "--output-prefix", tmp_path / "theirs", "--json-keys", "text", "title",
+                  "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", hf_dir, "--append-eod", "--workers", "0",
+                  "--partitions", "2", "--log-interval", "10", "--keep-sequential-samples", "--no-progress")
+    assert theirs.exit_code == 0, theirs.output
+    for key in ("text", "title"):
+        assert read_pair(tmp_path / f"theirs_{key}_document") == read_pair(tmp_path / f"ours_{key}_document")
+
+
+def test_json_keys_values_end_at_a_recipe(tmp_path, corpus):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"preprocess:\n  input: {corpus}\n  output_prefix: {tmp_path / 'o'}\n")
+    out = _cli("preprocess", "--json-keys", "text", "title", recipe, "--dry-run")
+    assert out.exit_code == 0, out.output
+    assert "json_keys:\n  - text\n  - title\n" in out.output
+
+
+def test_megatron_wordpiece_types_must_agree_with_the_vocabulary_casing(tmp_path, corpus):
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "quick", "."]) + "\n")
+    out = _cli("preprocess", "--input", corpus, "--output-prefix", tmp_path / "wp", "--tokenizer-type",
+               "BertWordPieceLowerCase", "--vocab-file", vocab, "--workers", "0", "--no-progress")
+    assert out.exit_code == 0, out.output
+    out = _cli("preprocess", "--input", corpus, "--output-prefix", tmp_path / "wp", "--tokenizer-type",
+               "BertWordPieceCase", "--vocab-file", vocab)
+    assert out.exit_code == 2 and "uncased vocabulary" in out.output and "BertWordPieceLowerCase" in out.output
+
+
+def test_megatron_gpt2_bpe_reads_the_tokenizer_json_beside_vocab_and_merges(tmp_path, corpus, hf_dir):
+    import shutil
+
+    gpt2 = tmp_path / "gpt2"
+    shutil.copytree(hf_dir, gpt2)
+    for name in ("vocab.json", "merges.txt"):
+        (gpt2 / name).touch()
+    out = _cli("preprocess", "--input", corpus, "--output-prefix", tmp_path / "g", "--tokenizer-type", "GPT2BPETokenizer",
+               "--vocab-file", gpt2 / "vocab.json", "--merge-file", gpt2 / "merges.txt", "--dry-run")
+    assert out.exit_code == 0, out.output
+    assert f"type: huggingface\n  path: {gpt2}\n" in out.output
+    (gpt2 / "tokenizer.json").unlink()
+    out = _cli("preprocess", "--input", corpus, "--output-prefix", tmp_path / "g", "--tokenizer-type", "GPT2BPETokenizer",
+               "--vocab-file", gpt2 / "vocab.json", "--merge-file", gpt2 / "merges.txt")
+    assert out.exit_code == 2 and "tokenizer.json" in out.output and "Traceback" not in out.output
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "x.model"], "GPTSentencePieceTokenizer"),
+    (["--tokenizer-type", "TikTokenizer", "--tokenizer-model", "x"], "no TikTokenizer"),
+    (["--tokenizer-type", "MagicTokenizer"], "expected one of HuggingFaceTokenizer"),
+    (["--tokenizer-type", "HuggingFaceTokenizer"], "needs --tokenizer-model"),
+    (["--tokenizer-type", "BertWordPieceCase", "--vocab-file", "v.txt", "--merge-file", "m.txt"], "--merge-file: --tokenizer-type BertWordPieceCase does not use it"),
+    (["--tokenizer", "byte", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "x"], "not both"),
+    (["--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", "x.model", "--split-sentences"], "a BOS before every sentence"),
+    (["--tokenizer-type", "NullTokenizer"], "needs a real tokenizer"),
+    *[([option, "1"], f"{option}: an option of Megatron-LM's preprocess_data.py that megacli preprocess does not have")
+      for option in ("--find-optimal-num-workers", "--workers-to-check", "--max-documents", "--performance-dir",
+                     "--vocab-size", "--vocab-extra-ids", "--tiktoken-pattern", "--dataset-impl")],
+])
+def test_megatron_options_megacli_lacks_are_named_not_misread(tmp_path, corpus, args, words):
+    out = _cli("preprocess", "--input", corpus, "--output-prefix", tmp_path / "o", *args)
+    assert out.exit_code == 2 and "Traceback" not in out.output, out.output
+    assert words in " ".join(out.output.split()), out.output
+    assert not list(tmp_path.iterdir())
+
+
+def test_megatron_llama2_tokenizer_adds_a_bos(tmp_path, corpus):
+    import sentencepiece as spm
+
+    text_file = tmp_path / "train.txt"
+    text_file.write_text("\n".join(SENTENCES * 20), encoding="utf-8")
+    spm.SentencePieceTrainer.train(input=str(text_file), model_prefix=str(tmp_path / "sp"), vocab_size=120,
+                                   model_type="bpe", minloglevel=2)
+    out = _cli("preprocess", "--input", corpus, "--output-prefix", tmp_path / "o", "--tokenizer-type", "Llama2Tokenizer",
+               "--tokenizer-model", tmp_path / "sp.model", "--dry-run")
+    assert out.exit_code == 0, out.output
+    assert "add_bos: true" in out.output and "type: sentencepiece" in out.output and "BOS first" in out.output
+
+
+def test_dry_run_shows_inputs_tokenizer_and_outputs_and_writes_nothing(tmp_path, corpus, hf_dir):
+    gz = tmp_path / "c.jsonl.gz"
+    with gzip.open(gz, "wt", encoding="utf-8") as f:
+        f.write(corpus.read_text(encoding="utf-8"))
+    (tmp_path / "o_text_document.bin").write_bytes(b"")
+    before = sorted(tmp_path.iterdir())
+    out = _cli("preprocess", "--input", corpus, "--input", gz, "--output-prefix", tmp_path / "o", "--tokenizer", hf_dir,
+               "--json-keys", "text", "title", "--dry-run")
+    assert out.exit_code == 0, out.output
+    text = " ".join(out.output.split())
+    assert out.output.startswith("preprocess:\n  input:\n")
+    assert f"{corpus.stat().st_size / 1e3:.1f} kB" in text and "jsonl (gzip)" in text
+    assert re.search(r"│ total │ │ [\d.]+ kB │ 240 │", text), text
+    assert f"path │ {hf_dir}" in text and "vocabulary │ 400 ids" in text
+    assert "exist: would be replaced" in text and "o_title_document.idx" in text
+    assert sorted(tmp_path.iterdir()) == before
+
+
+def test_record_counts_of_large_line_files_are_sampled(tmp_path):
+    from megacli.data.readers import resolve_sources
+    from megacli.data.survey import RecordCount, count_records
+
+    records = make_corpus(20000)  # big enough that gzip's start-up is a small part of the sample
+    plain = write_jsonl(tmp_path / "big.jsonl", records)
+    gz = tmp_path / "big.jsonl.gz"
+    with gzip.open(gz, "wt", encoding="utf-8") as f:
+        f.write(plain.read_text(encoding="utf-8"))
+    for path in (plain, gz):
+        source = resolve_sources([str(path)])[0]
+        assert count_records(source, document_per_line=True) == RecordCount(20000, True)
+        sampled = count_records(source, document_per_line=True, sample_bytes=path.stat().st_size // 5)
+        assert not sampled.exact and abs(sampled.records - 20000) < 1000, (path, sampled)

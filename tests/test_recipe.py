@@ -120,3 +120,70 @@ def test_yaml_errors_name_file_and_line(tmp_path):
     with pytest.raises(RecipeErrors) as info:
         base.load(TrainingRecipe, bad)
     assert str(bad) in info.value.render() and "line" in info.value.render()
+
+
+@pytest.mark.parametrize("overrides, enabled", [
+    ([], False),
+    (["parallel.tensor=2", "launch.nproc=2"], True),
+    (["parallel.tensor=2", "launch.nproc=2", "parallel.sequence_parallel=false"], False),
+    (["parallel.tensor=2", "launch.nproc=2", "parallel.sequence_parallel=true"], True),
+])
+def test_sequence_parallel_auto_is_on_exactly_with_tensor_parallelism(overrides, enabled):
+    r = load(overrides)
+    assert r.parallel.sp_enabled is enabled
+    assert r.parallel.sequence_parallel == ("auto" if not any("sequence" in o for o in overrides) else enabled)
+
+
+def test_warmup_fraction_follows_the_decay_horizon_and_warmup_iters_wins():
+    r = load(["optim.warmup_fraction=0.1", "train.iters=300"])
+    assert r.optim.warmup_steps(r.train.iters) == 30
+    r = load(["optim.warmup_fraction=0.1", "train.iters=4"])
+    assert r.optim.warmup_steps(r.train.iters) == 0
+    r = load(["optim.warmup_fraction=0.1", "train.iters=300", "optim.decay_iters=100"])
+    assert r.optim.warmup_steps(r.train.iters) == 10
+    r = load(["optim.warmup_fraction=0.1", "optim.warmup_iters=5"])
+    assert r.optim.warmup_steps(r.train.iters) == 5
+    assert load([]).optim.warmup_steps(1000) == 0
+    # An explicit warmup_iters keeps its check.
+    assert "must be shorter than the decay horizon" in problem(["optim.warmup_iters=30", "train.iters=4"])
+    assert "optim.warmup_fraction = 1" in problem(["optim.warmup_fraction=1"])
+
+
+def test_mock_data_wins_over_a_path_and_a_path_or_blend_is_needed_without_it():
+    r = load([], {"data": {"path": "data/corpus_text_document"}})
+    assert r.data.prefixes == ["data/corpus_text_document"]
+    r = load(["data.mock=true"], {"data": {"path": "data/corpus_text_document"}})
+    assert r.data.mock and r.data.prefixes == [] and r.data.path == "data/corpus_text_document"
+    assert "give one of data.path, data.blend or data.mock" in problem(["data.mock=false"])
+    assert "not both" in problem(["data.path=a", "data.blend=[[1, b]]"])
+
+
+@pytest.mark.parametrize("spelling", ["tokenizer.type=none", "tokenizer.type=null", "tokenizer.type='null'"])
+def test_tokenizer_type_none_and_its_old_spelling_null(spelling):
+    r = load([spelling, "model.vocab_size=1000"])
+    assert r.tokenizer.type == "none"
+    assert "tokenizer.type: none needs an explicit model.vocab_size" in problem([spelling])
+
+
+def test_tokenizer_type_null_in_a_file_is_none(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("tokenizer:\n  type: null\nmodel:\n  vocab_size: 1000\n")
+    assert base.load(TrainingRecipe, path).tokenizer.type == "none"
+
+
+@pytest.mark.parametrize("value", ["0", "null"])
+def test_zero_or_null_interval_means_never(value):
+    r = load([f"train.eval_interval={value}", f"checkpoint.save_interval={value}"])
+    assert not r.train.eval_interval and not r.checkpoint.save_interval
+    assert "train.eval_interval = -1" in problem(["train.eval_interval=-1"])
+
+
+def test_checkpoint_recipes_resolve_sequence_parallel_auto_for_the_target_layout():
+    from megacli.recipe.sections import sequence_parallel_on
+    from megacli.reshard.plan import Layout, resolve_target
+
+    assert sequence_parallel_on("auto", tensor=2) and not sequence_parallel_on("auto", tensor=1)
+    src = Layout(tensor=1, data=2)
+    assert resolve_target(src, {"sequence_parallel": "auto"}, tensor=2).sequence_parallel
+    assert not resolve_target(src, {"sequence_parallel": "auto"}).sequence_parallel
+    assert not resolve_target(src, {"sequence_parallel": False}, tensor=2).sequence_parallel

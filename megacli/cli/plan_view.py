@@ -20,23 +20,47 @@ def vocab_size_of(recipe) -> tuple[int, str]:
     return vocab, "tokenizer" + (f" + {added} sentinels" if added else "")
 
 
+def run_device(recipe) -> str:
+    """The device a run of this recipe gets here: launch.device, auto resolved as the launcher does."""
+    if recipe.launch.device != "auto":
+        return recipe.launch.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def print_recipe(recipe, console) -> None:
+    """The resolved recipe as block YAML: highlighted on a terminal, plain and never cut otherwise."""
+    from rich.syntax import Syntax
+
+    from megacli.recipe.base import dump
+
+    text = dump(recipe)
+    if console.is_terminal:
+        console.print(Syntax(text, "yaml", theme="ansi_dark", background_color="default", word_wrap=True))
+    else:
+        console.file.write(text)
+
+
 def print_plan(recipe) -> None:
     from rich.console import Console
-    from rich.syntax import Syntax
     from rich.table import Table
 
     from megacli import plan
-    from megacli.recipe.base import dump
 
     console = Console()
-    console.print(Syntax(dump(recipe), "yaml", theme="ansi_dark", background_color="default"))
+    print_recipe(recipe, console)
     p, m, t = recipe.parallel, recipe.model, recipe.train
     vocab, vocab_src = vocab_size_of(recipe)
-    counts, mem = plan.estimate(recipe, vocab)
+    device = run_device(recipe)
+    kernel = plan.attention_kernel(recipe, device=device)
+    counts, mem = plan.estimate(recipe, vocab, device=device)
     total = counts.total
 
     layout = Table(title="layout", show_header=False)
     layout.add_row("world size", f"TP {p.tensor} × PP {p.pipeline} × CP {p.context} × DP {recipe.data_parallel_size} = {recipe.world_size}")
+    sp = "on" if p.sp_enabled else "off"
+    layout.add_row("sequence parallelism", sp + (f" (auto: TP {p.tensor})" if p.sequence_parallel == "auto" else ""))
     layout.add_row("layers per pipeline stage", f"{recipe.layers_per_stage}" + (f" ({recipe.layers_per_stage // p.virtual_pipeline} per virtual stage × {p.virtual_pipeline})" if p.virtual_pipeline else ""))
     layout.add_row("micro-batches per step", f"{recipe.num_microbatches} = global {t.global_batch_size} / (micro {t.micro_batch_size} × DP {recipe.data_parallel_size})")
     layout.add_row("tokens per step", f"{recipe.tokens_per_step:,} = {t.global_batch_size} × {m.seq_length}")
@@ -49,6 +73,12 @@ def print_plan(recipe) -> None:
     else:
         layout.add_row("parameters (model)", f"{total:,}")
     layout.add_row("parameters per rank (first stage)", f"{mem.params:,}")
+    layout.add_row("attention kernel", f"{kernel} on {device}: {plan.ATTENTION_KERNELS[kernel]}")
+    o = recipe.optim
+    warmup = o.warmup_steps(t.iters)
+    source = "optim.warmup_iters" if o.warmup_iters is not None else (
+        f"optim.warmup_fraction {o.warmup_fraction:g} of {o.decay_horizon(t.iters):,}" if o.warmup_fraction else "none given")
+    layout.add_row("learning-rate warmup", f"{warmup:,} steps ({source}), then {o.decay_style} decay")
     layout.add_row("training FLOPs per step", f"{plan.flops_per_token(recipe, counts.active) * recipe.tokens_per_step:.3e}")
     console.print(layout)
 
@@ -66,8 +96,9 @@ def print_plan(recipe) -> None:
     memory.add_row("  without distributed optimizer", f"{mem.optimizer_gib_without_dist_opt:.3f}", f"{o} B/param")
     memory.add_row("  with distributed optimizer", f"{mem.optimizer_gib_with_dist_opt:.3f}",
                    f"{o}/{dp} B/param" + (f" ({o}/{recipe.expert_data_parallel_size} for experts)" if m.moe else ""))
+    scores = "sbh(34+5as/h)" if kernel == "math" else f"sbh·34 ({kernel} attention stores no 5as/h scores)"
     memory.add_row("activations", f"{mem.activations_gib:.3f}",
-                   f"sbh(34+5as/h) per layer, {_act_form(recipe)}, × in-flight layers")
+                   f"{scores} per layer, {_act_form(recipe)}, × in-flight layers")
     memory.add_row("total", f"{mem.total_gib:.3f}", "")
     console.print(memory)
 
@@ -75,8 +106,8 @@ def print_plan(recipe) -> None:
 def _act_form(recipe) -> str:
     p = recipe.parallel
     if p.recompute == "full":
-        return "full recompute: 2sbh" + ("/t" if p.sequence_parallel else "")
-    if p.sequence_parallel:
+        return "full recompute: 2sbh" + ("/t" if p.sp_enabled else "")
+    if p.sp_enabled:
         return "TP+SP: /t" + (" selective recompute: 34sbh/t" if p.recompute == "selective" else "")
     if p.tensor > 1:
         return "TP: sbh(10+24/t+5as/(ht))" + (" selective: no 5as/h term" if p.recompute == "selective" else "")

@@ -7,10 +7,28 @@ from typing import Annotated, List, Optional
 import typer
 
 from megacli.cli.root import app
-from megacli.cli.common import DefaultCommandGroup, RecipeArg, SetOpt, guarded
+from megacli.cli.common import DefaultCommandGroup, RecipeArg, SetOpt, fail, guarded
+
+
+class PreprocessGroup(DefaultCommandGroup):
+    """Reads Megatron-LM's preprocess_data.py spellings (see megatron_spellings) for the default command."""
+
+    def parse_args(self, ctx, args):
+        if args and (args[0] == "run" or args[0] not in self.commands):
+            from rich.markup import escape
+
+            from megacli.cli.megatron_spellings import translate_argv
+            from megacli.errors import UserError
+
+            try:
+                args = translate_argv(args)
+            except UserError as exc:
+                raise fail(escape(str(exc))) from None
+        return super().parse_args(ctx, args)
+
 
 preprocess_app = typer.Typer(
-    cls=DefaultCommandGroup,
+    cls=PreprocessGroup,
     help="Turn a corpus (JSONL, text, Parquet, datasets) into Megatron indexed datasets (.bin/.idx).\n\n"
          "megacli preprocess RECIPE [--set k=v] | megacli preprocess --input F --output-prefix P --tokenizer T [...]",
     no_args_is_help=False,
@@ -19,6 +37,7 @@ preprocess_app = typer.Typer(
 app.add_typer(preprocess_app, name="preprocess")
 
 _ONE_OFF = "one-off options (override the recipe)"
+_MEGATRON = "Megatron-LM's spellings (tools/preprocess_data.py)"
 
 
 @preprocess_app.command("run", help="Preprocess a corpus from a recipe and/or Megatron-LM-style options (the default command).")
@@ -28,7 +47,7 @@ def run_command(
     set_: SetOpt = None,
     input: Annotated[Optional[List[str]], typer.Option("--input", "-i", help="Corpus file, directory or glob (repeatable).", rich_help_panel=_ONE_OFF, show_default=False)] = None,
     output_prefix: Annotated[Optional[str], typer.Option("--output-prefix", "-o", help="Output prefix: writes PREFIX_KEY_document.bin/.idx.", rich_help_panel=_ONE_OFF, show_default=False)] = None,
-    json_keys: Annotated[Optional[List[str]], typer.Option("--json-keys", help="JSON keys to tokenize (repeatable or comma-separated; default text).", rich_help_panel=_ONE_OFF, show_default=False)] = None,
+    json_keys: Annotated[Optional[List[str]], typer.Option("--json-keys", help="JSON keys to tokenize: --json-keys text title, repeated, or comma-separated (default text).", rich_help_panel=_ONE_OFF, show_default=False)] = None,
     tokenizer: Annotated[Optional[str], typer.Option("--tokenizer", "-t", help="'byte' (the default), a Hugging Face tokenizer directory, a SentencePiece .model or a WordPiece vocab .txt.", rich_help_panel=_ONE_OFF, show_default=False)] = None,
     append_eod: Annotated[Optional[bool], typer.Option("--append-eod/--no-append-eod", help="Append the end-of-document token to each document.", rich_help_panel=_ONE_OFF, show_default=False)] = None,
     add_bos: Annotated[Optional[bool], typer.Option("--add-bos/--no-add-bos", help="Prepend the beginning-of-sequence token to each document.", rich_help_panel=_ONE_OFF, show_default=False)] = None,
@@ -40,6 +59,13 @@ def run_command(
     skip_bad_records: Annotated[Optional[bool], typer.Option("--skip-bad-records/--stop-on-bad-records", help="Skip malformed records (counted) instead of stopping.", rich_help_panel=_ONE_OFF, show_default=False)] = None,
     lang: Annotated[Optional[str], typer.Option("--lang", help="Punkt language for --split-sentences.", rich_help_panel=_ONE_OFF, show_default=False)] = None,
     progress: Annotated[Optional[bool], typer.Option("--progress/--no-progress", help="Show the progress bar.", rich_help_panel=_ONE_OFF, show_default=False)] = None,
+    tokenizer_type: Annotated[Optional[str], typer.Option("--tokenizer-type", help="HuggingFaceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer (adds a BOS), BertWordPieceLowerCase, BertWordPieceCase, GPT2BPETokenizer; with the file options below (instead of --tokenizer).", rich_help_panel=_MEGATRON, show_default=False)] = None,
+    tokenizer_model: Annotated[Optional[str], typer.Option("--tokenizer-model", help="Hugging Face tokenizer directory or SentencePiece .model.", rich_help_panel=_MEGATRON, show_default=False)] = None,
+    vocab_file: Annotated[Optional[str], typer.Option("--vocab-file", help="WordPiece vocab.txt, or GPT-2's vocab.json (beside its tokenizer.json).", rich_help_panel=_MEGATRON, show_default=False)] = None,
+    merge_file: Annotated[Optional[str], typer.Option("--merge-file", help="GPT-2's merges.txt (beside vocab.json and tokenizer.json).", rich_help_panel=_MEGATRON, show_default=False)] = None,
+    log_interval: Annotated[Optional[int], typer.Option("--log-interval", help="Accepted; the progress bar reports continuously, so N is not used.", rich_help_panel=_MEGATRON, show_default=False)] = None,
+    keep_sequential_samples: Annotated[bool, typer.Option("--keep-sequential-samples", help="Accepted; megacli keeps the input order with any --partitions.", rich_help_panel=_MEGATRON)] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the resolved recipe, the inputs (sizes, record counts), the tokenizer and the files it would write; write nothing.")] = False,
 ) -> None:
     from rich.console import Console
 
@@ -65,9 +91,22 @@ def run_command(
     if tokenizer is not None:
         kind, path = guess_tokenizer_type(tokenizer)
         raw["tokenizer"] = {"type": kind, "path": path}
+    if tokenizer_type or tokenizer_model or vocab_file or merge_file:
+        if tokenizer is not None:
+            raise UserError("give --tokenizer or Megatron-LM's --tokenizer-type/--tokenizer-model/--vocab-file, not both")
+        from megacli.cli.megatron_spellings import megatron_tokenizer
+
+        raw["tokenizer"], implied = megatron_tokenizer(tokenizer_type, model=tokenizer_model, vocab_file=vocab_file,
+                                                       merge_file=merge_file, split_sentences=bool(section.get("split_sentences")))
+        section.update(implied)
     raw = apply_overrides(raw, set_ or [])
     source = str(recipe) if recipe is not None else "(command line)"
     resolved = validate(PreprocessRecipe, raw, source)
+    if dry_run:
+        from megacli.cli.preprocess_view import print_preprocess_plan
+
+        print_preprocess_plan(resolved)
+        return
 
     result = run_job(job_from_recipe(resolved))
     out = Console(highlight=False)

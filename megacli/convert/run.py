@@ -140,7 +140,7 @@ def _tokenizer_section(final_hf_dir: Path, copied: list[str]) -> dict:
         return {"type": "huggingface", "path": str(final_hf_dir)}
     if "tokenizer.model" in copied:
         return {"type": "sentencepiece", "path": str(final_hf_dir / "tokenizer.model")}
-    return {"type": "null"}
+    return {"type": "none"}
 
 
 def _hf_to_megacli(src: Path, work: Path, final: Path, *, parallel, dtype: str | None, say: Say) -> None:
@@ -285,7 +285,7 @@ def _vocab_of(ckpt: Path, recipe) -> tuple[int, object]:
     (None when there is none to load)."""
     vocab = recipe.model.vocab_size
     tokenizer = None
-    if recipe.tokenizer.type != "null" and (recipe.tokenizer.path or recipe.tokenizer.type == "byte"):
+    if recipe.tokenizer.type != "none" and (recipe.tokenizer.path or recipe.tokenizer.type == "byte"):
         from megacli.data.tokenizers import load_tokenizer
 
         try:

@@ -197,8 +197,8 @@ def run(job: Job, console=None) -> Result:
 
     console = console or Console(stderr=True, highlight=False)
     start = time.perf_counter()
-    if job.add_bos and job.tokenizer_type == "null":
-        raise UserError("preprocess.add_bos: the null tokenizer has no bos token")
+    if job.add_bos and job.tokenizer_type == "none":
+        raise UserError("preprocess.add_bos: tokenizer type none has no bos token")
     tokenizer = load_tokenizer(type=job.tokenizer_type, path=job.tokenizer_path)
     if job.add_bos and tokenizer.bos is None:
         raise UserError(f"preprocess.add_bos: tokenizer {tokenizer.name} has no bos token")

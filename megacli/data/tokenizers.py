@@ -18,7 +18,7 @@ Megatron-LM's ``tools/preprocess_data.py`` builds:
 * byte: no files. Ids 0..255 are the UTF-8 bytes; then the specials
   256 ``<eod>``, 257 ``<bos>``, 258 ``<pad>``, 259 ``<cls>``, 260 ``<sep>``, 261 ``<mask>``;
   vocab_size 262.
-* null: text is whitespace-separated ids below ``vocab_size``; eod = vocab_size, so the
+* none: text is whitespace-separated ids below ``vocab_size``; eod = vocab_size, so the
   vocabulary holds vocab_size + 1 ids (as Megatron-LM's NullTokenizer).
 
 Every tokenizer pickles, so worker processes can receive it.
@@ -34,7 +34,7 @@ from typing import Iterable, Optional, Sequence
 
 from megacli.errors import UserError
 
-TOKENIZER_TYPES = ("huggingface", "byte", "sentencepiece", "wordpiece", "null")
+TOKENIZER_TYPES = ("huggingface", "byte", "sentencepiece", "wordpiece", "none")
 
 
 SENTINEL = "<extra_id_{}>"  # T5 sentinel tokens, appended to a vocabulary that lacks them (Megatron's vocab_extra_ids)
@@ -173,6 +173,11 @@ class HuggingFaceTokenizer(Tokenizer):
         self.mask = ids.get("mask_token")
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self._fast = _AsciiByteLevel.for_tokenizer(self._tok, file)
+
+    @property
+    def shortcut(self) -> Optional[str]:
+        """The faster encoder used beside the tokenizers library's, if any (for --dry-run)."""
+        return None if self._fast is None else "ASCII byte-level BPE shortcut (same ids)"
 
     def encode(self, text: str) -> list[int]:
         return self.encode_batch([text])[0]
@@ -323,6 +328,11 @@ class SentencePieceTokenizer(Tokenizer):
         return {i: self._sp.id_to_piece(i) for i in range(self.vocab_size)}
 
 
+def vocab_is_lower_case(tokens: Iterable[str]) -> bool:
+    """A WordPiece vocabulary is uncased when no token but the [SPECIAL] ones has an upper-case letter."""
+    return not any(any(c.isupper() for c in tok) for tok in tokens if not (tok.startswith("[") and tok.endswith("]")))
+
+
 class WordPieceTokenizer(Tokenizer):
     """BERT WordPiece from a vocab.txt, tokenizing as Megatron-LM's legacy BertWordPiece tokenizers
     (the original BERT basic + wordpiece tokenizer, here run by the Rust implementation)."""
@@ -344,8 +354,7 @@ class WordPieceTokenizer(Tokenizer):
         if "[UNK]" not in vocab:
             raise UserError(f"WordPiece vocab {file} has no [UNK] token")
         if lower_case is None:
-            lower_case = not any(any(c.isupper() for c in tok) for tok in vocab
-                                 if not (tok.startswith("[") and tok.endswith("]")))
+            lower_case = vocab_is_lower_case(vocab)
         self.lower_case = lower_case
         self.name = f"{file} ({'lower' if lower_case else 'cased'})"
         # Megatron counts len(vocab) (a dict), then appends [BOS] and [EOS] when they are missing.
@@ -383,12 +392,12 @@ class WordPieceTokenizer(Tokenizer):
 
 
 def load_tokenizer(*, type: str, path: str | None, vocab_size: int | None = None) -> Tokenizer:
-    """Build the tokenizer a ``tokenizer:`` recipe section names (``vocab_size`` only for null)."""
+    """Build the tokenizer a ``tokenizer:`` recipe section names (``vocab_size`` only for none)."""
     if type == "byte":
         return ByteTokenizer()
-    if type == "null":
+    if type == "none":
         if not vocab_size:
-            raise UserError("the null tokenizer needs a vocabulary size (model.vocab_size)")
+            raise UserError("tokenizer type none needs a vocabulary size (model.vocab_size)")
         return NullTokenizer(vocab_size)
     if type not in TOKENIZER_TYPES:
         raise UserError(f"tokenizer.type = {type!r}: expected one of {', '.join(TOKENIZER_TYPES)}")
@@ -407,8 +416,8 @@ def load_tokenizer(*, type: str, path: str | None, vocab_size: int | None = None
 def guess_tokenizer_type(spec: str) -> tuple[str, Optional[str]]:
     """``--tokenizer`` one-off value -> (type, path): ``byte``, a HF directory or tokenizer.json,
     a SentencePiece ``.model`` or a WordPiece ``.txt`` vocabulary."""
-    if spec in ("byte", "null"):
-        return spec, None
+    if spec in ("byte", "none", "null"):  # null: the old spelling of none
+        return ("none" if spec == "null" else spec), None
     p = Path(spec)
     if p.is_dir():
         if (p / "tokenizer.json").is_file():

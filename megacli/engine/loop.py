@@ -265,6 +265,7 @@ def _train(recipe, runtime) -> None:
     iteration = start_iter
     stop_at = min(t.iters, start_iter + t.exit_after_iters) if t.exit_after_iters else t.iters
     last_val = last_lm = None
+    memory_reported = False
     try:
         while iteration < stop_at:
             losses, grad_norm, ok = train_step(trainer, iterators)
@@ -283,6 +284,11 @@ def _train(recipe, runtime) -> None:
                          extra=None if ok else {"skipped_step": True}, losses=mean,
                          experts=expert_stats.collect(window_steps) if expert_stats else None)
                 window_losses, window_steps, window_time = {}, 0, 0.0
+                if not memory_reported:  # the first step line: measured peak memory beside the estimate
+                    from megacli.engine.memory import peak_memory_line
+
+                    log.say(peak_memory_line(recipe, tokenizer=tokenizer, device=runtime.device))
+                    memory_reported = True
             else:
                 log.advance(iteration)
             if t.eval_interval and (iteration % t.eval_interval == 0 or iteration == t.iters):

@@ -32,13 +32,14 @@ def build_scheduler(optimizer, *, optim, train_iters: int):
     """Steps are optimizer iterations (Megatron-LM counts samples; same curve, simpler numbers)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    decay = optim.decay_iters or train_iters
+    decay = optim.decay_horizon(train_iters)
+    warmup = optim.warmup_steps(train_iters)
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0 if optim.warmup_iters else optim.lr,
+        init_lr=0.0 if warmup else optim.lr,
         max_lr=optim.lr,
         min_lr=optim.min_lr,
-        lr_warmup_steps=optim.warmup_iters,
+        lr_warmup_steps=warmup,
         lr_decay_steps=decay,
         lr_decay_style=optim.decay_style if optim.decay_style != "wsd" else "WSD",
         start_wd=optim.weight_decay,

@@ -171,5 +171,7 @@ def load(model: type[R], path: str | Path | None, overrides: Iterable[str] = (),
 
 
 def dump(recipe: BaseModel) -> str:
-    """The resolved recipe as YAML (every field, defaults included) in declaration order."""
-    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False, default_flow_style=None)
+    """The resolved recipe as block YAML (every field, defaults included) in declaration order,
+    one field per line and no line folded, however long its value."""
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False, default_flow_style=False,
+                          width=float("inf"), allow_unicode=True)

@@ -93,7 +93,7 @@ class PreprocessRecipe(Section):
 
     @model_validator(mode="after")
     def _tokenizer_can_preprocess(self):
-        if self.tokenizer.type == "null":
-            raise RecipeError("tokenizer.type", "null", "preprocessing needs a real tokenizer (huggingface, "
+        if self.tokenizer.type == "none":
+            raise RecipeError("tokenizer.type", "none", "preprocessing needs a real tokenizer (huggingface, "
                               "sentencepiece, wordpiece or byte)")
         return self

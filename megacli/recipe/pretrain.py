@@ -123,13 +123,13 @@ class TrainingRecipe(Section):
             raise RecipeError("train.global_batch_size", t.global_batch_size,
                               f"the interleaved schedule needs micro-batches per step ({self.num_microbatches}) "
                               f"to be a multiple of parallel.pipeline = {p.pipeline}")
-        if p.sequence_parallel and tp == 1:
+        if p.sequence_parallel is True and tp == 1:
             raise RecipeError("parallel.sequence_parallel", True, "needs parallel.tensor > 1")
         if p.context > 1 and m.seq_length % (2 * p.context):
             raise RecipeError("model.seq_length", m.seq_length,
                               f"must be divisible by 2 × parallel.context = {2 * p.context} "
                               f"(each context-parallel rank holds two load-balanced chunks)")
-        if p.sequence_parallel and m.seq_length % (tp * p.context):
+        if p.sp_enabled and m.seq_length % (tp * p.context):
             raise RecipeError("model.seq_length", m.seq_length,
                               f"must be divisible by parallel.tensor × parallel.context = {tp * p.context} for sequence parallelism")
         if p.overlap_param_gather and not p.distributed_optimizer:
@@ -139,9 +139,9 @@ class TrainingRecipe(Section):
                               f"is smaller than model.seq_length = {m.seq_length}")
         if m.arch == "gpt" and m.position_embedding == "relative":
             raise RecipeError("model.position_embedding", "relative", "is for t5; gpt uses learned, rope, alibi or none")
-        if self.tokenizer.type == "null" and m.vocab_size is None:
-            raise RecipeError("model.vocab_size", None, "tokenizer.type: null needs an explicit model.vocab_size")
-        horizon = self.optim.decay_iters or t.iters
+        if self.tokenizer.type == "none" and m.vocab_size is None:
+            raise RecipeError("model.vocab_size", None, "tokenizer.type: none needs an explicit model.vocab_size")
+        horizon = self.optim.decay_horizon(t.iters)
         if self.optim.warmup_iters and self.optim.warmup_iters >= horizon:
             raise RecipeError("optim.warmup_iters", self.optim.warmup_iters,
                               f"must be shorter than the decay horizon (optim.decay_iters or train.iters = {horizon} steps)")
@@ -207,23 +207,23 @@ class TrainingRecipe(Section):
         if isinstance(moe.layer_freq, list) and len(moe.layer_freq) != m.num_layers:
             raise RecipeError("model.moe.layer_freq", moe.layer_freq,
                               f"has {len(moe.layer_freq)} entries for model.num_layers = {m.num_layers} layers")
-        if p.tensor > 1 and not p.sequence_parallel:
+        if p.tensor > 1 and not p.sp_enabled:
             raise RecipeError("parallel.sequence_parallel", False,
                               "MoE layers with parallel.tensor > 1 need sequence parallelism (Megatron-Core refuses "
-                              "to train them without): set parallel.sequence_parallel: true")
+                              "to train them without): set parallel.sequence_parallel: auto (or true)")
 
     def _check_sft(self) -> None:
         if self.model.arch != "gpt":
             raise RecipeError("sft", self.sft.train, f"instruction finetuning is for gpt models, not {self.model.arch}")
-        if self.data.path or self.data.blend:
+        if self.data.prefixes:
             raise RecipeError("sft", self.sft.train, "give sft (instruction data) or data.path/data.blend (continued "
                                                      "pretraining), not both")
         if self.parallel.context > 1:
             raise RecipeError("parallel.context", self.parallel.context,
                               "packed instruction data needs per-example attention masks; context parallelism "
                               "does not support them yet")
-        if self.tokenizer.type == "null":
-            raise RecipeError("tokenizer.type", "null", "instruction data is text: it needs a real tokenizer")
+        if self.tokenizer.type == "none":
+            raise RecipeError("tokenizer.type", "none", "instruction data is text: it needs a real tokenizer")
 
     def _check_lora(self) -> None:
         if self.model.arch != "gpt":
@@ -243,8 +243,8 @@ class TrainingRecipe(Section):
             raise RecipeError("data.mock", True, f"{arch} trains on sentence-split indexed data (Megatron's masked "
                               "WordPiece datasets have no mock variant): build it with `megacli preprocess "
                               "--split-sentences` and set data.path to the PREFIX_text_sentence dataset")
-        if self.tokenizer.type == "null":
-            raise RecipeError("tokenizer.type", "null", f"{arch} masking needs a tokenizer with special tokens "
+        if self.tokenizer.type == "none":
+            raise RecipeError("tokenizer.type", "none", f"{arch} masking needs a tokenizer with special tokens "
                               "(a WordPiece vocab, a Hugging Face tokenizer with them, sentencepiece or byte)")
         if p.context > 1:
             raise RecipeError("parallel.context", p.context, f"context parallelism is for gpt; {arch} supports "
@@ -265,7 +265,7 @@ class TrainingRecipe(Section):
         if m.position_embedding == "learned" and m.max_positions < dec:
             raise RecipeError("model.max_position_embeddings", m.max_position_embeddings,
                               f"is smaller than the decoder length model.decoder_seq_length = {dec}")
-        if p.sequence_parallel and dec % p.tensor:
+        if p.sp_enabled and dec % p.tensor:
             raise RecipeError("model.decoder_seq_length", dec,
                               f"must be divisible by parallel.tensor = {p.tensor} for sequence parallelism")
         most = self.masking.max_masked(m.seq_length, arch)

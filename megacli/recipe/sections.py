@@ -3,9 +3,9 @@ ones a GPT-2-style run would choose, so a recipe lists only what differs."""
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
-from pydantic import Field, PositiveFloat, PositiveInt, field_validator, model_validator
+from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator, model_validator
 
 from megacli.recipe.base import Section
 
@@ -17,8 +17,9 @@ class ParallelSection(Section):
     """Pipeline-parallel size (splits the layers into stages)."""
     virtual_pipeline: Optional[PositiveInt] = None
     """Model chunks per pipeline stage for the interleaved 1F1B schedule; null = plain 1F1B."""
-    sequence_parallel: bool = False
-    """Shard norms/dropout activations along the sequence across the tensor-parallel group."""
+    sequence_parallel: Union[bool, Literal["auto"]] = "auto"
+    """Shard norms/dropout activations along the sequence across the tensor-parallel group.
+    auto: on when tensor > 1 (it only saves memory); true with tensor = 1 is an error."""
     context: PositiveInt = 1
     """Context-parallel size (ring attention over sequence chunks)."""
     expert: PositiveInt = 1
@@ -35,6 +36,17 @@ class ParallelSection(Section):
     """Overlap the data-parallel gradient reduce with the backward pass."""
     overlap_param_gather: bool = False
     """Overlap the distributed optimizer's parameter all-gather with the forward pass."""
+
+    @property
+    def sp_enabled(self) -> bool:
+        """Whether the run uses sequence parallelism (sequence_parallel with auto resolved)."""
+        return sequence_parallel_on(self.sequence_parallel, tensor=self.tensor)
+
+
+def sequence_parallel_on(value: bool | str, *, tensor: int) -> bool:
+    """parallel.sequence_parallel resolved: auto means on exactly when tensor parallelism is.
+    Also for raw recipe dicts (checkpoints' recipe.yaml)."""
+    return tensor > 1 if value == "auto" else bool(value)
 
 
 class LaunchSection(Section):
@@ -57,11 +69,18 @@ class LaunchSection(Section):
 
 
 class TokenizerSection(Section):
-    type: Literal["huggingface", "byte", "sentencepiece", "wordpiece", "null"] = "huggingface"
+    type: Literal["huggingface", "byte", "sentencepiece", "wordpiece", "none"] = "huggingface"
     """huggingface (a directory with tokenizer.json), byte (no files: 256 bytes + specials),
-    sentencepiece (a .model file), wordpiece (a BERT vocab.txt), null (ids only; needs model.vocab_size)."""
+    sentencepiece (a .model file), wordpiece (a BERT vocab.txt), none (no tokenizer: data is ids
+    already, Megatron-LM's NullTokenizer; needs model.vocab_size). The old spelling null, which
+    YAML reads as no value, still means none."""
     path: Optional[str] = None
-    """Tokenizer directory or file (not needed for byte/null)."""
+    """Tokenizer directory or file (not needed for byte/none)."""
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _old_none_spelling(cls, v):
+        return "none" if v is None or v == "null" else v
 
     @model_validator(mode="after")
     def _needs_path(self):
@@ -80,7 +99,8 @@ class DataSection(Section):
     cache_dir: Optional[str] = None
     """Where sample-index caches go; default <run.dir>/data_cache."""
     mock: bool = False
-    """Random tokens instead of files (smoke tests, benchmarks)."""
+    """Random tokens instead of files (smoke tests, benchmarks). true wins: data.path and data.blend
+    are then not read (they may stay in the recipe, so `--set data.mock=true` is all a smoke run needs)."""
 
     @field_validator("split")
     @classmethod
@@ -96,13 +116,17 @@ class DataSection(Section):
 
     @model_validator(mode="after")
     def _one_source(self):
-        given = sum(x is not None and x is not False for x in (self.path, self.blend)) + int(self.mock)
-        if given != 1:
-            raise ValueError("give exactly one of data.path, data.blend or data.mock: true")
+        if self.path and self.blend:
+            raise ValueError("give data.path or data.blend, not both")
+        if not (self.path or self.blend or self.mock):
+            raise ValueError("give one of data.path, data.blend or data.mock: true")
         return self
 
     @property
     def prefixes(self) -> list[str]:
+        """The indexed datasets the run reads (none with mock data)."""
+        if self.mock:
+            return []
         if self.path:
             return [self.path]
         return [p for _, p in self.blend or []]
@@ -197,8 +221,8 @@ class TrainSection(Section):
     """Sequences per optimizer step across all data-parallel ranks."""
     seed: int = 1234
     """Seed of weight init, dropout and data order (the same seed gives the same init in any layout)."""
-    eval_interval: Optional[PositiveInt] = 100
-    """Evaluate every this many steps (and at the end); null = never."""
+    eval_interval: Optional[NonNegativeInt] = 100
+    """Evaluate every this many steps (and at the end); 0 or null = never."""
     eval_iters: PositiveInt = 10
     """Validation batches per evaluation."""
     log_interval: PositiveInt = 10
@@ -249,8 +273,13 @@ class OptimSection(Section):
     """Peak learning rate."""
     min_lr: float = Field(3e-5, ge=0)
     """Learning rate at the end of decay."""
-    warmup_iters: int = Field(0, ge=0)
-    """Linear warmup steps."""
+    warmup_iters: Optional[int] = Field(None, ge=0)
+    """Linear warmup steps, shorter than the decay horizon; when given it is used and warmup_fraction
+    is not (so `--set optim.warmup_iters=N` works on any recipe); null = warmup_fraction."""
+    warmup_fraction: Optional[float] = Field(None, ge=0, lt=1)
+    """Linear warmup as a share of the decay horizon (optim.decay_iters or train.iters), rounded down
+    as Megatron-LM's --lr-warmup-fraction; stays valid when train.iters changes. null (and no
+    warmup_iters) = no warmup."""
     decay_style: Literal["constant", "linear", "cosine", "wsd"] = "cosine"
     """Shape of the decay after warmup; wsd = warmup-stable-decay."""
     decay_iters: Optional[PositiveInt] = None
@@ -276,12 +305,23 @@ class OptimSection(Section):
             raise ValueError(f"optim.min_lr ({self.min_lr}) is above optim.lr ({self.lr})")
         return self
 
+    def decay_horizon(self, train_iters: int) -> int:
+        """Steps over which the learning rate decays: decay_iters, else the whole run."""
+        return self.decay_iters or train_iters
+
+    def warmup_steps(self, train_iters: int) -> int:
+        """Warmup steps of a run of ``train_iters`` steps: warmup_iters, else warmup_fraction of the horizon."""
+        if self.warmup_iters is not None:
+            return self.warmup_iters
+        return int((self.warmup_fraction or 0.0) * self.decay_horizon(train_iters))
+
 
 class CheckpointSection(Section):
     dir: Optional[str] = None
     """Checkpoint directory; null = never save."""
-    save_interval: Optional[PositiveInt] = None
-    """Save every this many steps (and at the end when dir is set)."""
+    save_interval: Optional[NonNegativeInt] = None
+    """Save every this many steps; 0 or null = never periodically. A run with checkpoint.dir set
+    always saves at its end (checkpoint.dir: null saves nothing)."""
     resume: str = "auto"
     """auto (continue from dir's latest if any), none (start fresh), or a checkpoint path to load."""
     load_optimizer: bool = True

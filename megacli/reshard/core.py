@@ -270,12 +270,12 @@ def _verify(source, target, *, trust_pickle: bool, progress) -> VerifyReport:
         src = Checkpoint(staged_src)
         tgt = Checkpoint(tgt_dir)
         t_par = tgt.section("parallel")
-        spec = Target(layout=tgt.layout, distributed_optimizer=bool(t_par.get("distributed_optimizer", False)),
-                      sequence_parallel=bool(t_par.get("sequence_parallel", False)))
         from megacli.recipe.base import validate
         from megacli.recipe.pretrain import TrainingRecipe
 
         recipe = validate(TrainingRecipe, tgt.recipe_raw, str(tgt.path / RECIPE))
+        spec = Target(layout=tgt.layout, distributed_optimizer=bool(t_par.get("distributed_optimizer", False)),
+                      sequence_parallel=recipe.parallel.sp_enabled)
         return _verify_against(build_plan(src, spec, recipe), tgt, progress)
     finally:
         legacy.cleanup_staging(staged_src)

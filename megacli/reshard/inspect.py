@@ -60,6 +60,7 @@ def inspect_checkpoint(path: str | Path, *, trust_pickle: bool = False) -> dict:
 def render(info: dict, console) -> None:
     from rich.table import Table
 
+    from megacli.recipe.sections import sequence_parallel_on
     from megacli.reshard.core import _size
     from megacli.reshard.plan import split_optimizer_key
 
@@ -82,7 +83,7 @@ def render(info: dict, console) -> None:
     if t:
         head.add_row("training", f"precision {t.get('precision')}, global batch {t.get('global_batch_size')}, "
                      f"micro batch {t.get('micro_batch_size')}, {t.get('iters')} iters"
-                     + (f", sequence parallel" if p.get("sequence_parallel") else ""))
+                     + (", sequence parallel" if sequence_parallel_on(p.get("sequence_parallel", False), tensor=p.get("tensor", 1)) else ""))
     if info.get("resharded_from"):
         rf = info["resharded_from"]
         head.add_row("resharded from", f"{rf.get('path')} ({_layout_text(rf.get('layout') or {})})")

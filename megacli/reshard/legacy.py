@@ -272,7 +272,7 @@ def _recipe_from_args(src: LegacySource) -> dict:
     model = src.ck.model_section()
     vocab = model.get("vocab_size")
     tok_dir = src.ck.tokenizer_dir()
-    tokenizer = {"type": "huggingface", "path": str(tok_dir)} if tok_dir else {"type": "null", "path": None}
+    tokenizer = {"type": "huggingface", "path": str(tok_dir)} if tok_dir else {"type": "none", "path": None}
     if not tok_dir:
         model["vocab_size"] = vocab
     gbs = int(_arg(a, "global_batch_size", 1))
@@ -672,18 +672,18 @@ def _args_from_recipe(recipe, ck, reader) -> argparse.Namespace:
         tokenizer_type="HuggingFaceTokenizer" if tok.type == "huggingface" else "NullTokenizer",
         tokenizer_model=tok.path,
         tensor_model_parallel_size=p.tensor, pipeline_model_parallel_size=p.pipeline,
-        virtual_pipeline_model_parallel_size=p.virtual_pipeline, sequence_parallel=p.sequence_parallel,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline, sequence_parallel=p.sp_enabled,
         context_parallel_size=p.context, data_parallel_size=recipe.data_parallel_size, world_size=recipe.world_size,
         use_distributed_optimizer=False, ckpt_format="torch", data_parallel_random_init=False,
         global_batch_size=gbs, micro_batch_size=t.micro_batch_size, train_iters=t.iters, seed=t.seed,
         bf16=t.precision == "bf16", fp16=t.precision == "fp16",
         params_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision, torch.float32),
         optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, lr_decay_style={"wsd": "WSD"}.get(o.decay_style, o.decay_style),
-        lr_decay_iters=o.decay_iters or t.iters, lr_warmup_iters=o.warmup_iters, weight_decay=o.weight_decay,
+        lr_decay_iters=o.decay_horizon(t.iters), lr_warmup_iters=o.warmup_steps(t.iters), weight_decay=o.weight_decay,
         clip_grad=o.clip_grad, adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
         iteration=ck.iteration, consumed_train_samples=int(ck.meta.get("consumed_samples", ck.iteration * gbs)),
         consumed_valid_samples=0, skipped_train_samples=0,
-        data_path=[recipe.data.path] if recipe.data.path else None,
+        data_path=[recipe.data.path] if recipe.data.path and not recipe.data.mock else None,
     )
 
 

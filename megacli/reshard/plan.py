@@ -39,6 +39,7 @@ from typing import Optional
 import torch
 
 from megacli.errors import UserError
+from megacli.recipe.sections import sequence_parallel_on
 from megacli.reshard.store import ObjectEntry, TensorEntry, TorchDistReader
 
 META = "megacli.json"
@@ -253,7 +254,7 @@ def resolve_target(src_layout: Layout, src_parallel: dict, *, tensor=None, pipel
     dp = data_parallel or src_layout.data
     dist_opt = bool(src_parallel.get("distributed_optimizer", False)) if distributed_optimizer is None else distributed_optimizer
     if sequence_parallel is None:
-        sp = bool(src_parallel.get("sequence_parallel", False)) and tp > 1
+        sp = tp > 1 and sequence_parallel_on(src_parallel.get("sequence_parallel", False), tensor=tp)
     else:
         sp = sequence_parallel
     layout = Layout(tensor=tp, pipeline=pp, virtual_pipeline=vp, data=dp, context=src_layout.context)

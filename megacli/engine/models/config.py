@@ -59,7 +59,7 @@ def transformer_config(*, model, parallel, precision: str, on_cuda: bool, **over
         tensor_model_parallel_size=parallel.tensor,
         pipeline_model_parallel_size=parallel.pipeline,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
-        sequence_parallel=parallel.sequence_parallel,
+        sequence_parallel=parallel.sp_enabled,
         context_parallel_size=parallel.context,
         expert_model_parallel_size=parallel.expert,
         params_dtype=dtype,
