@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megacli.engine import checkpoint, distributed
+from megacli.engine import checkpoint, distributed, nonfinite
 from megacli.engine.metrics import MetricsLog, Stopwatch, loss_metrics
 
 
@@ -169,11 +169,13 @@ def run_schedule(trainer: Trainer, iterators: list, *, forward_only: bool) -> di
 
 def train_step(trainer: Trainer, iterators: list) -> tuple[dict[str, float], float | None, bool]:
     """One optimizer step. Returns the step's losses ("loss" and, for several report keys, each
-    by its metric name; see metrics.loss_metrics), the gradient norm and whether the step was taken."""
+    by its metric name; see metrics.loss_metrics), the gradient norm and whether the step was taken.
+    Raises nonfinite.NonFiniteStep, before the optimizer step, when the loss or gradients are not finite."""
     for chunk in trainer.chunks:
         chunk.zero_grad_buffer()
     trainer.optimizer.zero_grad()
     reports = run_schedule(trainer, iterators, forward_only=False)
+    nonfinite.check_step(trainer.chunks, reports, check_grads=trainer.recipe.train.precision != "fp16")
     ok, grad_norm, _ = trainer.optimizer.step()
     if ok:
         trainer.scheduler.step(increment=1)
@@ -261,22 +263,31 @@ def _train(recipe, runtime) -> None:
     iteration = start_iter
     stop_at = min(t.iters, start_iter + t.exit_after_iters) if t.exit_after_iters else t.iters
     last_val = last_lm = None
+    last_good, skipped = source, 0  # the newest checkpoint with finite weights; steps dropped as non-finite
     try:
         while iteration < stop_at:
-            losses, grad_norm, ok = train_step(trainer, iterators)
+            try:
+                losses, grad_norm, ok = train_step(trainer, iterators)
+            except nonfinite.NonFiniteStep as bad:
+                if t.on_nonfinite == "stop":
+                    raise _stopped_nonfinite(f"{bad} at iteration {iteration + 1} (not applied)", last_good) from None
+                skipped += 1
+                log.say(f"iteration {iteration + 1}: {bad}, step skipped ({skipped} so far; train.on_nonfinite = skip)")
+                losses = None
             iteration += 1
             consumed += t.global_batch_size
             window_time += watch.lap()
-            for k, v in losses.items():
+            for k, v in (losses or {}).items():
                 window_losses[k] = window_losses.get(k, 0.0) + v
-            window_steps += 1
-            if iteration % t.log_interval == 0 or iteration == stop_at:
+            window_steps += losses is not None
+            if window_steps and (iteration % t.log_interval == 0 or iteration == stop_at):
                 scale = trainer.optimizer.get_loss_scale().item() if t.precision == "fp16" else None
                 mean = {k: v / window_steps for k, v in window_losses.items()}
                 log.step(iteration=iteration, loss=mean.pop("loss"), lr=trainer.optimizer.param_groups[0]["lr"],
                          grad_norm=float(grad_norm) if grad_norm is not None else None,
                          seconds_per_step=window_time / window_steps, loss_scale=scale,
-                         extra=None if ok else {"skipped_step": True}, losses=mean,
+                         extra={**({} if ok else {"skipped_step": True}),
+                                **({"nonfinite_skipped": skipped} if skipped else {})} or None, losses=mean,
                          experts=expert_stats.collect(window_steps) if expert_stats else None)
                 window_losses, window_steps, window_time = {}, 0, 0.0
             else:
@@ -288,10 +299,13 @@ def _train(recipe, runtime) -> None:
                     log.evaluation(iteration=iteration, val_loss=last_val, losses=val)
                 watch.lap()
             if ck.dir and ((ck.save_interval and iteration % ck.save_interval == 0) or iteration == stop_at):
+                if not nonfinite.weights_finite(trainer.chunks):
+                    raise _stopped_nonfinite(f"the weights are not finite after iteration {iteration} (not saved)", last_good)
                 path = checkpoint.save(ckpt_dir=ck.dir, iteration=iteration, consumed_samples=consumed, chunks=trainer.chunks,
                                        optimizer=trainer.optimizer, scheduler=trainer.scheduler, recipe_yaml=recipe_yaml,
                                        keep_last=ck.keep_last, lora_base=lora_base)
                 log.say(f"saved checkpoint {path}")
+                last_good = path
                 watch.lap()
     finally:
         log.close()
@@ -302,6 +316,16 @@ def _train(recipe, runtime) -> None:
         log.say(f"done: {iteration} iterations | final validation loss {last_val:.4f} | perplexity {ppl:.2f}")
     else:
         log.say(f"done: {iteration} iterations")
+    if skipped:
+        log.say(f"{skipped} step(s) skipped for a non-finite loss or gradients (train.on_nonfinite = skip)")
+
+
+def _stopped_nonfinite(what: str, last_good):
+    from megacli.errors import UserError
+
+    good = f"the last good checkpoint is {last_good}" if last_good else "no good checkpoint was saved"
+    return UserError(f"training stopped: {what}; {good}. Lower optim.lr or check the data "
+                     f"(train.on_nonfinite = skip drops such steps instead)")
 
 
 def _expert_stats(recipe, trainer, runtime):

@@ -211,6 +211,10 @@ class TrainSection(Section):
     """Keyword arguments for the custom loss."""
     tensorboard: bool = False
     """Also write TensorBoard event files to <run.dir>/tensorboard."""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """A step whose loss or gradients are inf/NaN: stop (naming the iteration and the last good
+    checkpoint), or skip it (the optimizer does not step; skipped steps are counted and logged).
+    Weights that are no longer finite are never saved."""
     exit_after_iters: Optional[PositiveInt] = None
     """Stop (with a checkpoint) after this many steps of this process, leaving the schedule as for iters."""
 
