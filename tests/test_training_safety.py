@@ -82,3 +82,55 @@ def test_nonfinite_skip_drops_the_step_and_counts_it(tmp_path):
     assert sorted(logged) == [1, 2, 4] and logged[4]["nonfinite_skipped"] == 1
     assert all(r["loss"] == r["loss"] for r in logged.values())  # no NaN recorded
     assert (ck / "latest").read_text().strip() == "iter_0000004"
+
+
+# ---------------------------------------------------------------- checkpoint directories of earlier runs
+
+
+@pytest.fixture(scope="module")
+def earlier_run(tmp_path_factory) -> Path:
+    """A checkpoint directory an earlier run left: iter_1 ... iter_4, latest = iter_4."""
+    tmp = tmp_path_factory.mktemp("earlier")
+    ok(pretrain(tmp / "run", [f"checkpoint.dir={tmp / 'ck'}", "checkpoint.save_interval=1"]))
+    return tmp / "ck"
+
+
+def copy_of(ck: Path, tmp: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(ck, tmp / "ck"))
+
+
+def test_fresh_run_in_a_directory_with_checkpoints_is_refused(earlier_run, tmp_path):
+    ck = copy_of(earlier_run, tmp_path)
+    out = pretrain(tmp_path / "run", [f"checkpoint.dir={ck}", "checkpoint.resume=none", "checkpoint.keep_last=2"])
+    refused(out, f"checkpoint.dir {ck} already holds checkpoints", "checkpoint.overwrite: true")
+    assert sorted(p.name for p in ck.iterdir()) == [f"iter_000000{i}" for i in range(1, 5)] + ["latest"]
+
+
+def test_keep_last_prunes_only_this_runs_checkpoints(earlier_run, tmp_path):
+    """Pruning by name would keep the earlier run's iter_3 and iter_4 and delete the iter_2 just saved."""
+    ck = copy_of(earlier_run, tmp_path)
+    ok(pretrain(tmp_path / "run", [f"checkpoint.dir={ck}", "checkpoint.resume=none", "checkpoint.overwrite=true",
+                                   "checkpoint.keep_last=1", "checkpoint.save_interval=1", "train.iters=2"]))
+    assert (ck / "latest").read_text().strip() == "iter_0000002"
+    assert sorted(p.name for p in ck.iterdir()) == ["iter_0000002", "iter_0000003", "iter_0000004", "latest"]
+    assert (ck / "iter_0000002" / "megacli.json").is_file()
+
+
+def test_resume_auto_without_latest_takes_the_newest_complete_checkpoint(earlier_run, tmp_path):
+    ck = copy_of(earlier_run, tmp_path)
+    (ck / "latest").unlink()
+    (ck / "iter_0000004" / "megacli.json").unlink()  # as if the save of iteration 4 never finished
+    out = ok(pretrain(tmp_path / "run", [f"checkpoint.dir={ck}", "train.iters=5"]))
+    assert "resuming from the newest complete checkpoint, iter_0000003" in " ".join(out.stdout.split())
+    assert min(r["iteration"] for r in records(tmp_path / "run") if "loss" in r) == 4
+
+
+def test_resume_auto_with_no_complete_checkpoint_is_refused(earlier_run, tmp_path):
+    ck = copy_of(earlier_run, tmp_path)
+    (ck / "latest").unlink()
+    for meta in ck.glob("iter_*/megacli.json"):
+        meta.unlink()
+    refused(pretrain(tmp_path / "run", [f"checkpoint.dir={ck}"]), "none of its iterations", "is complete")
+    assert len(list(ck.glob("iter_*"))) == 4

@@ -16,6 +16,7 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,8 +128,10 @@ def _sharded_state(chunks, optimizer, scheduler, *, loading: bool, with_optimize
 
 
 def save(*, ckpt_dir: str | Path, iteration: int, consumed_samples: int, chunks, optimizer, scheduler,
-         recipe_yaml: str, keep_last: int | None = None, extra_meta: dict | None = None, lora_base: Path | None = None) -> Path:
+         recipe_yaml: str, keep_last: int | None = None, saved_before: Sequence[Path] = (), extra_meta: dict | None = None,
+         lora_base: Path | None = None) -> Path:
     """Save atomically; returns the final iteration directory. Collective: every rank calls it.
+    ``keep_last`` prunes among this checkpoint and ``saved_before`` (what this run saved earlier) only.
     With ``optimizer=None`` only the model weights are saved (no optimizer, scheduler or RNG
     state: what `megacli convert` writes); ``extra_meta`` adds entries to megacli.json.
     ``lora_base``: save only the LoRA adapters, noting the checkpoint holding the frozen base weights."""
@@ -168,7 +171,7 @@ def save(*, ckpt_dir: str | Path, iteration: int, consumed_samples: int, chunks,
         (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
         _publish(tmp, final, ckpt_dir)
         if keep_last:
-            _prune(ckpt_dir, keep_last)
+            _prune(ckpt_dir, keep_last, [*saved_before, final])
     dist.barrier()
     return final
 
@@ -183,10 +186,22 @@ def _publish(tmp: Path, final: Path, ckpt_dir: Path) -> None:
     os.replace(pointer_tmp, ckpt_dir / LATEST)
 
 
-def _prune(ckpt_dir: Path, keep_last: int) -> None:
-    done = sorted(p for p in ckpt_dir.glob("iter_*") if p.is_dir() and not p.name.endswith(".tmp"))
-    for old in done[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+def _prune(ckpt_dir: Path, keep_last: int, ours: list[Path]) -> None:
+    """Delete the oldest of ``ours`` (this run's checkpoints) beyond the newest ``keep_last``. Other
+    runs' checkpoints in the directory, and the one `latest` names, are never touched."""
+    latest = (ckpt_dir / LATEST).read_text().strip()
+    names = sorted({Path(p).name for p in ours})  # iter_%07d: the name order is the iteration order
+    for name in names[:-keep_last]:
+        if name != latest:
+            shutil.rmtree(ckpt_dir / name, ignore_errors=True)
+
+
+def saved_iterations(ckpt_dir: str | Path) -> list[Path]:
+    """The iteration directories in ckpt_dir (complete or not; saves in progress excluded), oldest first."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        return []
+    return sorted(p for p in ckpt_dir.glob("iter_*") if p.is_dir() and not p.name.endswith(".tmp"))
 
 
 def _prepare_distributed_optimizer_load(optimizer) -> None:

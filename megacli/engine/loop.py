@@ -213,7 +213,7 @@ def _train(recipe, runtime) -> None:
     t, ck = recipe.train, recipe.checkpoint
     trainer, tokenizer = build_trainer(recipe, runtime)
     start_iter, consumed = 0, 0
-    source = _resume_source(ck)
+    source, resume_note = _resume_source(ck)
     pretrained = _pretrained_source(ck) if source is None else None
     if source is not None:
         restored = checkpoint.load(ckpt=source, chunks=trainer.chunks, optimizer=trainer.optimizer,
@@ -250,6 +250,8 @@ def _train(recipe, runtime) -> None:
         n_lora = adapter_params(m, lo)
         log.say(f"LoRA rank {lo.rank}, alpha {lo.alpha:g}, dropout {lo.dropout:g} on {', '.join(lo.targets)}: "
                 f"{n_lora / 1e6:.3f}M trainable params ({n_lora / n_params:.2%} of the model), base weights frozen")
+    if resume_note:
+        log.say(resume_note)
     if source is not None:
         log.say(f"resumed from {source} at iteration {start_iter}")
         if start_iter >= t.iters:
@@ -264,6 +266,7 @@ def _train(recipe, runtime) -> None:
     stop_at = min(t.iters, start_iter + t.exit_after_iters) if t.exit_after_iters else t.iters
     last_val = last_lm = None
     last_good, skipped = source, 0  # the newest checkpoint with finite weights; steps dropped as non-finite
+    saved: list = []  # this run's checkpoints: the only ones keep_last prunes
     try:
         while iteration < stop_at:
             try:
@@ -303,7 +306,8 @@ def _train(recipe, runtime) -> None:
                     raise _stopped_nonfinite(f"the weights are not finite after iteration {iteration} (not saved)", last_good)
                 path = checkpoint.save(ckpt_dir=ck.dir, iteration=iteration, consumed_samples=consumed, chunks=trainer.chunks,
                                        optimizer=trainer.optimizer, scheduler=trainer.scheduler, recipe_yaml=recipe_yaml,
-                                       keep_last=ck.keep_last, lora_base=lora_base)
+                                       keep_last=ck.keep_last, saved_before=saved, lora_base=lora_base)
+                saved.append(path)
                 log.say(f"saved checkpoint {path}")
                 last_good = path
                 watch.lap()
@@ -353,17 +357,34 @@ def _pretrained_source(ck):
 
 
 def _resume_source(ck):
-    """The checkpoint to start from, or None. resume: auto uses ck.dir's latest when there is one."""
+    """The checkpoint to start from (or None) and a note to print. resume: auto uses ck.dir's latest,
+    or, with `latest` gone, its newest complete iteration; resume: none refuses a directory that
+    already holds checkpoints unless checkpoint.overwrite is set."""
     from pathlib import Path
 
     from megacli.errors import UserError
 
+    saved = checkpoint.saved_iterations(ck.dir) if ck.dir else []
+    has_pointer = bool(ck.dir) and (Path(ck.dir) / checkpoint.LATEST).is_file()
     if ck.resume == "none":
-        return None
+        if (saved or has_pointer) and not ck.overwrite:
+            raise UserError(f"checkpoint.dir {ck.dir} already holds checkpoints ({', '.join(p.name for p in saved[-3:]) or 'latest'}"
+                            f"{', ...' if len(saved) > 3 else ''}) and checkpoint.resume = none: set checkpoint.resume: auto "
+                            f"to continue them, checkpoint.overwrite: true to save over them, or another checkpoint.dir")
+        return None, None
     if ck.resume == "auto":
-        return checkpoint.find_checkpoint(ck.dir) if ck.dir and Path(ck.dir).exists() else None
+        found = checkpoint.find_checkpoint(ck.dir) if ck.dir and Path(ck.dir).exists() else None
+        if found is not None or not saved:
+            return found, None
+        complete = [p for p in saved if (p / checkpoint.META).is_file()]
+        if not complete:
+            raise UserError(f"checkpoint.dir {ck.dir} has no '{checkpoint.LATEST}' and none of its iterations "
+                            f"({', '.join(p.name for p in saved)}) is complete (no {checkpoint.META}): nothing to resume. "
+                            f"Remove them, or set checkpoint.resume: none with checkpoint.overwrite: true to start over")
+        return complete[-1], (f"{Path(ck.dir) / checkpoint.LATEST} is missing: resuming from the newest complete "
+                              f"checkpoint, {complete[-1].name}")
     found = checkpoint.find_checkpoint(ck.resume)
     if found is None:
         raise UserError(f"checkpoint.resume = {ck.resume!r}: no checkpoint there (expected a directory with "
                         f"'{checkpoint.LATEST}' or '{checkpoint.META}')")
-    return found
+    return found, None

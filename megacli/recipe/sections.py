@@ -274,7 +274,11 @@ class CheckpointSection(Section):
     """Weights to start from when there is nothing to resume (finetuning): a megacli checkpoint,
     e.g. one from `megacli convert`. Its optimizer state and iteration are not used."""
     keep_last: Optional[PositiveInt] = None
-    """Delete older iterations, keeping this many (null = keep all)."""
+    """Delete this run's older checkpoints, keeping its newest this many (null = keep all). Checkpoints
+    the run did not write, and the one `latest` names, are never deleted."""
+    overwrite: bool = False
+    """Allow resume: none in a dir that already holds checkpoints (this run's saves replace those of the
+    same iteration and move `latest`); without it such a run is refused."""
 
 
 class RunSection(Section):
