@@ -134,3 +134,71 @@ def test_resume_auto_with_no_complete_checkpoint_is_refused(earlier_run, tmp_pat
         meta.unlink()
     refused(pretrain(tmp_path / "run", [f"checkpoint.dir={ck}"]), "none of its iterations", "is complete")
     assert len(list(ck.glob("iter_*"))) == 4
+
+
+# ---------------------------------------------------------------- resuming under a changed recipe
+
+
+def recipe_with(*overrides: str):
+    """The recipe `megacli pretrain` runs with TINY and these overrides."""
+    from megacli.recipe.jobs import load_job_recipe
+
+    return load_job_recipe("pretrain", None, [*TINY, *overrides])
+
+
+def test_resume_with_more_heads_is_refused_naming_old_and_new(earlier_run, tmp_path):
+    ck = copy_of(earlier_run, tmp_path)
+    out = pretrain(tmp_path / "run", [f"checkpoint.dir={ck}", "train.iters=5", "model.num_attention_heads=8"])
+    refused(out, f"cannot resume {ck / 'iter_0000004'}", "model.num_attention_heads = 8 (checkpoint: 4)")
+    assert (ck / "latest").read_text().strip() == "iter_0000004"
+
+
+@pytest.mark.parametrize("override,named", [
+    ("model.hidden_size=128", "model.hidden_size = 128 (checkpoint: 64)"),
+    ("model.num_layers=3", "model.num_layers = 3 (checkpoint: 2)"),
+    ("model.num_query_groups=2", "model.num_query_groups = 2 (checkpoint: None)"),
+    ("model.activation=gelu", "model.activation = 'gelu' (checkpoint: 'swiglu')"),
+    ("model.normalization=layernorm", "model.normalization = 'layernorm' (checkpoint: 'rmsnorm')"),
+    ("model.position_embedding=learned", "model.position_embedding = 'learned' (checkpoint: 'rope')"),
+    ("model.vocab_size=1000", "model.vocab_size = 1000 (checkpoint: None)"),
+    ("model.moe={num_experts: 4}", "model.moe set (checkpoint: null)"),
+])
+def test_weight_changing_fields_are_refused(override, named):
+    from megacli.engine.compat import check_resumable
+    from megacli.errors import UserError
+
+    with pytest.raises(UserError, match="changes what its weights mean") as err:
+        check_resumable(_saved(recipe_with()), recipe_with(override))
+    assert named in str(err.value)
+
+
+def test_learned_positions_tie_the_sequence_length():
+    from megacli.engine.compat import check_resumable
+    from megacli.errors import UserError
+
+    learned = ["model.position_embedding=learned"]
+    with pytest.raises(UserError, match=r"learned position embeddings for 64 positions \(checkpoint: 32"):
+        check_resumable(_saved(recipe_with(*learned)), recipe_with(*learned, "model.seq_length=64"))
+    fixed = [*learned, "model.max_position_embeddings=64"]
+    assert "model.seq_length = 64" in check_resumable(_saved(recipe_with(*fixed)), recipe_with(*fixed, "model.seq_length=64"))
+
+
+def test_sequence_length_and_batch_changes_are_noted():
+    """With rotary positions nothing in the weights depends on the sequence length."""
+    from megacli.engine.compat import check_resumable
+
+    assert check_resumable(_saved(recipe_with()), recipe_with()) is None
+    note = check_resumable(_saved(recipe_with()), recipe_with("model.seq_length=64", "train.global_batch_size=4"))
+    assert note == ("resuming with changed settings: model.seq_length = 64 (checkpoint: 32); "
+                    "train.global_batch_size = 4 (checkpoint: 2)")
+
+
+def _saved(recipe) -> Path:
+    """A directory holding only a checkpoint's recipe.yaml."""
+    import tempfile
+
+    from megacli.recipe.base import dump
+
+    path = Path(tempfile.mkdtemp())
+    (path / "recipe.yaml").write_text(dump(recipe))
+    return path

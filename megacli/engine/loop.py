@@ -216,6 +216,9 @@ def _train(recipe, runtime) -> None:
     source, resume_note = _resume_source(ck)
     pretrained = _pretrained_source(ck) if source is None else None
     if source is not None:
+        from megacli.engine.compat import check_resumable
+
+        changes_note = check_resumable(source, recipe)
         restored = checkpoint.load(ckpt=source, chunks=trainer.chunks, optimizer=trainer.optimizer,
                                    scheduler=trainer.scheduler, load_optimizer=ck.load_optimizer)
         start_iter, consumed = restored.iteration, restored.consumed_samples
@@ -254,6 +257,8 @@ def _train(recipe, runtime) -> None:
         log.say(resume_note)
     if source is not None:
         log.say(f"resumed from {source} at iteration {start_iter}")
+        if changes_note:
+            log.say(changes_note)
         if start_iter >= t.iters:
             log.say(f"nothing to train: the checkpoint is at iteration {start_iter} and train.iters = {t.iters} "
                     f"(raise train.iters, or set checkpoint.resume: none to start over)")
