@@ -202,3 +202,35 @@ def _saved(recipe) -> Path:
     path = Path(tempfile.mkdtemp())
     (path / "recipe.yaml").write_text(dump(recipe))
     return path
+
+
+# ---------------------------------------------------------------- disk full
+
+
+ENOSPC_WRITER = """
+import errno, functools, os, sys
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+real = filesystem_async._write_item
+
+@functools.wraps(real)
+def full_disk(*args, **kwargs):
+    if os.path.basename(os.path.dirname(args[1].name)) == "iter_0000004.tmp":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return real(*args, **kwargs)
+
+filesystem_async._write_item = full_disk
+from megacli.cli import main
+sys.argv[0] = "megacli"
+main()
+"""
+
+
+def test_disk_full_while_saving_is_named_and_leaves_no_partial_save(tmp_path):
+    ck = tmp_path / "ck"
+    sets = [*TINY, f"checkpoint.dir={ck}", "checkpoint.save_interval=2", f"run.dir={tmp_path / 'run'}"]
+    out = subprocess.run([sys.executable, "-c", ENOSPC_WRITER, "pretrain", *[x for s in sets for x in ("--set", s)]],
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ, MEGACLI_IN_PROCESS="1"))
+    refused(out, f"no space left on device in {ck} (needed ~0.00 GiB, free", "iter_0000004.tmp was removed")
+    assert sorted(p.name for p in ck.iterdir()) == ["iter_0000002", "latest"]
+    assert (ck / "latest").read_text().strip() == "iter_0000002"

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megacli.checkpoint import space
 from megacli.errors import UserError
 
 LATEST = "latest"
@@ -157,7 +158,16 @@ def save(*, ckpt_dir: str | Path, iteration: int, consumed_samples: int, chunks,
         extra_meta = {**(extra_meta or {}), "lora": {"base": str(Path(lora_base).resolve())}}
     state = _sharded_state(chunks, optimizer, scheduler, loading=False, with_optimizer=not weights_only,
                            with_rng=not weights_only, keep=keep)
-    dist_checkpointing.save(state, str(tmp))
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    needed = torch.tensor([space.state_bytes(state)], dtype=torch.float64, device=device)
+    dist.all_reduce(needed)
+    try:
+        dist_checkpointing.save(state, str(tmp))
+    except BaseException as exc:  # torch's CheckpointException derives from BaseException
+        full = space.disk_full_error(exc, ckpt_dir=ckpt_dir, partial=tmp, needed=int(needed.item()), remove=rank == 0)
+        if full is not None:
+            raise full from None
+        raise
     if os.environ.get("MEGACLI_TEST_CRASH_IN_SAVE") == str(iteration):
         # Fault injection for the atomic-save test: fail after the shards are written, before publishing.
         raise RuntimeError(f"injected crash while saving iteration {iteration}")
