@@ -234,3 +234,63 @@ def test_disk_full_while_saving_is_named_and_leaves_no_partial_save(tmp_path):
     refused(out, f"no space left on device in {ck} (needed ~0.00 GiB, free", "iter_0000004.tmp was removed")
     assert sorted(p.name for p in ck.iterdir()) == ["iter_0000002", "latest"]
     assert (ck / "latest").read_text().strip() == "iter_0000002"
+
+
+# ---------------------------------------------------------------- manifest
+
+
+def flip_bytes(path: Path, count: int = 256) -> None:
+    data = bytearray(path.read_bytes())
+    start = len(data) // 2
+    data[start:start + count] = bytes(b ^ 0xFF for b in data[start:start + count])
+    path.write_bytes(bytes(data))
+
+
+def test_manifest_lists_every_file_of_a_save(earlier_run):
+    it = earlier_run / "iter_0000004"
+    files = json.loads((it / "manifest.json").read_text())["files"]
+    on_disk = sorted(str(p.relative_to(it)) for p in it.rglob("*") if p.is_file() and p.name != "manifest.json")
+    assert sorted(files) == on_disk
+    assert {"recipe.yaml", "megacli.json", ".metadata"} <= set(files) and any(f.endswith(".distcp") for f in files)
+    assert all(files[f]["size"] == (it / f).stat().st_size for f in files)
+
+
+def test_corrupt_shard_is_refused_naming_the_file(earlier_run, tmp_path):
+    ck = copy_of(earlier_run, tmp_path)
+    shard = sorted((ck / "iter_0000004").glob("*.distcp"))[0]
+    flip_bytes(shard)
+    out = pretrain(tmp_path / "run", [f"checkpoint.dir={ck}", "train.iters=5"])
+    refused(out, f"{shard}: checksum differs from the manifest", "checkpoint.verify: false")
+    assert (ck / "latest").read_text().strip() == "iter_0000004"  # nothing saved from the corrupt state
+    # verify: false loads it (nothing left to train at iteration 4 of 4)
+    ok(pretrain(tmp_path / "run2", [f"checkpoint.dir={ck}", "checkpoint.verify=false"]))
+
+
+def test_truncated_file_is_named_with_its_size(earlier_run, tmp_path):
+    from megacli.checkpoint import manifest
+    from megacli.errors import UserError
+
+    ck = copy_of(earlier_run, tmp_path)
+    common = ck / "iter_0000004" / "common.pt"
+    size = common.stat().st_size
+    common.write_bytes(common.read_bytes()[:100])
+    with pytest.raises(UserError, match=f"{common}: 100 bytes, the manifest says {size}"):
+        manifest.verify(ck)
+
+
+def test_reshard_verify_checks_the_manifests(earlier_run, tmp_path):
+    from typer.testing import CliRunner
+
+    from megacli.cli import _register, app
+
+    _register()
+    ck = copy_of(earlier_run, tmp_path)
+    out = CliRunner().invoke(app, ["reshard", "verify", str(ck), str(ck / "iter_0000004"), "--no-progress"],
+                             env={"COLUMNS": "300"})
+    assert out.exit_code == 0, out.output
+    assert "manifest: OK" in out.output and "verify: OK" in out.output
+    shard = sorted((ck / "iter_0000004").glob("*.distcp"))[0]
+    flip_bytes(shard)
+    out = CliRunner().invoke(app, ["reshard", "verify", str(ck), str(ck / "iter_0000004"), "--no-progress"],
+                             env={"COLUMNS": "300"})
+    assert out.exit_code == 1 and f"{shard}: checksum differs" in " ".join(out.output.split()), out.output

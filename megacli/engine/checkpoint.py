@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megacli.checkpoint import space
+from megacli.checkpoint import manifest, space
 from megacli.errors import UserError
 
 LATEST = "latest"
@@ -172,6 +172,10 @@ def save(*, ckpt_dir: str | Path, iteration: int, consumed_samples: int, chunks,
         # Fault injection for the atomic-save test: fail after the shards are written, before publishing.
         raise RuntimeError(f"injected crash while saving iteration {iteration}")
     dist.barrier()
+    world = dist.get_world_size()
+    described = manifest.describe(tmp, manifest.files_of_rank(tmp, rank, world))  # while the files are in the page cache
+    parts = [None] * world if rank == 0 else None
+    dist.gather_object(described, parts, dst=0)
     if rank == 0:
         (tmp / "recipe.yaml").write_text(recipe_yaml)
         meta = {"iteration": iteration, "consumed_samples": consumed_samples, "layout": _layout(), "format": "torch_dist"}
@@ -179,6 +183,7 @@ def save(*, ckpt_dir: str | Path, iteration: int, consumed_samples: int, chunks,
             meta.update(has_optimizer=False, has_rng_state=False)
         meta.update(extra_meta or {})
         (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
+        manifest.write(tmp, [*parts, manifest.describe(tmp, ["recipe.yaml", META])])
         _publish(tmp, final, ckpt_dir)
         if keep_last:
             _prune(ckpt_dir, keep_last, [*saved_before, final])
@@ -284,9 +289,10 @@ def lora_base_of(ckpt: Path) -> Path | None:
     return found
 
 
-def load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool) -> Restored:
+def load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool, verify: bool = True) -> Restored:
     """Load model (and optimizer, scheduler, RNG when asked and possible) into the built chunks.
-    The RNG state is restored only when the layout is unchanged (it is per rank).
+    The RNG state is restored only when the layout is unchanged (it is per rank). ``verify``: check
+    the files against the checkpoint's manifest first.
 
     A model with LoRA adapters takes its base weights from a full checkpoint (the adapters keep
     their initial values) or from the base a LoRA checkpoint names, then the adapters from it."""
@@ -298,19 +304,33 @@ def load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool) -> R
     if base is None:
         keep = None if not has_adapters else (lambda k: not is_adapter_key(k))
         return _load(ckpt=ckpt, chunks=chunks, optimizer=optimizer, scheduler=scheduler, load_optimizer=load_optimizer,
-                     keep=keep)
+                     keep=keep, verify=verify)
     if not has_adapters:
         raise UserError(f"{ckpt} holds LoRA adapters only: load it with its recipe's lora section, or merge them into "
                         f"the base weights first (`megacli convert {ckpt} DST --to megacli`)")
     _load(ckpt=base, chunks=chunks, optimizer=None, scheduler=None, load_optimizer=False,
-          keep=lambda k: not is_adapter_key(k))
+          keep=lambda k: not is_adapter_key(k), verify=verify)
     return _load(ckpt=ckpt, chunks=chunks, optimizer=optimizer, scheduler=scheduler, load_optimizer=load_optimizer,
-                 keep=is_adapter_key)
+                 keep=is_adapter_key, verify=verify)
 
 
-def _load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool, keep) -> Restored:
+def _check_manifest(ckpt: Path) -> None:
+    """Collective: every rank checks its share of the files; all refuse alike on a mismatch."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    found = [None] * world
+    dist.all_gather_object(found, manifest.problems(ckpt, rank=dist.get_rank(), world_size=world))
+    found = sorted(p for part in found for p in part)
+    if found:
+        raise manifest.mismatch_error(ckpt, found)
+
+
+def _load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool, keep, verify: bool) -> Restored:
     from megatron.core import dist_checkpointing
 
+    if verify:
+        _check_manifest(ckpt)
     meta = read_meta(ckpt)
     restore_rng = meta.get("layout") == _layout() and meta.get("has_rng_state", True)
     has_optimizer = load_optimizer and meta.get("has_optimizer", True)

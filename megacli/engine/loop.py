@@ -220,11 +220,11 @@ def _train(recipe, runtime) -> None:
 
         changes_note = check_resumable(source, recipe)
         restored = checkpoint.load(ckpt=source, chunks=trainer.chunks, optimizer=trainer.optimizer,
-                                   scheduler=trainer.scheduler, load_optimizer=ck.load_optimizer)
+                                   scheduler=trainer.scheduler, load_optimizer=ck.load_optimizer, verify=ck.verify)
         start_iter, consumed = restored.iteration, restored.consumed_samples
     elif pretrained is not None:
         checkpoint.load(ckpt=pretrained, chunks=trainer.chunks, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
-                        load_optimizer=False)
+                        load_optimizer=False, verify=ck.verify)
 
     reporting = is_reporting_rank()
     m = recipe.model

@@ -276,6 +276,9 @@ class CheckpointSection(Section):
     keep_last: Optional[PositiveInt] = None
     """Delete this run's older checkpoints, keeping its newest this many (null = keep all). Checkpoints
     the run did not write, and the one `latest` names, are never deleted."""
+    verify: bool = True
+    """Check every file of a checkpoint against its manifest (sizes and xxh3-64 checksums written at
+    save) before loading it, refusing a truncated or corrupt file; false loads without checking."""
     overwrite: bool = False
     """Allow resume: none in a dir that already holds checkpoints (this run's saves replace those of the
     same iteration and move `latest`); without it such a run is refused."""
