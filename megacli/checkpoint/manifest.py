@@ -109,16 +109,17 @@ def located(path: str | Path) -> Path:
     return path
 
 
-def verify(path: str | Path) -> str:
+def verify(path: str | Path) -> str | None:
     """Check a checkpoint (iteration directory, or a directory with `latest`) against its manifest
-    in this process; raise UserError naming the first mismatching file, else return a summary line."""
+    in this process; raise UserError naming the first mismatching file, else return a summary line
+    (None without a manifest)."""
     root = located(path)
     found = problems(root)
     if found:
         raise mismatch_error(root, found)
     manifest = root / MANIFEST
     if not manifest.is_file():
-        return f"manifest: none in {root} (not checked)"
+        return None
     files = json.loads(manifest.read_text())["files"]
     size = sum(f["size"] for f in files.values())
     return f"manifest: OK - {len(files)} files ({size / 1024**3:.2f} GiB) in {root} match their sizes and checksums"

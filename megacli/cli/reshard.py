@@ -130,14 +130,15 @@ def verify_command(
     from megacli.reshard.view import progress_bars
 
     console = Console(highlight=False, soft_wrap=True)
-    for path in (source, target):  # each checkpoint's files against its own manifest first
-        try:
-            console.print(manifest.verify(path), markup=False)
-        except UserError as mismatch:
-            console.print(f"verify: FAILED - {mismatch}", markup=False)
-            raise typer.Exit(1) from None
+    try:  # each checkpoint's files against its own manifest first
+        checked = [manifest.verify(path) for path in (source, target)]
+    except UserError as mismatch:
+        console.print(f"verify: FAILED - {mismatch}", markup=False)
+        raise typer.Exit(1) from None
     with progress_bars(progress) as bars:
         report = verify(source, target, trust_pickle=trust_pickle, progress=bars)
     console.print(report.line(), markup=False)
+    for line in filter(None, checked):
+        console.print(line, markup=False)
     if not report.ok:
         raise typer.Exit(1)
