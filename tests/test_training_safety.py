@@ -294,3 +294,10 @@ def test_reshard_verify_checks_the_manifests(earlier_run, tmp_path):
     out = CliRunner().invoke(app, ["reshard", "verify", str(ck), str(ck / "iter_0000004"), "--no-progress"],
                              env={"COLUMNS": "300"})
     assert out.exit_code == 1 and f"{shard}: checksum differs" in " ".join(out.output.split()), out.output
+
+
+def test_keep_last_prunes_the_checkpoints_of_the_run_it_resumed(earlier_run, tmp_path):
+    """A resumed run is the same run: its older checkpoints are pruned like its own."""
+    ck = copy_of(earlier_run, tmp_path)
+    ok(pretrain(tmp_path / "run", [f"checkpoint.dir={ck}", "checkpoint.keep_last=2", "train.iters=5"]))
+    assert sorted(p.name for p in ck.iterdir()) == ["iter_0000004", "iter_0000005", "latest"]

@@ -16,7 +16,6 @@ import json
 import os
 import random
 import shutil
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +39,7 @@ class Restored:
     iteration: int
     consumed_samples: int
     path: Path
+    run_id: str | None = None  # the training run the checkpoint belongs to (None: weights only, or an older checkpoint)
 
 
 def find_checkpoint(path: str | Path) -> Path | None:
@@ -129,10 +129,11 @@ def _sharded_state(chunks, optimizer, scheduler, *, loading: bool, with_optimize
 
 
 def save(*, ckpt_dir: str | Path, iteration: int, consumed_samples: int, chunks, optimizer, scheduler,
-         recipe_yaml: str, keep_last: int | None = None, saved_before: Sequence[Path] = (), extra_meta: dict | None = None,
+         recipe_yaml: str, keep_last: int | None = None, run_id: str | None = None, extra_meta: dict | None = None,
          lora_base: Path | None = None) -> Path:
     """Save atomically; returns the final iteration directory. Collective: every rank calls it.
-    ``keep_last`` prunes among this checkpoint and ``saved_before`` (what this run saved earlier) only.
+    ``run_id`` (kept in megacli.json) names the training run across resumes: ``keep_last`` prunes
+    only the checkpoints of this run.
     With ``optimizer=None`` only the model weights are saved (no optimizer, scheduler or RNG
     state: what `megacli convert` writes); ``extra_meta`` adds entries to megacli.json.
     ``lora_base``: save only the LoRA adapters, noting the checkpoint holding the frozen base weights."""
@@ -181,12 +182,14 @@ def save(*, ckpt_dir: str | Path, iteration: int, consumed_samples: int, chunks,
         meta = {"iteration": iteration, "consumed_samples": consumed_samples, "layout": _layout(), "format": "torch_dist"}
         if weights_only:
             meta.update(has_optimizer=False, has_rng_state=False)
+        if run_id is not None:
+            meta["run_id"] = run_id
         meta.update(extra_meta or {})
         (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
         manifest.write(tmp, [*parts, manifest.describe(tmp, ["recipe.yaml", META])])
         _publish(tmp, final, ckpt_dir)
-        if keep_last:
-            _prune(ckpt_dir, keep_last, [*saved_before, final])
+        if keep_last and run_id is not None:
+            _prune(ckpt_dir, keep_last, run_id)
     dist.barrier()
     return final
 
@@ -201,14 +204,14 @@ def _publish(tmp: Path, final: Path, ckpt_dir: Path) -> None:
     os.replace(pointer_tmp, ckpt_dir / LATEST)
 
 
-def _prune(ckpt_dir: Path, keep_last: int, ours: list[Path]) -> None:
-    """Delete the oldest of ``ours`` (this run's checkpoints) beyond the newest ``keep_last``. Other
-    runs' checkpoints in the directory, and the one `latest` names, are never touched."""
+def _prune(ckpt_dir: Path, keep_last: int, run_id: str) -> None:
+    """Delete the oldest checkpoints of run ``run_id`` beyond its newest ``keep_last``. Other runs'
+    checkpoints in the directory, and the one `latest` names, are never touched."""
     latest = (ckpt_dir / LATEST).read_text().strip()
-    names = sorted({Path(p).name for p in ours})  # iter_%07d: the name order is the iteration order
-    for name in names[:-keep_last]:
-        if name != latest:
-            shutil.rmtree(ckpt_dir / name, ignore_errors=True)
+    ours = [p for p in saved_iterations(ckpt_dir) if (p / META).is_file() and read_meta(p).get("run_id") == run_id]
+    for old in ours[:-keep_last]:
+        if old.name != latest:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def saved_iterations(ckpt_dir: str | Path) -> list[Path]:
@@ -362,4 +365,5 @@ def _load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool, kee
         _set_rng_state(loaded["rng_state"])
     if not has_optimizer:
         return Restored(iteration=0, consumed_samples=0, path=ckpt)
-    return Restored(iteration=meta["iteration"], consumed_samples=meta["consumed_samples"], path=ckpt)
+    return Restored(iteration=meta["iteration"], consumed_samples=meta["consumed_samples"], path=ckpt,
+                    run_id=meta.get("run_id"))

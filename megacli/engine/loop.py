@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 
 import torch
@@ -212,7 +213,7 @@ def _train(recipe, runtime) -> None:
 
     t, ck = recipe.train, recipe.checkpoint
     trainer, tokenizer = build_trainer(recipe, runtime)
-    start_iter, consumed = 0, 0
+    start_iter, consumed, run_id = 0, 0, None
     source, resume_note = _resume_source(ck)
     pretrained = _pretrained_source(ck) if source is None else None
     if source is not None:
@@ -221,7 +222,7 @@ def _train(recipe, runtime) -> None:
         changes_note = check_resumable(source, recipe)
         restored = checkpoint.load(ckpt=source, chunks=trainer.chunks, optimizer=trainer.optimizer,
                                    scheduler=trainer.scheduler, load_optimizer=ck.load_optimizer, verify=ck.verify)
-        start_iter, consumed = restored.iteration, restored.consumed_samples
+        start_iter, consumed, run_id = restored.iteration, restored.consumed_samples, restored.run_id
     elif pretrained is not None:
         checkpoint.load(ckpt=pretrained, chunks=trainer.chunks, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
                         load_optimizer=False, verify=ck.verify)
@@ -271,7 +272,7 @@ def _train(recipe, runtime) -> None:
     stop_at = min(t.iters, start_iter + t.exit_after_iters) if t.exit_after_iters else t.iters
     last_val = last_lm = None
     last_good, skipped = source, 0  # the newest checkpoint with finite weights; steps dropped as non-finite
-    saved: list = []  # this run's checkpoints: the only ones keep_last prunes
+    run_id = run_id or uuid.uuid4().hex  # carried across resumes: keep_last prunes only this run's checkpoints
     try:
         while iteration < stop_at:
             try:
@@ -311,8 +312,7 @@ def _train(recipe, runtime) -> None:
                     raise _stopped_nonfinite(f"the weights are not finite after iteration {iteration} (not saved)", last_good)
                 path = checkpoint.save(ckpt_dir=ck.dir, iteration=iteration, consumed_samples=consumed, chunks=trainer.chunks,
                                        optimizer=trainer.optimizer, scheduler=trainer.scheduler, recipe_yaml=recipe_yaml,
-                                       keep_last=ck.keep_last, saved_before=saved, lora_base=lora_base)
-                saved.append(path)
+                                       keep_last=ck.keep_last, run_id=run_id, lora_base=lora_base)
                 log.say(f"saved checkpoint {path}")
                 last_good = path
                 watch.lap()

@@ -274,8 +274,8 @@ class CheckpointSection(Section):
     """Weights to start from when there is nothing to resume (finetuning): a megacli checkpoint,
     e.g. one from `megacli convert`. Its optimizer state and iteration are not used."""
     keep_last: Optional[PositiveInt] = None
-    """Delete this run's older checkpoints, keeping its newest this many (null = keep all). Checkpoints
-    the run did not write, and the one `latest` names, are never deleted."""
+    """Delete this run's older checkpoints (those of earlier runs it resumed included), keeping its newest
+    this many (null = keep all). Other runs' checkpoints, and the one `latest` names, are never deleted."""
     verify: bool = True
     """Check every file of a checkpoint against its manifest (sizes and xxh3-64 checksums written at
     save) before loading it, refusing a truncated or corrupt file; false loads without checking."""
