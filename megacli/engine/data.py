@@ -14,6 +14,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from megacli.data.indexed import validate
 from megacli.data.tokenizers import SENTINEL
 from megacli.errors import UserError
 
@@ -190,7 +191,8 @@ def build_masked_datasets(*, arch: str, data, masking, seq_length: int, decoder_
 
     tokenizer.require(arch)
     blend = megatron_blend(data)
-    check_splits(blend[0], data.split, min_tokens=1)
+    for prefix in blend[0]:  # empty splits are refused by _check_samples_possible, naming the sentence rule
+        validate(prefix)
     check_vocabulary(blend[0], tokenizer.tokenizer.vocab_size)
     common = dict(
         random_seed=seed,
@@ -224,8 +226,6 @@ def check_splits(prefixes: list[str], split: str, *, min_tokens: int) -> None:
     from) and loops forever looking for the tokens of an empty one."""
     from megatron.core.datasets.blended_megatron_dataset_config import (
         convert_split_vector_to_split_matrix, parse_and_normalize_split)
-
-    from megacli.data.indexed import validate
 
     bounds = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
     for prefix in prefixes:
