@@ -2,7 +2,8 @@
 
 Layout of a checkpoint directory:
     latest                 the name of the newest complete iteration (replaced atomically)
-    iter_0000100/          torch_dist shards + recipe.yaml + megacli.json (iteration, data position, layout)
+    iter_0000100/          torch_dist shards + recipe.yaml + megacli.json (iteration, data position, layout, run id)
+                           + manifest.json (every file's size and checksum, checked before a load)
     iter_0000200.tmp/      a save in progress; never read, removed by the next save
 
 A save writes iter_N.tmp, waits for every rank, renames it to iter_N and only then moves `latest`,
@@ -178,15 +179,19 @@ def save(*, ckpt_dir: str | Path, iteration: int, consumed_samples: int, chunks,
     parts = [None] * world if rank == 0 else None
     dist.gather_object(described, parts, dst=0)
     if rank == 0:
-        (tmp / "recipe.yaml").write_text(recipe_yaml)
         meta = {"iteration": iteration, "consumed_samples": consumed_samples, "layout": _layout(), "format": "torch_dist"}
         if weights_only:
             meta.update(has_optimizer=False, has_rng_state=False)
         if run_id is not None:
             meta["run_id"] = run_id
         meta.update(extra_meta or {})
-        (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
-        manifest.write(tmp, [*parts, manifest.describe(tmp, ["recipe.yaml", META])])
+        try:
+            (tmp / "recipe.yaml").write_text(recipe_yaml)
+            (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
+            manifest.write(tmp, [*parts, manifest.describe(tmp, ["recipe.yaml", META])])
+        except OSError as exc:
+            full = space.disk_full_error(exc, ckpt_dir=ckpt_dir, partial=tmp, needed=int(needed.item()), remove=True)
+            raise (full or exc) from None
         _publish(tmp, final, ckpt_dir)
         if keep_last and run_id is not None:
             _prune(ckpt_dir, keep_last, run_id)
