@@ -373,8 +373,9 @@ def _resume_source(ck):
     has_pointer = bool(ck.dir) and (Path(ck.dir) / checkpoint.LATEST).is_file()
     if ck.resume == "none":
         if (saved or has_pointer) and not ck.overwrite:
-            raise UserError(f"checkpoint.dir {ck.dir} already holds checkpoints ({', '.join(p.name for p in saved[-3:]) or 'latest'}"
-                            f"{', ...' if len(saved) > 3 else ''}) and checkpoint.resume = none: set checkpoint.resume: auto "
+            held = ("..., " if len(saved) > 3 else "") + (", ".join(p.name for p in saved[-3:]) or checkpoint.LATEST)
+            raise UserError(f"checkpoint.dir {ck.dir} already holds checkpoints ({held}) and checkpoint.resume = none: "
+                            f"set checkpoint.resume: auto "
                             f"to continue them, checkpoint.overwrite: true to save over them, or another checkpoint.dir")
         return None, None
     if ck.resume == "auto":
