@@ -113,8 +113,8 @@ def inspect_command(
         render(info, Console(highlight=False))
 
 
-@reshard_app.command("verify", help="Check that DST holds SRC's state: reassemble every global tensor of both and compare "
-                                    "checksums (exit 1 on a mismatch).")
+@reshard_app.command("verify", help="Check that DST holds SRC's state: each checkpoint's files against its manifest, then "
+                                    "every reassembled global tensor of both by checksum (exit 1 on a mismatch).")
 @guarded
 def verify_command(
     source: Annotated[str, typer.Argument(help="The original checkpoint.", show_default=False)],
@@ -124,11 +124,21 @@ def verify_command(
 ) -> None:
     from rich.console import Console
 
+    from megacli.checkpoint import manifest
+    from megacli.errors import UserError
     from megacli.reshard import verify
     from megacli.reshard.view import progress_bars
 
+    console = Console(highlight=False, soft_wrap=True)
+    try:  # each checkpoint's files against its own manifest first
+        checked = [manifest.verify(path) for path in (source, target)]
+    except UserError as mismatch:
+        console.print(f"verify: FAILED - {mismatch}", markup=False)
+        raise typer.Exit(1) from None
     with progress_bars(progress) as bars:
         report = verify(source, target, trust_pickle=trust_pickle, progress=bars)
-    Console(highlight=False, soft_wrap=True).print(report.line(), markup=False)
+    console.print(report.line(), markup=False)
+    for line in filter(None, checked):
+        console.print(line, markup=False)
     if not report.ok:
         raise typer.Exit(1)

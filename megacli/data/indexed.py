@@ -232,6 +232,38 @@ def read_index(prefix: str) -> Index:
     return Index(path, np.dtype(DTYPE_CODES[code]), lengths, pointers, doc_index)
 
 
+def validate(prefix: str) -> Index:
+    """The index of ``prefix``, checked against its ``.bin`` before anything memory-maps the pair:
+    the header, the document index (from 0 to the sequence count, never decreasing), and sequence
+    pointers that lay the sequences back to back and end exactly at the end of the ``.bin``."""
+    index = read_index(prefix)
+    path, data = index.path, bin_path(prefix)
+    if not os.path.isfile(data):
+        raise UserError(f"{data}: no such data file (the index {path} needs it)")
+    docs = index.document_indices
+    if len(docs) == 0 or docs[0] != 0 or docs[-1] != index.sequence_count or np.any(np.diff(docs) < 0):
+        raise UserError(f"{path}: corrupt document index (it must run from 0 to the {index.sequence_count} sequences)")
+    if index.document_count == 0:
+        raise UserError(f"{path}: holds no documents")
+    itemsize = index.dtype.itemsize
+    offset = 0
+    for start in range(0, index.sequence_count, _COPY_CHUNK):
+        lengths = np.asarray(index.sequence_lengths[start:start + _COPY_CHUNK], np.int64)
+        if np.any(lengths < 0):
+            raise UserError(f"{path}: corrupt index (a negative sequence length)")
+        ends = np.cumsum(lengths * itemsize) + offset
+        if not np.array_equal(index.sequence_pointers[start:start + _COPY_CHUNK], ends - lengths * itemsize):
+            raise UserError(f"{path}: corrupt index (sequence pointers do not follow the sequence lengths)")
+        offset = int(ends[-1])
+    actual = os.path.getsize(data)
+    if offset == 0:
+        raise UserError(f"{path}: its documents hold no tokens")
+    if actual != offset:
+        what = "truncated" if actual < offset else "longer than its index says"
+        raise UserError(f"{data}: {what} ({actual} bytes, the index {path} describes {offset})")
+    return index
+
+
 def read_document(prefix: str, index: Index, doc: int) -> np.ndarray:
     """Tokens of document ``doc`` (all its sequences)."""
     first, last = int(index.document_indices[doc]), int(index.document_indices[doc + 1])

@@ -2,7 +2,8 @@
 
 Layout of a checkpoint directory:
     latest                 the name of the newest complete iteration (replaced atomically)
-    iter_0000100/          torch_dist shards + recipe.yaml + megacli.json (iteration, data position, layout)
+    iter_0000100/          torch_dist shards + recipe.yaml + megacli.json (iteration, data position, layout, run id)
+                           + manifest.json (every file's size and checksum, checked before a load)
     iter_0000200.tmp/      a save in progress; never read, removed by the next save
 
 A save writes iter_N.tmp, waits for every rank, renames it to iter_N and only then moves `latest`,
@@ -22,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megacli.checkpoint import manifest, space
 from megacli.errors import UserError
 
 LATEST = "latest"
@@ -38,6 +40,7 @@ class Restored:
     iteration: int
     consumed_samples: int
     path: Path
+    run_id: str | None = None  # the training run the checkpoint belongs to (None: weights only, or an older checkpoint)
 
 
 def find_checkpoint(path: str | Path) -> Path | None:
@@ -127,8 +130,11 @@ def _sharded_state(chunks, optimizer, scheduler, *, loading: bool, with_optimize
 
 
 def save(*, ckpt_dir: str | Path, iteration: int, consumed_samples: int, chunks, optimizer, scheduler,
-         recipe_yaml: str, keep_last: int | None = None, extra_meta: dict | None = None, lora_base: Path | None = None) -> Path:
+         recipe_yaml: str, keep_last: int | None = None, run_id: str | None = None, extra_meta: dict | None = None,
+         lora_base: Path | None = None) -> Path:
     """Save atomically; returns the final iteration directory. Collective: every rank calls it.
+    ``run_id`` (kept in megacli.json) names the training run across resumes: ``keep_last`` prunes
+    only the checkpoints of this run.
     With ``optimizer=None`` only the model weights are saved (no optimizer, scheduler or RNG
     state: what `megacli convert` writes); ``extra_meta`` adds entries to megacli.json.
     ``lora_base``: save only the LoRA adapters, noting the checkpoint holding the frozen base weights."""
@@ -154,21 +160,41 @@ def save(*, ckpt_dir: str | Path, iteration: int, consumed_samples: int, chunks,
         extra_meta = {**(extra_meta or {}), "lora": {"base": str(Path(lora_base).resolve())}}
     state = _sharded_state(chunks, optimizer, scheduler, loading=False, with_optimizer=not weights_only,
                            with_rng=not weights_only, keep=keep)
-    dist_checkpointing.save(state, str(tmp))
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    needed = torch.tensor([space.state_bytes(state)], dtype=torch.float64, device=device)
+    dist.all_reduce(needed)
+    try:
+        dist_checkpointing.save(state, str(tmp))
+    except BaseException as exc:  # torch's CheckpointException derives from BaseException
+        full = space.disk_full_error(exc, ckpt_dir=ckpt_dir, partial=tmp, needed=int(needed.item()), remove=rank == 0)
+        if full is not None:
+            raise full from None
+        raise
     if os.environ.get("MEGACLI_TEST_CRASH_IN_SAVE") == str(iteration):
         # Fault injection for the atomic-save test: fail after the shards are written, before publishing.
         raise RuntimeError(f"injected crash while saving iteration {iteration}")
     dist.barrier()
+    world = dist.get_world_size()
+    described = manifest.describe(tmp, manifest.files_of_rank(tmp, rank, world))  # while the files are in the page cache
+    parts = [None] * world if rank == 0 else None
+    dist.gather_object(described, parts, dst=0)
     if rank == 0:
-        (tmp / "recipe.yaml").write_text(recipe_yaml)
         meta = {"iteration": iteration, "consumed_samples": consumed_samples, "layout": _layout(), "format": "torch_dist"}
         if weights_only:
             meta.update(has_optimizer=False, has_rng_state=False)
+        if run_id is not None:
+            meta["run_id"] = run_id
         meta.update(extra_meta or {})
-        (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
+        try:
+            (tmp / "recipe.yaml").write_text(recipe_yaml)
+            (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
+            manifest.write(tmp, [*parts, manifest.describe(tmp, ["recipe.yaml", META])])
+        except OSError as exc:
+            full = space.disk_full_error(exc, ckpt_dir=ckpt_dir, partial=tmp, needed=int(needed.item()), remove=True)
+            raise (full or exc) from None
         _publish(tmp, final, ckpt_dir)
-        if keep_last:
-            _prune(ckpt_dir, keep_last)
+        if keep_last and run_id is not None:
+            _prune(ckpt_dir, keep_last, run_id)
     dist.barrier()
     return final
 
@@ -183,10 +209,22 @@ def _publish(tmp: Path, final: Path, ckpt_dir: Path) -> None:
     os.replace(pointer_tmp, ckpt_dir / LATEST)
 
 
-def _prune(ckpt_dir: Path, keep_last: int) -> None:
-    done = sorted(p for p in ckpt_dir.glob("iter_*") if p.is_dir() and not p.name.endswith(".tmp"))
-    for old in done[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+def _prune(ckpt_dir: Path, keep_last: int, run_id: str) -> None:
+    """Delete the oldest checkpoints of run ``run_id`` beyond its newest ``keep_last``. Other runs'
+    checkpoints in the directory, and the one `latest` names, are never touched."""
+    latest = (ckpt_dir / LATEST).read_text().strip()
+    ours = [p for p in saved_iterations(ckpt_dir) if (p / META).is_file() and read_meta(p).get("run_id") == run_id]
+    for old in ours[:-keep_last]:
+        if old.name != latest:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def saved_iterations(ckpt_dir: str | Path) -> list[Path]:
+    """The iteration directories in ckpt_dir (complete or not; saves in progress excluded), oldest first."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        return []
+    return sorted(p for p in ckpt_dir.glob("iter_*") if p.is_dir() and not p.name.endswith(".tmp"))
 
 
 def _prepare_distributed_optimizer_load(optimizer) -> None:
@@ -259,9 +297,10 @@ def lora_base_of(ckpt: Path) -> Path | None:
     return found
 
 
-def load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool) -> Restored:
+def load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool, verify: bool = True) -> Restored:
     """Load model (and optimizer, scheduler, RNG when asked and possible) into the built chunks.
-    The RNG state is restored only when the layout is unchanged (it is per rank).
+    The RNG state is restored only when the layout is unchanged (it is per rank). ``verify``: check
+    the files against the checkpoint's manifest first.
 
     A model with LoRA adapters takes its base weights from a full checkpoint (the adapters keep
     their initial values) or from the base a LoRA checkpoint names, then the adapters from it."""
@@ -273,19 +312,33 @@ def load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool) -> R
     if base is None:
         keep = None if not has_adapters else (lambda k: not is_adapter_key(k))
         return _load(ckpt=ckpt, chunks=chunks, optimizer=optimizer, scheduler=scheduler, load_optimizer=load_optimizer,
-                     keep=keep)
+                     keep=keep, verify=verify)
     if not has_adapters:
         raise UserError(f"{ckpt} holds LoRA adapters only: load it with its recipe's lora section, or merge them into "
                         f"the base weights first (`megacli convert {ckpt} DST --to megacli`)")
     _load(ckpt=base, chunks=chunks, optimizer=None, scheduler=None, load_optimizer=False,
-          keep=lambda k: not is_adapter_key(k))
+          keep=lambda k: not is_adapter_key(k), verify=verify)
     return _load(ckpt=ckpt, chunks=chunks, optimizer=optimizer, scheduler=scheduler, load_optimizer=load_optimizer,
-                 keep=is_adapter_key)
+                 keep=is_adapter_key, verify=verify)
 
 
-def _load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool, keep) -> Restored:
+def _check_manifest(ckpt: Path) -> None:
+    """Collective: every rank checks its share of the files; all refuse alike on a mismatch."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    found = [None] * world
+    dist.all_gather_object(found, manifest.problems(ckpt, rank=dist.get_rank(), world_size=world))
+    found = sorted(p for part in found for p in part)
+    if found:
+        raise manifest.mismatch_error(ckpt, found)
+
+
+def _load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool, keep, verify: bool) -> Restored:
     from megatron.core import dist_checkpointing
 
+    if verify:
+        _check_manifest(ckpt)
     meta = read_meta(ckpt)
     restore_rng = meta.get("layout") == _layout() and meta.get("has_rng_state", True)
     has_optimizer = load_optimizer and meta.get("has_optimizer", True)
@@ -317,4 +370,5 @@ def _load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool, kee
         _set_rng_state(loaded["rng_state"])
     if not has_optimizer:
         return Restored(iteration=0, consumed_samples=0, path=ckpt)
-    return Restored(iteration=meta["iteration"], consumed_samples=meta["consumed_samples"], path=ckpt)
+    return Restored(iteration=meta["iteration"], consumed_samples=meta["consumed_samples"], path=ckpt,
+                    run_id=meta.get("run_id"))

@@ -14,6 +14,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from megacli.data.indexed import validate
 from megacli.data.tokenizers import SENTINEL
 from megacli.errors import UserError
 
@@ -55,6 +56,7 @@ def build_gpt_datasets(*, data, seq_length: int, seed: int, tokenizer, train_sam
                               unique_identifiers={"class": type(tokenizer).__name__, "vocab_size": tokenizer.vocab_size})
     blend = None if data.mock else megatron_blend(data)
     if blend is not None:
+        check_splits(blend[0], data.split, min_tokens=seq_length + 1)
         check_vocabulary(blend[0], tokenizer.vocab_size)
     config = GPTDatasetConfig(
         random_seed=seed,
@@ -189,6 +191,8 @@ def build_masked_datasets(*, arch: str, data, masking, seq_length: int, decoder_
 
     tokenizer.require(arch)
     blend = megatron_blend(data)
+    for prefix in blend[0]:  # empty splits are refused by _check_samples_possible, naming the sentence rule
+        validate(prefix)
     check_vocabulary(blend[0], tokenizer.tokenizer.vocab_size)
     common = dict(
         random_seed=seed,
@@ -215,6 +219,31 @@ def build_masked_datasets(*, arch: str, data, masking, seq_length: int, decoder_
     if train is None:
         raise UserError(f"data.split = {data.split!r} leaves no training documents")
     return Splits(train, valid, test)
+
+def check_splits(prefixes: list[str], split: str, *, min_tokens: int) -> None:
+    """Validate each dataset's files, then give every split with a share of data.split at least one
+    document and ``min_tokens`` tokens. Megatron builds every such split (even one no sample is drawn
+    from) and loops forever looking for the tokens of an empty one."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix, parse_and_normalize_split)
+
+    bounds = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    for prefix in prefixes:
+        index = validate(prefix)
+        n = index.document_count
+        tokens = np.concatenate([[0], np.cumsum(index.document_lengths())])
+        for name, bound in zip(("train", "validation", "test"), bounds):
+            if bound is None:
+                continue
+            # Megatron's own rounding (BlendedMegatronDatasetBuilder._build_megatron_dataset_splits)
+            beg, end = int(round(bound[0] * float(n))), int(round(bound[1] * float(n)))
+            have = int(tokens[end] - tokens[beg])
+            if end - beg < 1 or have < min_tokens:
+                raise UserError(f"data prefix {prefix!r} ({n} documents, {int(tokens[-1]):,} tokens): data.split = "
+                                f"{split!r} gives the {name} split {end - beg} documents and {have:,} tokens; it needs "
+                                f"at least 1 document and {min_tokens:,} tokens. Use more data, or a split with "
+                                f"a zero share for that split (e.g. '1,0,0')")
+
 
 def check_vocabulary(prefixes: list[str], vocab_size: int, sample_docs: int = 2000) -> None:
     """Token ids in the data must fit the tokenizer's vocabulary (catches data built with another

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 
 import torch
 
-from megacli.engine import checkpoint, distributed
+from megacli.engine import checkpoint, distributed, nonfinite
 from megacli.engine.metrics import MetricsLog, Stopwatch, loss_metrics
 
 
@@ -172,11 +173,13 @@ def run_schedule(trainer: Trainer, iterators: list, *, forward_only: bool) -> di
 
 def train_step(trainer: Trainer, iterators: list) -> tuple[dict[str, float], float | None, bool]:
     """One optimizer step. Returns the step's losses ("loss" and, for several report keys, each
-    by its metric name; see metrics.loss_metrics), the gradient norm and whether the step was taken."""
+    by its metric name; see metrics.loss_metrics), the gradient norm and whether the step was taken.
+    Raises nonfinite.NonFiniteStep, before the optimizer step, when the loss or gradients are not finite."""
     for chunk in trainer.chunks:
         chunk.zero_grad_buffer()
     trainer.optimizer.zero_grad()
     reports = run_schedule(trainer, iterators, forward_only=False)
+    nonfinite.check_step(trainer.chunks, reports, check_grads=trainer.recipe.train.precision != "fp16")
     ok, grad_norm, _ = trainer.optimizer.step()
     if ok:
         trainer.scheduler.step(increment=1)
@@ -212,17 +215,20 @@ def _train(recipe, runtime) -> None:
     from megacli.recipe.base import dump
 
     t, ck = recipe.train, recipe.checkpoint
-    trainer, _ = build_trainer(recipe, runtime)
-    start_iter, consumed = 0, 0
-    source = _resume_source(ck)
+    trainer, tokenizer = build_trainer(recipe, runtime)
+    start_iter, consumed, run_id = 0, 0, None
+    source, resume_note = _resume_source(ck)
     pretrained = _pretrained_source(ck) if source is None else None
     if source is not None:
+        from megacli.engine.compat import check_resumable
+
+        changes_note = check_resumable(source, recipe)
         restored = checkpoint.load(ckpt=source, chunks=trainer.chunks, optimizer=trainer.optimizer,
-                                   scheduler=trainer.scheduler, load_optimizer=ck.load_optimizer)
-        start_iter, consumed = restored.iteration, restored.consumed_samples
+                                   scheduler=trainer.scheduler, load_optimizer=ck.load_optimizer, verify=ck.verify)
+        start_iter, consumed, run_id = restored.iteration, restored.consumed_samples, restored.run_id
     elif pretrained is not None:
         checkpoint.load(ckpt=pretrained, chunks=trainer.chunks, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
-                        load_optimizer=False)
+                        load_optimizer=False, verify=ck.verify)
 
     reporting = is_reporting_rank()
     m = recipe.model
@@ -252,8 +258,12 @@ def _train(recipe, runtime) -> None:
         n_lora = adapter_params(m, lo)
         log.say(f"LoRA rank {lo.rank}, alpha {lo.alpha:g}, dropout {lo.dropout:g} on {', '.join(lo.targets)}: "
                 f"{n_lora / 1e6:.3f}M trainable params ({n_lora / n_params:.2%} of the model), base weights frozen")
+    if resume_note:
+        log.say(resume_note)
     if source is not None:
         log.say(f"resumed from {source} at iteration {start_iter}")
+        if changes_note:
+            log.say(changes_note)
         if start_iter >= t.iters:
             log.say(f"nothing to train: the checkpoint is at iteration {start_iter} and train.iters = {t.iters} "
                     f"(raise train.iters, or set checkpoint.resume: none to start over)")
@@ -266,22 +276,32 @@ def _train(recipe, runtime) -> None:
     stop_at = min(t.iters, start_iter + t.exit_after_iters) if t.exit_after_iters else t.iters
     last_val = last_lm = None
     memory_reported = False
+    last_good, skipped = source, 0  # the newest checkpoint with finite weights; steps dropped as non-finite
+    run_id = run_id or uuid.uuid4().hex  # carried across resumes: keep_last prunes only this run's checkpoints
     try:
         while iteration < stop_at:
-            losses, grad_norm, ok = train_step(trainer, iterators)
+            try:
+                losses, grad_norm, ok = train_step(trainer, iterators)
+            except nonfinite.NonFiniteStep as bad:
+                if t.on_nonfinite == "stop":
+                    raise _stopped_nonfinite(f"{bad} at iteration {iteration + 1} (not applied)", last_good) from None
+                skipped += 1
+                log.say(f"iteration {iteration + 1}: {bad}, step skipped ({skipped} so far; train.on_nonfinite = skip)")
+                losses = None
             iteration += 1
             consumed += t.global_batch_size
             window_time += watch.lap()
-            for k, v in losses.items():
+            for k, v in (losses or {}).items():
                 window_losses[k] = window_losses.get(k, 0.0) + v
-            window_steps += 1
-            if iteration % t.log_interval == 0 or iteration == stop_at:
+            window_steps += losses is not None
+            if window_steps and (iteration % t.log_interval == 0 or iteration == stop_at):
                 scale = trainer.optimizer.get_loss_scale().item() if t.precision == "fp16" else None
                 mean = {k: v / window_steps for k, v in window_losses.items()}
                 log.step(iteration=iteration, loss=mean.pop("loss"), lr=trainer.optimizer.param_groups[0]["lr"],
                          grad_norm=float(grad_norm) if grad_norm is not None else None,
                          seconds_per_step=window_time / window_steps, loss_scale=scale,
-                         extra=None if ok else {"skipped_step": True}, losses=mean,
+                         extra={**({} if ok else {"skipped_step": True}),
+                                **({"nonfinite_skipped": skipped} if skipped else {})} or None, losses=mean,
                          experts=expert_stats.collect(window_steps) if expert_stats else None)
                 window_losses, window_steps, window_time = {}, 0, 0.0
                 if not memory_reported:  # the first step line: measured peak memory beside the estimate
@@ -298,11 +318,14 @@ def _train(recipe, runtime) -> None:
                     log.evaluation(iteration=iteration, val_loss=last_val, losses=val)
                 watch.lap()
             if ck.dir and ((ck.save_interval and iteration % ck.save_interval == 0) or iteration == stop_at):
+                if not nonfinite.weights_finite(trainer.chunks):
+                    raise _stopped_nonfinite(f"the weights are not finite after iteration {iteration} (not saved)", last_good)
                 path = checkpoint.save(ckpt_dir=ck.dir, iteration=iteration, consumed_samples=consumed, chunks=trainer.chunks,
                                        optimizer=trainer.optimizer, scheduler=trainer.scheduler, recipe_yaml=recipe_yaml,
-                                       keep_last=ck.keep_last, lora_base=lora_base)
+                                       keep_last=ck.keep_last, run_id=run_id, lora_base=lora_base)
                 log.say(f"saved checkpoint {path}")
                 log.plot()
+                last_good = path
                 watch.lap()
         log.plot()
     finally:
@@ -314,6 +337,16 @@ def _train(recipe, runtime) -> None:
         log.say(f"done: {iteration} iterations | final validation loss {last_val:.4f} | perplexity {ppl:.2f}")
     else:
         log.say(f"done: {iteration} iterations")
+    if skipped:
+        log.say(f"{skipped} step(s) skipped for a non-finite loss or gradients (train.on_nonfinite = skip)")
+
+
+def _stopped_nonfinite(what: str, last_good):
+    from megacli.errors import UserError
+
+    good = f"the last good checkpoint is {last_good}" if last_good else "no good checkpoint was saved"
+    return UserError(f"training stopped: {what}; {good}. Lower optim.lr or check the data "
+                     f"(train.on_nonfinite = skip drops such steps instead)")
 
 
 def _expert_stats(recipe, trainer, runtime):
@@ -341,17 +374,35 @@ def _pretrained_source(ck):
 
 
 def _resume_source(ck):
-    """The checkpoint to start from, or None. resume: auto uses ck.dir's latest when there is one."""
+    """The checkpoint to start from (or None) and a note to print. resume: auto uses ck.dir's latest,
+    or, with `latest` gone, its newest complete iteration; resume: none refuses a directory that
+    already holds checkpoints unless checkpoint.overwrite is set."""
     from pathlib import Path
 
     from megacli.errors import UserError
 
+    saved = checkpoint.saved_iterations(ck.dir) if ck.dir else []
+    has_pointer = bool(ck.dir) and (Path(ck.dir) / checkpoint.LATEST).is_file()
     if ck.resume == "none":
-        return None
+        if (saved or has_pointer) and not ck.overwrite:
+            held = ("..., " if len(saved) > 3 else "") + (", ".join(p.name for p in saved[-3:]) or checkpoint.LATEST)
+            raise UserError(f"checkpoint.dir {ck.dir} already holds checkpoints ({held}) and checkpoint.resume = none: "
+                            f"set checkpoint.resume: auto "
+                            f"to continue them, checkpoint.overwrite: true to save over them, or another checkpoint.dir")
+        return None, None
     if ck.resume == "auto":
-        return checkpoint.find_checkpoint(ck.dir) if ck.dir and Path(ck.dir).exists() else None
+        found = checkpoint.find_checkpoint(ck.dir) if ck.dir and Path(ck.dir).exists() else None
+        if found is not None or not saved:
+            return found, None
+        complete = [p for p in saved if (p / checkpoint.META).is_file()]
+        if not complete:
+            raise UserError(f"checkpoint.dir {ck.dir} has no '{checkpoint.LATEST}' and none of its iterations "
+                            f"({', '.join(p.name for p in saved)}) is complete (no {checkpoint.META}): nothing to resume. "
+                            f"Remove them, or set checkpoint.resume: none with checkpoint.overwrite: true to start over")
+        return complete[-1], (f"{Path(ck.dir) / checkpoint.LATEST} is missing: resuming from the newest complete "
+                              f"checkpoint, {complete[-1].name}")
     found = checkpoint.find_checkpoint(ck.resume)
     if found is None:
         raise UserError(f"checkpoint.resume = {ck.resume!r}: no checkpoint there (expected a directory with "
                         f"'{checkpoint.LATEST}' or '{checkpoint.META}')")
-    return found
+    return found, None

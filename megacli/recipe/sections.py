@@ -241,6 +241,10 @@ class TrainSection(Section):
     is always written."""
     tensorboard: bool = False
     """Older spelling of listing tensorboard in loggers (either one turns TensorBoard on)."""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """A step whose loss or gradients are inf/NaN: stop (naming the iteration and the last good
+    checkpoint), or skip it (the optimizer does not step; skipped steps are counted and logged).
+    Weights that are no longer finite are never saved."""
     exit_after_iters: Optional[PositiveInt] = None
     """Stop (with a checkpoint) after this many steps of this process, leaving the schedule as for iters."""
 
@@ -330,7 +334,14 @@ class CheckpointSection(Section):
     """Weights to start from when there is nothing to resume (finetuning): a megacli checkpoint,
     e.g. one from `megacli convert`. Its optimizer state and iteration are not used."""
     keep_last: Optional[PositiveInt] = None
-    """Delete older iterations, keeping this many (null = keep all)."""
+    """Delete this run's older checkpoints (those of earlier runs it resumed included), keeping its newest
+    this many (null = keep all). Other runs' checkpoints, and the one `latest` names, are never deleted."""
+    verify: bool = True
+    """Check every file of a checkpoint against its manifest (sizes and xxh3-64 checksums written at
+    save) before loading it, refusing a truncated or corrupt file; false loads without checking."""
+    overwrite: bool = False
+    """Allow resume: none in a dir that already holds checkpoints (this run's saves replace those of the
+    same iteration and move `latest`); without it such a run is refused."""
 
 
 class RunSection(Section):

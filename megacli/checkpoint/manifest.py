@@ -1,0 +1,125 @@
+"""A checkpoint's manifest: every file's size and xxh3-64 checksum, in manifest.json beside them.
+
+Written at save (each rank hashes the shard files it wrote; rank 0 the shared files, then merges
+them into one manifest before the checkpoint is published) and checked before a load, so a
+truncated or bit-flipped shard is refused, naming the file, instead of loading silently.
+Checkpoints without a manifest (older ones, other tools') load unchecked."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import xxhash
+
+from megacli.errors import UserError
+
+MANIFEST = "manifest.json"
+ALGORITHM = "xxh3_64"
+_SHARD = re.compile(r"__(\d+)_\d+\.distcp$")  # torch_dist shards: __<writing rank>_<n>.distcp
+
+
+def checksum(path: Path) -> str:
+    """xxh3-64 of a file, hashed straight from its (memory-mapped) pages: no copy."""
+    h = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size:
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as pages:
+                h.update(pages)
+    return h.hexdigest()
+
+
+def _threads(n_files: int) -> int:
+    return max(1, min(n_files, 8, os.cpu_count() or 1))
+
+
+def describe(root: Path, names: list[str]) -> dict[str, dict]:
+    """{name: {"size", "xxh3_64"}} for files under root, hashed in parallel."""
+    root = Path(root)
+    with ThreadPoolExecutor(_threads(len(names))) as pool:
+        sums = list(pool.map(lambda name: checksum(root / name), names))
+    return {name: {"size": (root / name).stat().st_size, ALGORITHM: s} for name, s in zip(names, sums)}
+
+
+def files_of_rank(root: Path, rank: int, world_size: int) -> list[str]:
+    """The files of a save directory that ``rank`` hashes: the shards it wrote; rank 0 also every
+    other file (metadata, common state, ...). The manifest itself is not listed."""
+    names = sorted(str(p.relative_to(root)) for p in Path(root).rglob("*") if p.is_file() and p.name != MANIFEST)
+    mine = []
+    for name in names:
+        shard = _SHARD.search(name)
+        writer = int(shard.group(1)) if shard and int(shard.group(1)) < world_size else 0
+        if writer == rank:
+            mine.append(name)
+    return mine
+
+
+def write(root: Path, parts: list[dict[str, dict]]) -> None:
+    """Merge the ranks' descriptions into root/manifest.json."""
+    files = {k: v for part in parts for k, v in part.items()}
+    data = {"algorithm": ALGORITHM, "files": dict(sorted(files.items()))}
+    (Path(root) / MANIFEST).write_text(json.dumps(data, indent=1) + "\n")
+
+
+def problems(root: Path, *, rank: int = 0, world_size: int = 1) -> list[str]:
+    """What does not match root's manifest, file by file (empty when all match or there is no
+    manifest); with several ranks each checks its share of the files."""
+    root = Path(root)
+    path = root / MANIFEST
+    if not path.is_file():
+        return []
+    try:
+        files = json.loads(path.read_text())["files"]
+    except (ValueError, KeyError, TypeError):
+        return [f"{path}: not a readable manifest"]
+    share = sorted(files)[rank::world_size]
+
+    def check(name: str) -> str | None:
+        f = root / name
+        want = files[name]
+        if not f.is_file():
+            return f"{f}: missing"
+        size = f.stat().st_size
+        if size != want["size"]:
+            return f"{f}: {size} bytes, the manifest says {want['size']}"
+        if checksum(f) != want[ALGORITHM]:
+            return f"{f}: checksum differs from the manifest (the file is corrupt)"
+        return None
+
+    with ThreadPoolExecutor(_threads(len(share))) as pool:
+        return [p for p in pool.map(check, share) if p]
+
+
+def mismatch_error(root: Path, found: list[str]) -> UserError:
+    return UserError(f"checkpoint {root} does not match its manifest: {found[0]}"
+                     + (f" (and {len(found) - 1} more)" if len(found) > 1 else "")
+                     + "; set checkpoint.verify: false to load it anyway")
+
+
+def located(path: str | Path) -> Path:
+    """The iteration directory a path means: itself, or the one its `latest` pointer names."""
+    path = Path(path)
+    pointer = path / "latest"
+    if not (path / MANIFEST).is_file() and pointer.is_file():
+        return path / pointer.read_text().strip()
+    return path
+
+
+def verify(path: str | Path) -> str | None:
+    """Check a checkpoint (iteration directory, or a directory with `latest`) against its manifest
+    in this process; raise UserError naming the first mismatching file, else return a summary line
+    (None without a manifest)."""
+    root = located(path)
+    found = problems(root)
+    if found:
+        raise mismatch_error(root, found)
+    manifest = root / MANIFEST
+    if not manifest.is_file():
+        return None
+    files = json.loads(manifest.read_text())["files"]
+    size = sum(f["size"] for f in files.values())
+    return f"manifest: OK - {len(files)} files ({size / 1024**3:.2f} GiB) in {root} match their sizes and checksums"

@@ -1,0 +1,76 @@
+"""Whether a checkpoint can be resumed under this run's recipe: the saved recipe (recipe.yaml in the
+checkpoint) against the run's. Fields that decide what the weights mean - shapes, layer kinds,
+vocabulary - must match; a different sequence length or batch size is fine and is noted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from megacli.errors import UserError
+
+# Dotted recipe fields that change the meaning (or the shape) of the saved weights.
+WEIGHT_FIELDS = tuple(f"model.{k}" for k in (
+    "arch", "num_layers", "decoder_num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+    "kv_channels", "ffn_hidden_size", "max_position_embeddings", "position_embedding", "rotary_percent",
+    "normalization", "activation", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "untie_embeddings",
+    "softmax_scale", "vocab_size", "make_vocab_size_divisible_by", "norm_position", "bert_binary_head",
+    "bert_token_types", "scale_decoder_output", "moe.num_experts", "moe.router_topk", "moe.ffn_hidden_size",
+    "moe.shared_expert_ffn_hidden_size", "moe.shared_expert_gate", "moe.layer_freq",
+)) + ("tokenizer.type", "masking.sentinel_tokens", "lora.rank", "lora.targets")
+
+# Fields a resumed run may change; the change is reported in one line.
+NOTED_FIELDS = ("model.seq_length", "model.decoder_seq_length", "model.rotary_base", "train.micro_batch_size",
+                "train.global_batch_size", "tokenizer.path")
+
+_ABSENT = object()
+
+
+def _get(tree, dotted: str):
+    for part in dotted.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return _ABSENT
+        tree = tree[part]
+    return tree
+
+
+def check_resumable(ckpt: Path, recipe) -> str | None:
+    """Refuse (UserError naming each field, old and new) a checkpoint whose weights this recipe would
+    read differently; return a note on allowed changes (None when nothing changed)."""
+    saved_file = Path(ckpt) / "recipe.yaml"
+    if not saved_file.is_file():
+        return None
+    saved = yaml.safe_load(saved_file.read_text()) or {}
+    current = recipe.model_dump(mode="json")
+
+    def changed(fields):
+        out = []
+        for f in fields:
+            old, new = _get(saved, f), _get(current, f)
+            if old is not _ABSENT and new is not _ABSENT and old != new:
+                out.append(f"{f} = {new!r} (checkpoint: {old!r})")
+        return out
+
+    refused = changed(WEIGHT_FIELDS)
+    old_moe, new_moe = _get(saved, "model.moe"), _get(current, "model.moe")
+    if old_moe is not _ABSENT and (old_moe is None) != (new_moe is None):
+        refused.append(f"model.moe {'set' if new_moe else 'null'} (checkpoint: {'set' if old_moe else 'null'})")
+    if _get(current, "model.position_embedding") == "learned":
+        old_pos, new_pos = _learned_positions(saved), _learned_positions(current)
+        if old_pos is not None and old_pos != new_pos:
+            refused.append(f"learned position embeddings for {new_pos} positions (checkpoint: {old_pos}; "
+                           f"model.max_position_embeddings, else model.seq_length)")
+    if refused:
+        raise UserError(f"cannot resume {ckpt}: this recipe changes what its weights mean: {'; '.join(refused)}. "
+                        f"Use the checkpoint's values, or start a new run (checkpoint.resume: none, another checkpoint.dir)")
+    noted = changed(NOTED_FIELDS)
+    return f"resuming with changed settings: {'; '.join(noted)}" if noted else None
+
+
+def _learned_positions(tree) -> int | None:
+    """How many positions a learned position embedding has (as ModelSection.max_positions)."""
+    given, seq = _get(tree, "model.max_position_embeddings"), _get(tree, "model.seq_length")
+    if seq is _ABSENT:
+        return None
+    return given if given not in (None, _ABSENT) else seq

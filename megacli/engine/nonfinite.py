@@ -1,0 +1,49 @@
+"""Non-finite training: a step whose loss or gradients hold inf/NaN is caught before the optimizer
+applies it, and weights that are no longer finite are never saved."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class NonFiniteStep(Exception):
+    """The step's loss or gradients are not finite (raised on every rank alike)."""
+
+    def __init__(self, what: str):
+        super().__init__(f"non-finite {what}")
+        self.what = what
+
+
+def _any_rank(flags: list[bool], device) -> list[bool]:
+    import torch.distributed as dist
+
+    t = torch.tensor([float(f) for f in flags], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in t.tolist()]
+
+
+def _device(chunks):
+    return next(p for c in chunks for p in c.parameters()).device
+
+
+def check_step(chunks, reports: dict[str, tuple[float, float]], *, check_grads: bool) -> None:
+    """Collective: raise NonFiniteStep on every rank when the loss (known on the last pipeline stage)
+    or, with ``check_grads``, any rank's reduced gradients are not finite. fp16 runs leave the
+    gradients to the loss scaler, which skips overflowing steps itself."""
+    bad_loss = any(not math.isfinite(s) for s, _ in reports.values())
+    bad_grads = False
+    if check_grads:
+        buffers = [b for c in chunks for b in (c.buffers + c.expert_parallel_buffers)]
+        bad_grads = bool(buffers) and not bool(torch.stack([torch.isfinite(b.grad_data).all() for b in buffers]).all())
+    bad_loss, bad_grads = _any_rank([bad_loss, bad_grads], _device(chunks))
+    if bad_loss or bad_grads:
+        raise NonFiniteStep("loss" if bad_loss else "gradients")
+
+
+def weights_finite(chunks) -> bool:
+    """Collective: whether every rank's weights are finite."""
+    params = [p for c in chunks for p in c.parameters()]
+    bad = not bool(torch.stack([torch.isfinite(p).all() for p in params]).all())
+    return not _any_rank([bad], _device(chunks))[0]

@@ -1,0 +1,107 @@
+"""Indexed data that would hang or crash Megatron's datasets is refused before training, with
+the file and the cause named (exit 2, no traceback)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megacli.data import indexed
+from megacli.errors import UserError
+
+TINY = [
+    "data.mock=false", "tokenizer.type=byte", "tokenizer.path=null",
+    "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.ffn_hidden_size=128",
+    "model.seq_length=32", "train.iters=2", "train.micro_batch_size=2", "train.global_batch_size=2",
+    "train.eval_interval=null", "optim.warmup_iters=0", "train.precision=fp32", "checkpoint.dir=null",
+    "parallel.tensor=1", "parallel.pipeline=1", "parallel.sequence_parallel=false", "parallel.virtual_pipeline=null",
+    "launch.nproc=1",
+]
+
+
+def corpus(prefix: Path, docs: int, tokens: int) -> str:
+    rng = np.random.default_rng(0)
+    with indexed.IndexedDatasetWriter(prefix, np.uint16) as w:
+        for _ in range(docs):
+            w.add_document(rng.integers(0, 250, tokens).tolist())
+        w.commit()
+    return str(prefix)
+
+
+def pretrain(tmp: Path, overrides: list[str], timeout=120) -> subprocess.CompletedProcess:
+    sets = [*TINY, *overrides, f"run.dir={tmp / 'run'}"]
+    env = dict(os.environ, MEGACLI_IN_PROCESS="1")
+    return subprocess.run([sys.executable, "-m", "megacli", "pretrain", *[x for s in sets for x in ("--set", s)]],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.parametrize("docs,split", [(3, "98,2,0"), (1, "969,30,1")])
+def test_split_without_documents_is_refused_not_hung(tmp_path, docs, split):
+    """3 documents with 98,2,0 leave the validation split empty; Megatron loops forever on it."""
+    prefix = corpus(tmp_path / "c", docs, 440)
+    out = pretrain(tmp_path, [f"data.path={prefix}", f"data.split={split}"])
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+    assert f"{docs} documents" in out.stderr and "split 0 documents" in out.stderr and "data.split" in out.stderr
+
+
+def test_split_shorter_than_one_sequence_is_refused(tmp_path):
+    prefix = corpus(tmp_path / "c", 50, 1)  # the validation split: 1 document of 1 token < seq_length + 1
+    with pytest.raises(UserError, match="validation split 1 documents and 1 tokens; it needs at least 1 document and 33"):
+        from megacli.engine.data import check_splits
+
+        check_splits([prefix], "98,2,0", min_tokens=33)
+
+
+def damage(prefix: str, kind: str) -> str:
+    """Break a good dataset; returns the file the error must name."""
+    bin_file, idx_file = indexed.bin_path(prefix), indexed.idx_path(prefix)
+    if kind == "truncated bin":
+        data = Path(bin_file).read_bytes()
+        Path(bin_file).write_bytes(data[:len(data) // 2])
+        return bin_file
+    if kind == "bad idx header":
+        data = bytearray(Path(idx_file).read_bytes())
+        data[:4] = b"XXXX"
+        Path(idx_file).write_bytes(bytes(data))
+        return idx_file
+    if kind == "empty idx":
+        Path(idx_file).write_bytes(b"")
+        return idx_file
+    if kind == "empty bin":
+        Path(bin_file).write_bytes(b"")
+        return bin_file
+    if kind == "bad pointers":
+        index = indexed.read_index(prefix)
+        offset = indexed.HEADER_BYTES + index.sequence_count * 4 + 8  # the second sequence's pointer
+        data = bytearray(Path(idx_file).read_bytes())
+        data[offset:offset + 8] = np.int64(7).tobytes()
+        Path(idx_file).write_bytes(bytes(data))
+        return idx_file
+    raise ValueError(kind)
+
+
+KINDS = ["truncated bin", "bad idx header", "empty idx", "empty bin", "bad pointers"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_validate_names_the_broken_file(tmp_path, kind):
+    prefix = corpus(tmp_path / "c", 20, 100)
+    named = damage(prefix, kind)
+    with pytest.raises(UserError) as err:
+        indexed.validate(prefix)
+    assert str(err.value).startswith(named), err.value
+
+
+def test_truncated_bin_is_a_clear_error_before_training(tmp_path):
+    prefix = corpus(tmp_path / "c", 200, 100)
+    named = damage(prefix, "truncated bin")
+    out = pretrain(tmp_path, [f"data.path={prefix}", "data.split=98,2,0"])
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "Traceback" not in out.stderr and "Exception ignored" not in out.stderr
+    assert named in out.stderr.replace("\n", "") and "truncated" in out.stderr
