@@ -143,7 +143,7 @@ def test_dry_run_recipe_is_whole_block_yaml_when_not_on_a_terminal():
     from typer.testing import CliRunner
 
     from megacli.cli import _register, app
-    from megacli.cli.common import repo_recipes_dir
+    from megacli.recipe.jobs import repo_recipes_dir
     from megacli.recipe import base
     from megacli.recipe.pretrain import TrainingRecipe
 
