@@ -213,6 +213,9 @@ class TrainSection(Section):
     """Also write TensorBoard event files to <run.dir>/tensorboard."""
     exit_after_iters: Optional[PositiveInt] = None
     """Stop (with a checkpoint) after this many steps of this process, leaving the schedule as for iters."""
+    deterministic: bool = False
+    """Bitwise-reproducible runs: the same recipe and seed give the same losses on the same GPU
+    (deterministic kernels: torch's deterministic algorithms, SDPA's math kernel; slower)."""
 
     @field_validator("loss")
     @classmethod
