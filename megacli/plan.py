@@ -2,7 +2,8 @@
 
 Pure arithmetic on the recipe (no torch), so `--dry-run` is instant. Memory follows
 Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"):
-activations per layer = s·b·h·(34 + 5·a·s/h) bytes at 16-bit, and its TP/SP/recompute forms.
+activations per layer = 34·s·b·h bytes at 16-bit, and its TP/SP/recompute forms, plus the logits
+at the loss.
 """
 
 from __future__ import annotations
@@ -121,10 +122,11 @@ class RankMemory:
     optimizer_gib_without_dist_opt: float
     optimizer_gib_with_dist_opt: float
     activations_gib: float
+    logits_gib: float = 0.0  # the output layer's logits at the loss (last pipeline stage)
 
     @property
     def total_gib(self) -> float:
-        return self.weights_gib + self.grads_gib + self.optimizer_gib + self.activations_gib
+        return self.weights_gib + self.grads_gib + self.optimizer_gib + self.activations_gib + self.logits_gib
 
 
 def bytes_per_param(precision: str) -> tuple[int, int, int]:
@@ -136,20 +138,31 @@ def bytes_per_param(precision: str) -> tuple[int, int, int]:
 
 
 def activation_bytes_per_layer(recipe: TrainingRecipe) -> float:
-    """Korthikanti et al. 2022, eqs. 1-5 (16-bit activations; fp32 doubles it).
-    Without parallelism: s·b·h·(34 + 5·a·s/h). TP splits all but 10·s·b·h; SP splits those too;
-    selective recompute drops the 5·a·s/h attention term; full recompute keeps only the layer input."""
+    """Korthikanti et al. 2022, eqs. 1-5 (16-bit activations; fp32 doubles it), without their
+    5·a·s/h term for the a·s² attention scores: megacli's attention (SDPA's flash and memory-efficient
+    kernels, the context-parallel ring) keeps q, k, v, its output and the log-sum-exp, never the
+    scores - so selective recompute, which drops that term, saves nothing more here.
+    Without parallelism: 34·s·b·h. TP splits all but 10·s·b·h; SP splits those too; full recompute
+    keeps only the layer input."""
     m, p, t = recipe.model, recipe.parallel, recipe.train
     s = m.seq_length // p.context
-    b, h, a, tp = t.micro_batch_size, m.hidden_size, m.num_attention_heads, p.tensor
-    attn_term = 5 * a * s / h
+    b, h, tp = t.micro_batch_size, m.hidden_size, p.tensor
     if p.recompute == "full":
         per = 2 * s * b * h / (tp if p.sequence_parallel else 1)
     elif p.sequence_parallel:
-        per = s * b * h * (34 + (0 if p.recompute == "selective" else attn_term)) / tp
+        per = 34 * s * b * h / tp
     else:
-        per = s * b * h * (10 + (24 + (0 if p.recompute == "selective" else attn_term)) / tp)
+        per = s * b * h * (10 + 24 / tp)
     return per * (2 if t.precision == "fp32" else 1)
+
+
+def logits_bytes(recipe: TrainingRecipe, padded_vocab: int) -> float:
+    """The logits of one micro-batch at the loss, at their peak: the 16-bit logits and Megatron's
+    fp32 copy (its softmax, kept for backward, which becomes the gradient) alive together,
+    6·s·b·V/TP bytes (fp32 training: that gradient and its padded-vocabulary-masked copy, 8·s·b·V/TP)."""
+    m, p, t = recipe.model, recipe.parallel, recipe.train
+    s = (m.dec_seq_length if m.arch == "t5" else m.seq_length) // p.context
+    return (8 if t.precision == "fp32" else 6) * s * t.micro_batch_size * padded_vocab / p.tensor
 
 
 def estimate(recipe: TrainingRecipe, vocab_size: int) -> tuple[ParamCounts, RankMemory]:
@@ -175,6 +188,8 @@ def estimate(recipe: TrainingRecipe, vocab_size: int) -> tuple[ParamCounts, Rank
     if p.virtual_pipeline:
         in_flight_layers *= 1 + (p.pipeline - 1) / (p.pipeline * p.virtual_pipeline)
     act = activation_bytes_per_layer(recipe) * in_flight_layers
+    m = recipe.model
+    padded = padded_vocab_size(vocab_size, divisible_by=m.make_vocab_size_divisible_by, tensor_parallel=p.tensor)
     mem = RankMemory(
         params=rank_params,
         weights_gib=rank_params * w / GIB,
@@ -183,6 +198,8 @@ def estimate(recipe: TrainingRecipe, vocab_size: int) -> tuple[ParamCounts, Rank
         optimizer_gib_without_dist_opt=rank_params * o / GIB,
         optimizer_gib_with_dist_opt=sharded / GIB,
         activations_gib=act / GIB,
+        # With pipelining the first stage holds no logits (the last one does, with fewer layers in flight).
+        logits_gib=logits_bytes(recipe, padded) / GIB if p.pipeline == 1 else 0.0,
     )
     return counts, mem
 

@@ -67,7 +67,10 @@ def print_plan(recipe) -> None:
     memory.add_row("  with distributed optimizer", f"{mem.optimizer_gib_with_dist_opt:.3f}",
                    f"{o}/{dp} B/param" + (f" ({o}/{recipe.expert_data_parallel_size} for experts)" if m.moe else ""))
     memory.add_row("activations", f"{mem.activations_gib:.3f}",
-                   f"sbh(34+5as/h) per layer, {_act_form(recipe)}, × in-flight layers")
+                   f"34sbh per layer (no attention scores kept), {_act_form(recipe)}, × in-flight layers")
+    memory.add_row("logits at the loss", f"{mem.logits_gib:.3f}",
+                   f"{'8' if t.precision == 'fp32' else '6'}·s·b·V/t (16-bit logits + fp32 softmax)" if p.pipeline == 1
+                   else "on the last stage only")
     memory.add_row("total", f"{mem.total_gib:.3f}", "")
     console.print(memory)
 
@@ -77,7 +80,7 @@ def _act_form(recipe) -> str:
     if p.recompute == "full":
         return "full recompute: 2sbh" + ("/t" if p.sequence_parallel else "")
     if p.sequence_parallel:
-        return "TP+SP: /t" + (" selective recompute: 34sbh/t" if p.recompute == "selective" else "")
+        return "TP+SP: 34sbh/t"
     if p.tensor > 1:
-        return "TP: sbh(10+24/t+5as/(ht))" + (" selective: no 5as/h term" if p.recompute == "selective" else "")
-    return "no parallelism" + (", selective recompute: 34sbh" if p.recompute == "selective" else "")
+        return "TP: sbh(10+24/t)"
+    return "no parallelism"
