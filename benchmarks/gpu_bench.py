@@ -172,17 +172,16 @@ def megatron_side(args, size: str) -> dict:
 
     data = cycle()
     forward_backward = get_forward_backward_func()
-    times = []
-    for step in range(args.warmup + args.steps):
-        start = sync_time(cuda)
+
+    def one_step(_step: int) -> None:
         model.zero_grad_buffer()
         optimizer.zero_grad()
         forward_backward(forward_step_func=forward_step, data_iterator=data, model=model, num_microbatches=args.accum,
                          seq_length=s, micro_batch_size=b, forward_only=False)
         optimizer.step()
-        if step >= args.warmup:
-            times.append(sync_time(cuda) - start)
-    result = summary(times, peak_memory(cuda), recipe, args.peak_tflops)
+
+    times = timed_steps(one_step, args, cuda)
+    result = summary(times, peak_memory(cuda), recipe, args.peak_tflops, **profiled(one_step, args, cuda))
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return result
@@ -224,9 +223,8 @@ def pytorch_side(args, size: str) -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
     batches = [torch.randint(0, m.vocab_size, (b, s + 1), device=device, generator=gen) for _ in range(4)]
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.precision == "bf16")
-    times = []
-    for step in range(args.warmup + args.steps):
-        start = sync_time(cuda)
+
+    def one_step(step: int) -> None:
         optimizer.zero_grad(set_to_none=True)
         for micro in range(args.accum):
             batch = batches[(step * args.accum + micro) % len(batches)]
@@ -235,9 +233,9 @@ def pytorch_side(args, size: str) -> dict:
             (loss / args.accum).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad, foreach=True)
         optimizer.step()
-        if step >= args.warmup:
-            times.append(sync_time(cuda) - start)
-    return summary(times, peak_memory(cuda), recipe, args.peak_tflops, compile=args.compile)
+
+    times = timed_steps(one_step, args, cuda)
+    return summary(times, peak_memory(cuda), recipe, args.peak_tflops, compile=args.compile, **profiled(one_step, args, cuda))
 
 
 # ---------------------------------------------------------------- helpers and the driver
@@ -249,6 +247,30 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def timed_steps(one_step, args, cuda: bool) -> list[float]:
+    """Seconds of each step after the warm-up ones."""
+    times = []
+    for step in range(args.warmup + args.steps):
+        start = sync_time(cuda)
+        one_step(step)
+        if step >= args.warmup:
+            times.append(sync_time(cuda) - start)
+    return times
+
+
+def profiled(one_step, args, cuda: bool) -> dict:
+    """With --profile: one more step under torch.profiler, its top kernels by own device time."""
+    if not args.profile:
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        one_step(args.warmup + args.steps)
+        sync_time(cuda)
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    return {"profile": prof.key_averages().table(sort_by=key, row_limit=25)}
 
 
 def sync_time(cuda: bool) -> float:
@@ -283,7 +305,7 @@ def run_side(args, side: str, size: str, workdir: Path) -> dict:
 
 def passthrough(args) -> list[str]:
     flags = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device, "--accum", str(args.accum),
-             "--peak-tflops", str(args.peak_tflops), "--compile", args.compile]
+             "--peak-tflops", str(args.peak_tflops), "--compile", args.compile] + (["--profile"] if args.profile else [])
     if args.micro_batch:
         flags += ["--micro-batch", str(args.micro_batch)]
     return flags + (["--tiny"] if args.tiny else [])
@@ -315,6 +337,8 @@ def main(argv=None) -> int:
                     help="PyTorch side: torch.compile the whole model, each block, or nothing")
     ap.add_argument("--peak-tflops", type=float, default=989.4, help="dense bf16 peak for MFU (H100/H200: 989.4)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument("--profile", action="store_true",
+                    help="raw Megatron-Core and PyTorch sides: one more step under torch.profiler; top kernels in the JSON")
     ap.add_argument("--side", choices=SIDES[1:], help=argparse.SUPPRESS)
     ap.add_argument("--size", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
