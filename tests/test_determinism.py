@@ -21,7 +21,7 @@ def test_two_deterministic_runs_are_bitwise_identical(tmp_path):
     assert_bitwise(runs[1], runs[0])
 
 
-def test_deterministic_kernels_are_switched_on(monkeypatch):
+def test_deterministic_kernels_are_switched_on():
     from megacli.engine.distributed import use_deterministic_kernels
 
     before = torch.are_deterministic_algorithms_enabled()

@@ -43,7 +43,10 @@ def test_gpt_loss_falls_and_a_second_run_is_bitwise_identical(precision, bf16, t
     first = bf16 if precision == "bf16" else gpt_run(tmp_path, "first", precision)
     assert sorted(first) == list(range(1, 21))
     assert_loss_falls(first, by=0.3)
-    assert all(r["memory_gib"] > 0 and r["tokens_per_s"] > 0 and "mfu" in r for r in first.values()), first[1]
+    from megacli.engine.metrics import peak_flops
+
+    known_gpu = peak_flops(torch.device("cuda", 0)) is not None  # H100/H200 and the other listed GPUs report MFU
+    assert all(r["memory_gib"] > 0 and r["tokens_per_s"] > 0 and ("mfu" in r) == known_gpu for r in first.values()), first[1]
     if precision == "fp16":
         assert all("loss_scale" in r for r in first.values())
     assert_bitwise(gpt_run(tmp_path, "second", precision), first)
