@@ -24,9 +24,9 @@ from tests.test_moe import MOE
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def gpt_run(tmp_path, name: str, precision: str, extra: list[str] = ()) -> dict[int, dict]:
+def gpt_run(tmp_path, name: str, precision: str, extra: list[str] = (), deterministic: bool = True) -> dict[int, dict]:
     run_dir = tmp_path / name
-    pretrain(run_dir, [*TINY_GPT, *on_device("cuda", precision, deterministic=True), *extra])
+    pretrain(run_dir, [*TINY_GPT, *on_device("cuda", precision, deterministic=deterministic), *extra])
     return steps(run_dir)
 
 
@@ -85,7 +85,8 @@ def _grouped_gemm_installed() -> bool:
 @pytest.mark.parametrize("grouped", [False, pytest.param(True, marks=pytest.mark.skipif(
     not _grouped_gemm_installed(), reason="the grouped_gemm package is not installed"))])
 def test_moe_trains_with_every_expert_used(grouped, tmp_path):
-    records = gpt_run(tmp_path, "moe", "bf16", [*MOE, f"model.moe.grouped_gemm={str(grouped).lower()}"])
+    # Not deterministic: the router's token counting (histograms) has no deterministic CUDA kernel.
+    records = gpt_run(tmp_path, "moe", "bf16", [*MOE, f"model.moe.grouped_gemm={str(grouped).lower()}"], deterministic=False)
     assert_loss_falls(records, by=0.3)
     tokens = 8 * 32 * 2  # per step: sequences × sequence length × top-2
     for r in records.values():

@@ -252,6 +252,9 @@ class OptimSection(Section):
     """Adam epsilon."""
     initial_loss_scale: PositiveFloat = 2.0**16
     """fp16: starting dynamic loss scale."""
+    fused: bool = False
+    """torch's fused optimizer kernel (AdamW or SGD: each step in one kernel per device and dtype,
+    instead of one per operation over a list of tensors)."""
 
     @model_validator(mode="after")
     def _lr_order(self):
