@@ -68,9 +68,9 @@ def print_plan(recipe) -> None:
                    f"{o}/{dp} B/param" + (f" ({o}/{recipe.expert_data_parallel_size} for experts)" if m.moe else ""))
     memory.add_row("activations", f"{mem.activations_gib:.3f}",
                    f"34sbh per layer (no attention scores kept), {_act_form(recipe)}, × in-flight layers")
-    memory.add_row("logits at the loss", f"{mem.logits_gib:.3f}",
-                   f"{'8' if t.precision == 'fp32' else '6'}·s·b·V/t (16-bit logits + fp32 softmax)" if p.pipeline == 1
-                   else "on the last stage only")
+    logits_how = "8·s·b·V/t (fp32 softmax, then gradient, + a masked copy)" if t.precision == "fp32" else \
+        "6·s·b·V/t (16-bit logits + fp32 softmax)"
+    memory.add_row("logits at the loss", f"{mem.logits_gib:.3f}", logits_how if p.pipeline == 1 else "on the last stage only")
     memory.add_row("total", f"{mem.total_gib:.3f}", "")
     console.print(memory)
 
