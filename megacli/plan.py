@@ -4,7 +4,7 @@ Pure arithmetic on the recipe (no torch), so `--dry-run` is instant. Memory foll
 Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"):
 activations per layer = s·b·h·(34 + 5·a·s/h) bytes at 16-bit, and its TP/SP/recompute forms;
 the 5·a·s/h term (attention scores, softmax, dropout mask) only where the attention kernel
-stores the scores.
+stores the scores; plus the logits at the loss.
 """
 
 from __future__ import annotations
@@ -123,10 +123,11 @@ class RankMemory:
     optimizer_gib_without_dist_opt: float
     optimizer_gib_with_dist_opt: float
     activations_gib: float
+    logits_gib: float = 0.0  # the output layer's logits at the loss (last pipeline stage)
 
     @property
     def total_gib(self) -> float:
-        return self.weights_gib + self.grads_gib + self.optimizer_gib + self.activations_gib
+        return self.weights_gib + self.grads_gib + self.optimizer_gib + self.activations_gib + self.logits_gib
 
 
 def bytes_per_param(precision: str) -> tuple[int, int, int]:
@@ -183,6 +184,15 @@ def activation_bytes_per_layer(recipe: TrainingRecipe, *, kernel: str) -> float:
     return per * (2 if t.precision == "fp32" else 1)
 
 
+def logits_bytes(recipe: TrainingRecipe, padded_vocab: int) -> float:
+    """The logits of one micro-batch at the loss, at their peak: the 16-bit logits and Megatron's
+    fp32 copy (its softmax, kept for backward, which becomes the gradient) alive together,
+    6·s·b·V/TP bytes (fp32 training: that gradient and its padded-vocabulary-masked copy, 8·s·b·V/TP)."""
+    m, p, t = recipe.model, recipe.parallel, recipe.train
+    s = (m.dec_seq_length if m.arch == "t5" else m.seq_length) // p.context
+    return (8 if t.precision == "fp32" else 6) * s * t.micro_batch_size * padded_vocab / p.tensor
+
+
 def estimate(recipe: TrainingRecipe, vocab_size: int, *, device: str = "cuda") -> tuple[ParamCounts, RankMemory]:
     """Memory of the busiest rank: the first pipeline stage (embedding + in-flight activations),
     with the activations of the attention kernel the run uses on ``device`` ("cuda" or "cpu")."""
@@ -207,6 +217,8 @@ def estimate(recipe: TrainingRecipe, vocab_size: int, *, device: str = "cuda") -
     if p.virtual_pipeline:
         in_flight_layers *= 1 + (p.pipeline - 1) / (p.pipeline * p.virtual_pipeline)
     act = activation_bytes_per_layer(recipe, kernel=attention_kernel(recipe, device=device)) * in_flight_layers
+    m = recipe.model
+    padded = padded_vocab_size(vocab_size, divisible_by=m.make_vocab_size_divisible_by, tensor_parallel=p.tensor)
     mem = RankMemory(
         params=rank_params,
         weights_gib=rank_params * w / GIB,
@@ -215,6 +227,8 @@ def estimate(recipe: TrainingRecipe, vocab_size: int, *, device: str = "cuda") -
         optimizer_gib_without_dist_opt=rank_params * o / GIB,
         optimizer_gib_with_dist_opt=sharded / GIB,
         activations_gib=act / GIB,
+        # With pipelining the first stage holds no logits (the last one does, with fewer layers in flight).
+        logits_gib=logits_bytes(recipe, padded) / GIB if p.pipeline == 1 else 0.0,
     )
     return counts, mem
 

@@ -99,6 +99,9 @@ def print_plan(recipe) -> None:
     scores = "sbh(34+5as/h)" if kernel == "math" else f"sbh·34 ({kernel} attention stores no 5as/h scores)"
     memory.add_row("activations", f"{mem.activations_gib:.3f}",
                    f"{scores} per layer, {_act_form(recipe)}, × in-flight layers")
+    logits_how = "8·s·b·V/t (fp32 softmax, then gradient, + a masked copy)" if t.precision == "fp32" else \
+        "6·s·b·V/t (16-bit logits + fp32 softmax)"
+    memory.add_row("logits at the loss", f"{mem.logits_gib:.3f}", logits_how if p.pipeline == 1 else "on the last stage only")
     memory.add_row("total", f"{mem.total_gib:.3f}", "")
     console.print(memory)
 

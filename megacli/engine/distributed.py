@@ -45,13 +45,15 @@ def quiet_megatron_imports() -> None:
     logging.getLogger("megatron").setLevel(logging.ERROR)
 
 
-def setup(*, parallel, launch, seed: int) -> Runtime:
+def setup(*, parallel, launch, seed: int, deterministic: bool = False) -> Runtime:
     """Initialise torch.distributed (nccl on CUDA, gloo on CPU) and Megatron's parallel groups."""
     quiet_megatron_imports()
     import torch
     import torch.distributed as dist
 
     device_type = resolve_device(launch.device)
+    if deterministic:
+        use_deterministic_kernels(device_type)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device_type == "cpu":
@@ -80,6 +82,22 @@ def setup(*, parallel, launch, seed: int) -> Runtime:
     )
     seed_everything(seed)
     return Runtime(device=device, rank=rank, world_size=world, local_rank=local_rank)
+
+
+def use_deterministic_kernels(device_type: str) -> None:
+    """train.deterministic. Runs before anything touches CUDA: cuBLAS reads its workspace setting
+    when its first handle is made, NCCL its algorithm when its first communicator is."""
+    import torch
+
+    if device_type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what deterministic cuBLAS needs
+        os.environ.setdefault("NCCL_ALGO", "Ring")  # one reduction order (not NCCL's per-size choice)
+        # The flash, cuDNN and memory-efficient attention backward passes may accumulate with atomics.
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True)
 
 
 def seed_everything(seed: int) -> None:

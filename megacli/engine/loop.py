@@ -31,7 +31,8 @@ class Trainer:
 
 
 def train(recipe) -> None:
-    runtime = distributed.setup(parallel=recipe.parallel, launch=recipe.launch, seed=recipe.train.seed)
+    runtime = distributed.setup(parallel=recipe.parallel, launch=recipe.launch, seed=recipe.train.seed,
+                                deterministic=recipe.train.deterministic)
     try:
         _train(recipe, runtime)
     finally:
@@ -65,7 +66,8 @@ def build_trainer(recipe, runtime) -> tuple[Trainer, object]:
     if m.arch in ("bert", "t5"):  # Megatron's masked datasets read a Megatron-style tokenizer (T5: plus sentinels)
         masked_tokenizer = data_mod.MegatronTokenizer(tokenizer, sentinels=recipe.masking.sentinel_tokens if m.arch == "t5" else 0)
     vocab = model_vocab_size(recipe, tokenizer)  # what masked_tokenizer counts (T5: + sentinels)
-    config = transformer_config(model=m, parallel=p, precision=t.precision, on_cuda=runtime.is_cuda)
+    config = transformer_config(model=m, parallel=p, precision=t.precision, on_cuda=runtime.is_cuda,
+                                deterministic_mode=t.deterministic)  # e.g. embeddings by indexing, not F.embedding
     chunks = build_model(recipe=recipe, config=config, vocab_size=vocab)
     init_weights(chunks, seed=t.seed, std=m.init_method_std, num_layers=config.num_layers, gated=config.gated_linear_unit)
     if recipe.lora is not None:

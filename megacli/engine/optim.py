@@ -25,7 +25,35 @@ def build_optimizer(chunks, *, optim, precision: str, distributed_optimizer: boo
         initial_loss_scale=optim.initial_loss_scale,
         use_distributed_optimizer=distributed_optimizer,
     )
-    return get_megatron_optimizer(config, chunks)
+    optimizer = get_megatron_optimizer(config, chunks)
+    if optim.fused:
+        for inner in torch_optimizers(optimizer):
+            use_fused_kernels(inner)
+    return optimizer
+
+
+def torch_optimizers(optimizer) -> list:
+    """The torch optimizers inside Megatron's wrapper (one per parameter set of a chained optimizer)."""
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [part.optimizer for part in parts if getattr(part, "optimizer", None) is not None]
+
+
+def use_fused_kernels(optimizer) -> None:
+    """optim.fused for a torch AdamW/SGD built by Megatron (which passes no such flag). Re-applied
+    after every load_state_dict: a checkpoint's param_groups replace the optimizer's, flags
+    included, and the fused kernel wants each Adam step count as a float32 tensor on its parameter's device."""
+
+    def fuse(opt) -> None:
+        opt.defaults.update(foreach=False, fused=True)
+        for group in opt.param_groups:
+            group.update(foreach=False, fused=True)
+            for p in group["params"]:
+                state = opt.state.get(p, {})
+                if "step" in state:
+                    state["step"] = torch.as_tensor(state["step"], dtype=torch.float32).to(p.device)
+
+    fuse(optimizer)
+    optimizer.register_load_state_dict_post_hook(fuse)
 
 
 def build_scheduler(optimizer, *, optim, train_iters: int):

@@ -247,6 +247,9 @@ class TrainSection(Section):
     Weights that are no longer finite are never saved."""
     exit_after_iters: Optional[PositiveInt] = None
     """Stop (with a checkpoint) after this many steps of this process, leaving the schedule as for iters."""
+    deterministic: bool = False
+    """Bitwise-reproducible runs: the same recipe and seed give the same losses on the same GPU
+    (deterministic kernels: torch's deterministic algorithms, SDPA's math kernel; slower)."""
 
     @field_validator("loggers")
     @classmethod
@@ -302,6 +305,9 @@ class OptimSection(Section):
     """Adam epsilon."""
     initial_loss_scale: PositiveFloat = 2.0**16
     """fp16: starting dynamic loss scale."""
+    fused: bool = False
+    """torch's fused optimizer kernel (AdamW or SGD: each step in one kernel per device and dtype,
+    instead of one per operation over a list of tensors)."""
 
     @model_validator(mode="after")
     def _lr_order(self):
