@@ -14,16 +14,15 @@ def _bytes(n: float) -> str:
 
 
 def print_preprocess_plan(recipe) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    from megacli.cli.plan_view import print_recipe
+    from megacli.cli.plan_view import dry_run_console, print_recipe
     from megacli.data import indexed, readers
     from megacli.data.preprocess import default_workers, job_from_recipe
     from megacli.data.survey import count_records
     from megacli.data.tokenizers import describe_specials, load_tokenizer
 
-    console = Console(highlight=False)
+    console = dry_run_console()
     print_recipe(recipe, console)
     job = job_from_recipe(recipe)
     sources = readers.resolve_sources(job.inputs, job.input_format, job.split)
