@@ -54,7 +54,7 @@ def test_every_field_has_a_description():
 
 
 def load(overrides, raw=None):
-    return base.load(TrainingRecipe, None, overrides, default=raw or {})
+    return base.load(TrainingRecipe, None, overrides, default=raw or {"data": {"mock": True}})
 
 
 def problem(overrides, raw=None) -> str:
@@ -107,9 +107,9 @@ def test_bad_override_syntax():
 
 
 def test_validation_does_not_mutate_and_sections_are_frozen():
-    raw = {"model": {"num_layers": 4}}
+    raw = {"model": {"num_layers": 4}, "data": {"mock": True}}
     r = base.validate(TrainingRecipe, raw, "x")
-    assert raw == {"model": {"num_layers": 4}}
+    assert raw == {"model": {"num_layers": 4}, "data": {"mock": True}}
     with pytest.raises(Exception):
         r.model.num_layers = 8
 

@@ -11,6 +11,11 @@ def run_training_job(job: str, recipe_path: Path | None, overrides: list[str], d
     from megacli.recipe.jobs import load_job_recipe
 
     recipe = load_job_recipe(job, recipe_path, overrides)
+    if job == "finetune" and not recipe.checkpoint.pretrained:
+        from megacli.errors import UserError
+
+        raise UserError("finetune needs checkpoint.pretrained, the weights to start from (e.g. a checkpoint from "
+                        "`megacli convert`); to train from scratch use `megacli pretrain`")
     if dry_run:
         from megacli.cli.plan_view import print_plan
 

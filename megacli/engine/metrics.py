@@ -53,6 +53,19 @@ def memory_gib(device: torch.device) -> float:
     return psutil.Process().memory_info().rss / 1024**3
 
 
+def drop_records_after(path: Path, iteration: int) -> None:
+    """Keep the records up to `iteration`, where this run starts: those after it came from a run
+    that stopped before its next checkpoint, and this run logs those iterations again."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if json.loads(line).get("iteration", 0) <= iteration]
+    if len(kept) < len(lines):
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(path)
+
+
 class MetricsLog:
     def __init__(self, *, run_dir: str, enabled: bool, total_iters: int, start_iter: int, tokens_per_step: int,
                  flops_per_step: float, world_size: int, device: torch.device, tensorboard: bool):
@@ -71,7 +84,8 @@ class MetricsLog:
 
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.console = Console(highlight=False)
+        drop_records_after(self.path, start_iter)
+        self.console = Console(highlight=False, emoji=False)
         self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[loss]}"),
                                  TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=self.console, transient=True)
         self.task = self.progress.add_task("train", total=total_iters, completed=start_iter, loss="")
@@ -83,7 +97,7 @@ class MetricsLog:
 
     def say(self, text: str) -> None:
         if self.enabled:
-            self.console.print(text)
+            self.console.print(text, markup=False)  # the text names user paths and values
 
     def _write(self, record: dict) -> None:
         with self.path.open("a") as f:

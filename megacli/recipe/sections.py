@@ -97,9 +97,14 @@ class DataSection(Section):
     @model_validator(mode="after")
     def _one_source(self):
         given = sum(x is not None and x is not False for x in (self.path, self.blend)) + int(self.mock)
-        if given != 1:
-            raise ValueError("give exactly one of data.path, data.blend or data.mock: true")
+        if given > 1:
+            raise ValueError("give one of data.path, data.blend or data.mock: true, not several")
         return self
+
+    @property
+    def named(self) -> bool:
+        """Whether a source is given (a training run needs one; instruction finetuning reads sft instead)."""
+        return bool(self.path or self.blend or self.mock)
 
     @property
     def prefixes(self) -> list[str]:
