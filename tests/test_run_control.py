@@ -17,3 +17,98 @@ def test_resumed_run_replaces_the_records_after_its_checkpoint(tmp_path):
                      flops_per_step=1.0, world_size=1, device=torch.device("cpu"), tensorboard=False)
     log.close()
     assert [json.loads(line)["iteration"] for line in path.read_text().splitlines()] == [1, 2]
+
+
+# ---- through the real launcher ----
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.test_pretrain import TINY, layout
+
+FOREVER = ["train.iters=100000", "optim.warmup_iters=1"]
+
+
+def command(run_dir: Path, *sets: str) -> list[str]:
+    every = [*TINY, *layout(), *sets, f"run.dir={run_dir}"]
+    return [sys.executable, "-m", "megacli", "pretrain", *[x for s in every for x in ("--set", s)]]
+
+
+def start(run_dir: Path, *sets: str) -> subprocess.Popen:
+    return subprocess.Popen(command(run_dir, *sets), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_steps(proc: subprocess.Popen, run_dir: Path, steps: int, timeout: float = 300) -> None:
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended early: {proc.communicate()}")
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= steps:
+            return
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("no training steps logged")
+
+
+def workers_of(launcher: subprocess.Popen) -> list[psutil.Process]:
+    return [p for p in psutil.Process(launcher.pid).children(recursive=True) if "megacli.worker" in " ".join(p.cmdline())]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_signal_saves_at_the_next_step_and_exits_0(tmp_path, sig):
+    ck = tmp_path / "ck"
+    proc = start(tmp_path / "run", *FOREVER, f"checkpoint.dir={ck}")
+    wait_for_steps(proc, tmp_path / "run", 2)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    assert "Traceback" not in out + err and "SignalException" not in out + err, err
+    saved = (ck / "latest").read_text().strip()
+    assert f"stopped on {sig.name} at iteration {int(saved.split('_')[1])}: saved checkpoint" in " ".join(out.split())
+
+
+def test_time_limit_saves_and_exits_0(tmp_path):
+    ck = tmp_path / "ck"
+    out = subprocess.run(command(tmp_path / "run", *FOREVER, f"checkpoint.dir={ck}", "train.time_limit_minutes=0.0001"),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (ck / "latest").read_text().strip() == "iter_0000001"
+    assert "stopped on the time limit (train.time_limit_minutes = 0.0001) at iteration 1" in " ".join(out.stdout.split())
+
+
+def test_workers_die_with_a_killed_launcher(tmp_path):
+    proc = start(tmp_path / "run", *FOREVER)
+    wait_for_steps(proc, tmp_path / "run", 1)
+    workers = workers_of(proc)
+    assert workers
+    proc.kill()
+    proc.communicate()
+    gone, alive = psutil.wait_procs(workers, timeout=10)
+    for p in alive:
+        p.kill()
+    assert not alive, "workers outlived their launcher"
+
+
+def test_a_second_job_on_the_same_run_dir_is_refused(tmp_path):
+    proc = start(tmp_path / "run", *FOREVER)
+    try:
+        wait_for_steps(proc, tmp_path / "run", 1)
+        out = subprocess.run(command(tmp_path / "run"), capture_output=True, text=True, timeout=300)
+        assert out.returncode == 2 and "Traceback" not in out.stderr
+        assert f"{(tmp_path / 'run').resolve()} is in use by job" in " ".join(out.stderr.split())
+        assert f"pid {proc.pid}" in out.stderr
+    finally:
+        proc.kill()
+        proc.communicate()
+    # The launcher was killed: its lock is stale and the next job takes it over.
+    out = subprocess.run(command(tmp_path / "run", "train.iters=2"), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "taking over its lock" in out.stderr
+    assert not (tmp_path / "run" / "megacli.lock").exists()

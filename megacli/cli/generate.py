@@ -136,7 +136,8 @@ def _run(job) -> None:
         run(job)
         return
     launch.launch_workers("generate", recipe_file, run_dir=job.run.dir, nproc=job.world_size, nnodes=1, node_rank=0,
-                          rdzv_endpoint=None)
+                          rdzv_endpoint=None, job_id=launch.job_id(given=None, rdzv_endpoint=None),
+                          timeout_minutes=job.launch.timeout_minutes)
 
 
 def _interactive(job) -> None:

@@ -8,6 +8,7 @@ import torch
 
 from megacli.engine import checkpoint, distributed
 from megacli.engine.metrics import MetricsLog, Stopwatch, loss_metrics
+from megacli.engine.stop import StopRequests
 
 
 @dataclass
@@ -32,6 +33,11 @@ def train(recipe, *, job: str = "pretrain") -> None:
     runtime = distributed.setup(parallel=recipe.parallel, launch=recipe.launch, seed=recipe.train.seed)
     try:
         _train(recipe, runtime)
+    except RuntimeError as exc:  # torch's DistBackendError on a collective timeout is one
+        stalled = distributed.stall_error(exc, rank=runtime.rank, timeout_minutes=recipe.launch.timeout_minutes)
+        if stalled is None:
+            raise
+        raise stalled from None
     finally:
         distributed.teardown()
 
@@ -261,6 +267,8 @@ def _train(recipe, runtime) -> None:
     iteration = start_iter
     stop_at = min(t.iters, start_iter + t.exit_after_iters) if t.exit_after_iters else t.iters
     last_val = last_lm = None
+    stops = StopRequests(save_on_signal=ck.save_on_signal, time_limit_minutes=t.time_limit_minutes, device=runtime.device)
+    stopped = None
     try:
         while iteration < stop_at:
             losses, grad_norm, ok = train_step(trainer, iterators)
@@ -287,14 +295,24 @@ def _train(recipe, runtime) -> None:
                     last_val, last_lm = val.pop("loss"), val.get("lm_loss")
                     log.evaluation(iteration=iteration, val_loss=last_val, losses=val)
                 watch.lap()
-            if ck.dir and ((ck.save_interval and iteration % ck.save_interval == 0) or iteration == stop_at):
+            stopped = stops.reason()
+            path = None
+            if ck.dir and (stopped or (ck.save_interval and iteration % ck.save_interval == 0) or iteration == stop_at):
                 path = checkpoint.save(ckpt_dir=ck.dir, iteration=iteration, consumed_samples=consumed, chunks=trainer.chunks,
                                        optimizer=trainer.optimizer, scheduler=trainer.scheduler, recipe_yaml=recipe_yaml,
                                        keep_last=ck.keep_last, lora_base=lora_base)
                 log.say(f"saved checkpoint {path}")
                 watch.lap()
+            if stopped:
+                _record_stop(run_dir=recipe.run.dir, rank=runtime.rank, reason=stopped, iteration=iteration, checkpoint=path)
+                log.say(f"stopped on {stopped} at iteration {iteration}: "
+                        + (f"saved checkpoint {path}" if path else "nothing saved (no checkpoint.dir)"))
+                break
     finally:
+        stops.close()
         log.close()
+    if stopped:
+        return
     if last_val is not None:
         import math
 
@@ -302,6 +320,19 @@ def _train(recipe, runtime) -> None:
         log.say(f"done: {iteration} iterations | final validation loss {last_val:.4f} | perplexity {ppl:.2f}")
     else:
         log.say(f"done: {iteration} iterations")
+
+
+def _record_stop(*, run_dir: str, rank: int, reason: str, iteration: int, checkpoint) -> None:
+    """Tell the launcher (rank 0 only) that the workers stopped at a step boundary."""
+    if rank != 0:
+        return
+    import json
+    from pathlib import Path
+
+    from megacli.launch import STOPPED_FILE
+
+    record = {"reason": reason, "iteration": iteration, "checkpoint": str(checkpoint) if checkpoint else None}
+    (Path(run_dir) / STOPPED_FILE).write_text(json.dumps(record) + "\n")
 
 
 def _expert_stats(recipe, trainer, runtime):

@@ -50,6 +50,13 @@ class LaunchSection(Section):
     """auto: CUDA with NCCL when a GPU is present, else the CPU backend with gloo."""
     threads_per_process: Optional[PositiveInt] = None
     """CPU backend: torch threads per worker (default: cores / nproc, at least 1)."""
+    job_id: Optional[str] = None
+    """One id for all nodes of a job (its rendezvous and run-directory lock). Default: the scheduler's
+    job id (SLURM_JOB_ID), else torchrun's run id, else one derived from launch.rdzv_endpoint."""
+    timeout_minutes: PositiveFloat = 10.0
+    """How long a rank waits for the others before the job fails: the nodes' rendezvous and every
+    collective operation (the process-group timeout); also how long workers get to save and stop
+    after a signal before they are killed."""
 
     @property
     def world_size(self) -> int:
@@ -218,6 +225,8 @@ class TrainSection(Section):
     """Also write TensorBoard event files to <run.dir>/tensorboard."""
     exit_after_iters: Optional[PositiveInt] = None
     """Stop (with a checkpoint) after this many steps of this process, leaving the schedule as for iters."""
+    time_limit_minutes: Optional[PositiveFloat] = None
+    """Stop (with a checkpoint, as on SIGTERM) at the first step boundary after this much wall time."""
 
     @field_validator("loss")
     @classmethod
@@ -276,6 +285,9 @@ class CheckpointSection(Section):
     e.g. one from `megacli convert`. Its optimizer state and iteration are not used."""
     keep_last: Optional[PositiveInt] = None
     """Delete older iterations, keeping this many (null = keep all)."""
+    save_on_signal: bool = True
+    """On SIGTERM or SIGUSR1 (what Slurm sends before preemption or the time limit), save a checkpoint
+    at the next step boundary and exit 0; a second signal stops at once. false: stop at once."""
 
 
 class RunSection(Section):
