@@ -112,3 +112,75 @@ def test_a_second_job_on_the_same_run_dir_is_refused(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "taking over its lock" in out.stderr
     assert not (tmp_path / "run" / "megacli.lock").exists()
+
+
+def test_one_job_id_for_every_node():
+    from megacli.launch import job_id
+
+    by_hand = [job_id(given=None, rdzv_endpoint="node0:29400", env={}) for _ in range(2)]
+    assert by_hand[0] == by_hand[1] != job_id(given=None, rdzv_endpoint="node0:29401", env={})
+    assert job_id(given=None, rdzv_endpoint="node0:29400", env={"SLURM_JOB_ID": "77"}) == "77"
+    assert job_id(given="mine", rdzv_endpoint="node0:29400", env={"SLURM_JOB_ID": "77"}) == "mine"
+
+
+def test_two_nodes_started_by_hand_meet(tmp_path):
+    from megacli.launch import free_port
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    sets = ["launch.nnodes=2", f"launch.rdzv_endpoint={endpoint}", "parallel.tensor=2", "launch.nproc=1", "train.iters=2"]
+    nodes = [start(tmp_path / "run", *sets, f"launch.node_rank={rank}") for rank in (1, 0)]
+    outs = [node.communicate(timeout=300) for node in nodes]
+    for node, (out, err) in zip(nodes, outs):
+        assert node.returncode == 0, out[-2000:] + err[-2000:]
+    records = [line for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 2 and "TP 2 × PP 1 × CP 1 × DP 1 on 2 cpu processes" in outs[1][0] + outs[0][0]
+
+
+def test_rendezvous_timeout_names_the_nodes_that_arrived(tmp_path):
+    from megacli.launch import free_port
+
+    out = subprocess.run(command(tmp_path / "run", "launch.nnodes=2", f"launch.rdzv_endpoint=127.0.0.1:{free_port()}",
+                                 "launch.timeout_minutes=0.05"), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "1 of launch.nnodes = 2 nodes arrived within 0.05 min" in " ".join(out.stderr.split())
+
+
+def test_launch_timeout_is_the_process_group_timeout(monkeypatch):
+    import torch.distributed as dist
+
+    from megacli.engine import distributed
+    from megacli.recipe.sections import LaunchSection, ParallelSection
+
+    seen = {}
+
+    def fake_init(backend, **kwargs):
+        seen.update(kwargs)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(dist, "init_process_group", fake_init)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(RuntimeError, match="stop here"):
+        distributed.setup(parallel=ParallelSection(), launch=LaunchSection(device="cpu", timeout_minutes=2.5), seed=1)
+    assert seen["timeout"].total_seconds() == 150
+
+
+def test_a_stalled_rank_is_named_with_the_collective(tmp_path):
+    """Rank 1 is stopped (SIGSTOP): rank 0 gives up after launch.timeout_minutes, naming the collective."""
+    proc = start(tmp_path / "run", *FOREVER, "parallel.tensor=2", "launch.nproc=2", "launch.timeout_minutes=0.2")
+    wait_for_steps(proc, tmp_path / "run", 1)
+    stalled = [p for p in workers_of(proc) if p.environ().get("RANK") == "1"]
+    assert stalled
+    stalled[0].suspend()
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for p in stalled:
+            if p.is_running():
+                p.kill()
+    text = " ".join(err.split())
+    assert proc.returncode == 1 and "Traceback" not in err, err[-3000:]
+    assert "rank 0 waited 0.2 min (launch.timeout_minutes) in" in text and "stopped answering" in text, text

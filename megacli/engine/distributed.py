@@ -120,7 +120,8 @@ def stall_error(exc: BaseException, *, rank: int, timeout_minutes: float):
     if op is None:  # gloo does not: the innermost torch.distributed call in the traceback does
         frames = traceback.extract_tb(exc.__traceback__)
         c10d = [f for f in frames if f.filename.endswith("distributed_c10d.py")]
-        callers = [f for f in frames if "torch/distributed" not in f.filename and "megacli/engine/distributed" not in f.filename]
+        plumbing = ("/torch/", "/megacli/backend/", "/megacli/engine/distributed")  # not where the model called it
+        callers = [f for f in frames if not any(part in f.filename for part in plumbing)]
         if not c10d:
             return None
         where = f" called from {callers[-1].name} ({callers[-1].filename.rsplit('/', 2)[-1]}:{callers[-1].lineno})" if callers else ""
