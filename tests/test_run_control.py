@@ -184,3 +184,12 @@ def test_a_stalled_rank_is_named_with_the_collective(tmp_path):
     text = " ".join(err.split())
     assert proc.returncode == 1 and "Traceback" not in err, err[-3000:]
     assert "rank 0 waited 0.2 min (launch.timeout_minutes) in" in text and "stopped answering" in text, text
+
+
+def test_ctrl_c_stops_at_once_without_a_traceback(tmp_path):
+    proc = start(tmp_path / "run", *FOREVER)
+    wait_for_steps(proc, tmp_path / "run", 1)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130 and "Traceback" not in out + err, err[-3000:]
+    assert "stopped on SIGINT" in err

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import torch
@@ -20,7 +21,9 @@ class StopRequests:
         self.time_limit_minutes = time_limit_minutes
         self.deadline = time.monotonic() + time_limit_minutes * 60 if time_limit_minutes else None
         self.received: signal.Signals | None = None
-        self.previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS} if save_on_signal else {}
+        # Python takes signal handlers only in the main thread (a run driven from another thread has none).
+        handles = save_on_signal and threading.current_thread() is threading.main_thread()
+        self.previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS} if handles else {}
 
     def _on_signal(self, signum, frame) -> None:
         if self.received is not None:  # the second signal: stop now, as without a handler
