@@ -193,3 +193,23 @@ def test_ctrl_c_stops_at_once_without_a_traceback(tmp_path):
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 130 and "Traceback" not in out + err, err[-3000:]
     assert "stopped on SIGINT" in err
+
+
+def test_a_workers_forked_helpers_die_with_it():
+    """Megatron's checkpoint writers are forked from the worker: they must not outlive it."""
+    code = ("import multiprocessing, time\n"
+            "from megacli.lifetime import worker_dies_with_launcher\n"
+            "worker_dies_with_launcher()\n"
+            "helper = multiprocessing.get_context('fork').Process(target=time.sleep, args=(600,))\n"
+            "helper.start()\n"
+            "print(helper.pid, flush=True)\n"
+            "time.sleep(600)\n")
+    worker = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    helper = psutil.Process(int(worker.stdout.readline()))
+    worker.stdout.close()  # the helper holds the pipe too
+    worker.kill()
+    worker.wait()
+    gone, alive = psutil.wait_procs([helper], timeout=10)
+    for p in alive:
+        p.kill()
+    assert not alive, "a helper outlived its worker"
