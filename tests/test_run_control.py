@@ -88,8 +88,10 @@ def test_workers_die_with_a_killed_launcher(tmp_path):
     wait_for_steps(proc, tmp_path / "run", 1)
     workers = workers_of(proc)
     assert workers
+    proc.stdout.close()  # the workers hold the pipes too
+    proc.stderr.close()
     proc.kill()
-    proc.communicate()
+    proc.wait()
     gone, alive = psutil.wait_procs(workers, timeout=10)
     for p in alive:
         p.kill()
@@ -106,7 +108,7 @@ def test_a_second_job_on_the_same_run_dir_is_refused(tmp_path):
         assert f"pid {proc.pid}" in out.stderr
     finally:
         proc.kill()
-        proc.communicate()
+        proc.wait()
     # The launcher was killed: its lock is stale and the next job takes it over.
     out = subprocess.run(command(tmp_path / "run", "train.iters=2"), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
