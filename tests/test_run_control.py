@@ -4,23 +4,6 @@ of several nodes, the run-directory lock, signals, stalled ranks and the death o
 from __future__ import annotations
 
 import json
-
-import torch
-
-
-def test_resumed_run_replaces_the_records_after_its_checkpoint(tmp_path):
-    from megacli.engine.metrics import MetricsLog
-
-    path = tmp_path / "metrics.jsonl"
-    path.write_text("".join(json.dumps({"iteration": i, "loss": 1.0}) + "\n" for i in (1, 2, 3, 4)))
-    log = MetricsLog(run_dir=str(tmp_path), enabled=True, total_iters=6, start_iter=2, tokens_per_step=1,
-                     flops_per_step=1.0, world_size=1, device=torch.device("cpu"), tensorboard=False)
-    log.close()
-    assert [json.loads(line)["iteration"] for line in path.read_text().splitlines()] == [1, 2]
-
-
-# ---- through the real launcher ----
-import os
 import signal
 import subprocess
 import sys
@@ -29,8 +12,23 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from tests.test_pretrain import TINY, layout
+
+
+def test_resumed_run_replaces_the_records_after_its_checkpoint(tmp_path):
+    from megacli.engine.metrics import MetricsLog
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"iteration": i, "loss": 1.0}) + "\n" for i in (1, 2, 3, 4)) + '{"itera')
+    log = MetricsLog(run_dir=str(tmp_path), enabled=True, total_iters=6, start_iter=2, tokens_per_step=1,
+                     flops_per_step=1.0, world_size=1, device=torch.device("cpu"), tensorboard=False)
+    log.close()
+    assert [json.loads(line)["iteration"] for line in path.read_text().splitlines()] == [1, 2]
+
+
+# ---- through the real launcher ----
 
 FOREVER = ["train.iters=100000", "optim.warmup_iters=1"]
 
@@ -61,6 +59,7 @@ def workers_of(launcher: subprocess.Popen) -> list[psutil.Process]:
     return [p for p in psutil.Process(launcher.pid).children(recursive=True) if "megacli.worker" in " ".join(p.cmdline())]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 def test_signal_saves_at_the_next_step_and_exits_0(tmp_path, sig):
     ck = tmp_path / "ck"
@@ -74,6 +73,7 @@ def test_signal_saves_at_the_next_step_and_exits_0(tmp_path, sig):
     assert f"stopped on {sig.name} at iteration {int(saved.split('_')[1])}: saved checkpoint" in " ".join(out.split())
 
 
+@pytest.mark.slow
 def test_time_limit_saves_and_exits_0(tmp_path):
     ck = tmp_path / "ck"
     out = subprocess.run(command(tmp_path / "run", *FOREVER, f"checkpoint.dir={ck}", "train.time_limit_minutes=0.0001"),
@@ -83,6 +83,7 @@ def test_time_limit_saves_and_exits_0(tmp_path):
     assert "stopped on the time limit (train.time_limit_minutes = 0.0001) at iteration 1" in " ".join(out.stdout.split())
 
 
+@pytest.mark.slow
 def test_workers_die_with_a_killed_launcher(tmp_path):
     proc = start(tmp_path / "run", *FOREVER)
     wait_for_steps(proc, tmp_path / "run", 1)
@@ -92,12 +93,13 @@ def test_workers_die_with_a_killed_launcher(tmp_path):
     proc.stderr.close()
     proc.kill()
     proc.wait()
-    gone, alive = psutil.wait_procs(workers, timeout=10)
+    _, alive = psutil.wait_procs(workers, timeout=10)
     for p in alive:
         p.kill()
     assert not alive, "workers outlived their launcher"
 
 
+@pytest.mark.slow
 def test_a_second_job_on_the_same_run_dir_is_refused(tmp_path):
     proc = start(tmp_path / "run", *FOREVER)
     try:
@@ -125,6 +127,7 @@ def test_one_job_id_for_every_node():
     assert job_id(given="mine", rdzv_endpoint="node0:29400", env={"SLURM_JOB_ID": "77"}) == "mine"
 
 
+@pytest.mark.slow
 def test_two_nodes_started_by_hand_meet(tmp_path):
     from megacli.launch import free_port
 
@@ -168,6 +171,7 @@ def test_launch_timeout_is_the_process_group_timeout(monkeypatch):
     assert seen["timeout"].total_seconds() == 150
 
 
+@pytest.mark.slow
 def test_a_stalled_rank_is_named_with_the_collective(tmp_path):
     """Rank 1 is stopped (SIGSTOP): rank 0 gives up after launch.timeout_minutes, naming the collective."""
     proc = start(tmp_path / "run", *FOREVER, "parallel.tensor=2", "launch.nproc=2", "launch.timeout_minutes=0.2")
@@ -188,6 +192,7 @@ def test_a_stalled_rank_is_named_with_the_collective(tmp_path):
     assert "rank 0 waited 0.2 min (launch.timeout_minutes) in" in text and "stopped answering" in text, text
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_at_once_without_a_traceback(tmp_path):
     proc = start(tmp_path / "run", *FOREVER)
     wait_for_steps(proc, tmp_path / "run", 1)
@@ -211,7 +216,7 @@ def test_a_workers_forked_helpers_die_with_it():
     worker.stdout.close()  # the helper holds the pipe too
     worker.kill()
     worker.wait()
-    gone, alive = psutil.wait_procs([helper], timeout=10)
+    _, alive = psutil.wait_procs([helper], timeout=10)
     for p in alive:
         p.kill()
     assert not alive, "a helper outlived its worker"

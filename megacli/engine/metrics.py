@@ -59,11 +59,19 @@ def drop_records_after(path: Path, iteration: int) -> None:
     if not path.is_file():
         return
     lines = path.read_text().splitlines(keepends=True)
-    kept = [line for line in lines if json.loads(line).get("iteration", 0) <= iteration]
+    kept = [line for line in lines if _iteration_of(line) <= iteration]
     if len(kept) < len(lines):
         tmp = path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(kept))
         tmp.replace(path)
+
+
+def _iteration_of(line: str) -> float:
+    """A record's iteration; a line cut short by a killed run counts as after every iteration."""
+    try:
+        return json.loads(line).get("iteration", 0)
+    except ValueError:
+        return float("inf")
 
 
 class MetricsLog:
