@@ -12,12 +12,16 @@ import json
 import logging
 import os
 import re
+import signal
 import socket
 import sys
+import time
 import uuid
+from datetime import timedelta
 from pathlib import Path
 
 from megacli.errors import UserError
+from megacli.rundir import STOPPED_FILE
 
 # Set by torchrun / torch.distributed.run for every worker.
 _LAUNCHED_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -68,35 +72,112 @@ def error_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "errors"
 
 
+def job_id(*, given: str | None, rdzv_endpoint: str | None, env=os.environ) -> str:
+    """One id for every node and rank of a job: launch.job_id, else the scheduler's job id (Slurm),
+    else torchrun's run id, else one derived from the rendezvous endpoint (the same on every node
+    started by hand), else (one node) a new one."""
+    if given:
+        return given
+    for var in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
+        if env.get(var):
+            return env[var]
+    if rdzv_endpoint:
+        import hashlib
+
+        return "megacli-" + hashlib.blake2b(rdzv_endpoint.encode(), digest_size=6).hexdigest()
+    return "megacli-" + uuid.uuid4().hex[:12]
+
+
+def wait_for_nodes(*, endpoint: str, job: str, nnodes: int, node_rank: int, timeout_s: float):
+    """Count the nodes of `job` arriving at the rendezvous endpoint (node 0 hosts its store) and wait
+    for all of them, so a missing node is named instead of a silent wait. Returns the store, which
+    node 0 keeps open: torch's rendezvous, in the same process, uses it."""
+    from torch.distributed import TCPStore
+
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit():
+        raise UserError(f"launch.rdzv_endpoint = {endpoint!r}: expected HOST:PORT")
+    deadline = time.monotonic() + timeout_s
+    try:
+        store = TCPStore(host, int(port), is_master=node_rank == 0, multi_tenant=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s))
+    except (RuntimeError, TimeoutError, ValueError) as exc:
+        role = "host it" if node_rank == 0 else f"reach it (is node_rank 0 started on {host}?)"
+        raise UserError(f"launch.rdzv_endpoint = {endpoint!r}: could not {role}: {exc}") from None
+    key = f"megacli/{job}/nodes_arrived"
+    arrived = store.add(key, 1)
+    while arrived < nnodes:
+        if time.monotonic() > deadline:
+            raise UserError(f"rendezvous at {endpoint} (job id {job!r}): {arrived} of launch.nnodes = {nnodes} nodes "
+                            f"arrived within {timeout_s / 60:g} min (launch.timeout_minutes). Start `megacli` on every "
+                            f"node with the same launch.rdzv_endpoint and launch.job_id, node_rank 0..{nnodes - 1}")
+        time.sleep(0.5)
+        arrived = store.add(key, 0)
+    return store
+
+
+# Signals the launcher's elastic agent passes on to the workers; SIGUSR1 is Slurm's warning before
+# preemption or the time limit (--signal=USR1@120).
+FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+
+
 def launch_workers(job: str, recipe_file: Path, *, run_dir: str, nproc: int, nnodes: int, node_rank: int,
-                   rdzv_endpoint: str | None) -> None:
+                   rdzv_endpoint: str | None, job_id: str, timeout_minutes: float) -> None:
     """Start nproc workers on this node through torch.distributed's elastic launcher and wait.
-    Raises UserError (the first worker's message) when a worker fails."""
+    Raises UserError (the first worker's message) when a worker fails. A signal is passed on to the
+    workers, which get `timeout_minutes` to save and stop before they are killed."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from megacli.lifetime import LAUNCHER_PID_VAR
 
     # The elastic agent logs every SIGTERM it sends to surviving workers; the first error is what matters.
     for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
-    for stale in error_dir(run_dir).glob("rank*.json"):
-        stale.unlink()
+    for stale in [*error_dir(run_dir).glob("rank*.json"), Path(run_dir) / STOPPED_FILE]:
+        stale.unlink(missing_ok=True)
     standalone = nnodes == 1 and rdzv_endpoint is None
+    timeout_s = timeout_minutes * 60
+    store = None  # node 0 hosts the rendezvous store for the whole job
+    if not standalone:
+        store = wait_for_nodes(endpoint=rdzv_endpoint or "", job=job_id, nnodes=nnodes, node_rank=node_rank,
+                               timeout_s=timeout_s)
     config = LaunchConfig(
         min_nodes=nnodes,
         max_nodes=nnodes,
         nproc_per_node=nproc,
-        run_id=os.environ.get("SLURM_JOB_ID") or ("megacli-" + uuid.uuid4().hex[:8]),
+        run_id=job_id,
         rdzv_backend="c10d",
         rdzv_endpoint=f"127.0.0.1:{free_port()}" if standalone else (rdzv_endpoint or ""),
-        rdzv_configs={"rank": node_rank} if not standalone else {},
+        rdzv_configs={"rank": node_rank, "join_timeout": int(timeout_s) + 1} if not standalone else {},
         max_restarts=0,
         monitor_interval=0.5,
         start_method="spawn",
+        signals_to_handle=FORWARDED_SIGNALS,
+        shutdown_timeout=int(timeout_s) + 1,
     )
+    os.environ[LAUNCHER_PID_VAR] = str(os.getpid())
     try:
         elastic_launch(config, sys.executable)("-m", "megacli.worker", job, str(recipe_file))
     except ChildFailedError as exc:
         raise first_worker_error(run_dir, fallback=exc) from None
+    except SignalException as exc:
+        check_stopped_cleanly(run_dir, exc.sigval)
+    finally:
+        del store
+
+
+def check_stopped_cleanly(run_dir: str | Path, sig: signal.Signals) -> None:
+    """After `sig` was passed on to the workers: return when they stopped at a step boundary (they
+    said what they saved); raise the first worker's error, or say that nothing was saved."""
+    if (Path(run_dir) / STOPPED_FILE).is_file():
+        return
+    if any(error_dir(run_dir).glob("rank*.json")):
+        raise first_worker_error(run_dir)
+    err = UserError(f"stopped on {sig.name} before a step boundary: nothing saved")
+    err.exit_code = 128 + int(sig)
+    raise err
 
 
 def first_worker_error(run_dir: str | Path, fallback: BaseException | None = None) -> UserError:

@@ -1,9 +1,15 @@
-"""The run directory: the resolved recipe, the versions in use, metrics.jsonl, logs, errors."""
+"""The run directory: the resolved recipe, the versions in use, metrics.jsonl, logs, errors, and the
+lock a job holds on it (and on its checkpoint directory) while it runs."""
 
 from __future__ import annotations
 
 import json
+import os
 import platform
+import socket
+import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from megacli.recipe.base import dump
@@ -11,6 +17,9 @@ from megacli.recipe.base import dump
 RECIPE_FILE = "recipe.yaml"
 VERSIONS_FILE = "versions.json"
 METRICS_FILE = "metrics.jsonl"
+# Written by rank 0 when the workers stopped at a step boundary on a signal (see engine.stop).
+STOPPED_FILE = "stopped.json"
+LOCK_FILE = "megacli.lock"
 
 
 def versions() -> dict[str, str | None]:
@@ -41,6 +50,81 @@ def prepare(recipe, run_dir: str | Path) -> Path:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     recipe_file = run_dir / RECIPE_FILE
-    recipe_file.write_text(dump(recipe))
+    draft = run_dir / f".{RECIPE_FILE}.{os.getpid()}"  # workers on other nodes may be reading it
+    draft.write_text(dump(recipe))
+    draft.replace(recipe_file)
     (run_dir / VERSIONS_FILE).write_text(json.dumps(versions(), indent=2) + "\n")
     return recipe_file
+
+
+@contextmanager
+def locked(directories, *, job_id: str):
+    """Hold the job's lock on each directory while the block runs. Every rank and node of one job
+    (the same job id) shares it; another job is refused. The process that created a lock removes it."""
+    created = []
+    try:
+        for directory in dict.fromkeys(Path(d).resolve() for d in directories):
+            if _acquire(directory, job_id):
+                created.append(directory)
+        yield
+    finally:
+        for directory in created:
+            holder = _holder(directory / LOCK_FILE)
+            if holder and holder.get("job_id") == job_id:
+                (directory / LOCK_FILE).unlink(missing_ok=True)
+
+
+def _acquire(directory: Path, job_id: str) -> bool:
+    """Take the lock; True when this process created it, False when the job already holds it."""
+    from megacli.errors import UserError
+
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / LOCK_FILE
+    mine = {"job_id": job_id, "host": socket.gethostname(), "pid": os.getpid(),
+            "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    draft = directory / f".{LOCK_FILE}.{os.getpid()}"
+    draft.write_text(json.dumps(mine) + "\n")
+    try:
+        for _ in range(3):
+            try:
+                os.link(draft, path)  # atomic: fails when a lock exists, never leaves a half-written one
+                return True
+            except FileExistsError:
+                pass
+            holder = _holder(path)
+            if holder is None:
+                continue  # removed meanwhile
+            if holder.get("job_id") == job_id:
+                return False
+            if holder.get("host") == mine["host"] and not _alive(int(holder.get("pid", 0))):
+                print(f"note: {path}: job {holder.get('job_id')!r} (pid {holder.get('pid')}) is gone; taking over its lock",
+                      file=sys.stderr)
+                path.unlink(missing_ok=True)
+                continue
+            raise UserError(f"{directory} is in use by job {holder.get('job_id')!r} (pid {holder.get('pid')} on "
+                            f"{holder.get('host')}, since {holder.get('since')}): wait for it to finish or give another "
+                            f"run.dir / checkpoint.dir (if that job is gone, delete {path})")
+        raise UserError(f"{path}: could not take the run-directory lock (another job keeps replacing it)")
+    finally:
+        draft.unlink(missing_ok=True)
+
+
+def _holder(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {"job_id": None, "host": None, "pid": 0, "since": "?"}  # unreadable: refused, named
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

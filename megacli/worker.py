@@ -44,6 +44,9 @@ def run_guarded(job: str, recipe) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megacli.lifetime import worker_dies_with_launcher
+
+    worker_dies_with_launcher()
     job, recipe_file = (argv or sys.argv[1:])[:2]
     from megacli.recipe.jobs import load_job_recipe
 
@@ -53,3 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+elif __name__ == "__mp_main__":  # a helper process a worker spawned (Megatron's checkpoint writers)
+    from megacli.lifetime import die_with_parent
+
+    die_with_parent()

@@ -25,7 +25,7 @@ LAYERS = (
     ("checkpoint", "plot"),
     ("plan", "rundir"),
     ("recipe", "data", "backend"),
-    ("errors", "precision", "__init__"),
+    ("errors", "precision", "lifetime", "__init__"),
 )
 
 # Imports between packages of one layer, allowed one way.

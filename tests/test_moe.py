@@ -26,7 +26,7 @@ SINGLE = ["parallel.tensor=1", "parallel.pipeline=1", "parallel.sequence_paralle
 
 
 def load(overrides: list[str]) -> TrainingRecipe:
-    return base.load(TrainingRecipe, None, overrides, default={})
+    return base.load(TrainingRecipe, None, overrides, default={"data": {"mock": True}})
 
 
 def problem(overrides: list[str]) -> str:

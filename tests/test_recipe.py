@@ -54,7 +54,7 @@ def test_every_field_has_a_description():
 
 
 def load(overrides, raw=None):
-    return base.load(TrainingRecipe, None, overrides, default=raw or {})
+    return base.load(TrainingRecipe, None, overrides, default=raw or {"data": {"mock": True}})
 
 
 def problem(overrides, raw=None) -> str:
@@ -107,9 +107,9 @@ def test_bad_override_syntax():
 
 
 def test_validation_does_not_mutate_and_sections_are_frozen():
-    raw = {"model": {"num_layers": 4}}
+    raw = {"model": {"num_layers": 4}, "data": {"mock": True}}
     r = base.validate(TrainingRecipe, raw, "x")
-    assert raw == {"model": {"num_layers": 4}}
+    assert raw == {"model": {"num_layers": 4}, "data": {"mock": True}}
     with pytest.raises(Exception):
         r.model.num_layers = 8
 
@@ -154,7 +154,7 @@ def test_mock_data_wins_over_a_path_and_a_path_or_blend_is_needed_without_it():
     assert r.data.prefixes == ["data/corpus_text_document"]
     r = load(["data.mock=true"], {"data": {"path": "data/corpus_text_document"}})
     assert r.data.mock and r.data.prefixes == [] and r.data.path == "data/corpus_text_document"
-    assert "give one of data.path, data.blend or data.mock" in problem(["data.mock=false"])
+    assert "the recipe names no training data" in problem(["data.mock=false"])
     assert "not both" in problem(["data.path=a", "data.blend=[[1, b]]"])
 
 
@@ -167,7 +167,7 @@ def test_tokenizer_type_none_and_its_old_spelling_null(spelling):
 
 def test_tokenizer_type_null_in_a_file_is_none(tmp_path):
     path = tmp_path / "r.yaml"
-    path.write_text("tokenizer:\n  type: null\nmodel:\n  vocab_size: 1000\n")
+    path.write_text("tokenizer:\n  type: null\nmodel:\n  vocab_size: 1000\ndata:\n  mock: true\n")
     assert base.load(TrainingRecipe, path).tokenizer.type == "none"
 
 

@@ -18,9 +18,12 @@ DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the resolved r
 
 
 def fail(message: str, code: int = 2) -> "typer.Exit":
+    """Print one error line; the message is plain text (paths and values may hold "[x]" or ":smile:")."""
     from rich.console import Console
+    from rich.text import Text
 
-    Console(stderr=True, highlight=False).print(f"[bold red]error:[/] {message}", markup=True, soft_wrap=True)
+    Console(stderr=True, highlight=False, emoji=False).print(Text.assemble(("error:", "bold red"), " ", message),
+                                                             soft_wrap=True)
     return typer.Exit(code)
 
 
@@ -35,9 +38,9 @@ def guarded(fn: Callable) -> Callable:
         try:
             return fn(*args, **kwargs)
         except RecipeErrors as exc:
-            raise fail(_escape(exc.render())) from None
+            raise fail(exc.render()) from None
         except UserError as exc:
-            raise fail(_escape(str(exc)), getattr(exc, "exit_code", 2)) from None
+            raise fail(str(exc), getattr(exc, "exit_code", 2)) from None
         except KeyboardInterrupt:
             raise fail("interrupted", 130) from None
 

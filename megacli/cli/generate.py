@@ -55,6 +55,8 @@ def generate(
         flags["use_cache"] = False
     job = build_recipe(recipe, flags, tensor=tensor, pipeline=pipeline, overrides=set_ or [])
     g = job.generate
+    if g.output:
+        check_writable(Path(g.output))
     if not (g.prompts or g.prompts_file or g.score or g.cloze):
         if job.world_size > 1 or not sys.stdin.isatty():
             from megacli.errors import UserError
@@ -96,6 +98,19 @@ def build_recipe(recipe_path: Optional[Path], flags: dict, *, tensor: Optional[i
     return base.validate(GenerateRecipe, raw, f"{ckpt / 'recipe.yaml'} + generate options")
 
 
+def check_writable(path: Path) -> None:
+    """Refuse an output file that cannot be written before the model is loaded (minutes on a big model)."""
+    from megacli.errors import UserError
+
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise UserError(f"generate.output = {str(path)!r}: the directory {str(parent)!r} does not exist")
+    if path.is_dir():
+        raise UserError(f"generate.output = {str(path)!r} is a directory; give a file name")
+    if not os.access(path if path.exists() else parent, os.W_OK):
+        raise UserError(f"generate.output = {str(path)!r}: no permission to write there")
+
+
 def _merge(a: dict, b: dict) -> dict:
     out = dict(a)
     for k, v in b.items():
@@ -121,7 +136,8 @@ def _run(job) -> None:
         run(job)
         return
     launch.launch_workers("generate", recipe_file, run_dir=job.run.dir, nproc=job.world_size, nnodes=1, node_rank=0,
-                          rdzv_endpoint=None)
+                          rdzv_endpoint=None, job_id=launch.job_id(given=None, rdzv_endpoint=None),
+                          timeout_minutes=job.launch.timeout_minutes)
 
 
 def _interactive(job) -> None:

@@ -112,8 +112,11 @@ def run_command(
     out = Console(highlight=False)
     out.print(summary_table(result))
     stats = result.stats
+    err = Console(stderr=True, highlight=False, emoji=False)
+    if stats.documents == 0:
+        err.print("[yellow]warning:[/] the input held no documents: the dataset is empty and cannot be trained on",
+                  soft_wrap=True)
     if stats.skipped:
-        err = Console(stderr=True, highlight=False)
         err.print(f"[yellow]skipped {stats.skipped:,} bad record(s)[/], for example:", soft_wrap=True)
         for line in stats.skipped_examples:
             err.print(f"  {line}", markup=False, soft_wrap=True)

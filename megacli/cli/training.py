@@ -11,11 +11,26 @@ def run_training_job(job: str, recipe_path: Path | None, overrides: list[str], d
     from megacli.recipe.jobs import load_job_recipe
 
     recipe = load_job_recipe(job, recipe_path, overrides)
+    if job == "finetune" and not recipe.checkpoint.pretrained:
+        from megacli.errors import UserError
+
+        raise UserError("finetune needs checkpoint.pretrained, the weights to start from (e.g. a checkpoint from "
+                        "`megacli convert`); to train from scratch use `megacli pretrain`")
     if dry_run:
         from megacli.cli.plan_view import print_plan
 
         print_plan(recipe)
         return
+    from megacli import launch, rundir
+
+    check_inputs(recipe)
+    ln = recipe.launch
+    job_id = launch.job_id(given=ln.job_id, rdzv_endpoint=ln.rdzv_endpoint)
+    with rundir.locked([recipe.run.dir, *([recipe.checkpoint.dir] if recipe.checkpoint.dir else [])], job_id=job_id):
+        _run(job, recipe, job_id)
+
+
+def _run(job: str, recipe, job_id: str) -> None:
     from megacli import launch, rundir
 
     if launch.inside_torchrun() or launch.inside_srun_per_process():
@@ -28,7 +43,6 @@ def run_training_job(job: str, recipe_path: Path | None, overrides: list[str], d
         if code:
             raise launch.first_worker_error(recipe.run.dir)
         return
-    check_inputs(recipe)
     recipe_file = rundir.prepare(recipe, recipe.run.dir)
     ln = recipe.launch
     if ln.nproc * ln.nnodes == 1 and os.environ.get("MEGACLI_IN_PROCESS"):
@@ -40,7 +54,8 @@ def run_training_job(job: str, recipe_path: Path | None, overrides: list[str], d
         run_job(job, recipe)
         return
     launch.launch_workers(job, recipe_file, run_dir=recipe.run.dir, nproc=ln.nproc, nnodes=ln.nnodes,
-                          node_rank=ln.node_rank, rdzv_endpoint=ln.rdzv_endpoint)
+                          node_rank=ln.node_rank, rdzv_endpoint=ln.rdzv_endpoint, job_id=job_id,
+                          timeout_minutes=ln.timeout_minutes)
 
 
 def check_inputs(recipe) -> None:

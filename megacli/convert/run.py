@@ -132,6 +132,8 @@ def converted_recipe(*, model: dict, parallel, precision: str, tokenizer: dict, 
     }
     if model["arch"] != "gpt":  # no mock data for BERT/T5: name the dataset to set before training
         raw["data"] = {"path": "SET/data.path/TO/A/PREFIX_text_sentence"}
+    else:
+        raw["data"] = {"mock": True}
     return validate(TrainingRecipe, raw, "the converted checkpoint's recipe")
 
 

@@ -69,7 +69,7 @@ def setup(*, parallel, launch, seed: int, deterministic: bool = False) -> Runtim
         device = torch.device("cuda", local_rank)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=world,
-                                timeout=timedelta(minutes=30))
+                                timeout=timedelta(minutes=launch.timeout_minutes))
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(
@@ -79,6 +79,7 @@ def setup(*, parallel, launch, seed: int, deterministic: bool = False) -> Runtim
         context_parallel_size=parallel.context,
         expert_model_parallel_size=parallel.expert,
         expert_tensor_parallel_size=parallel.expert_tensor,
+        distributed_timeout_minutes=launch.timeout_minutes,
     )
     seed_everything(seed)
     return Runtime(device=device, rank=rank, world_size=world, local_rank=local_rank)
@@ -121,3 +122,31 @@ def teardown() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def stall_error(exc: BaseException, *, rank: int, timeout_minutes: float):
+    """A UserError saying which collective timed out on this rank (as far as the error tells), or
+    None when `exc` is not a collective timeout."""
+    import re
+    import traceback
+
+    text = str(exc)
+    if not re.search(r"timed out|timeout", text, re.IGNORECASE):
+        return None
+    op = re.search(r"OpType=(\w+)", text)  # NCCL's watchdog names the operation
+    where = ""
+    if op is None:  # gloo does not: the innermost torch.distributed call in the traceback does
+        frames = traceback.extract_tb(exc.__traceback__)
+        c10d = [f for f in frames if f.filename.endswith("distributed_c10d.py")]
+        plumbing = ("/torch/", "/megacli/backend/", "/megacli/engine/distributed")  # not where the model called it
+        callers = [f for f in frames if not any(part in f.filename for part in plumbing)]
+        if not c10d:
+            return None
+        where = f" called from {callers[-1].name} ({callers[-1].filename.rsplit('/', 2)[-1]}:{callers[-1].lineno})" if callers else ""
+    collective = op.group(1).lower() if op else c10d[-1].name
+    from megacli.errors import UserError
+
+    err = UserError(f"rank {rank} waited {timeout_minutes:g} min (launch.timeout_minutes) in {collective}{where} for a "
+                    f"rank that stopped answering (stopped, hung or dead): {text.strip().splitlines()[0]}")
+    err.exit_code = 1
+    return err

@@ -9,6 +9,7 @@ import torch
 
 from megacli.engine import checkpoint, distributed, nonfinite
 from megacli.engine.metrics import MetricsLog, Stopwatch, loss_metrics
+from megacli.engine.stop import StopRequests
 
 
 @dataclass
@@ -35,6 +36,11 @@ def train(recipe) -> None:
                                 deterministic=recipe.train.deterministic)
     try:
         _train(recipe, runtime)
+    except RuntimeError as exc:  # torch's DistBackendError on a collective timeout is one
+        stalled = distributed.stall_error(exc, rank=runtime.rank, timeout_minutes=recipe.launch.timeout_minutes)
+        if stalled is None:
+            raise
+        raise stalled from None
     finally:
         distributed.teardown()
 
@@ -280,6 +286,8 @@ def _train(recipe, runtime) -> None:
     memory_reported = False
     last_good, skipped = source, 0  # the newest checkpoint with finite weights; steps dropped as non-finite
     run_id = run_id or uuid.uuid4().hex  # carried across resumes: keep_last prunes only this run's checkpoints
+    stops = StopRequests(save_on_signal=ck.save_on_signal, time_limit_minutes=t.time_limit_minutes, device=runtime.device)
+    stopped = None
     try:
         while iteration < stop_at:
             try:
@@ -319,7 +327,9 @@ def _train(recipe, runtime) -> None:
                     last_val, last_lm = val.pop("loss"), val.get("lm_loss")
                     log.evaluation(iteration=iteration, val_loss=last_val, losses=val)
                 watch.lap()
-            if ck.dir and ((ck.save_interval and iteration % ck.save_interval == 0) or iteration == stop_at):
+            stopped = stops.reason()
+            path = None
+            if ck.dir and (stopped or (ck.save_interval and iteration % ck.save_interval == 0) or iteration == stop_at):
                 if not nonfinite.weights_finite(trainer.chunks):
                     raise _stopped_nonfinite(f"the weights are not finite after iteration {iteration} (not saved)", last_good)
                 path = checkpoint.save(ckpt_dir=ck.dir, iteration=iteration, consumed_samples=consumed, chunks=trainer.chunks,
@@ -329,9 +339,17 @@ def _train(recipe, runtime) -> None:
                 log.plot()
                 last_good = path
                 watch.lap()
+            if stopped:
+                _record_stop(run_dir=recipe.run.dir, rank=runtime.rank, reason=stopped, iteration=iteration, checkpoint=path)
+                log.say(f"stopped on {stopped} at iteration {iteration}: "
+                        + (f"saved checkpoint {path}" if path else "nothing saved (no checkpoint.dir)"))
+                break
         log.plot()
     finally:
+        stops.close()
         log.close()
+    if stopped:
+        return
     if last_val is not None:
         import math
 
@@ -349,6 +367,19 @@ def _stopped_nonfinite(what: str, last_good):
     good = f"the last good checkpoint is {last_good}" if last_good else "no good checkpoint was saved"
     return UserError(f"training stopped: {what}; {good}. Lower optim.lr or check the data "
                      f"(train.on_nonfinite = skip drops such steps instead)")
+
+
+def _record_stop(*, run_dir: str, rank: int, reason: str, iteration: int, checkpoint) -> None:
+    """Tell the launcher (rank 0 only) that the workers stopped at a step boundary."""
+    if rank != 0:
+        return
+    import json
+    from pathlib import Path
+
+    from megacli.rundir import STOPPED_FILE
+
+    record = {"reason": reason, "iteration": iteration, "checkpoint": str(checkpoint) if checkpoint else None}
+    (Path(run_dir) / STOPPED_FILE).write_text(json.dumps(record) + "\n")
 
 
 def _expert_stats(recipe, trainer, runtime):

@@ -54,6 +54,27 @@ def memory_gib(device: torch.device) -> float:
     return psutil.Process().memory_info().rss / 1024**3
 
 
+def drop_records_after(path: Path, iteration: int) -> None:
+    """Keep the records up to `iteration`, where this run starts: those after it came from a run
+    that stopped before its next checkpoint, and this run logs those iterations again."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if _iteration_of(line) <= iteration]
+    if len(kept) < len(lines):
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(path)
+
+
+def _iteration_of(line: str) -> float:
+    """A record's iteration; a line cut short by a killed run counts as after every iteration."""
+    try:
+        return json.loads(line).get("iteration", 0)
+    except ValueError:
+        return float("inf")
+
+
 class MetricsLog:
     def __init__(self, *, run_dir: str, enabled: bool, total_iters: int, start_iter: int, tokens_per_step: int,
                  flops_per_step: float, world_size: int, device: torch.device, loggers: list[str],
@@ -75,7 +96,8 @@ class MetricsLog:
 
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.console = Console(highlight=False)
+        drop_records_after(self.path, start_iter)
+        self.console = Console(highlight=False, emoji=False)
         self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[loss]}"),
                                  TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=self.console, transient=True)
         self.task = self.progress.add_task("train", total=total_iters, completed=start_iter, loss="")
@@ -89,7 +111,7 @@ class MetricsLog:
 
     def say(self, text: str) -> None:
         if self.enabled:
-            self.console.print(text)
+            self.console.print(text, markup=False)  # the text names user paths and values
 
     def warn(self, text: str) -> None:
         from rich.markup import escape

@@ -105,7 +105,13 @@ def read_yaml(path: str | Path) -> dict:
     if not path.is_file():
         raise RecipeErrors(str(path), ["file not found"])
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[:exc.start].count(b"\n") + 1
+        raise RecipeErrors(str(path), [f"line {line}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
+                                       f"{exc.start}); save the recipe as UTF-8"]) from None
+    try:
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""

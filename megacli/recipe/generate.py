@@ -6,7 +6,7 @@ the command-line flags, so the model is described once, where it was trained or 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import ClassVar, Optional
 
 from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
 
@@ -90,6 +90,8 @@ class GenerateRecipe(TrainingRecipe):
 
     generate: GenerateSection = GenerateSection()
     """How to decode (or score)."""
+
+    trains: ClassVar[bool] = False
 
     @model_validator(mode="after")
     def _check_generation_layout(self):

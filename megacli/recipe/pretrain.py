@@ -5,7 +5,7 @@ Every check names the field, the value and the arithmetic; nothing here changes 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import ClassVar, Optional
 
 from pydantic import model_validator
 
@@ -37,8 +37,8 @@ class TrainingRecipe(Section):
     """Processes, nodes and device."""
     tokenizer: TokenizerSection = TokenizerSection(type="byte")
     """Tokenizer used to build the data (its vocabulary sizes the embedding)."""
-    data: DataSection = DataSection(mock=True)
-    """Training data."""
+    data: DataSection = DataSection()
+    """Training data: a run names it (data.path, data.blend or data.mock: true) unless it gives sft."""
     sft: Optional[SFTSection] = None
     """Instruction data for finetuning (instead of data:)."""
     lora: Optional[LoRASection] = None
@@ -53,6 +53,8 @@ class TrainingRecipe(Section):
     """Saving and resuming."""
     run: RunSection = RunSection()
     """Run directory."""
+
+    trains: ClassVar[bool] = True  # a recipe that trains must name its data
 
     # ---- derived numbers (never stored) ----
     @property
@@ -103,7 +105,7 @@ class TrainingRecipe(Section):
         stages = p.pipeline * (p.virtual_pipeline or 1)
         if m.num_layers % stages:
             what = f"parallel.pipeline × parallel.virtual_pipeline = {p.pipeline} × {p.virtual_pipeline}" if p.virtual_pipeline \
-                else f"parallel.pipeline = {p.pipeline}"
+                else "parallel.pipeline"
             raise RecipeError("model.num_layers", m.num_layers, f"must be divisible by {what} = {stages} "
                               f"({m.num_layers} % {stages} = {m.num_layers % stages})")
         if p.virtual_pipeline and p.pipeline < 2:
@@ -156,6 +158,9 @@ class TrainingRecipe(Section):
             self._check_bert_t5()
         if self.sft is not None:
             self._check_sft()
+        elif self.trains and not self.data.named:
+            raise RecipeError("data", None, "the recipe names no training data: set data.path (a prefix from "
+                              "`megacli preprocess`), data.blend, or data.mock: true for random tokens")
         if self.lora is not None:
             self._check_lora()
         return self

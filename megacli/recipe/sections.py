@@ -62,6 +62,13 @@ class LaunchSection(Section):
     """auto: CUDA with NCCL when a GPU is present, else the CPU backend with gloo."""
     threads_per_process: Optional[PositiveInt] = None
     """CPU backend: torch threads per worker (default: cores / nproc, at least 1)."""
+    job_id: Optional[str] = None
+    """One id for all nodes of a job (its rendezvous and run-directory lock). Default: the scheduler's
+    job id (SLURM_JOB_ID), else torchrun's run id, else one derived from launch.rdzv_endpoint."""
+    timeout_minutes: PositiveFloat = 10.0
+    """How long a rank waits for the others before the job fails: the nodes' rendezvous and every
+    collective operation (the process-group timeout); also how long workers get to save and stop
+    after a signal before they are killed."""
 
     @property
     def world_size(self) -> int:
@@ -118,9 +125,12 @@ class DataSection(Section):
     def _one_source(self):
         if self.path and self.blend:
             raise ValueError("give data.path or data.blend, not both")
-        if not (self.path or self.blend or self.mock):
-            raise ValueError("give one of data.path, data.blend or data.mock: true")
         return self
+
+    @property
+    def named(self) -> bool:
+        """Whether a source is given (a training run needs one; instruction finetuning reads sft instead)."""
+        return bool(self.path or self.blend or self.mock)
 
     @property
     def prefixes(self) -> list[str]:
@@ -264,6 +274,8 @@ class TrainSection(Section):
         if self.tensorboard and "tensorboard" not in self.loggers:
             return ["tensorboard", *self.loggers]
         return list(self.loggers)
+    time_limit_minutes: Optional[PositiveFloat] = None
+    """Stop (with a checkpoint, as on SIGTERM) at the first step boundary after this much wall time."""
 
     @field_validator("loss")
     @classmethod
@@ -348,6 +360,9 @@ class CheckpointSection(Section):
     overwrite: bool = False
     """Allow resume: none in a dir that already holds checkpoints (this run's saves replace those of the
     same iteration and move `latest`); without it such a run is refused."""
+    save_on_signal: bool = True
+    """On SIGTERM or SIGUSR1 (what Slurm sends before preemption or the time limit), save a checkpoint
+    at the next step boundary and exit 0; a second signal stops at once. false: stop at once."""
 
 
 class RunSection(Section):

@@ -1,0 +1,34 @@
+"""Processes that die with their parent: a worker with its launcher, and the helper processes a
+worker starts (Megatron's checkpoint writers) with the worker, so a `kill -9` of the launcher
+leaves nothing running. Linux (prctl PR_SET_PDEATHSIG); elsewhere nothing is done."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1
+LAUNCHER_PID_VAR = "MEGACLI_LAUNCHER_PID"
+
+
+def die_with_parent(expected_parent: int | None = None) -> None:
+    """SIGKILL this process when its parent exits. ``expected_parent``: exit now if the parent is
+    already gone (the request only covers a parent alive when it is made)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if expected_parent is not None and os.getppid() != expected_parent:
+        os._exit(1)
+
+
+def worker_dies_with_launcher() -> None:
+    """For a worker: die with the launcher, and make every process it forks die with it."""
+    launcher = os.environ.get(LAUNCHER_PID_VAR)
+    die_with_parent(int(launcher) if launcher else None)
+    os.register_at_fork(after_in_child=die_with_parent)

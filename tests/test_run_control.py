@@ -1,0 +1,222 @@
+"""How a run is controlled as a process: its metrics history on resume, the job id and rendezvous
+of several nodes, the run-directory lock, signals, stalled ranks and the death of the launcher."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from tests.test_pretrain import TINY, layout
+
+
+def test_resumed_run_replaces_the_records_after_its_checkpoint(tmp_path):
+    from megacli.engine.metrics import MetricsLog
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"iteration": i, "loss": 1.0}) + "\n" for i in (1, 2, 3, 4)) + '{"itera')
+    log = MetricsLog(run_dir=str(tmp_path), enabled=True, total_iters=6, start_iter=2, tokens_per_step=1,
+                     flops_per_step=1.0, world_size=1, device=torch.device("cpu"), tensorboard=False)
+    log.close()
+    assert [json.loads(line)["iteration"] for line in path.read_text().splitlines()] == [1, 2]
+
+
+# ---- through the real launcher ----
+
+FOREVER = ["train.iters=100000", "optim.warmup_iters=1"]
+
+
+def command(run_dir: Path, *sets: str) -> list[str]:
+    every = [*TINY, *layout(), *sets, f"run.dir={run_dir}"]
+    return [sys.executable, "-m", "megacli", "pretrain", *[x for s in every for x in ("--set", s)]]
+
+
+def start(run_dir: Path, *sets: str) -> subprocess.Popen:
+    return subprocess.Popen(command(run_dir, *sets), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_steps(proc: subprocess.Popen, run_dir: Path, steps: int, timeout: float = 300) -> None:
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended early: {proc.communicate()}")
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= steps:
+            return
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("no training steps logged")
+
+
+def workers_of(launcher: subprocess.Popen) -> list[psutil.Process]:
+    return [p for p in psutil.Process(launcher.pid).children(recursive=True) if "megacli.worker" in " ".join(p.cmdline())]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_signal_saves_at_the_next_step_and_exits_0(tmp_path, sig):
+    ck = tmp_path / "ck"
+    proc = start(tmp_path / "run", *FOREVER, f"checkpoint.dir={ck}")
+    wait_for_steps(proc, tmp_path / "run", 2)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    assert "Traceback" not in out + err and "SignalException" not in out + err, err
+    saved = (ck / "latest").read_text().strip()
+    assert f"stopped on {sig.name} at iteration {int(saved.split('_')[1])}: saved checkpoint" in " ".join(out.split())
+
+
+@pytest.mark.slow
+def test_time_limit_saves_and_exits_0(tmp_path):
+    ck = tmp_path / "ck"
+    out = subprocess.run(command(tmp_path / "run", *FOREVER, f"checkpoint.dir={ck}", "train.time_limit_minutes=0.0001"),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (ck / "latest").read_text().strip() == "iter_0000001"
+    assert "stopped on the time limit (train.time_limit_minutes = 0.0001) at iteration 1" in " ".join(out.stdout.split())
+
+
+@pytest.mark.slow
+def test_workers_die_with_a_killed_launcher(tmp_path):
+    proc = start(tmp_path / "run", *FOREVER)
+    wait_for_steps(proc, tmp_path / "run", 1)
+    workers = workers_of(proc)
+    assert workers
+    proc.stdout.close()  # the workers hold the pipes too
+    proc.stderr.close()
+    proc.kill()
+    proc.wait()
+    _, alive = psutil.wait_procs(workers, timeout=10)
+    for p in alive:
+        p.kill()
+    assert not alive, "workers outlived their launcher"
+
+
+@pytest.mark.slow
+def test_a_second_job_on_the_same_run_dir_is_refused(tmp_path):
+    proc = start(tmp_path / "run", *FOREVER)
+    try:
+        wait_for_steps(proc, tmp_path / "run", 1)
+        out = subprocess.run(command(tmp_path / "run"), capture_output=True, text=True, timeout=300)
+        assert out.returncode == 2 and "Traceback" not in out.stderr
+        assert f"{(tmp_path / 'run').resolve()} is in use by job" in " ".join(out.stderr.split())
+        assert f"pid {proc.pid}" in out.stderr
+    finally:
+        proc.kill()
+        proc.wait()
+    # The launcher was killed: its lock is stale and the next job takes it over.
+    out = subprocess.run(command(tmp_path / "run", "train.iters=2"), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "taking over its lock" in out.stderr
+    assert not (tmp_path / "run" / "megacli.lock").exists()
+
+
+def test_one_job_id_for_every_node():
+    from megacli.launch import job_id
+
+    by_hand = [job_id(given=None, rdzv_endpoint="node0:29400", env={}) for _ in range(2)]
+    assert by_hand[0] == by_hand[1] != job_id(given=None, rdzv_endpoint="node0:29401", env={})
+    assert job_id(given=None, rdzv_endpoint="node0:29400", env={"SLURM_JOB_ID": "77"}) == "77"
+    assert job_id(given="mine", rdzv_endpoint="node0:29400", env={"SLURM_JOB_ID": "77"}) == "mine"
+
+
+@pytest.mark.slow
+def test_two_nodes_started_by_hand_meet(tmp_path):
+    from megacli.launch import free_port
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    sets = ["launch.nnodes=2", f"launch.rdzv_endpoint={endpoint}", "parallel.tensor=2", "launch.nproc=1", "train.iters=2"]
+    nodes = [start(tmp_path / "run", *sets, f"launch.node_rank={rank}") for rank in (1, 0)]
+    outs = [node.communicate(timeout=300) for node in nodes]
+    for node, (out, err) in zip(nodes, outs):
+        assert node.returncode == 0, out[-2000:] + err[-2000:]
+    records = [line for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 2 and "TP 2 × PP 1 × CP 1 × DP 1 on 2 cpu processes" in outs[1][0] + outs[0][0]
+
+
+def test_rendezvous_timeout_names_the_nodes_that_arrived(tmp_path):
+    from megacli.launch import free_port
+
+    out = subprocess.run(command(tmp_path / "run", "launch.nnodes=2", f"launch.rdzv_endpoint=127.0.0.1:{free_port()}",
+                                 "launch.timeout_minutes=0.05"), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "1 of launch.nnodes = 2 nodes arrived within 0.05 min" in " ".join(out.stderr.split())
+
+
+def test_launch_timeout_is_the_process_group_timeout(monkeypatch):
+    import torch.distributed as dist
+
+    from megacli.engine import distributed
+    from megacli.recipe.sections import LaunchSection, ParallelSection
+
+    seen = {}
+
+    def fake_init(backend, **kwargs):
+        seen.update(kwargs)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(dist, "init_process_group", fake_init)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(RuntimeError, match="stop here"):
+        distributed.setup(parallel=ParallelSection(), launch=LaunchSection(device="cpu", timeout_minutes=2.5), seed=1)
+    assert seen["timeout"].total_seconds() == 150
+
+
+@pytest.mark.slow
+def test_a_stalled_rank_is_named_with_the_collective(tmp_path):
+    """Rank 1 is stopped (SIGSTOP): rank 0 gives up after launch.timeout_minutes, naming the collective."""
+    proc = start(tmp_path / "run", *FOREVER, "parallel.tensor=2", "launch.nproc=2", "launch.timeout_minutes=0.2")
+    wait_for_steps(proc, tmp_path / "run", 1)
+    stalled = [p for p in workers_of(proc) if p.environ().get("RANK") == "1"]
+    assert stalled
+    stalled[0].suspend()
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for p in stalled:
+            if p.is_running():
+                p.kill()
+    text = " ".join(err.split())
+    assert proc.returncode == 1 and "Traceback" not in err, err[-3000:]
+    assert "rank 0 waited 0.2 min (launch.timeout_minutes) in" in text and "stopped answering" in text, text
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_at_once_without_a_traceback(tmp_path):
+    proc = start(tmp_path / "run", *FOREVER)
+    wait_for_steps(proc, tmp_path / "run", 1)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130 and "Traceback" not in out + err, err[-3000:]
+    assert "stopped on SIGINT" in err
+
+
+def test_a_workers_forked_helpers_die_with_it():
+    """Megatron's checkpoint writers are forked from the worker: they must not outlive it."""
+    code = ("import multiprocessing, time\n"
+            "from megacli.lifetime import worker_dies_with_launcher\n"
+            "worker_dies_with_launcher()\n"
+            "helper = multiprocessing.get_context('fork').Process(target=time.sleep, args=(600,))\n"
+            "helper.start()\n"
+            "print(helper.pid, flush=True)\n"
+            "time.sleep(600)\n")
+    worker = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    helper = psutil.Process(int(worker.stdout.readline()))
+    worker.stdout.close()  # the helper holds the pipe too
+    worker.kill()
+    worker.wait()
+    _, alive = psutil.wait_procs([helper], timeout=10)
+    for p in alive:
+        p.kill()
+    assert not alive, "a helper outlived its worker"
