@@ -57,8 +57,8 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args()
 
-    from megacli.convert.megatron_io import megatron_process
     from megacli.checkpoint import manifest
+    from megacli.convert.megatron_io import megatron_process
     from megacli.engine import checkpoint
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="ckpt_bench_"))

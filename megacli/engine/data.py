@@ -236,7 +236,7 @@ def check_splits(prefixes: list[str], split: str, *, min_tokens: int) -> None:
             if bound is None:
                 continue
             # Megatron's own rounding (BlendedMegatronDatasetBuilder._build_megatron_dataset_splits)
-            beg, end = int(round(bound[0] * float(n))), int(round(bound[1] * float(n)))
+            beg, end = round(bound[0] * n), round(bound[1] * n)
             have = int(tokens[end] - tokens[beg])
             if end - beg < 1 or have < min_tokens:
                 raise UserError(f"data prefix {prefix!r} ({n} documents, {int(tokens[-1]):,} tokens): data.split = "
