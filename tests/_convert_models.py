@@ -11,6 +11,8 @@ import argparse
 import io
 from pathlib import Path
 
+from megacli.checkpoint.layout import iter_name
+
 VOCAB = 300  # not a multiple of 128: padding differs at TP=1 (384) and TP=2 (512)
 
 COMMON_LLAMA = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -297,7 +299,7 @@ def write_legacy(hf_dir: Path, out: Path, *, tp: int, pp: int, iteration: int = 
         attention_dropout=0.0, attention_backend=AttnBackend.auto, iteration=iteration, ckpt_format="torch",
         **(extra_args or {}))
     per_stage = m.num_layers // pp
-    it_dir = out / f"iter_{iteration:07d}"
+    it_dir = out / iter_name(iteration)
     for p in range(pp):
         local = {}
         for key, t in tensors.items():

@@ -67,7 +67,7 @@ def generate(
 def build_recipe(recipe_path: Optional[Path], flags: dict, *, tensor: Optional[int], pipeline: Optional[int],
                  overrides: list[str]):
     """The checkpoint's recipe, then the RECIPE file's sections, then the flags, then --set."""
-    from megacli.engine.checkpoint import find_checkpoint
+    from megacli.checkpoint.layout import find_checkpoint
     from megacli.errors import UserError
     from megacli.recipe import base
     from megacli.recipe.generate import GenerateRecipe

@@ -33,11 +33,9 @@ from typing import Iterator
 
 import torch
 
+from megacli.checkpoint.layout import iteration_dir, rank_files
 from megacli.errors import UserError
 
-TRACKER = "latest_checkpointed_iteration.txt"
-FILE = "model_optim_rng.pt"
-_RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(_\d{3})?\Z")
 
 # Legacy-model (megatron/legacy/model) and local-spec names -> canonical (TE-style) names.
 _RENAMES = [
@@ -121,48 +119,6 @@ def load_file(path: Path, *, trust_pickle: bool) -> dict:
 
 
 # ---------------------------------------------------------------- locating files
-
-
-def is_legacy_dir(path: Path) -> bool:
-    return (path / TRACKER).is_file() or any(_RANK_DIR.match(p.name) for p in _subdirs(path))
-
-
-def _subdirs(path: Path) -> list[Path]:
-    return [p for p in path.iterdir() if p.is_dir()] if path.is_dir() else []
-
-
-def iteration_dir(path: Path) -> Path:
-    """The iteration directory (holding mp_rank_*) of a legacy checkpoint root or iteration dir."""
-    if (path / TRACKER).is_file():
-        text = (path / TRACKER).read_text().strip()
-        name = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else None
-        if name is None or not (path / name).is_dir():
-            raise UserError(f"{path / TRACKER} says {text!r}, but there is no matching iteration directory")
-        return path / name
-    return path
-
-
-def rank_files(it_dir: Path) -> dict[tuple[int, int], Path]:
-    """(tp rank, pp rank) -> model_optim_rng.pt."""
-    files = {}
-    for d in _subdirs(it_dir):
-        m = _RANK_DIR.match(d.name)
-        if not m:
-            continue
-        if m.group(3):
-            raise UserError(f"{d}: expert-parallel (MoE) legacy checkpoints are not supported")
-        f = d / FILE
-        if not f.is_file():
-            raise UserError(f"{d} has no {FILE}")
-        files[(int(m.group(1)), int(m.group(2) or 0))] = f
-    if not files:
-        raise UserError(f"{it_dir}: no mp_rank_* directories (not a Megatron-LM legacy checkpoint)")
-    tps = sorted({t for t, _ in files})
-    pps = sorted({p for _, p in files})
-    missing = [f"mp_rank_{t:02d}_{p:03d}" for t in tps for p in pps if (t, p) not in files]
-    if missing or tps != list(range(len(tps))) or pps != list(range(len(pps))):
-        raise UserError(f"{it_dir}: incomplete set of rank directories (missing {', '.join(missing) or 'ranks'})")
-    return files
 
 
 def flatten(state: dict, prefix: str = "") -> dict:

@@ -17,12 +17,12 @@ import shutil
 from pathlib import Path
 from typing import Callable, Iterable
 
+from megacli.checkpoint.layout import HF_DIR, carried_hf_dir
 from megacli.convert import hf_io
 from megacli.errors import UserError
 
 FORMATS = ("hf", "megacli", "legacy")
 PRECISIONS = ("fp32", "bf16", "fp16")
-HF_DIR = "hf"
 _HF_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 Say = Callable[[str], None]
@@ -42,14 +42,12 @@ def _precision_of(dtype) -> str:
 
 def detect(path: Path) -> str:
     """'hf', 'megacli' or 'legacy' for a source path."""
-    from megacli.convert.legacy import TRACKER, is_legacy_dir
+    from megacli.checkpoint.layout import LATEST, META, TRACKER, find_checkpoint, is_legacy_dir
 
     if not path.exists():
         raise UserError(f"{path}: no such file or directory")
     if hf_io.is_hf_dir(path):
         return "hf"
-    from megacli.engine.checkpoint import LATEST, META, find_checkpoint
-
     if find_checkpoint(path) is not None:
         return "megacli"
     if is_legacy_dir(path):
@@ -224,32 +222,16 @@ def _legacy_to_megacli(legacy, work: Path, final: Path, *, parallel, dtype: str 
 # ---------------------------------------------------------------- into Hugging Face
 
 
-def carried_hf_config(ckpt: Path, recipe) -> dict | None:
-    """The Hugging Face config.json a converted checkpoint carries, None for other checkpoints."""
-    carried = _carried_hf_dir(ckpt, recipe)
-    return hf_io.read_json(carried / hf_io.CONFIG) if carried is not None else None
-
-
-def _carried_hf_dir(ckpt: Path, recipe) -> Path | None:
-    """The source HF config a converted checkpoint carries (DST/hf), or the tokenizer directory
-    when it holds a config.json."""
-    candidates = [ckpt.parent / HF_DIR]
-    if recipe.tokenizer.path:
-        tok = Path(recipe.tokenizer.path)
-        candidates.append(tok if tok.is_dir() else tok.parent)
-    return next((c for c in candidates if (c / hf_io.CONFIG).is_file()), None)
-
-
 def _megacli_to_hf(src: Path, work: Path, *, dtype: str | None, max_shard_size, say: Say) -> None:
     from megacli.convert.megatron_io import megatron_process
-    from megacli.engine.checkpoint import find_checkpoint
+    from megacli.checkpoint.layout import find_checkpoint
     from megacli.recipe.base import load
     from megacli.recipe.pretrain import TrainingRecipe
 
     ckpt = find_checkpoint(src)
     recipe = load(TrainingRecipe, ckpt / "recipe.yaml")
     source_of, what = _weights_of(ckpt, recipe)
-    carried = _carried_hf_dir(ckpt, recipe)
+    carried = carried_hf_dir(ckpt, recipe.tokenizer.path)
     vocab, tokenizer = _vocab_of(ckpt, recipe)
     tok_files = carried if carried is not None else _tokenizer_source(recipe)
     with megatron_process():
@@ -261,7 +243,7 @@ def _megacli_to_hf(src: Path, work: Path, *, dtype: str | None, max_shard_size, 
 
 
 def _lora_base(src: Path) -> Path | None:
-    from megacli.engine.checkpoint import find_checkpoint, lora_base_of
+    from megacli.checkpoint.layout import find_checkpoint, lora_base_of
 
     return lora_base_of(find_checkpoint(src))
 
@@ -300,7 +282,7 @@ def _merge_lora(src: Path, work: Path, final: Path, *, parallel, dtype: str | No
     """A LoRA run's checkpoint -> a full megacli checkpoint (adapters merged into the base weights),
     with the tokenizer files and HF config the run used."""
     from megacli.convert.megatron_io import megatron_process, write_checkpoint
-    from megacli.engine.checkpoint import find_checkpoint
+    from megacli.checkpoint.layout import find_checkpoint
     from megacli.recipe.base import load
     from megacli.recipe.pretrain import TrainingRecipe
 
@@ -313,7 +295,7 @@ def _merge_lora(src: Path, work: Path, final: Path, *, parallel, dtype: str | No
         precision = dtype or _precision_of(source.dtype())
         tensors = {k: t for group in source.groups() for k, t in group.items()}
     tokenizer = recipe.tokenizer.model_dump()
-    hf = _carried_hf_dir(ckpt, recipe)
+    hf = carried_hf_dir(ckpt, recipe.tokenizer.path)
     if hf is not None:
         for name in (hf_io.CONFIG, hf_io.GENERATION_CONFIG):
             if (hf / name).is_file():

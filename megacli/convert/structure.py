@@ -24,7 +24,7 @@ def structure(path: Path, *, trust_pickle: bool = False) -> Iterator[str]:
             yield _row(key, *weights.describe(key))
     elif fmt == "megacli":
         from megacli.convert.megatron_io import CheckpointReader
-        from megacli.engine.checkpoint import find_checkpoint, read_meta
+        from megacli.checkpoint.layout import find_checkpoint, read_meta
 
         ckpt = find_checkpoint(path)
         meta = read_meta(ckpt)

@@ -22,15 +22,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megacli.checkpoint.layout import LATEST, META, find_checkpoint, iter_name, lora_base_of, read_meta, read_recipe
 from megacli.errors import UserError
 
-LATEST = "latest"
-META = "megacli.json"
+__all__ = ["LATEST", "META", "find_checkpoint", "iter_name", "lora_base_of", "read_meta", "load", "save"]
+
 OPTIM_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
-
-
-def iter_name(iteration: int) -> str:
-    return f"iter_{iteration:07d}"
 
 
 @dataclass(frozen=True)
@@ -38,24 +35,6 @@ class Restored:
     iteration: int
     consumed_samples: int
     path: Path
-
-
-def find_checkpoint(path: str | Path) -> Path | None:
-    """A checkpoint directory from a run directory (via `latest`) or an iteration directory itself."""
-    path = Path(path)
-    if (path / META).is_file():
-        return path
-    pointer = path / LATEST
-    if pointer.is_file():
-        target = path / pointer.read_text().strip()
-        if (target / META).is_file():
-            return target
-        raise UserError(f"{pointer} names {target.name}, which is not a complete checkpoint")
-    return None
-
-
-def read_meta(ckpt: Path) -> dict:
-    return json.loads((ckpt / META).read_text())
 
 
 def _layout() -> dict:
@@ -233,11 +212,10 @@ def _prepare_distributed_optimizer_load(optimizer) -> None:
 def _check_optimizer_kind(ckpt: Path, optimizer) -> None:
     """The distributed and the standard optimizer save differently named state; loading one into
     the other fails deep inside Megatron. Say what to do instead."""
-    import yaml
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    recipe = yaml.safe_load((ckpt / "recipe.yaml").read_text()) if (ckpt / "recipe.yaml").is_file() else {}
-    saved = bool(((recipe or {}).get("parallel") or {}).get("distributed_optimizer", False))
+    recipe = read_recipe(ckpt)
+    saved = bool((recipe.get("parallel") or {}).get("distributed_optimizer", False))
     running = any(isinstance(o, DistributedOptimizer) for o in getattr(optimizer, "chained_optimizers", [optimizer]))
     if saved != running:
         kind = {True: "distributed", False: "standard"}
@@ -246,17 +224,6 @@ def _check_optimizer_kind(ckpt: Path, optimizer) -> None:
             f"{ckpt} holds {kind[saved]}-optimizer state but this run uses the {kind[running]} optimizer "
             f"(parallel.distributed_optimizer={str(running).lower()}). Convert it with "
             f"`megacli reshard {ckpt} NEW_DIR {flag}`, or set checkpoint.load_optimizer=false to load the weights only.")
-
-
-def lora_base_of(ckpt: Path) -> Path | None:
-    """The base checkpoint of a LoRA run's checkpoint (which holds adapters only), else None."""
-    base = read_meta(ckpt).get("lora", {}).get("base")
-    if base is None:
-        return None
-    found = find_checkpoint(base) if Path(base).exists() else None
-    if found is None:
-        raise UserError(f"{ckpt} holds LoRA adapters for the base checkpoint {base}, which is not there any more")
-    return found
 
 
 def load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool) -> Restored:

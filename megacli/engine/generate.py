@@ -360,7 +360,7 @@ class Seq2Seq:
         self.decoder_start = self._decoder_start(ckpt, bos)
 
     def _decoder_start(self, ckpt, bos: int | None) -> int:
-        from megacli.convert.run import carried_hf_config
+        from megacli.checkpoint.layout import carried_hf_config
 
         start = self.recipe.generate.decoder_start_token
         if start is None:

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+from megacli.checkpoint.layout import LATEST, META, RECIPE, is_legacy_dir, iter_name, locate
 from megacli.errors import UserError
-from megacli.reshard.plan import META, RECIPE, Checkpoint, Plan, Target, build_plan, resolve_target
+from megacli.reshard.plan import Checkpoint, Plan, Target, build_plan, resolve_target
 from megacli.reshard.store import Digest, bytes_digest, fsync_dir, object_digest, tmp_sibling, write_torch_dist
 
-LATEST = "latest"
 
 
 class VerifyFailed(UserError):
@@ -73,22 +73,8 @@ class VerifyReport:
 
 
 def find_source(path: str | Path) -> Path:
-    """The iteration directory of a megacli checkpoint (a run's checkpoint dir via `latest`, or an
-    iteration directory)."""
-    from megacli.engine.checkpoint import find_checkpoint
-
-    p = Path(path)
-    if not p.exists():
-        raise UserError(f"{p}: no such checkpoint")
-    found = find_checkpoint(p)
-    if found is None:
-        from megacli.reshard import legacy
-
-        if legacy.is_legacy(p):
-            return p
-        raise UserError(f"{p}: not a checkpoint (expected a directory with '{LATEST}' or '{META}', or a Megatron-LM "
-                        f"checkpoint with mp_rank_* directories)")
-    return found
+    """The iteration directory of a megacli checkpoint, or a Megatron-LM legacy checkpoint's path."""
+    return locate(path)[0]
 
 
 def _check_output(output: Path, source: Path, overwrite: bool) -> None:
@@ -155,7 +141,7 @@ def _reshard(source, output, *, tensor, pipeline, virtual_pipeline, data_paralle
                             "(Megatron-LM can still train the result with --use-distributed-optimizer after a torch_dist save)")
         distributed_optimizer = False
     original = src_dir
-    if legacy.is_legacy(src_dir):
+    if is_legacy_dir(src_dir):
         src_dir = legacy.import_to_staging(src_dir, where=output.resolve().parent, trust_pickle=trust_pickle, progress=progress)
     try:
         src = Checkpoint(src_dir)
@@ -171,7 +157,7 @@ def _reshard(source, output, *, tensor, pipeline, virtual_pipeline, data_paralle
         tmp = tmp_sibling(output, "reshard")
         if tmp.exists():
             shutil.rmtree(tmp)  # a previous reshard that did not finish
-        it_name = src_dir.name if src_dir.name.startswith("iter_") else f"iter_{src.iteration:07d}"
+        it_name = src_dir.name if src_dir.name.startswith("iter_") else iter_name(src.iteration)
         it_dir = tmp / it_name
         it_dir.mkdir(parents=True)
         write_plan(plan, it_dir, progress)
@@ -247,19 +233,19 @@ def verify(source: str | Path, target: str | Path, *, trust_pickle: bool = False
 
 
 def _verify(source, target, *, trust_pickle: bool, progress) -> VerifyReport:
-    from megacli.engine.checkpoint import find_checkpoint
+    from megacli.checkpoint.layout import find_checkpoint
     from megacli.reshard import legacy
 
     src_dir = find_source(source)
     tgt_path = Path(target)
     tgt_dir = find_checkpoint(tgt_path) if tgt_path.exists() else None
     if tgt_dir is None:
-        if tgt_path.exists() and legacy.is_legacy(tgt_path):
+        if tgt_path.exists() and is_legacy_dir(tgt_path):
             tgt_dir = legacy.import_to_staging(tgt_path, where=tgt_path.resolve().parent, trust_pickle=trust_pickle, progress=progress)
         else:
             raise UserError(f"{target}: not a checkpoint")
     staged_src = src_dir
-    if legacy.is_legacy(src_dir):
+    if is_legacy_dir(src_dir):
         try:
             staged_src = legacy.import_to_staging(src_dir, where=tgt_path.resolve().parent, trust_pickle=trust_pickle,
                                                   progress=progress)

@@ -9,12 +9,12 @@ from megacli.errors import UserError
 
 def inspect_checkpoint(path: str | Path, *, trust_pickle: bool = False) -> dict:
     """Format, layout, iteration, recipe and a row per tensor (global shape, dtype, split)."""
+    from megacli.checkpoint.layout import locate
     from megacli.reshard import legacy
-    from megacli.reshard.core import find_source
     from megacli.reshard.plan import RNG_KEY, Checkpoint, describe_split, split_optimizer_key
 
-    src = find_source(path)
-    if legacy.is_legacy(src):
+    src, kind = locate(path)
+    if kind == "legacy":
         return legacy.inspect(src, trust_pickle=trust_pickle)
     ck = Checkpoint(src)
     meta = ck.meta

@@ -45,10 +45,9 @@ from typing import Optional
 
 import torch
 
+from megacli.checkpoint.layout import FILE, TRACKER, iter_name
 from megacli.errors import UserError
 
-TRACKER = "latest_checkpointed_iteration.txt"
-FILE = "model_optim_rng.pt"
 STAGING_PREFIX = ".megacli-legacy-"
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _SCHED_STEPS = ("num_steps", "lr_warmup_steps", "lr_decay_steps", "wd_incr_steps", "wsd_decay_steps")
@@ -69,13 +68,6 @@ _LAYER_ORDER = (
 )
 _TOP_FIRST = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
 _TOP_LAST = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight", "output_layer.bias")
-
-
-def is_legacy(path: Path) -> bool:
-    from megacli.convert.legacy import is_legacy_dir
-
-    path = Path(path)
-    return path.is_dir() and is_legacy_dir(path)
 
 
 def _no_wd(name: str, t: torch.Tensor) -> bool:
@@ -329,7 +321,7 @@ def import_to_staging(path: Path, *, where: Path, trust_pickle: bool = False, pr
     gbs = recipe.train.global_batch_size
     where.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=where))
-    it_dir = staging / f"iter_{src.ck.iteration:07d}"
+    it_dir = staging / iter_name(src.ck.iteration)
     it_dir.mkdir()
 
     keys = src.canonical_keys()
@@ -512,7 +504,7 @@ def export(it_dir: Path, out: Path, *, progress=None) -> list[str]:
             notes.append("RNG state is the CPU backend's (CPU generator states): in Megatron-LM on CUDA, load with --no-load-rng")
     gbs = recipe.train.global_batch_size
     args = _args_from_recipe(recipe, ck, reader)
-    it_name = f"iter_{ck.iteration:07d}"
+    it_name = iter_name(ck.iteration)
     per_chunk = L // (P * V)
     total = T * P
     done = progress("exporting", total) if progress else (lambda key: None)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import copy
 import io
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,11 +37,10 @@ from typing import Optional
 
 import torch
 
+from megacli.checkpoint.layout import RECIPE, read_meta, read_recipe
 from megacli.errors import UserError
 from megacli.reshard.store import ObjectEntry, TensorEntry, TorchDistReader
 
-META = "megacli.json"
-RECIPE = "recipe.yaml"
 OPT_PREFIX = "optimizer.state."
 RNG_KEY = re.compile(r"^rng_state/shard_(\d+)\.(\d+)_(\d+)\.(\d+)$")
 _STACKED = re.compile(r"(?:^|\.)layers\.(?!\d)")
@@ -105,20 +103,15 @@ class Checkpoint:
     """A megacli torch_dist checkpoint (iteration directory): labels, recipe and entries."""
 
     def __init__(self, path: Path):
-        import yaml
-
         self.path = path
-        try:
-            self.meta = json.loads((path / META).read_text())
-        except (OSError, ValueError) as exc:
-            raise UserError(f"{path / META}: cannot read ({exc})") from None
+        self.meta = read_meta(path)
         fmt = self.meta.get("format", "torch_dist")
         if fmt != "torch_dist":
             raise UserError(f"{path}: format {fmt!r}; expected torch_dist")
         recipe_file = path / RECIPE
         if not recipe_file.is_file():
             raise UserError(f"{path}: no {RECIPE} (reshard needs the run's recipe to know the model and write the new one)")
-        self.recipe_raw = yaml.safe_load(recipe_file.read_text()) or {}
+        self.recipe_raw = read_recipe(path)
         self.layout = Layout.from_meta(self.meta.get("layout") or {})
         self.reader = TorchDistReader(path)
         self._common: dict | None = None
