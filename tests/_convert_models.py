@@ -181,8 +181,9 @@ def _canonical_from_hf(hf_dir: Path, *, padded_rows: int) -> tuple[dict, object]
     """Global Megatron tensors (canonical keys) of an HF model, via its family's mapping table."""
     import re
 
+    from megacli.checkpoint.sharding import is_vocab_key
     from megacli.convert import families, hf_io
-    from megacli.convert.mapping import VOCAB_KEYS, fit_vocab_rows
+    from megacli.convert.mapping import fit_vocab_rows
     from megacli.recipe.model import ModelSection
 
     config = hf_io.read_json(hf_dir / "config.json")
@@ -198,7 +199,7 @@ def _canonical_from_hf(hf_dir: Path, *, padded_rows: int) -> tuple[dict, object]
             if not all(by_name.get(h) for h in table.hf_keys_for(key)):
                 continue  # e.g. position embeddings of a RoPE model
             t = table.to_megatron(key, lambda n: weights.get(by_name[n]))
-            if key in VOCAB_KEYS:
+            if is_vocab_key(key):
                 t = fit_vocab_rows(t, rows=padded_rows, vocab_size=model.vocab_size, key=key)
             out[key] = t
     assert all(re.match(r"(embedding|decoder|encoder|output_layer|lm_head|pooler|binary_head)\.", k) for k in out)

@@ -33,9 +33,9 @@ from typing import Iterator
 
 import torch
 
+from megacli.checkpoint import sharding
 from megacli.checkpoint.layout import iteration_dir, rank_files
 from megacli.errors import UserError
-
 
 # Legacy-model (megatron/legacy/model) and local-spec names -> canonical (TE-style) names.
 _RENAMES = [
@@ -62,9 +62,6 @@ _RENAMES = [(re.compile(a), b) for a, b in _RENAMES]
 # Not weights: TE/fp8 extra state, RoPE frequency buffers, the last stage's copy of a tied embedding.
 _SKIP = re.compile(r"(_extra_state$|inv_freq$|^word_embeddings_for_head\.)")
 
-_COLUMN = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias", "linear_qkv.weight",
-           "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias")
-_ROW = ("linear_proj.weight", "linear_fc2.weight")
 _LAYER = re.compile(r"^(?:decoder|encoder)\.layers\.(\d+)\.(.*)$")
 _CROSS_ATTENTION = re.compile(r"(inter_attention|cross_attention|language_model\.decoder\.)")
 
@@ -345,19 +342,7 @@ class LegacyCheckpoint:
         return shards
 
     def _merge(self, name: str, parts: list[torch.Tensor]) -> torch.Tensor:
-        shapes = {tuple(p.shape) for p in parts}
-        if len(shapes) > 1:
-            raise UserError(f"{name}: tensor-parallel shards have different shapes {sorted(shapes)}")
-        if len(parts) == 1:
-            return parts[0]
-        if name.endswith(("linear_fc1.weight", "linear_fc1.bias")) and self.swiglu:
-            halves = [p.chunk(2, dim=0) for p in parts]
-            return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-        if name.endswith(_COLUMN):
-            return torch.cat(parts, dim=0)
-        if name.endswith(_ROW):
-            return torch.cat(parts, dim=1)
-        return parts[0]
+        return sharding.merge(name, parts, gated=self.swiglu)
 
     def groups(self, meta: bool = False) -> Iterator[dict[str, torch.Tensor]]:
         """Global tensors by canonical key, merged one group at a time: per pipeline stage its

@@ -26,7 +26,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from megacli.convert.mapping import VOCAB_KEYS, fit_vocab_rows
+from megacli.checkpoint.sharding import is_vocab_key
+from megacli.convert.mapping import fit_vocab_rows
 from megacli.errors import UserError
 
 _LAYER_IN_STATE_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -104,7 +105,7 @@ def shape_mismatch(key: str, got: tuple, want: tuple, source: str) -> UserError:
         diff = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
         if len(diff) == 1:
             g, w = got[diff[0]], want[diff[0]]
-            if key in VOCAB_KEYS and diff[0] == 0:
+            if is_vocab_key(key) and diff[0] == 0:
                 cause = "wrong vocabulary size or padding (model.vocab_size / make_vocab_size_divisible_by × TP)"
             elif w % g == 0:
                 cause = (f"the source holds 1/{w // g} of dimension {diff[0]}: a tensor-parallel shard "
@@ -147,7 +148,7 @@ def write_checkpoint(*, recipe, dst: Path, iteration: int, fetch: Callable[[str]
                         stacked_key, stacked = key, fetch(key)
                     tensor = stacked[int(expert.group(1))]
                 want = tuple(sh.data.shape)
-                if key in VOCAB_KEYS and tensor.dim() == len(want) and tensor.shape[1:] == want[1:]:
+                if is_vocab_key(key) and tensor.dim() == len(want) and tensor.shape[1:] == want[1:]:
                     tensor = fit_vocab_rows(tensor, rows=want[0], vocab_size=vocab_size, key=key)
                 if tuple(tensor.shape) != want:
                     raise shape_mismatch(key, tensor.shape, want, "the source")

@@ -20,29 +20,24 @@ from typing import Callable, Iterable
 from megacli.checkpoint.layout import HF_DIR, carried_hf_dir
 from megacli.convert import hf_io
 from megacli.errors import UserError
+from megacli.precision import DTYPES, params_dtype, precision_of
 
 FORMATS = ("hf", "megacli", "legacy")
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = tuple(DTYPES)
 _HF_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 Say = Callable[[str], None]
 
 
-def _torch_dtype(precision: str):
-    import torch
-
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-
-
-def _precision_of(dtype) -> str:
-    import torch
-
-    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
-
-
 def detect(path: Path) -> str:
     """'hf', 'megacli' or 'legacy' for a source path."""
-    from megacli.checkpoint.layout import LATEST, META, TRACKER, find_checkpoint, is_legacy_dir
+    from megacli.checkpoint.layout import (
+        LATEST,
+        META,
+        TRACKER,
+        find_checkpoint,
+        is_legacy_dir,
+    )
 
     if not path.exists():
         raise UserError(f"{path}: no such file or directory")
@@ -150,8 +145,8 @@ def _hf_to_megacli(src: Path, work: Path, final: Path, *, parallel, dtype: str |
     family, arch = families.for_hf_config(config)
     model = family.model_section(config)
     weights = hf_io.HFWeights(src)
-    precision = dtype or _precision_of(weights.dtype())
-    target = _torch_dtype(precision)
+    precision = dtype or precision_of(weights.dtype())
+    target = params_dtype(precision)
 
     hf_dir = work / HF_DIR
     hf_dir.mkdir()
@@ -191,8 +186,8 @@ def _legacy_to_megacli(legacy, work: Path, final: Path, *, parallel, dtype: str 
     from megacli.convert.megatron_io import write_checkpoint
 
     model = legacy.model_section()
-    precision = dtype or _precision_of(legacy.dtype())
-    target = _torch_dtype(precision)
+    precision = dtype or precision_of(legacy.dtype())
+    target = params_dtype(precision)
     hf_dir = work / HF_DIR
     copied = hf_io.copy_tokenizer_files(legacy.tokenizer_dir(), hf_dir) if legacy.tokenizer_dir() else []
     tokenizer = _tokenizer_section(final / HF_DIR, copied)
@@ -223,8 +218,8 @@ def _legacy_to_megacli(legacy, work: Path, final: Path, *, parallel, dtype: str 
 
 
 def _megacli_to_hf(src: Path, work: Path, *, dtype: str | None, max_shard_size, say: Say) -> None:
-    from megacli.convert.megatron_io import megatron_process
     from megacli.checkpoint.layout import find_checkpoint
+    from megacli.convert.megatron_io import megatron_process
     from megacli.recipe.base import load
     from megacli.recipe.pretrain import TrainingRecipe
 
@@ -281,8 +276,8 @@ def _vocab_of(ckpt: Path, recipe) -> tuple[int, object]:
 def _merge_lora(src: Path, work: Path, final: Path, *, parallel, dtype: str | None, say: Say) -> None:
     """A LoRA run's checkpoint -> a full megacli checkpoint (adapters merged into the base weights),
     with the tokenizer files and HF config the run used."""
-    from megacli.convert.megatron_io import megatron_process, write_checkpoint
     from megacli.checkpoint.layout import find_checkpoint
+    from megacli.convert.megatron_io import megatron_process, write_checkpoint
     from megacli.recipe.base import load
     from megacli.recipe.pretrain import TrainingRecipe
 
@@ -292,7 +287,7 @@ def _merge_lora(src: Path, work: Path, final: Path, *, parallel, dtype: str | No
     vocab, _ = _vocab_of(ckpt, recipe)
     with megatron_process():  # the merged weights held once, as an import holds them
         source = source_of()
-        precision = dtype or _precision_of(source.dtype())
+        precision = dtype or precision_of(source.dtype())
         tensors = {k: t for group in source.groups() for k, t in group.items()}
     tokenizer = recipe.tokenizer.model_dump()
     hf = carried_hf_dir(ckpt, recipe.tokenizer.path)
@@ -306,7 +301,7 @@ def _merge_lora(src: Path, work: Path, final: Path, *, parallel, dtype: str | No
             tokenizer = _tokenizer_section(final / HF_DIR, copied)
     out = converted_recipe(model={**recipe.model.model_dump(), "vocab_size": vocab}, parallel=parallel, precision=precision,
                            tokenizer=tokenizer, resume=final)
-    target = _torch_dtype(precision)
+    target = params_dtype(precision)
     written = write_checkpoint(recipe=out, dst=work, iteration=0, fetch=lambda key: tensors.pop(key).to(target),
                                vocab_size=vocab, extra_meta={"converted_from": {"format": "megacli lora", "path": str(ckpt.resolve())}})
     say(f"{what} -> megacli checkpoint {final / written.name} ({precision})")
@@ -320,9 +315,8 @@ def _tokenizer_source(recipe) -> Path | None:
 
 
 def _legacy_to_hf(legacy, work: Path, *, dtype: str | None, max_shard_size, say: Say) -> None:
-    from megacli.recipe.model import ModelSection
-
     from megacli.data.tokenizers import load_tokenizer
+    from megacli.recipe.model import ModelSection
 
     model = ModelSection(**legacy.model_section())
     tok_dir, wordpiece = legacy.tokenizer_dir(), legacy.wordpiece_vocab()
@@ -345,22 +339,23 @@ def _export_hf(source, model, work: Path, *, vocab: int, carried: Path | None, t
     """Write an HF directory from a source of canonical global tensors (``canonical_keys()``,
     ``groups(meta)``, ``dtype()``: a megacli or a legacy checkpoint): weights streamed tensor by
     tensor, then generation config, tokenizer files and config.json."""
+    from megacli.checkpoint.sharding import is_vocab_key
     from megacli.convert import families
-    from megacli.convert.mapping import VOCAB_KEYS, fit_vocab_rows
+    from megacli.convert.mapping import fit_vocab_rows
 
     base = hf_io.read_json(carried / hf_io.CONFIG) if carried is not None else None
     preferred = (base.get("architectures") or [None])[0] if base else None
     family, arch = families.for_model(model, preferred=preferred)
     table = family.table(model)
-    precision = dtype or _precision_of(source.dtype())
-    target = _torch_dtype(precision)
+    precision = dtype or precision_of(source.dtype())
+    target = params_dtype(precision)
     for key in source.canonical_keys():
         table.rule_for(key)  # every stored tensor has a rule, before anything is written
 
     def converted(meta: bool) -> Iterable:
         for group in source.groups(meta=meta):
             for key, t in group.items():
-                if key in VOCAB_KEYS:
+                if is_vocab_key(key):
                     t = fit_vocab_rows(t, rows=vocab, vocab_size=vocab, key=key)
                 try:
                     pairs = table.to_hf(key, t)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from megacli.plan import padded_vocab_size
+from megacli.precision import params_dtype
 
 __all__ = ["transformer_config", "build_model", "padded_vocab_size", "init_weights", "unwrap"]
 
@@ -28,10 +29,6 @@ def _activation(name: str):
         "relu": (F.relu, False),
         "squared_relu": (lambda x: torch.pow(F.relu(x), 2), False),
     }[name]
-
-
-def params_dtype(precision: str) -> torch.dtype:
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
 def _drawn_later(tensor):

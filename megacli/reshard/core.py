@@ -20,11 +20,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from megacli.checkpoint.layout import LATEST, META, RECIPE, is_legacy_dir, iter_name, locate
+from megacli.checkpoint.layout import (
+    LATEST,
+    META,
+    RECIPE,
+    is_legacy_dir,
+    iter_name,
+    locate,
+)
 from megacli.errors import UserError
 from megacli.reshard.plan import Checkpoint, Plan, Target, build_plan, resolve_target
-from megacli.reshard.store import Digest, bytes_digest, fsync_dir, object_digest, tmp_sibling, write_torch_dist
-
+from megacli.reshard.store import (
+    Digest,
+    bytes_digest,
+    fsync_dir,
+    object_digest,
+    tmp_sibling,
+    write_torch_dist,
+)
 
 
 class VerifyFailed(UserError):

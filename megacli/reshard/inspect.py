@@ -11,7 +11,12 @@ def inspect_checkpoint(path: str | Path, *, trust_pickle: bool = False) -> dict:
     """Format, layout, iteration, recipe and a row per tensor (global shape, dtype, split)."""
     from megacli.checkpoint.layout import locate
     from megacli.reshard import legacy
-    from megacli.reshard.plan import RNG_KEY, Checkpoint, describe_split, split_optimizer_key
+    from megacli.reshard.plan import (
+        RNG_KEY,
+        Checkpoint,
+        describe_split,
+        split_optimizer_key,
+    )
 
     src, kind = locate(path)
     if kind == "legacy":

@@ -46,7 +46,9 @@ from typing import Optional
 import torch
 
 from megacli.checkpoint.layout import FILE, TRACKER, iter_name
+from megacli.checkpoint.sharding import GATED_SPLIT, merge, shard, split_of
 from megacli.errors import UserError
+from megacli.precision import params_dtype
 
 STAGING_PREFIX = ".megacli-legacy-"
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
@@ -73,40 +75,6 @@ _TOP_LAST = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "
 def _no_wd(name: str, t: torch.Tensor) -> bool:
     """Megatron-Core's default: no weight decay for biases and 1-D parameters."""
     return name.endswith(".bias") or t.dim() == 1
-
-
-def _tp_dim(name: str, swiglu: bool) -> Optional[str | int]:
-    from megacli.reshard.plan import _COLUMN, _ROW
-
-    if swiglu and name.endswith(("linear_fc1.weight", "linear_fc1.bias")):
-        return "glu"
-    if name.endswith(_COLUMN):
-        return 0
-    if name.endswith(_ROW):
-        return 1
-    return None
-
-
-def _merge(name: str, parts: list[torch.Tensor], swiglu: bool) -> torch.Tensor:
-    if len(parts) == 1:
-        return parts[0]
-    dim = _tp_dim(name, swiglu)
-    if dim == "glu":
-        halves = [p.chunk(2, dim=0) for p in parts]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-    if dim is None:
-        return parts[0]
-    return torch.cat(parts, dim=dim)
-
-
-def _shard(name: str, t: torch.Tensor, tp: int, rank: int, swiglu: bool) -> torch.Tensor:
-    dim = _tp_dim(name, swiglu)
-    if tp == 1 or dim is None:
-        return t.clone()
-    if dim == "glu":
-        gate, up = t.chunk(2, dim=0)
-        return torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]]).clone()
-    return t.chunk(tp, dim=dim)[rank].clone()
 
 
 # ---------------------------------------------------------------- reading
@@ -247,7 +215,7 @@ class LegacySource:
         return groups, steps
 
     def global_tensor(self, key: str, kind: str = "weight") -> torch.Tensor:
-        return _merge(key, self.stage(self.stage_of(key))[key][kind], self.swiglu)
+        return merge(key, self.stage(self.stage_of(key))[key][kind], gated=self.swiglu)
 
     def canonical_keys(self) -> list[str]:
         keys = []
@@ -344,9 +312,9 @@ def import_to_staging(path: Path, *, where: Path, trust_pickle: bool = False, pr
         name = stacked[base][0][1]
         shards = src.stage(src.stage_of(name))[name][kind]
         shape = list(shards[0].shape)
-        dim = _tp_dim(name, swiglu)
+        dim = split_of(name, gated=swiglu)
         if len(shards) > 1 and dim is not None:
-            shape[0 if dim == "glu" else dim] *= len(shards)
+            shape[0 if dim == GATED_SPLIT else dim] *= len(shards)
         return tuple(shape), shards[0].dtype
 
     cache: dict = {}
@@ -555,7 +523,7 @@ def export(it_dir: Path, out: Path, *, progress=None) -> list[str]:
                     if base is None:  # TE extra state after the module's parameters
                         state[file_key] = io.BytesIO(b"")
                         continue
-                    state[file_key] = _shard(base, global_piece(base, layer), T, r, swiglu)
+                    state[file_key] = shard(base, global_piece(base, layer), tp=T, rank=r, gated=swiglu)
                     params.append((file_key, base, layer))
                 model_chunks["model" if V == 1 else f"model{v}"] = state
             optimizer = _legacy_optimizer(reader, params, groups, step, states, T, r, swiglu, mixed, opt_common) if opt_common else None
@@ -612,9 +580,9 @@ def _legacy_optimizer(reader, params, groups, step, states, T, r, swiglu, mixed,
                     continue
                 key = f"{OPT_PREFIX}{s}.{base}"
                 t = _piece(reader, key, layer, cache)
-                entry[s] = _shard(base, t, T, r, swiglu)
+                entry[s] = shard(base, t, tp=T, rank=r, gated=swiglu)
             if mixed:
-                fp32_group.append(_shard(base, _piece(reader, f"{OPT_PREFIX}fp32_param.{base}", layer, cache), T, r, swiglu))
+                fp32_group.append(shard(base, _piece(reader, f"{OPT_PREFIX}fp32_param.{base}", layer, cache), tp=T, rank=r, gated=swiglu))
             state[idx] = entry
             ids.append(idx)
             idx += 1
@@ -669,7 +637,7 @@ def _args_from_recipe(recipe, ck, reader) -> argparse.Namespace:
         use_distributed_optimizer=False, ckpt_format="torch", data_parallel_random_init=False,
         global_batch_size=gbs, micro_batch_size=t.micro_batch_size, train_iters=t.iters, seed=t.seed,
         bf16=t.precision == "bf16", fp16=t.precision == "fp16",
-        params_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision, torch.float32),
+        params_dtype=params_dtype(t.precision),
         optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, lr_decay_style={"wsd": "WSD"}.get(o.decay_style, o.decay_style),
         lr_decay_iters=o.decay_iters or t.iters, lr_warmup_iters=o.warmup_iters, weight_decay=o.weight_decay,
         clip_grad=o.clip_grad, adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
@@ -696,9 +664,9 @@ def inspect(path: Path, *, trust_pickle: bool = False) -> dict:
             base = f"decoder.layers.{m.group(2)}" if m else name
             for kind, shards in kinds.items():
                 shape = list(shards[0].shape)
-                dim = _tp_dim(name, src.swiglu)
+                dim = split_of(name, gated=src.swiglu)
                 if len(shards) > 1 and dim is not None:
-                    shape[0 if dim == "glu" else dim] *= len(shards)
+                    shape[0 if dim == GATED_SPLIT else dim] *= len(shards)
                 key = base if kind == "weight" else f"optimizer.state.{kind}.{base}"
                 row = rows.get(key)
                 nbytes = math.prod(shape) * shards[0].element_size()
@@ -709,7 +677,7 @@ def inspect(path: Path, *, trust_pickle: bool = False) -> dict:
                     elif dim is None:
                         split = f"replicated on {len(shards)} ranks"
                     else:
-                        split = f"{len(shards)} on dim {(0 if dim == 'glu' else dim) + (1 if m else 0)}"
+                        split = f"{len(shards)} on dim {(0 if dim == GATED_SPLIT else dim) + (1 if m else 0)}"
                     rows[key] = {"name": key, "kind": "model" if kind == "weight" else "optimizer",
                                  "shape": ([1] if m else []) + shape, "dtype": str(shards[0].dtype).replace("torch.", ""),
                                  "bytes": nbytes, "chunks": len(shards),

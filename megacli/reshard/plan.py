@@ -38,17 +38,13 @@ from typing import Optional
 import torch
 
 from megacli.checkpoint.layout import RECIPE, read_meta, read_recipe
+from megacli.checkpoint.sharding import GATED_SPLIT, is_vocab_key, rank_pieces, split_of
 from megacli.errors import UserError
 from megacli.reshard.store import ObjectEntry, TensorEntry, TorchDistReader
 
 OPT_PREFIX = "optimizer.state."
 RNG_KEY = re.compile(r"^rng_state/shard_(\d+)\.(\d+)_(\d+)\.(\d+)$")
 _STACKED = re.compile(r"(?:^|\.)layers\.(?!\d)")
-# Tensor-parallel split of Megatron-Core's GPT weights (the keys of GPTModel.sharded_state_dict()).
-_COLUMN = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias", "linear_qkv.weight",
-           "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias")
-_ROW = ("linear_proj.weight", "linear_fc2.weight")
-VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias")
 # Megatron's RNG tracker streams that are seeded per tensor-parallel rank (tensor_parallel/random.py).
 _PER_TP_STREAMS = {"model-parallel-rng": 2718, "expert-parallel-rng": 1024}
 
@@ -182,20 +178,11 @@ def target_chunks(key: str, shape: tuple[int, ...], *, tp: int, gated: bool) -> 
     axes: list[list[tuple[int, int]]] = [[(0, s)] for s in shape]
     if stacked:
         axes[0] = [(i, 1) for i in range(shape[0])]
-    tp_dim = None
-    if base.endswith(_COLUMN):
-        tp_dim = lead
-    elif base.endswith(_ROW):
-        tp_dim = lead + 1
-    if tp_dim is not None and tp_dim < ndim:
-        size = shape[tp_dim]
-        if gated and base.endswith(("linear_fc1.weight", "linear_fc1.bias")) and size % (2 * tp) == 0:
-            # SwiGLU: each rank holds its slice of the gate half and of the up half (two chunks, also at TP 1)
-            half, part = size // 2, size // (2 * tp)
-            axes[tp_dim] = [(h * half + r * part, part) for r in range(tp) for h in (0, 1)]
-        elif tp > 1 and size % tp == 0:
-            part = size // tp
-            axes[tp_dim] = [(r * part, part) for r in range(tp)]
+    split = split_of(base, gated=gated)
+    if split is not None:
+        tp_dim = lead + (0 if split == GATED_SPLIT else split)
+        if tp_dim < ndim:
+            axes[tp_dim] = rank_pieces(shape[tp_dim], tp=tp, gated_split=split == GATED_SPLIT)
     chunks: list[tuple[tuple[int, ...], tuple[int, ...]]] = [((), ())]
     for pieces in axes:
         chunks = [(o + (po,), s + (ps,)) for o, s in chunks for po, ps in pieces]
@@ -328,7 +315,7 @@ def build_plan(src: Checkpoint, target: Target, recipe=None) -> Plan:
         _, base = split_optimizer_key(key_in)
         shape = tuple(info.shape)
         rows = None  # rows of the source that exist, when the vocabulary padding changes
-        if rows_now is not None and rows_new != rows_now and base.endswith(VOCAB_KEYS) and shape and shape[0] == rows_now:
+        if rows_now is not None and rows_new != rows_now and is_vocab_key(base) and shape and shape[0] == rows_now:
             shape = (rows_new,) + shape[1:]
             rows = rows_now
             how = f"{how}, vocab rows {rows_now} → {rows_new}"

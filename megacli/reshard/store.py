@@ -63,7 +63,10 @@ class TorchDistReader:
 
     def __init__(self, path: str | Path):
         from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+        from torch.distributed.checkpoint.metadata import (
+            BytesStorageMetadata,
+            TensorStorageMetadata,
+        )
 
         self.path = Path(path)
         if not (self.path / DCP_META).is_file():
@@ -294,9 +297,21 @@ class _LazyPlanner:
     """A DCP SavePlanner over TensorEntry/ObjectEntry: write items per chunk, data on demand."""
 
     def __new__(cls, tensors: Sequence[TensorEntry], objects: Sequence[ObjectEntry], on_done: Callable[[str], None]):
-        from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-        from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
+        from torch.distributed.checkpoint.default_planner import (
+            create_default_global_save_plan,
+        )
+        from torch.distributed.checkpoint.metadata import (
+            ChunkStorageMetadata,
+            MetadataIndex,
+            TensorProperties,
+        )
+        from torch.distributed.checkpoint.planner import (
+            SavePlan,
+            SavePlanner,
+            TensorWriteData,
+            WriteItem,
+            WriteItemType,
+        )
 
         by_key = {t.key: t for t in tensors}
         obj_by_key = {o.key: o for o in objects}
