@@ -69,7 +69,7 @@ def assert_close(got: dict, want: dict, steps, rel=1e-4):
 
 def entries(ckpt: Path) -> dict:
     """What a torch_dist checkpoint holds, without the data: tensors (shape, dtype, chunks) and objects."""
-    from megacli.reshard.store import TorchDistReader
+    from megacli.checkpoint.torch_dist import TorchDistReader
 
     r = TorchDistReader(ckpt)
     return {"tensors": {k: (v.shape, v.dtype, sorted(v.chunks)) for k, v in r.tensors.items()},
@@ -148,8 +148,8 @@ def test_reshard_writes_what_the_engine_writes_under_the_new_layout(chain):
 @pytest.mark.slow
 def test_optimizer_kind_round_trip_and_vocab_padding(chain):
     """distributed -> standard gives back R1 exactly; TP 4 pads the vocabulary (512 -> 1024 rows)."""
+    from megacli.checkpoint.torch_dist import TorchDistReader
     from megacli.reshard import reshard, verify
-    from megacli.reshard.store import TorchDistReader
 
     tmp = chain["tmp"]
     back = reshard(chain["r2"], tmp / "r3", tensor=1, data_parallel=1, distributed_optimizer=False, sequence_parallel=False)
@@ -190,16 +190,15 @@ def test_inspect_human_and_json(chain):
 
 @pytest.mark.slow
 def test_verify_catches_a_corrupted_shard(chain, tmp_path):
-    from megacli.reshard.store import TorchDistReader
+    from megacli.checkpoint.torch_dist import TorchDistReader
 
     bad = tmp_path / "r2_bad"
     shutil.copytree(chain["r2"], bad)
     it = bad / "iter_0000002"
     reader = TorchDistReader(it)
     # Flip bytes in the middle of the largest stored chunk's data.
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-
     import torch
+    from torch.distributed.checkpoint.metadata import MetadataIndex
 
     key, info = max(reader.tensors.items(), key=lambda kv: kv[1].nbytes)
     storage = reader.metadata.storage_data[MetadataIndex(key, torch.Size(info.chunks[0][0]))]
@@ -280,8 +279,8 @@ def test_megatron_lm_legacy_round_trip(chain, tmp_path):
     reads the same weights."""
     import torch
 
+    from megacli.checkpoint.torch_dist import TorchDistReader
     from megacli.convert.legacy import LegacyCheckpoint
-    from megacli.reshard.store import TorchDistReader
 
     mlm = tmp_path / "megatron_lm"
     res = cli("reshard", chain["r1"], mlm, "--tensor", "2", "--pipeline", "2", "--format", "legacy")
@@ -325,7 +324,7 @@ import json, sys, threading, time
 from pathlib import Path
 import psutil, torch, yaml
 from megacli.reshard.plan import target_chunks
-from megacli.reshard.store import TensorEntry, write_torch_dist
+from megacli.checkpoint.torch_dist import TensorEntry, write_torch_dist
 
 src, recipe_from = Path(sys.argv[1]), Path(sys.argv[2])
 L, H = 64, 256

@@ -14,6 +14,7 @@ A Megatron-LM legacy (``--ckpt-format torch``) checkpoint:
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -99,6 +100,24 @@ def carried_hf_config(ckpt: Path, recipe) -> dict | None:
         return json.loads((carried / HF_CONFIG).read_text())
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot read {carried / HF_CONFIG}: {exc}") from None
+
+
+def tmp_sibling(path: Path, tag: str) -> Path:
+    """A hidden sibling of ``path`` to build it in before renaming it into place."""
+    return path.parent / f".{path.name}.{tag}-tmp"
+
+
+def fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 # ---------------------------------------------------------------- Megatron-LM legacy

@@ -24,20 +24,16 @@ from megacli.checkpoint.layout import (
     LATEST,
     META,
     RECIPE,
+    fsync_dir,
     is_legacy_dir,
     iter_name,
     locate,
-)
-from megacli.errors import UserError
-from megacli.reshard.plan import Checkpoint, Plan, Target, build_plan, resolve_target
-from megacli.reshard.store import (
-    Digest,
-    bytes_digest,
-    fsync_dir,
-    object_digest,
     tmp_sibling,
-    write_torch_dist,
 )
+from megacli.checkpoint.torch_dist import write_torch_dist
+from megacli.errors import UserError
+from megacli.reshard.digest import Digest, bytes_digest, object_digest
+from megacli.reshard.plan import Checkpoint, Plan, Target, build_plan, resolve_target
 
 
 class VerifyFailed(UserError):

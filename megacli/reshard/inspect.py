@@ -87,7 +87,7 @@ def render(info: dict, console) -> None:
     if t:
         head.add_row("training", f"precision {t.get('precision')}, global batch {t.get('global_batch_size')}, "
                      f"micro batch {t.get('micro_batch_size')}, {t.get('iters')} iters"
-                     + (f", sequence parallel" if p.get("sequence_parallel") else ""))
+                     + (", sequence parallel" if p.get("sequence_parallel") else ""))
     if info.get("resharded_from"):
         rf = info["resharded_from"]
         head.add_row("resharded from", f"{rf.get('path')} ({_layout_text(rf.get('layout') or {})})")

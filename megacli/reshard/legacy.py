@@ -276,10 +276,10 @@ def _recipe_from_args(src: LegacySource) -> dict:
 def import_to_staging(path: Path, *, where: Path, trust_pickle: bool = False, progress=None) -> Path:
     """Write the legacy checkpoint at ``path`` as a megacli torch_dist checkpoint in its own
     layout, in a new staging directory under ``where``; returns the iteration directory."""
+    from megacli.checkpoint.torch_dist import ObjectEntry, TensorEntry, write_torch_dist
     from megacli.recipe.base import dump, validate
     from megacli.recipe.pretrain import TrainingRecipe
     from megacli.reshard.plan import OPT_PREFIX, target_chunks
-    from megacli.reshard.store import ObjectEntry, TensorEntry, write_torch_dist
 
     src = LegacySource(path, trust_pickle=trust_pickle)
     from megacli.convert.legacy import _arg

@@ -39,12 +39,11 @@ import torch
 
 from megacli.checkpoint.layout import RECIPE, read_meta, read_recipe
 from megacli.checkpoint.sharding import GATED_SPLIT, is_vocab_key, rank_pieces, split_of
+from megacli.checkpoint.torch_dist import STACKED, ObjectEntry, TensorEntry, TorchDistReader
 from megacli.errors import UserError
-from megacli.reshard.store import ObjectEntry, TensorEntry, TorchDistReader
 
 OPT_PREFIX = "optimizer.state."
 RNG_KEY = re.compile(r"^rng_state/shard_(\d+)\.(\d+)_(\d+)\.(\d+)$")
-_STACKED = re.compile(r"(?:^|\.)layers\.(?!\d)")
 # Megatron's RNG tracker streams that are seeded per tensor-parallel rank (tensor_parallel/random.py).
 _PER_TP_STREAMS = {"model-parallel-rng": 2718, "expert-parallel-rng": 1024}
 
@@ -172,7 +171,7 @@ def target_chunks(key: str, shape: tuple[int, ...], *, tp: int, gated: bool) -> 
     ndim = len(shape)
     if ndim == 0:
         return [((), ())]
-    stacked = bool(_STACKED.search(base)) and ndim >= 2
+    stacked = bool(STACKED.search(base)) and ndim >= 2
     lead = 1 if stacked else 0
     # pieces along each dim: list of (offset, size)
     axes: list[list[tuple[int, int]]] = [[(0, s)] for s in shape]
@@ -200,7 +199,7 @@ def describe_split(info, num_layers: Optional[int] = None) -> str:
         if len(offsets) <= 1:
             continue
         sizes = {c[1][d] for c in info.chunks}
-        if d == 0 and sizes == {1} and len(offsets) == shape[0] and _STACKED.search(split_optimizer_key(info.key)[1]):
+        if d == 0 and sizes == {1} and len(offsets) == shape[0] and STACKED.search(split_optimizer_key(info.key)[1]):
             parts.append("per layer")
         else:
             parts.append(f"{len(offsets)} on dim {d}")
