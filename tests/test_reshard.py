@@ -149,16 +149,18 @@ def test_reshard_writes_what_the_engine_writes_under_the_new_layout(chain):
 def test_optimizer_kind_round_trip_and_vocab_padding(chain):
     """distributed -> standard gives back R1 exactly; TP 4 pads the vocabulary (512 -> 1024 rows)."""
     from megacli.checkpoint.torch_dist import TorchDistReader
+    from megacli.recipe.reshard import ReshardSection
     from megacli.reshard import reshard, verify
 
     tmp = chain["tmp"]
-    back = reshard(chain["r2"], tmp / "r3", tensor=1, data_parallel=1, distributed_optimizer=False, sequence_parallel=False)
+    back = reshard(ReshardSection(source=str(chain["r2"]), output=str(tmp / "r3"), tensor=1, data_parallel=1,
+                                  distributed_optimizer=False, sequence_parallel=False))
     assert back.target_layout == "TP 1 × PP 1 × DP 1"
     report = verify(chain["r1"], tmp / "r3")
     assert report.ok, report.line()
     assert entries(tmp / "r3" / "iter_0000002") == entries(chain["r1"] / "iter_0000002")
 
-    wide = reshard(chain["r1"], tmp / "r_tp4", tensor=4, verify_after=True)
+    wide = reshard(ReshardSection(source=str(chain["r1"]), output=str(tmp / "r_tp4"), tensor=4, verify=True))
     assert wide.verified.ok and any("1024 rows" in n for n in wide.notes), wide.notes
     src, dst = TorchDistReader(chain["r1"] / "iter_0000002"), TorchDistReader(tmp / "r_tp4" / "iter_0000002")
     for key in ("embedding.word_embeddings.weight", "optimizer.state.exp_avg.embedding.word_embeddings.weight"):
@@ -217,6 +219,7 @@ def test_verify_catches_a_corrupted_shard(chain, tmp_path):
 
 @pytest.mark.slow
 def test_refuses_to_overwrite_and_an_interrupted_reshard_leaves_no_checkpoint(chain, tmp_path):
+    from megacli.recipe.reshard import ReshardSection
     from megacli.reshard import reshard
 
     res = cli("reshard", chain["r1"], chain["r2"], "--tensor", "2")
@@ -236,7 +239,7 @@ def test_refuses_to_overwrite_and_an_interrupted_reshard_leaves_no_checkpoint(ch
         return done
 
     with pytest.raises(KeyboardInterrupt):
-        reshard(chain["r1"], out, tensor=2, progress=progress)
+        reshard(ReshardSection(source=str(chain["r1"]), output=str(out), tensor=2), progress=progress)
     assert not out.exists()
     leftovers = list(tmp_path.iterdir())
     assert all(not (p / "latest").exists() for p in leftovers)
@@ -344,6 +347,7 @@ recipe["launch"]["nproc"] = 1
     "layout": {"tensor": 1, "pipeline": 1, "virtual_pipeline": None, "data": 1, "context": 1}}))
 largest = max(torch.Size(v).numel() * 4 for v in shapes.values())
 
+from megacli.recipe.reshard import ReshardSection
 from megacli.reshard import reshard
 proc = psutil.Process()
 base = proc.memory_info().rss
@@ -354,7 +358,7 @@ def sample():
         time.sleep(0.001)
 thread = threading.Thread(target=sample)
 thread.start()
-result = reshard(src, src.parent / "out", tensor=4, pipeline=2, verify_after=True)
+result = reshard(ReshardSection(source=str(src), output=str(src.parent / "out"), tensor=4, pipeline=2, verify=True))
 stop.append(1)
 thread.join()
 print(json.dumps({"growth": peak[0] - base, "largest": largest, "total": sum(torch.Size(v).numel() * 4 for v in shapes.values()),

@@ -28,13 +28,13 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from megacli.checkpoint.safe_pickle import COMMON, DCP_METADATA, load_metadata, torch_load
 from megacli.errors import UserError
 
 # A layer-stacked key (``decoder.layers.self_attention...``): its tensors have a leading layer axis.
 STACKED = re.compile(r"(?:^|\.)layers\.(?!\d)")
-COMMON = "common.pt"
+
 BACKEND_META = "metadata.json"
-DCP_META = ".metadata"
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
 
 
@@ -62,26 +62,19 @@ class TensorInfo:
 class TorchDistReader:
     """The entries of one torch_dist checkpoint directory."""
 
-    def __init__(self, path: str | Path):
-        from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint.metadata import (
-            BytesStorageMetadata,
-            TensorStorageMetadata,
-        )
+    def __init__(self, path: str | Path, *, trust_pickle: bool = False):
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
         self.path = Path(path)
-        if not (self.path / DCP_META).is_file():
-            raise UserError(f"{self.path}: no {DCP_META} (not a torch_dist checkpoint, or an incomplete one)")
+        self.trust_pickle = trust_pickle
+        if not (self.path / DCP_METADATA).is_file():
+            raise UserError(f"{self.path}: no {DCP_METADATA} (not a torch_dist checkpoint, or an incomplete one)")
         backend = self.path / BACKEND_META
         if backend.is_file():
             kind = json.loads(backend.read_text()).get("sharded_backend")
             if kind != "torch_dist":
                 raise UserError(f"{self.path}: sharded backend {kind!r}; only torch_dist checkpoints can be resharded")
-        reader = FileSystemReader(str(self.path))
-        try:
-            self.metadata = reader.read_metadata()
-        except Exception as exc:  # noqa: BLE001 - a corrupt .metadata is a user-facing problem
-            raise UserError(f"{self.path / DCP_META}: cannot read the checkpoint metadata ({exc})") from None
+        self.metadata = load_metadata(self.path / DCP_METADATA, trust=trust_pickle)
         self._cache: list[tuple[tuple, torch.Tensor]] = []
         self._index: dict[str, tuple] = {}
         self.cache_chunks = 2
@@ -98,10 +91,7 @@ class TorchDistReader:
         path = self.path / COMMON
         if not path.is_file():
             return {}
-        try:
-            return torch.load(path, map_location="cpu", weights_only=False)
-        except Exception as exc:  # noqa: BLE001
-            raise UserError(f"{path}: cannot read ({exc})") from None
+        return torch_load(path, trust=self.trust_pickle, name=path)
 
     def read(self, key: str) -> torch.Tensor:
         """The global tensor ``key``, assembled from all its chunks."""
@@ -218,12 +208,7 @@ class TorchDistReader:
         return self._bytes(storage, key)
 
     def read_object(self, key: str):
-        try:
-            return torch.load(io.BytesIO(self.read_object_bytes(key)), map_location="cpu", weights_only=False)
-        except UserError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            raise UserError(f"{self.path}: cannot decode {key} ({_first_line(exc)})") from None
+        return torch_load(io.BytesIO(self.read_object_bytes(key)), trust=self.trust_pickle, name=f"{self.path} ({key})")
 
     def files(self) -> list[Path]:
         return sorted(self.path.glob("*.distcp"))

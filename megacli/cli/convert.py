@@ -32,8 +32,8 @@ def convert(
     max_shard_size: Annotated[Optional[str], typer.Option("--max-shard-size", help="HF export: largest shard, e.g. 2GB.",
                                                           show_default=False)] = None,
     print_structure: Annotated[bool, typer.Option("--print-structure", help="List keys, shapes and dtypes of PATH.")] = False,
-    trust_pickle: Annotated[bool, typer.Option("--trust-pickle", help="Legacy checkpoints: allow arbitrary pickled objects "
-                                                                      "(only for sources you trust).")] = False,
+    trust_pickle: Annotated[bool, typer.Option("--trust-pickle", help="Unpickle any object the source holds (by default only "
+                                                                      "tensors and known-safe types; a pickle can run code: only for sources you trust).")] = False,
     set_: SetOpt = None,
 ) -> None:
     from megacli.errors import UserError

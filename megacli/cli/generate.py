@@ -40,6 +40,9 @@ def generate(
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Recompute the whole sequence each step (no KV cache).")] = False,
     score: Annotated[Optional[Path], _opt("Report log-likelihood and perplexity of this text/JSONL file.", "--score")] = None,
     cloze: Annotated[Optional[Path], _opt("LAMBADA-style last-word accuracy on this JSONL file.", "--cloze")] = None,
+    trust_pickle: Annotated[bool, typer.Option("--trust-pickle", help="Unpickle any object the checkpoint holds (by default "
+                                               "only tensors and known-safe types; a pickle can run code: only for "
+                                               "checkpoints you trust).")] = False,
     set_: SetOpt = None,
 ) -> None:
     flags = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
@@ -53,7 +56,8 @@ def generate(
         flags["logprobs"] = True
     if no_cache:
         flags["use_cache"] = False
-    job = build_recipe(recipe, flags, tensor=tensor, pipeline=pipeline, overrides=set_ or [])
+    overrides = (set_ or []) + (["checkpoint.trust_pickle=true"] if trust_pickle else [])
+    job = build_recipe(recipe, flags, tensor=tensor, pipeline=pipeline, overrides=overrides)
     g = job.generate
     if not (g.prompts or g.prompts_file or g.score or g.cloze):
         if job.world_size > 1 or not sys.stdin.isatty():
@@ -68,6 +72,7 @@ def build_recipe(recipe_path: Optional[Path], flags: dict, *, tensor: Optional[i
                  overrides: list[str]):
     """The checkpoint's recipe, then the RECIPE file's sections, then the flags, then --set."""
     from megacli.checkpoint.layout import find_checkpoint
+    from megacli.checkpoint.safe_pickle import check_checkpoint
     from megacli.errors import UserError
     from megacli.recipe import base
     from megacli.recipe.generate import GenerateRecipe
@@ -93,7 +98,9 @@ def build_recipe(recipe_path: Optional[Path], flags: dict, *, tensor: Optional[i
     train["global_batch_size"] = train.get("micro_batch_size", 1)  # no training: keep the batch arithmetic trivially valid
     raw.setdefault("run", {})["dir"] = (given.get("run") or {}).get("dir", "runs/generate")
     raw = base.apply_overrides(raw, overrides)
-    return base.validate(GenerateRecipe, raw, f"{ckpt / 'recipe.yaml'} + generate options")
+    job = base.validate(GenerateRecipe, raw, f"{ckpt / 'recipe.yaml'} + generate options")
+    check_checkpoint(ckpt, trust=job.checkpoint.trust_pickle)
+    return job
 
 
 def _merge(a: dict, b: dict) -> dict:

@@ -19,14 +19,11 @@ checkpoints (a decoder with cross-attention) are refused.
 
 Tensor-parallel shards are merged as tools/checkpoint/loader_core.py does: column-parallel
 weights along dim 0 (SwiGLU's [gate; up] halves per rank), row-parallel along dim 1, the rest
-taken from rank 0. Files are loaded with ``weights_only=True`` and an allow-list of the harmless
-globals these checkpoints contain (argparse.Namespace, NumPy RNG state, Megatron enums).
+taken from rank 0. Files are unpickled with megacli.checkpoint.safe_pickle's allow-list.
 """
 
 from __future__ import annotations
 
-import argparse
-import pickle
 import re
 from pathlib import Path
 from typing import Iterator
@@ -35,6 +32,7 @@ import torch
 
 from megacli.checkpoint import sharding
 from megacli.checkpoint.layout import iteration_dir, rank_files
+from megacli.checkpoint.safe_pickle import torch_load
 from megacli.errors import UserError
 
 # Legacy-model (megatron/legacy/model) and local-spec names -> canonical (TE-style) names.
@@ -66,56 +64,7 @@ _LAYER = re.compile(r"^(?:decoder|encoder)\.layers\.(\d+)\.(.*)$")
 _CROSS_ATTENTION = re.compile(r"(inter_attention|cross_attention|language_model\.decoder\.)")
 
 
-# ---------------------------------------------------------------- safe loading
-
-
-def _allowed_globals() -> list:
-    """Globals a legacy checkpoint holds that rebuild plain data: the run's argparse Namespace, the
-    NumPy RNG state (arrays, dtypes), TE's BytesIO extra state (and the bytes inside it), and
-    Megatron's enums in args."""
-    import enum
-    import io
-
-    import numpy as np
-
-    allowed: list = [argparse.Namespace, io.BytesIO, bytes, np.ndarray, np.dtype]
-    for mod_name in ("numpy._core.multiarray", "numpy.core.multiarray"):
-        try:
-            allowed.append(__import__(mod_name, fromlist=["_reconstruct"])._reconstruct)
-            break
-        except (ImportError, AttributeError):
-            continue
-    allowed += [type(np.dtype(t)) for t in (np.uint32, np.int64, np.float64, np.float32, np.int32, np.uint8, np.bool_)]
-    allowed += [np.uint32, np.int64, np.float64, np.float32]
-    for mod_name in ("megatron.core.transformer.enums", "megatron.core.enums"):
-        try:
-            mod = __import__(mod_name, fromlist=["*"])
-        except ImportError:
-            continue
-        allowed += [v for v in vars(mod).values() if isinstance(v, type) and issubclass(v, enum.Enum) and v.__module__ == mod_name]
-    return allowed
-
-
-def load_file(path: Path, *, trust_pickle: bool) -> dict:
-    """torch.load a legacy checkpoint file, memory-mapped; arbitrary pickled code only with trust."""
-    if trust_pickle:
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    allowed = _allowed_globals()
-    try:
-        with torch.serialization.safe_globals(allowed):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as exc:
-        names = {f"{g.__module__}.{g.__qualname__}" for g in allowed if hasattr(g, "__qualname__")}
-        try:
-            unsafe = [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(str(path)) if g not in names]
-        except Exception:  # noqa: BLE001 - the message below still says what failed
-            unsafe = []
-        what = ", ".join(unsafe) if unsafe else str(exc).splitlines()[0]
-        raise UserError(f"{path} needs arbitrary pickled code to load ({what}); megacli loads checkpoints with "
-                        f"weights_only=True. If you trust where this checkpoint came from, rerun with --trust-pickle") from None
-
-
-# ---------------------------------------------------------------- locating files
+# ---------------------------------------------------------------- key names
 
 
 def flatten(state: dict, prefix: str = "") -> dict:
@@ -240,7 +189,7 @@ class LegacyCheckpoint:
         self._first = first
 
     def _load(self, f: Path) -> dict:
-        return load_file(f, trust_pickle=self.trust_pickle)
+        return torch_load(f, trust=self.trust_pickle, name=f, mmap=True)
 
     def _arch(self, first: dict) -> str:
         """gpt or bert, from the first and last stage's keys: BERT has a masked-LM head (lm_head.*)

@@ -178,11 +178,11 @@ class CheckpointReader:
     """The model weights of a megacli (torch_dist) checkpoint as global tensors under canonical
     keys, without building a model, one layer at a time."""
 
-    def __init__(self, ckpt: Path):
+    def __init__(self, ckpt: Path, *, trust_pickle: bool = False):
         self.ckpt = ckpt
-        self.reader = TorchDistReader(ckpt)
-        self.stored = {k: (info.shape, info.dtype) for k, info in self.reader.tensors.items()
-                       if k.split(".")[0] not in _NOT_MODEL}
+        self.reader = TorchDistReader(ckpt, trust_pickle=trust_pickle)
+        self.all_tensors = {k: (info.shape, info.dtype) for k, info in self.reader.tensors.items()}
+        self.stored = {k: v for k, v in self.all_tensors.items() if k.split(".")[0] not in _NOT_MODEL}
         # Layers per stack ("decoder"; T5 also has "encoder"): the leading axis of its stacked tensors.
         self.stacks: dict[str, int] = {}
         for key, (shape, _) in self.stored.items():
@@ -244,8 +244,9 @@ class MergedLoRA:
     """A LoRA run's checkpoint read as full weights (the interface of CheckpointReader): its base
     checkpoint's tensors, each adapted weight replaced by W + (alpha / rank)·B·A."""
 
-    def __init__(self, ckpt: Path, *, base: Path, scale: float):
-        self.base, self.adapters, self.scale = CheckpointReader(base), CheckpointReader(ckpt), scale
+    def __init__(self, ckpt: Path, *, base: Path, scale: float, trust_pickle: bool = False):
+        self.base = CheckpointReader(base, trust_pickle=trust_pickle)
+        self.adapters, self.scale = CheckpointReader(ckpt, trust_pickle=trust_pickle), scale
         for key in self.adapters.canonical_keys():
             if not key.endswith(("lora_a", "lora_b")):
                 raise UserError(f"{ckpt}: a LoRA checkpoint holds adapters only, not {key}")

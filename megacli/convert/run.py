@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -29,24 +30,41 @@ _HF_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 Say = Callable[[str], None]
 
 
-def detect(path: Path) -> str:
-    """'hf', 'megacli' or 'legacy' for a source path."""
+@dataclass(frozen=True)
+class Source:
+    """What a conversion reads, resolved once: ``kind`` hf, megacli or legacy; for a megacli
+    checkpoint its iteration directory, recipe and (for a LoRA run's adapters) base checkpoint."""
+
+    path: Path
+    kind: str
+    ckpt: Path | None = None
+    recipe: object = None
+    lora_base: Path | None = None
+
+
+def resolve_source(path: Path) -> Source:
     from megacli.checkpoint.layout import (
         LATEST,
         META,
+        RECIPE,
         TRACKER,
         find_checkpoint,
         is_legacy_dir,
+        lora_base_of,
     )
 
     if not path.exists():
         raise UserError(f"{path}: no such file or directory")
     if hf_io.is_hf_dir(path):
-        return "hf"
-    if find_checkpoint(path) is not None:
-        return "megacli"
+        return Source(path, "hf")
+    ckpt = find_checkpoint(path)
+    if ckpt is not None:
+        from megacli.recipe.base import load
+        from megacli.recipe.pretrain import TrainingRecipe
+
+        return Source(path, "megacli", ckpt=ckpt, recipe=load(TrainingRecipe, ckpt / RECIPE), lora_base=lora_base_of(ckpt))
     if is_legacy_dir(path):
-        return "legacy"
+        return Source(path, "legacy")
     raise UserError(f"{path}: not a Hugging Face model directory (config.json), a megacli checkpoint ({META} or {LATEST}) "
                     f"or a Megatron-LM legacy checkpoint ({TRACKER} or mp_rank_* directories)")
 
@@ -59,12 +77,12 @@ def convert(src: str | Path, dst: str | Path, *, to: str | None = None, parallel
     from megacli.recipe.sections import ParallelSection
 
     src, dst = Path(src).expanduser(), Path(dst).expanduser()
-    fmt = detect(src)
+    source = resolve_source(src)
+    fmt = source.kind
     to = to or ("hf" if fmt == "megacli" else "megacli")
     if to not in ("hf", "megacli"):
         raise UserError(f"--to {to!r}: expected hf or megacli")
-    lora_run = fmt == "megacli" and _lora_base(src) is not None
-    if to == fmt and not lora_run:
+    if to == fmt and source.lora_base is None:
         hint = " (to change a megacli checkpoint's layout, just load it under the new one)" if fmt == "megacli" else ""
         raise UserError(f"{src} is already a {fmt} checkpoint{hint}")
     if dtype is not None and dtype not in PRECISIONS:
@@ -79,11 +97,11 @@ def convert(src: str | Path, dst: str | Path, *, to: str | None = None, parallel
     work.mkdir(parents=True)
     try:
         if fmt == "hf":
-            _hf_to_megacli(src, work, final, parallel=parallel, dtype=dtype, say=say)
+            _hf_to_megacli(src, work, final, parallel=parallel, dtype=dtype, trust_pickle=trust_pickle, say=say)
         elif fmt == "megacli" and to == "megacli":
-            _merge_lora(src, work, final, parallel=parallel, dtype=dtype, say=say)
+            _merge_lora(source, work, final, parallel=parallel, dtype=dtype, trust_pickle=trust_pickle, say=say)
         elif fmt == "megacli":
-            _megacli_to_hf(src, work, dtype=dtype, max_shard_size=max_shard_size, say=say)
+            _megacli_to_hf(source, work, dtype=dtype, max_shard_size=max_shard_size, trust_pickle=trust_pickle, say=say)
         else:
             from megacli.convert.legacy import LegacyCheckpoint
 
@@ -136,7 +154,8 @@ def _tokenizer_section(final_hf_dir: Path, copied: list[str]) -> dict:
     return {"type": "null"}
 
 
-def _hf_to_megacli(src: Path, work: Path, final: Path, *, parallel, dtype: str | None, say: Say) -> None:
+def _hf_to_megacli(src: Path, work: Path, final: Path, *, parallel, dtype: str | None, trust_pickle: bool,
+                   say: Say) -> None:
     from megacli.convert import families
     from megacli.convert.mapping import unconsumed
     from megacli.convert.megatron_io import write_checkpoint
@@ -144,7 +163,7 @@ def _hf_to_megacli(src: Path, work: Path, final: Path, *, parallel, dtype: str |
     config = hf_io.read_json(src / hf_io.CONFIG)
     family, arch = families.for_hf_config(config)
     model = family.model_section(config)
-    weights = hf_io.HFWeights(src)
+    weights = hf_io.HFWeights(src, trust_pickle=trust_pickle)
     precision = dtype or precision_of(weights.dtype())
     target = params_dtype(precision)
 
@@ -217,44 +236,36 @@ def _legacy_to_megacli(legacy, work: Path, final: Path, *, parallel, dtype: str 
 # ---------------------------------------------------------------- into Hugging Face
 
 
-def _megacli_to_hf(src: Path, work: Path, *, dtype: str | None, max_shard_size, say: Say) -> None:
-    from megacli.checkpoint.layout import find_checkpoint
+def _megacli_to_hf(source: Source, work: Path, *, dtype: str | None, max_shard_size, trust_pickle: bool,
+                   say: Say) -> None:
     from megacli.convert.megatron_io import megatron_process
-    from megacli.recipe.base import load
-    from megacli.recipe.pretrain import TrainingRecipe
 
-    ckpt = find_checkpoint(src)
-    recipe = load(TrainingRecipe, ckpt / "recipe.yaml")
-    source_of, what = _weights_of(ckpt, recipe)
+    ckpt, recipe = source.ckpt, source.recipe
+    reader_of, what = _weights_of(source, trust_pickle=trust_pickle)
     carried = carried_hf_dir(ckpt, recipe.tokenizer.path)
     vocab, tokenizer = _vocab_of(ckpt, recipe)
     tok_files = carried if carried is not None else _tokenizer_source(recipe)
     with megatron_process():
-        _export_hf(source_of(), recipe.model, work, vocab=vocab, carried=carried, tokenizer=tokenizer,
+        _export_hf(reader_of(), recipe.model, work, vocab=vocab, carried=carried, tokenizer=tokenizer,
                    tokenizer_src=tok_files, dtype=dtype, max_shard_size=max_shard_size, say=say, what=what)
     sp = Path(recipe.tokenizer.path or "")
     if recipe.tokenizer.type == "sentencepiece" and sp.is_file() and not (work / "tokenizer.model").exists():
         shutil.copy2(sp, work / "tokenizer.model")  # the name HF's SentencePiece tokenizers look for
 
 
-def _lora_base(src: Path) -> Path | None:
-    from megacli.checkpoint.layout import find_checkpoint, lora_base_of
-
-    return lora_base_of(find_checkpoint(src))
-
-
-def _weights_of(ckpt: Path, recipe):
+def _weights_of(source: Source, *, trust_pickle: bool):
     """A reader of the checkpoint's full weights (made inside megatron_process()), and its description:
     a LoRA run's adapters are merged into its base weights."""
     from megacli.convert.megatron_io import CheckpointReader, MergedLoRA
 
-    base = _lora_base(ckpt)
+    ckpt, base, recipe = source.ckpt, source.lora_base, source.recipe
     if base is None:
-        return (lambda: CheckpointReader(ckpt)), f"megacli checkpoint {ckpt}"
+        return (lambda: CheckpointReader(ckpt, trust_pickle=trust_pickle)), f"megacli checkpoint {ckpt}"
     if recipe.lora is None:
         raise UserError(f"{ckpt} holds LoRA adapters but its recipe.yaml has no lora section (rank and alpha)")
     scale = recipe.lora.alpha / recipe.lora.rank
-    return (lambda: MergedLoRA(ckpt, base=base, scale=scale)), f"LoRA checkpoint {ckpt} merged into {base}"
+    return ((lambda: MergedLoRA(ckpt, base=base, scale=scale, trust_pickle=trust_pickle)),
+            f"LoRA checkpoint {ckpt} merged into {base}")
 
 
 def _vocab_of(ckpt: Path, recipe) -> tuple[int, object]:
@@ -273,22 +284,19 @@ def _vocab_of(ckpt: Path, recipe) -> tuple[int, object]:
     return vocab or tokenizer.vocab_size, tokenizer
 
 
-def _merge_lora(src: Path, work: Path, final: Path, *, parallel, dtype: str | None, say: Say) -> None:
+def _merge_lora(source: Source, work: Path, final: Path, *, parallel, dtype: str | None, trust_pickle: bool,
+                say: Say) -> None:
     """A LoRA run's checkpoint -> a full megacli checkpoint (adapters merged into the base weights),
     with the tokenizer files and HF config the run used."""
-    from megacli.checkpoint.layout import find_checkpoint
     from megacli.convert.megatron_io import megatron_process, write_checkpoint
-    from megacli.recipe.base import load
-    from megacli.recipe.pretrain import TrainingRecipe
 
-    ckpt = find_checkpoint(src)
-    recipe = load(TrainingRecipe, ckpt / "recipe.yaml")
-    source_of, what = _weights_of(ckpt, recipe)
+    ckpt, recipe = source.ckpt, source.recipe
+    reader_of, what = _weights_of(source, trust_pickle=trust_pickle)
     vocab, _ = _vocab_of(ckpt, recipe)
     with megatron_process():  # the merged weights held once, as an import holds them
-        source = source_of()
-        precision = dtype or precision_of(source.dtype())
-        tensors = {k: t for group in source.groups() for k, t in group.items()}
+        reader = reader_of()
+        precision = dtype or precision_of(reader.dtype())
+        tensors = {k: t for group in reader.groups() for k, t in group.items()}
     tokenizer = recipe.tokenizer.model_dump()
     hf = carried_hf_dir(ckpt, recipe.tokenizer.path)
     if hf is not None:

@@ -13,22 +13,22 @@ def _row(key: str, shape, dtype) -> str:
 
 def structure(path: Path, *, trust_pickle: bool = False) -> Iterator[str]:
     from megacli.convert import hf_io
-    from megacli.convert.run import detect
+    from megacli.convert.run import resolve_source
 
-    fmt = detect(path)
-    if fmt == "hf":
+    source = resolve_source(path)
+    if source.kind == "hf":
         config = hf_io.read_json(path / hf_io.CONFIG)
-        weights = hf_io.HFWeights(path)
+        weights = hf_io.HFWeights(path, trust_pickle=trust_pickle)
         yield f"Hugging Face model {path}: {(config.get('architectures') or ['?'])[0]}, {len(weights.keys())} tensors"
         for key in weights.keys():
             yield _row(key, *weights.describe(key))
-    elif fmt == "megacli":
+    elif source.kind == "megacli":
+        from megacli.checkpoint.layout import read_meta
         from megacli.convert.megatron_io import CheckpointReader
-        from megacli.checkpoint.layout import find_checkpoint, read_meta
 
-        ckpt = find_checkpoint(path)
+        ckpt = source.ckpt
         meta = read_meta(ckpt)
-        reader = CheckpointReader(ckpt)
+        reader = CheckpointReader(ckpt, trust_pickle=trust_pickle)
         yield (f"megacli checkpoint {ckpt}: iteration {meta.get('iteration')}, saved under {meta.get('layout')}, "
                f"optimizer state: {'yes' if meta.get('has_optimizer', True) else 'no'}; global shapes "
                f"(layers stacked along the first axis)")

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from megacli.checkpoint.layout import LATEST, META, find_checkpoint, iter_name, lora_base_of, read_meta, read_recipe
+from megacli.checkpoint.safe_pickle import check_torch_dist
 from megacli.errors import UserError
 
 __all__ = ["LATEST", "META", "find_checkpoint", "iter_name", "lora_base_of", "read_meta", "load", "save"]
@@ -226,12 +227,13 @@ def _check_optimizer_kind(ckpt: Path, optimizer) -> None:
             f"`megacli reshard {ckpt} NEW_DIR {flag}`, or set checkpoint.load_optimizer=false to load the weights only.")
 
 
-def load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool) -> Restored:
+def load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool, trust_pickle: bool = False) -> Restored:
     """Load model (and optimizer, scheduler, RNG when asked and possible) into the built chunks.
     The RNG state is restored only when the layout is unchanged (it is per rank).
 
     A model with LoRA adapters takes its base weights from a full checkpoint (the adapters keep
-    their initial values) or from the base a LoRA checkpoint names, then the adapters from it."""
+    their initial values) or from the base a LoRA checkpoint names, then the adapters from it.
+    ``trust_pickle``: unpickle whatever the checkpoint holds (see megacli.checkpoint.safe_pickle)."""
     from megacli.engine.lora import is_adapter_key
     from megacli.engine.models import unwrap
 
@@ -240,19 +242,20 @@ def load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool) -> R
     if base is None:
         keep = None if not has_adapters else (lambda k: not is_adapter_key(k))
         return _load(ckpt=ckpt, chunks=chunks, optimizer=optimizer, scheduler=scheduler, load_optimizer=load_optimizer,
-                     keep=keep)
+                     keep=keep, trust_pickle=trust_pickle)
     if not has_adapters:
         raise UserError(f"{ckpt} holds LoRA adapters only: load it with its recipe's lora section, or merge them into "
                         f"the base weights first (`megacli convert {ckpt} DST --to megacli`)")
     _load(ckpt=base, chunks=chunks, optimizer=None, scheduler=None, load_optimizer=False,
-          keep=lambda k: not is_adapter_key(k))
+          keep=lambda k: not is_adapter_key(k), trust_pickle=trust_pickle)
     return _load(ckpt=ckpt, chunks=chunks, optimizer=optimizer, scheduler=scheduler, load_optimizer=load_optimizer,
-                 keep=is_adapter_key)
+                 keep=is_adapter_key, trust_pickle=trust_pickle)
 
 
-def _load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool, keep) -> Restored:
+def _load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool, keep, trust_pickle: bool) -> Restored:
     from megatron.core import dist_checkpointing
 
+    check_torch_dist(ckpt, trust=trust_pickle)  # Megatron and torch unpickle these files unrestricted
     meta = read_meta(ckpt)
     restore_rng = meta.get("layout") == _layout() and meta.get("has_rng_state", True)
     has_optimizer = load_optimizer and meta.get("has_optimizer", True)

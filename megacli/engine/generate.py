@@ -58,7 +58,8 @@ class Model:
         self.vocab_size = vocab_size  # as training sized it: model.vocab_size, else the tokenizer's
         chunks = build_model(recipe=recipe, config=self.config, vocab_size=self.vocab_size)
         chunks = [c.to(runtime.device) for c in chunks]
-        checkpoint.load(ckpt=ckpt, chunks=chunks, optimizer=None, scheduler=None, load_optimizer=False)
+        checkpoint.load(ckpt=ckpt, chunks=chunks, optimizer=None, scheduler=None, load_optimizer=False,
+                        trust_pickle=recipe.checkpoint.trust_pickle)
         self.net = unwrap(chunks[0]).eval()
         lean_linears(self.net)
         lean_layers(self.net)
@@ -354,7 +355,8 @@ class Seq2Seq:
         config = transformer_config(model=m, parallel=recipe.parallel, precision=recipe.train.precision,
                                     on_cuda=runtime.is_cuda)
         chunks = [c.to(runtime.device) for c in build_model(recipe=recipe, config=config, vocab_size=vocab_size)]
-        checkpoint.load(ckpt=ckpt, chunks=chunks, optimizer=None, scheduler=None, load_optimizer=False)
+        checkpoint.load(ckpt=ckpt, chunks=chunks, optimizer=None, scheduler=None, load_optimizer=False,
+                        trust_pickle=recipe.checkpoint.trust_pickle)
         self.net, self.device, self.vocab_size = unwrap(chunks[0]).eval(), runtime.device, vocab_size
         self.recipe = recipe
         self.decoder_start = self._decoder_start(ckpt, bos)

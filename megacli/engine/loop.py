@@ -215,11 +215,12 @@ def _train(recipe, runtime) -> None:
     pretrained = _pretrained_source(ck) if source is None else None
     if source is not None:
         restored = checkpoint.load(ckpt=source, chunks=trainer.chunks, optimizer=trainer.optimizer,
-                                   scheduler=trainer.scheduler, load_optimizer=ck.load_optimizer)
+                                   scheduler=trainer.scheduler, load_optimizer=ck.load_optimizer,
+                                   trust_pickle=ck.trust_pickle)
         start_iter, consumed = restored.iteration, restored.consumed_samples
     elif pretrained is not None:
         checkpoint.load(ckpt=pretrained, chunks=trainer.chunks, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
-                        load_optimizer=False)
+                        load_optimizer=False, trust_pickle=ck.trust_pickle)
 
     reporting = is_reporting_rank()
     m = recipe.model

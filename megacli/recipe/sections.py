@@ -271,6 +271,9 @@ class CheckpointSection(Section):
     e.g. one from `megacli convert`. Its optimizer state and iteration are not used."""
     keep_last: Optional[PositiveInt] = None
     """Delete older iterations, keeping this many (null = keep all)."""
+    trust_pickle: bool = False
+    """Unpickle any object the checkpoints loaded (resume, pretrained, LoRA base) hold; by default
+    only tensors and known-safe types, since a pickle can run code. Only for checkpoints you trust."""
 
 
 class RunSection(Section):

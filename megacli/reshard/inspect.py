@@ -21,7 +21,7 @@ def inspect_checkpoint(path: str | Path, *, trust_pickle: bool = False) -> dict:
     src, kind = locate(path)
     if kind == "legacy":
         return legacy.inspect(src, trust_pickle=trust_pickle)
-    ck = Checkpoint(src)
+    ck = Checkpoint(src, trust_pickle=trust_pickle)
     meta = ck.meta
     tensors = []
     total = 0

@@ -436,14 +436,14 @@ def cleanup_staging(path: Path) -> None:
 # ---------------------------------------------------------------- writing
 
 
-def export(it_dir: Path, out: Path, *, progress=None) -> list[str]:
+def export(it_dir: Path, out: Path, *, trust_pickle: bool = False, progress=None) -> list[str]:
     """Write the megacli checkpoint ``it_dir`` (standard optimizer, any layout) as a Megatron-LM
     legacy checkpoint in its layout under ``out`` (created). Returns notes for the user."""
     from megacli.recipe.base import validate
     from megacli.recipe.pretrain import TrainingRecipe
     from megacli.reshard.plan import OPT_PREFIX, Checkpoint, split_optimizer_key
 
-    ck = Checkpoint(it_dir)
+    ck = Checkpoint(it_dir, trust_pickle=trust_pickle)
     if ck.optimizer_kind == "distributed":
         raise UserError("internal error: export needs the standard optimizer's format")
     recipe = validate(TrainingRecipe, ck.recipe_raw, str(it_dir / "recipe.yaml"))

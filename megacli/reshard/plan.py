@@ -97,7 +97,7 @@ class Layout:
 class Checkpoint:
     """A megacli torch_dist checkpoint (iteration directory): labels, recipe and entries."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, *, trust_pickle: bool = False):
         self.path = path
         self.meta = read_meta(path)
         fmt = self.meta.get("format", "torch_dist")
@@ -108,7 +108,7 @@ class Checkpoint:
             raise UserError(f"{path}: no {RECIPE} (reshard needs the run's recipe to know the model and write the new one)")
         self.recipe_raw = read_recipe(path)
         self.layout = Layout.from_meta(self.meta.get("layout") or {})
-        self.reader = TorchDistReader(path)
+        self.reader = TorchDistReader(path, trust_pickle=trust_pickle)
         self._common: dict | None = None
 
     @property
