@@ -148,16 +148,18 @@ def _unsafe_globals(source, exc: Exception, megatron: bool) -> str:
     text = str(exc)
     marker = "Unsupported global: GLOBAL "
     if marker in text:
-        return text.split(marker, 1)[1].split()[0]
+        name = text.split(marker, 1)[1].split()[0]
+        return name if "." in name else f"builtins.{name}"
     return _first_line(exc)
 
 
-def check_torch_dist(ckpt: Path, *, trust: bool) -> None:
+def check_torch_dist(ckpt: Path, *, trust: bool):
     """Refuse a torch_dist checkpoint directory whose pickles (``.metadata``, ``common.pt``, the
     sharded objects) need globals beyond the allow-lists, before Megatron or torch unpickles
-    them without restriction. Corrupt files are refused too, naming the file."""
+    them without restriction. Corrupt files are refused too, naming the file. Returns the
+    checkpoint's metadata."""
     if trust:
-        return
+        return load_metadata(ckpt / DCP_METADATA, trust=True)
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     metadata = load_metadata(ckpt / DCP_METADATA, trust=False)
@@ -175,6 +177,7 @@ def check_torch_dist(ckpt: Path, *, trust: bool) -> None:
             if len(data) != storage.length:
                 raise UserError(f"{shard}: truncated ({index.fqn} needs {storage.length} bytes at {storage.offset})")
             torch_load(io.BytesIO(data), trust=False, name=f"{shard} ({index.fqn})")
+    return metadata
 
 
 def check_checkpoint(path: str | Path, *, trust: bool) -> None:

@@ -28,7 +28,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from megacli.checkpoint.safe_pickle import COMMON, DCP_METADATA, load_metadata, torch_load
+from megacli.checkpoint.safe_pickle import COMMON, DCP_METADATA, check_torch_dist, torch_load
 from megacli.errors import UserError
 
 # A layer-stacked key (``decoder.layers.self_attention...``): its tensors have a leading layer axis.
@@ -74,7 +74,7 @@ class TorchDistReader:
             kind = json.loads(backend.read_text()).get("sharded_backend")
             if kind != "torch_dist":
                 raise UserError(f"{self.path}: sharded backend {kind!r}; only torch_dist checkpoints can be resharded")
-        self.metadata = load_metadata(self.path / DCP_METADATA, trust=trust_pickle)
+        self.metadata = check_torch_dist(self.path, trust=trust_pickle)
         self._cache: list[tuple[tuple, torch.Tensor]] = []
         self._index: dict[str, tuple] = {}
         self.cache_chunks = 2

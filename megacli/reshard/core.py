@@ -148,6 +148,8 @@ def _reshard(job, progress) -> Result:
                                            progress=progress)
     try:
         src = Checkpoint(src_dir, trust_pickle=job.trust_pickle)
+        if job.format == "legacy":
+            legacy.check_exportable(src.recipe_raw, src_dir)
         target = resolve_target(src.layout, src.section("parallel"), tensor=job.tensor, pipeline=job.pipeline,
                                 virtual_pipeline=job.virtual_pipeline, data_parallel=job.data_parallel,
                                 distributed_optimizer=distributed_optimizer, sequence_parallel=job.sequence_parallel,

@@ -436,6 +436,14 @@ def cleanup_staging(path: Path) -> None:
 # ---------------------------------------------------------------- writing
 
 
+def check_exportable(recipe_raw: dict, where: Path) -> None:
+    """Refuse, before anything is written, a model the legacy export cannot name."""
+    arch = ((recipe_raw.get("model") or {}).get("arch")) or "gpt"
+    if arch != "gpt":
+        raise UserError(f"{where}: a {arch.upper()} checkpoint; the legacy export writes GPT checkpoints only. For the "
+                        f"weights in another format, use `megacli convert {where} DST --to hf`")
+
+
 def export(it_dir: Path, out: Path, *, trust_pickle: bool = False, progress=None) -> list[str]:
     """Write the megacli checkpoint ``it_dir`` (standard optimizer, any layout) as a Megatron-LM
     legacy checkpoint in its layout under ``out`` (created). Returns notes for the user."""
@@ -520,8 +528,8 @@ def export(it_dir: Path, out: Path, *, trust_pickle: bool = False, progress=None
                 if unknown:
                     raise UserError(f"{it_dir}: no Megatron-LM name/order for {sorted(unknown)}")
                 for base, layer, file_key in entries:
-                    if base is None:  # TE extra state after the module's parameters
-                        state[file_key] = io.BytesIO(b"")
+                    if base is None:  # TE extra state after the module's parameters: none, as Megatron-LM's local layers
+                        state[file_key] = None
                         continue
                     state[file_key] = shard(base, global_piece(base, layer), tp=T, rank=r, gated=swiglu)
                     params.append((file_key, base, layer))
