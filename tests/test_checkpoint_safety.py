@@ -162,7 +162,7 @@ def test_corrupt_metadata_and_truncated_files_are_clear_errors(clean, tmp_path):
 def test_truncated_legacy_file_is_a_clear_error(tmp_path):
     import argparse
 
-    from megacli.convert.legacy import LegacyCheckpoint
+    from megacli.checkpoint.legacy import LegacyCheckpoint
     from megacli.errors import UserError
 
     rank = tmp_path / "legacy" / ITER / "mp_rank_00"

@@ -283,7 +283,7 @@ def test_megatron_lm_legacy_round_trip(chain, tmp_path):
     import torch
 
     from megacli.checkpoint.torch_dist import TorchDistReader
-    from megacli.convert.legacy import LegacyCheckpoint
+    from megacli.checkpoint.legacy import LegacyCheckpoint
 
     mlm = tmp_path / "megatron_lm"
     res = cli("reshard", chain["r1"], mlm, "--tensor", "2", "--pipeline", "2", "--format", "legacy")

@@ -103,7 +103,7 @@ def convert(src: str | Path, dst: str | Path, *, to: str | None = None, parallel
         elif fmt == "megacli":
             _megacli_to_hf(source, work, dtype=dtype, max_shard_size=max_shard_size, trust_pickle=trust_pickle, say=say)
         else:
-            from megacli.convert.legacy import LegacyCheckpoint
+            from megacli.checkpoint.legacy import LegacyCheckpoint
 
             legacy = LegacyCheckpoint(src, trust_pickle=trust_pickle)
             if to == "hf":
@@ -217,7 +217,7 @@ def _legacy_to_megacli(legacy, work: Path, final: Path, *, parallel, dtype: str 
     recipe = converted_recipe(model=model, parallel=parallel, precision=precision, tokenizer=tokenizer, resume=final)
 
     def check_keys(megatron_keys: list[str]) -> None:
-        stored = legacy.canonical_keys()
+        stored = set(legacy.canonical_keys())
         missing, extra = sorted(set(megatron_keys) - stored), sorted(stored - set(megatron_keys))
         if missing or extra:
             raise UserError(f"{legacy.it_dir}: the weights do not match the model its args describe"

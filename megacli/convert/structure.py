@@ -35,7 +35,7 @@ def structure(path: Path, *, trust_pickle: bool = False) -> Iterator[str]:
         for key, (shape, dtype) in sorted(reader.all_tensors.items()):
             yield _row(key, shape, dtype)
     else:
-        from megacli.convert.legacy import LegacyCheckpoint
+        from megacli.checkpoint.legacy import LegacyCheckpoint
 
         legacy = LegacyCheckpoint(path, trust_pickle=trust_pickle)
         a = legacy.args

@@ -5,18 +5,14 @@
 
 Each file holds that rank's model state dict(s) (``model``, or ``model0``, ``model1``... with
 virtual pipeline stages; layers numbered within the chunk), its optimizer's state dict, the LR
-scheduler, its RNG state and the run's ``args``. megacli.convert.legacy reads the weights
-(Megatron-Core or legacy-model key names, tensor-parallel shards merged); here the rest comes
-along, so a run moves between Megatron-LM and megacli with its optimizer:
+scheduler, its RNG state and the run's ``args``. megacli.checkpoint.legacy reads the weights
+and the optimizer state (Megatron-Core or legacy-model key names, tensor-parallel shards merged);
+here they are carried over with the rest, so a run moves between Megatron-LM and megacli with its
+optimizer:
 
-* optimizer - the standard optimizer's torch state dict indexes parameters by position: group
-  by group, each group's parameters in the model's ``named_parameters()`` order, which is the
-  order of the parameters in the saved model state dict. Megatron-Core puts weights in one group
-  and biases and 1-D parameters (norms), which take no weight decay, in another. So position ->
-  name comes from the file itself, whatever layer spec wrote it; each group is matched by its
-  ``wd_mult``. Adam moments and fp32 main weights are then merged across tensor-parallel ranks
-  like the weights they belong to. (The distributed optimizer's legacy ``distrib_optim.pt``
-  shards are not supported: resume such a run once in Megatron-LM with torch_dist.)
+* optimizer - Adam moments and fp32 main weights, merged and split like the weights they belong
+  to. (The distributed optimizer's legacy ``distrib_optim.pt`` shards are not supported: resume
+  such a run once in Megatron-LM with torch_dist.)
 * scheduler - Megatron-LM counts scheduler steps in samples, megacli in iterations: the step
   fields are divided (import) or multiplied (export) by the global batch size;
 * RNG state - one per (tensor, pipeline) rank in both formats, carried over as stored (a CPU
@@ -37,7 +33,6 @@ import argparse
 import io
 import json
 import math
-import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -46,12 +41,13 @@ from typing import Optional
 import torch
 
 from megacli.checkpoint.layout import FILE, TRACKER, iter_name
-from megacli.checkpoint.sharding import GATED_SPLIT, merge, shard, split_of
+from megacli.checkpoint.legacy import LAYER, LegacyCheckpoint
+from megacli.checkpoint.legacy_args import arg, recipe_from_args
+from megacli.checkpoint.sharding import GATED_SPLIT, shard, split_of
 from megacli.errors import UserError
 from megacli.precision import params_dtype
 
 STAGING_PREFIX = ".megacli-legacy-"
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _SCHED_STEPS = ("num_steps", "lr_warmup_steps", "lr_decay_steps", "wd_incr_steps", "wsd_decay_steps")
 # The linear modules with Transformer Engine extra state (fp8 metadata), as megacli's torch_dist keeps them.
 _EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
@@ -72,205 +68,20 @@ _TOP_FIRST = ("embedding.word_embeddings.weight", "embedding.position_embeddings
 _TOP_LAST = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight", "output_layer.bias")
 
 
-def _no_wd(name: str, t: torch.Tensor) -> bool:
-    """Megatron-Core's default: no weight decay for biases and 1-D parameters."""
-    return name.endswith(".bias") or t.dim() == 1
-
-
 # ---------------------------------------------------------------- reading
 
 
-class LegacySource:
-    """A legacy checkpoint as canonical global tensors (weights and optimizer state), one pipeline
-    stage's files open at a time."""
-
-    def __init__(self, path: Path, *, trust_pickle: bool = False):
-        from megacli.convert.legacy import LegacyCheckpoint
-        from megacli.engine.distributed import quiet_megatron_imports
-
-        quiet_megatron_imports()  # the safe-load allow-list imports Megatron's enums
-
-        self.ck = LegacyCheckpoint(Path(path), trust_pickle=trust_pickle)
-        if self.ck.arch != "gpt":
-            raise UserError(f"{self.ck.it_dir}: a Megatron-LM {self.ck.arch.upper()} checkpoint; reshard imports legacy GPT "
-                            f"checkpoints with their optimizer state. For the weights, use `megacli convert "
-                            f"{path} DST` (then pretrain/finetune from DST)")
-        self.args = self.ck.args
-        self.tp, self.pp, self.vp = self.ck.tp, self.ck.pp, self.ck.vp
-        self.num_layers = self.ck.num_layers
-        self.swiglu = self.ck.swiglu
-        self._stage: tuple[int, dict] | None = None
-        first = self.ck._first
-        self.first = first
-        if (self.ck.it_dir / "distrib_optim.pt").exists() or any(self.ck.it_dir.glob("mp_rank_*/distrib_optim.pt")):
-            raise UserError(f"{self.ck.it_dir}: distributed-optimizer state (distrib_optim.pt) is not supported; resume the "
-                            f"run in Megatron-LM once with --ckpt-format torch_dist, or without --use-distributed-optimizer")
-        opt = first.get("optimizer")
-        inner = opt.get("optimizer", opt) if isinstance(opt, dict) else None
-        # An empty optimizer state (a run saved before its first step, or a weights-only export) = weights only.
-        self.has_optimizer = isinstance(inner, dict) and bool(inner.get("state"))
-
-    def chunk_offset(self, pp_rank: int, vp_rank: int) -> int:
-        per_chunk = self.num_layers // (self.pp * self.vp)
-        return vp_rank * (self.num_layers // self.vp) + pp_rank * per_chunk
-
-    def stage_of(self, key: str) -> int:
-        m = _LAYER.match(key)
-        if m:
-            layer = int(m.group(1))
-            per_chunk = self.num_layers // (self.pp * self.vp)
-            return (layer // per_chunk) % self.pp
-        return 0 if key.startswith("embedding.") else self.pp - 1
-
-    def stage(self, p: int) -> dict:
-        """canonical key (global layer numbers) -> {"weight"|state: [TP shards]} for stage ``p``;
-        plus "_step" and "_groups" (the optimizer's step and param groups)."""
-        if self._stage is not None and self._stage[0] == p:
-            return self._stage[1]
-        self._stage = None
-        from megacli.convert.legacy import canonical_name, flatten
-
-        out: dict = {}
-        steps = set()
-        groups = None
-        for r in range(self.tp):
-            f = self.ck.files[(r, p)]
-            state = self.first if (r, p) == (0, 0) else self.ck._load(f)
-            chunks = [state["model"]] if "model" in state else [state[f"model{v}"] for v in range(self.vp)]
-            params: list[tuple[Optional[str], str, torch.Tensor]] = []  # (canonical or None, local name, tensor)
-            for v, chunk in enumerate(chunks):
-                offset = self.chunk_offset(p, v)
-                for key, t in flatten(chunk).items():
-                    if not isinstance(t, torch.Tensor) or key.endswith(("_extra_state", "inv_freq")):
-                        continue
-                    name = canonical_name(key)
-                    if name is not None:
-                        m = _LAYER.match(name)
-                        if m:
-                            name = f"decoder.layers.{int(m.group(1)) + offset}.{m.group(2)}"
-                        if name == "output_layer.weight" and not self.ck.untied:
-                            name = None  # the last stage's copy of the tied embedding (a parameter, same state)
-                    params.append((name, key, t))
-                    if name is not None:
-                        out.setdefault(name, {}).setdefault("weight", []).append(t)
-            if self.has_optimizer:
-                g, s = self._optimizer_state(f, state.get("optimizer"), params, out)
-                groups = groups or g
-                steps |= s
-        for name, states in out.items():
-            for kind, shards in states.items():
-                if len(shards) != self.tp:
-                    raise UserError(f"{self.ck.it_dir}: {name} ({kind}) is in {len(shards)} of the {self.tp} tensor-parallel "
-                                    f"files of stage {p}")
-        if len(steps) > 1:
-            raise UserError(f"{self.ck.it_dir}: the optimizer step differs between parameters ({sorted(steps)})")
-        out["_step"] = steps.pop() if steps else None
-        out["_groups"] = groups
-        self._stage = (p, out)
-        return out
-
-    def _optimizer_state(self, f: Path, opt, params, out) -> tuple[list, set]:
-        if not isinstance(opt, dict):
-            raise UserError(f"{f}: no optimizer state")
-        if "param_state" in opt or "param_state_sharding_type" in opt:
-            raise UserError(f"{f}: distributed-optimizer state is not supported in legacy checkpoints")
-        if "fp32_from_fp16_params" in opt or "fp32_from_fp16" in opt:
-            inner = opt["optimizer"]
-            fp32 = opt.get("fp32_from_fp16_params", opt.get("fp32_from_fp16"))
-        else:
-            inner, fp32 = opt, None
-        if "state" not in inner or "param_groups" not in inner:
-            raise UserError(f"{f}: unrecognised optimizer state (keys {sorted(inner)})")
-        classes = {True: [p for p in params if _no_wd(p[1], p[2])], False: [p for p in params if not _no_wd(p[1], p[2])]}
-        used = {True: 0, False: 0}
-        steps: set = set()
-        for gi, group in enumerate(inner["param_groups"]):
-            if group.get("is_expert_parallel") or float(group.get("lr_mult", 1.0)) != 1.0:
-                raise UserError(f"{f}: optimizer param group {gi} uses expert parallelism or an lr_mult; not supported")
-            no_wd = float(group.get("wd_mult", 1.0)) == 0.0
-            members = classes[no_wd][used[no_wd]:used[no_wd] + len(group["params"])]
-            used[no_wd] += len(group["params"])
-            if len(members) != len(group["params"]):
-                raise UserError(f"{f}: optimizer param group {gi} has {len(group['params'])} parameters, the model "
-                                f"{'biases/norms' if no_wd else 'weights'} left are {len(members)}")
-            for j, (idx, (name, local, t)) in enumerate(zip(group["params"], members)):
-                st = inner["state"].get(idx, {})
-                for k in ("exp_avg", "exp_avg_sq"):
-                    if k in st and tuple(st[k].shape) != tuple(t.shape):
-                        raise UserError(f"{f}: optimizer state {idx} ({k} {tuple(st[k].shape)}) does not match parameter "
-                                        f"{local} {tuple(t.shape)}: the parameter order is not Megatron-Core's")
-                if "step" in st:
-                    steps.add(float(st["step"]))
-                if name is None:
-                    continue
-                for k in ("exp_avg", "exp_avg_sq"):
-                    if k in st:
-                        out[name].setdefault(k, []).append(st[k])
-                if fp32 is not None:
-                    out[name].setdefault("fp32_param", []).append(fp32[gi][j])
-        for no_wd, members in classes.items():
-            if used[no_wd] != len(members):
-                raise UserError(f"{f}: {len(members) - used[no_wd]} model parameters have no optimizer state")
-        groups = [{k: v for k, v in g.items() if k not in ("params", "step")} for g in inner["param_groups"]]
-        return groups, steps
-
-    def global_tensor(self, key: str, kind: str = "weight") -> torch.Tensor:
-        return merge(key, self.stage(self.stage_of(key))[key][kind], gated=self.swiglu)
-
-    def canonical_keys(self) -> list[str]:
-        keys = []
-        for p in range(self.pp):
-            keys += [k for k in self.stage(p) if not k.startswith("_")]
-        self._stage = None
-        return keys
-
-
-def _recipe_from_args(src: LegacySource) -> dict:
-    from megacli.convert.legacy import _arg
-
-    a = src.args
-    model = src.ck.model_section()
-    vocab = model.get("vocab_size")
-    tok_dir = src.ck.tokenizer_dir()
-    tokenizer = {"type": "huggingface", "path": str(tok_dir)} if tok_dir else {"type": "null", "path": None}
-    if not tok_dir:
-        model["vocab_size"] = vocab
-    gbs = int(_arg(a, "global_batch_size", 1))
-    mbs = int(_arg(a, "micro_batch_size", 1))
-    world = int(_arg(a, "world_size", src.tp * src.pp))
-    cp = int(_arg(a, "context_parallel_size", 1))
-    train_iters = _arg(a, "train_iters") or max(1, int(_arg(a, "train_samples", gbs)) // gbs)
-    warmup = _arg(a, "lr_warmup_iters", 0) or 0
-    if not warmup and _arg(a, "lr_warmup_samples"):
-        warmup = int(a.lr_warmup_samples) // gbs
-    style = str(_arg(a, "lr_decay_style", "linear"))
-    data_path = _arg(a, "data_path")
-    if isinstance(data_path, (list, tuple)) and len(data_path) == 1:
-        data = {"path": str(data_path[0]), "mock": False}
-    elif isinstance(data_path, (list, tuple)) and len(data_path) > 1 and len(data_path) % 2 == 0:
-        data = {"blend": [[float(data_path[i]), str(data_path[i + 1])] for i in range(0, len(data_path), 2)], "mock": False}
-    else:
-        data = {"mock": True}
-    return {
-        "model": model,
-        "parallel": {"tensor": src.tp, "pipeline": src.pp, "virtual_pipeline": src.vp if src.vp > 1 else None,
-                     "sequence_parallel": bool(_arg(a, "sequence_parallel", False)) and src.tp > 1, "context": cp,
-                     "distributed_optimizer": False},
-        "launch": {"nproc": world},
-        "tokenizer": tokenizer,
-        "data": data,
-        "train": {"iters": int(train_iters), "micro_batch_size": mbs, "global_batch_size": gbs,
-                  "seed": int(_arg(a, "seed", 1234)),
-                  "precision": "bf16" if _arg(a, "bf16", False) else "fp16" if _arg(a, "fp16", False) else "fp32",
-                  "eval_interval": _arg(a, "eval_interval", 1000), "eval_iters": int(_arg(a, "eval_iters", 10) or 10),
-                  "log_interval": int(_arg(a, "log_interval", 100) or 100)},
-        "optim": {"optimizer": str(_arg(a, "optimizer", "adam")), "lr": float(_arg(a, "lr", 3e-4)),
-                  "min_lr": float(_arg(a, "min_lr", 0.0)), "warmup_iters": int(warmup),
-                  "decay_style": {"WSD": "wsd", "inverse-square-root": "cosine"}.get(style, style),
-                  "decay_iters": _arg(a, "lr_decay_iters"), "weight_decay": float(_arg(a, "weight_decay", 0.01)),
-                  "clip_grad": float(_arg(a, "clip_grad", 1.0)), "adam_beta1": float(_arg(a, "adam_beta1", 0.9)),
-                  "adam_beta2": float(_arg(a, "adam_beta2", 0.999)), "adam_eps": float(_arg(a, "adam_eps", 1e-8))},
-    }
+def open_source(path: Path, *, trust_pickle: bool = False) -> LegacyCheckpoint:
+    """A legacy GPT checkpoint to import with its optimizer state."""
+    src = LegacyCheckpoint(Path(path), trust_pickle=trust_pickle, optimizer=True)
+    if src.arch != "gpt":
+        raise UserError(f"{src.it_dir}: a Megatron-LM {src.arch.upper()} checkpoint; reshard imports legacy GPT "
+                        f"checkpoints with their optimizer state. For the weights, use `megacli convert "
+                        f"{path} DST` (then pretrain/finetune from DST)")
+    if (src.it_dir / "distrib_optim.pt").exists() or any(src.it_dir.glob("mp_rank_*/distrib_optim.pt")):
+        raise UserError(f"{src.it_dir}: distributed-optimizer state (distrib_optim.pt) is not supported; resume the "
+                        f"run in Megatron-LM once with --ckpt-format torch_dist, or without --use-distributed-optimizer")
+    return src
 
 
 def import_to_staging(path: Path, *, where: Path, trust_pickle: bool = False, progress=None) -> Path:
@@ -281,27 +92,25 @@ def import_to_staging(path: Path, *, where: Path, trust_pickle: bool = False, pr
     from megacli.recipe.pretrain import TrainingRecipe
     from megacli.reshard.plan import OPT_PREFIX, target_chunks
 
-    src = LegacySource(path, trust_pickle=trust_pickle)
-    from megacli.convert.legacy import _arg
-
-    raw = _recipe_from_args(src)
-    recipe = validate(TrainingRecipe, raw, f"the recipe made from {src.ck.it_dir}'s args")
+    src = open_source(path, trust_pickle=trust_pickle)
+    raw = recipe_from_args(src)
+    recipe = validate(TrainingRecipe, raw, f"the recipe made from {src.it_dir}'s args")
     gbs = recipe.train.global_batch_size
     where.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=where))
-    it_dir = staging / iter_name(src.ck.iteration)
+    it_dir = staging / iter_name(src.iteration)
     it_dir.mkdir()
 
     keys = src.canonical_keys()
     stacked: dict[str, list[tuple[int, str]]] = {}  # megacli key -> [(layer, canonical key)]
     for k in keys:
-        m = _LAYER.match(k)
+        m = LAYER.match(k)
         base = f"decoder.layers.{m.group(2)}" if m else k
         stacked.setdefault(base, []).append((int(m.group(1)) if m else -1, k))
     L = src.num_layers
     for base, members in stacked.items():
         if base.startswith("decoder.layers.") and sorted(l for l, _ in members) != list(range(L)):
-            raise UserError(f"{src.ck.it_dir}: {base} is not in all {L} layers")
+            raise UserError(f"{src.it_dir}: {base} is not in all {L} layers")
 
     first_stage = src.stage(0)
     kinds = [k for k in ("fp32_param", "exp_avg", "exp_avg_sq") if any(k in v for n, v in first_stage.items() if not n.startswith("_"))]
@@ -331,7 +140,7 @@ def import_to_staging(path: Path, *, where: Path, trust_pickle: bool = False, pr
             if cache.get("key") != (name, kind):
                 cache.clear()
                 cache["key"] = (name, kind)
-                cache["t"] = src.global_tensor(name, kind)
+                cache["t"] = src.get(name, kind)
             t = cache["t"]
             for d, (o, s) in enumerate(zip(rest_off, rest_size)):
                 t = t.narrow(d, o, s)
@@ -351,7 +160,7 @@ def import_to_staging(path: Path, *, where: Path, trust_pickle: bool = False, pr
             key = base if kind == "weight" else f"{OPT_PREFIX}{kind}.{base}"
             tensors.append(TensorEntry(key=key, shape=shape, dtype=dtype, region=region_for(base, kind),
                                        chunks=target_chunks(key, shape, tp=src.tp, gated=swiglu), sort_key=stage_key(base)))
-    src._stage = None
+    src.forget_stage()
 
     # Sharded objects: TE extra state per layer and linear module (empty here), the RNG state per rank.
     objects = []
@@ -378,12 +187,12 @@ def import_to_staging(path: Path, *, where: Path, trust_pickle: bool = False, pr
             common["optimizer"] = body
     sched = src.first.get("opt_param_scheduler") or src.first.get("lr_scheduler")
     if sched:
-        common["scheduler"] = _scale_scheduler(sched, 1 / gbs, f"{src.ck.files[(0, 0)]}")
+        common["scheduler"] = _scale_scheduler(sched, 1 / gbs, f"{src.files[(0, 0)]}")
 
     done = progress("importing", len(tensors) + len(objects)) if progress else (lambda key: None)
     write_torch_dist(it_dir, tensors, objects, common, on_done=done)
-    consumed = int(_arg(src.args, "consumed_train_samples", src.ck.iteration * gbs) or 0)
-    meta = {"iteration": src.ck.iteration, "consumed_samples": consumed,
+    consumed = int(arg(src.args, "consumed_train_samples", src.iteration * gbs) or 0)
+    meta = {"iteration": src.iteration, "consumed_samples": consumed,
             "layout": {"tensor": src.tp, "pipeline": src.pp, "virtual_pipeline": src.vp if src.vp > 1 else None,
                        "data": recipe.data_parallel_size, "context": recipe.parallel.context},
             "format": "torch_dist", "imported_from": {"path": str(Path(path).resolve()), "format": "megatron-lm torch"}}
@@ -400,13 +209,13 @@ def _saved(obj) -> bytes:
     return buf.getvalue()
 
 
-def _rng_from_legacy(src: LegacySource, p: int, r: int) -> bytes:
-    state = src.first if (r, p) == (0, 0) else src.ck._load(src.ck.files[(r, p)])
+def _rng_from_legacy(src: LegacyCheckpoint, p: int, r: int) -> bytes:
+    state = src.first if (r, p) == (0, 0) else src.read(src.files[(r, p)])
     rng = state.get("rng_state")
     if isinstance(rng, list) and rng:
         rng = rng[0]
     if not isinstance(rng, dict):
-        raise UserError(f"{src.ck.files[(r, p)]}: no RNG state")
+        raise UserError(f"{src.files[(r, p)]}: no RNG state")
     return _saved([{"random": rng.get("random_rng_state"), "numpy": rng.get("np_rng_state"),
                     "torch": rng.get("torch_rng_state"), "cuda": rng.get("cuda_rng_state"),
                     "tracker": rng.get("rng_tracker_states") or {}}])
@@ -660,7 +469,7 @@ def _args_from_recipe(recipe, ck, reader) -> argparse.Namespace:
 
 def inspect(path: Path, *, trust_pickle: bool = False) -> dict:
     """inspect_checkpoint's answer for a legacy checkpoint (shapes from the files; no merging)."""
-    src = LegacySource(Path(path), trust_pickle=trust_pickle)
+    src = open_source(path, trust_pickle=trust_pickle)
     rows: dict[str, dict] = {}
     total = 0
     for p in range(src.pp):
@@ -668,7 +477,7 @@ def inspect(path: Path, *, trust_pickle: bool = False) -> dict:
         for name, kinds in stage.items():
             if name.startswith("_"):
                 continue
-            m = _LAYER.match(name)
+            m = LAYER.match(name)
             base = f"decoder.layers.{m.group(2)}" if m else name
             for kind, shards in kinds.items():
                 shape = list(shards[0].shape)
@@ -694,21 +503,19 @@ def inspect(path: Path, *, trust_pickle: bool = False) -> dict:
                     row["shape"][0] += 1
                     row["bytes"] += nbytes
                     row["chunks"] += len(shards)
-    src._stage = None
+    src.forget_stage()
     args = src.args
-    from megacli.convert.legacy import _arg
-
     return {
-        "path": str(path), "format": "megatron-lm legacy (torch)", "iteration": src.ck.iteration,
-        "consumed_samples": _arg(args, "consumed_train_samples"),
+        "path": str(path), "format": "megatron-lm legacy (torch)", "iteration": src.iteration,
+        "consumed_samples": arg(args, "consumed_train_samples"),
         "layout": {"tensor": src.tp, "pipeline": src.pp, "virtual_pipeline": src.vp if src.vp > 1 else None,
-                   "data": _arg(args, "data_parallel_size", 1), "context": _arg(args, "context_parallel_size", 1)},
-        "layout_text": f"TP {src.tp} × PP {src.pp}" + (f" (VP {src.vp})" if src.vp > 1 else "") + f" × DP {_arg(args, 'data_parallel_size', 1)}",
-        "world_size": src.tp * src.pp * int(_arg(args, "data_parallel_size", 1) or 1),
+                   "data": arg(args, "data_parallel_size", 1), "context": arg(args, "context_parallel_size", 1)},
+        "layout_text": f"TP {src.tp} × PP {src.pp}" + (f" (VP {src.vp})" if src.vp > 1 else "") + f" × DP {arg(args, 'data_parallel_size', 1)}",
+        "world_size": src.tp * src.pp * int(arg(args, "data_parallel_size", 1) or 1),
         "optimizer": "standard" if src.has_optimizer else None,
         "has_rng_state": "rng_state" in src.first, "scheduler_steps": (src.first.get("opt_param_scheduler") or {}).get("num_steps"),
-        "resharded_from": None, "recipe": _recipe_from_args(src), "tensors": list(rows.values()), "total_bytes": total,
+        "resharded_from": None, "recipe": recipe_from_args(src), "tensors": list(rows.values()), "total_bytes": total,
         "objects": {"rng_state": [f"mp_rank_{r:02d}" + (f"_{p:03d}" if src.pp > 1 else "") for p in range(src.pp) for r in range(src.tp)]
                     if "rng_state" in src.first else [], "other": []},
-        "files": [str(f.relative_to(src.ck.root)) for f in sorted(src.ck.files.values())],
+        "files": [str(f.relative_to(src.root)) for f in sorted(src.files.values())],
     }
