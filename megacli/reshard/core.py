@@ -134,7 +134,7 @@ def _reshard(job, progress) -> Result:
     src_dir = find_source(job.source)
     output = Path(job.output)
     _check_output(output, src_dir, job.overwrite)
-    from megacli.reshard import legacy
+    from megacli.reshard import legacy, legacy_export
 
     distributed_optimizer = job.distributed_optimizer
     if job.format == "legacy":
@@ -149,7 +149,7 @@ def _reshard(job, progress) -> Result:
     try:
         src = Checkpoint(src_dir, trust_pickle=job.trust_pickle)
         if job.format == "legacy":
-            legacy.check_exportable(src.recipe_raw, src_dir)
+            legacy_export.check_exportable(src.recipe_raw, src_dir)
         target = resolve_target(src.layout, src.section("parallel"), tensor=job.tensor, pipeline=job.pipeline,
                                 virtual_pipeline=job.virtual_pipeline, data_parallel=job.data_parallel,
                                 distributed_optimizer=distributed_optimizer, sequence_parallel=job.sequence_parallel,
@@ -172,7 +172,7 @@ def _reshard(job, progress) -> Result:
 def _write_output(job, plan: Plan, output: Path, it_name: str, progress) -> VerifyReport | None:
     """Write the plan (then, for the legacy format, export it) beside ``output`` and move it into
     place. A failure leaves nothing behind, except an output that failed verification."""
-    from megacli.reshard import legacy
+    from megacli.reshard import legacy_export
 
     tmp, legacy_tmp = tmp_sibling(output, "reshard"), tmp_sibling(output, "legacy")
     for stale in (tmp, legacy_tmp):  # a previous reshard that did not finish
@@ -188,7 +188,7 @@ def _write_output(job, plan: Plan, output: Path, it_name: str, progress) -> Veri
             if not report.ok:
                 raise VerifyFailed(report.line() + f" (the unverified output is left in {tmp})")
         if job.format == "legacy":
-            plan.notes.extend(legacy.export(it_dir, legacy_tmp, trust_pickle=job.trust_pickle, progress=progress))
+            plan.notes.extend(legacy_export.export(it_dir, legacy_tmp, trust_pickle=job.trust_pickle, progress=progress))
             shutil.rmtree(tmp)
             tmp = legacy_tmp
         else:
