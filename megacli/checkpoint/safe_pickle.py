@@ -77,7 +77,7 @@ def load_metadata(path: Path, *, trust: bool):
     except UserError:
         raise
     except Exception as exc:  # noqa: BLE001 - a torn or corrupt file
-        raise UserError(f"{path}: cannot read the checkpoint metadata ({_first_line(exc)})") from None
+        raise UserError(f"{path}: cannot read the checkpoint metadata ({first_line(exc)})") from None
 
 
 @functools.cache
@@ -130,9 +130,9 @@ def torch_load(source, *, trust: bool, name, mmap: bool = False):
             if mmap and "mmap" in str(exc):  # legacy (non-zip) serialization cannot be memory-mapped
                 mmap = False
                 continue
-            raise UserError(f"{name}: cannot read ({_first_line(exc)}); the file is truncated or corrupt") from None
+            raise UserError(f"{name}: cannot read ({first_line(exc)}); the file is truncated or corrupt") from None
         except (EOFError, OSError, ValueError) as exc:
-            raise UserError(f"{name}: cannot read ({_first_line(exc)}); the file is truncated or corrupt") from None
+            raise UserError(f"{name}: cannot read ({first_line(exc)}); the file is truncated or corrupt") from None
 
 
 def _unsafe_globals(source, exc: Exception, megatron: bool) -> str:
@@ -150,7 +150,7 @@ def _unsafe_globals(source, exc: Exception, megatron: bool) -> str:
     if marker in text:
         name = text.split(marker, 1)[1].split()[0]
         return name if "." in name else f"builtins.{name}"
-    return _first_line(exc)
+    return first_line(exc)
 
 
 def check_torch_dist(ckpt: Path, *, trust: bool):
@@ -193,6 +193,7 @@ def check_checkpoint(path: str | Path, *, trust: bool) -> None:
             check_torch_dist(each, trust=False)
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__

@@ -28,7 +28,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from megacli.checkpoint.safe_pickle import COMMON, DCP_METADATA, check_torch_dist, torch_load
+from megacli.checkpoint.safe_pickle import COMMON, DCP_METADATA, check_torch_dist, first_line, torch_load
 from megacli.errors import UserError
 
 # A layer-stacked key (``decoder.layers.self_attention...``): its tensors have a leading layer axis.
@@ -172,7 +172,7 @@ class TorchDistReader:
         except UserError:
             raise
         except Exception as exc:  # noqa: BLE001 - a torn or corrupt shard file
-            raise UserError(f"{self.path}: cannot decode {where}: {_first_line(exc)}") from None
+            raise UserError(f"{self.path}: cannot decode {where}: {first_line(exc)}") from None
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(sizes) or t.dtype != dtype:
             got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise UserError(f"{self.path}: {where} holds {got}, the metadata says {tuple(sizes)} {dtype}")
@@ -244,11 +244,6 @@ class _RangeFile(io.RawIOBase):
         got = self._f.readinto(memoryview(buf)[:n])
         self._pos += got or 0
         return got or 0
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
 # ---------------------------------------------------------------- writing
