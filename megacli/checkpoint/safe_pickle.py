@@ -5,7 +5,7 @@ elsewhere could run code. Every pickled file megacli reads goes through here:
 
 * torch.save'd files (legacy ``model_optim_rng.pt``, ``common.pt``, sharded objects such as RNG
   state, Hugging Face ``pytorch_model.bin``): ``torch.load(weights_only=True)`` - tensors,
-  storages and containers - plus the globals of ``_TORCH_LOAD_GLOBALS``;
+  storages and containers - plus the globals of ``_torch_load_globals()``;
 * torch_dist ``.metadata`` (a plain pickle, which torch's reader loads with ``pickle.load``):
   ``_MetadataUnpickler``, which builds torch.distributed.checkpoint's metadata classes only.
 

@@ -10,7 +10,7 @@ from typing import Annotated, List, Optional
 import typer
 
 from megacli.cli import app
-from megacli.cli.common import RecipeArg, SetOpt, guarded
+from megacli.cli.common import TRUST_PICKLE_HELP, RecipeArg, SetOpt, guarded
 
 
 def _opt(help: str, *names: str):
@@ -40,9 +40,7 @@ def generate(
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Recompute the whole sequence each step (no KV cache).")] = False,
     score: Annotated[Optional[Path], _opt("Report log-likelihood and perplexity of this text/JSONL file.", "--score")] = None,
     cloze: Annotated[Optional[Path], _opt("LAMBADA-style last-word accuracy on this JSONL file.", "--cloze")] = None,
-    trust_pickle: Annotated[bool, typer.Option("--trust-pickle", help="Unpickle any object the checkpoint holds (by default "
-                                               "only tensors and known-safe types; a pickle can run code: only for "
-                                               "checkpoints you trust).")] = False,
+    trust_pickle: Annotated[bool, typer.Option("--trust-pickle", help=TRUST_PICKLE_HELP)] = False,
     set_: SetOpt = None,
 ) -> None:
     flags = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,

@@ -8,7 +8,7 @@ from typing import Annotated, List, Optional
 import typer
 
 from megacli.cli import app
-from megacli.cli.common import DefaultCommandGroup, SetOpt, guarded
+from megacli.cli.common import TRUST_PICKLE_HELP, DefaultCommandGroup, SetOpt, guarded
 
 reshard_app = typer.Typer(
     cls=DefaultCommandGroup,
@@ -40,7 +40,7 @@ def run_command(
     overwrite: Annotated[Optional[bool], typer.Option("--overwrite", help="Replace an existing DST once the new checkpoint is complete.", show_default=False)] = None,
     verify: Annotated[Optional[bool], typer.Option("--verify", help="Compare every reassembled global tensor with the source before publishing.", show_default=False)] = None,
     progress: Annotated[Optional[bool], typer.Option("--progress/--no-progress", help="Show the progress bar.", show_default=False)] = None,
-    trust_pickle: Annotated[Optional[bool], typer.Option("--trust-pickle", help="Unpickle any object the checkpoint holds (by default only tensors and known-safe types; a pickle can run code: only for checkpoints you trust).", show_default=False)] = None,
+    trust_pickle: Annotated[Optional[bool], typer.Option("--trust-pickle", help=TRUST_PICKLE_HELP, show_default=False)] = None,
     set_: SetOpt = None,
 ) -> None:
     from pathlib import Path
@@ -95,7 +95,7 @@ def run_reshard(job) -> None:
 def inspect_command(
     checkpoint: Annotated[str, typer.Argument(help="Checkpoint directory (with `latest`), iteration directory, or Megatron-LM checkpoint.", show_default=False)],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of tables.")] = False,
-    trust_pickle: Annotated[bool, typer.Option("--trust-pickle", help="Unpickle any object the checkpoint holds (by default only tensors and known-safe types; a pickle can run code: only for checkpoints you trust).")] = False,
+    trust_pickle: Annotated[bool, typer.Option("--trust-pickle", help=TRUST_PICKLE_HELP)] = False,
 ) -> None:
     import json
 
@@ -117,7 +117,7 @@ def verify_command(
     source: Annotated[str, typer.Argument(help="The original checkpoint.", show_default=False)],
     target: Annotated[str, typer.Argument(help="The resharded checkpoint.", show_default=False)],
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show the progress bar.")] = True,
-    trust_pickle: Annotated[bool, typer.Option("--trust-pickle", help="Unpickle any object the checkpoint holds (by default only tensors and known-safe types; a pickle can run code: only for checkpoints you trust).")] = False,
+    trust_pickle: Annotated[bool, typer.Option("--trust-pickle", help=TRUST_PICKLE_HELP)] = False,
 ) -> None:
     from rich.console import Console
 
