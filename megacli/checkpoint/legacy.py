@@ -316,17 +316,6 @@ class LegacyCheckpoint:
             raise UserError(f"{self.it_dir}: no {kind} of {name} in pipeline stage {p} (the args and the weights disagree?)")
         return self._merge(name, kinds[kind])
 
-    def describe(self) -> Iterator[tuple[str, list[tuple[str, tuple, str]]]]:
-        """(file, [(key, shape, dtype)]) of every rank file's model tensors, as stored."""
-        for (tp_rank, pp_rank), f in sorted(self.files.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-            state = self.first if (tp_rank, pp_rank) == (0, 0) else self.read(f)
-            rows = []
-            for chunk_key in [k for k in state if k == "model" or re.fullmatch(r"model\d+", k)]:
-                for key, t in flatten(state[chunk_key]).items():
-                    if isinstance(t, torch.Tensor):
-                        rows.append((f"{chunk_key}.{key}", tuple(t.shape), str(t.dtype).replace("torch.", "")))
-            yield str(f.relative_to(self.root)), rows
-
 
 # ---------------------------------------------------------------- optimizer state
 

@@ -101,9 +101,10 @@ def inspect_command(
 
     from rich.console import Console
 
-    from megacli.reshard.inspect import inspect_checkpoint, render
+    from megacli.checkpoint.inspect import inspect
+    from megacli.reshard.inspect import render
 
-    info = inspect_checkpoint(checkpoint, trust_pickle=trust_pickle)
+    info = inspect(checkpoint, trust_pickle=trust_pickle)
     if as_json:
         typer.echo(json.dumps(info, indent=2, default=str))
     else:

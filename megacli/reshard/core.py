@@ -3,7 +3,7 @@
     reshard(SRC, DST, tensor=1, pipeline=1)     plan (plan.py), write to a temporary directory,
                                                  optionally verify, then rename into place
     verify(SRC, DST)                             every global tensor of DST against SRC
-    inspect_checkpoint(CKPT)                     format, layout, iteration, recipe, tensors
+    checkpoint.inspect.inspect(CKPT)             format, layout, iteration, recipe, tensors
 
 DST is a checkpoint directory like the engine's: ``DST/latest`` names ``DST/iter_NNNNNNN/``, so
 ``checkpoint.resume=DST`` (or ``checkpoint.dir=DST``) continues training under the new layout.
@@ -35,7 +35,8 @@ from megacli.checkpoint.safe_pickle import torch_load
 from megacli.checkpoint.torch_dist import write_torch_dist
 from megacli.errors import UserError
 from megacli.reshard.digest import Digest, bytes_digest, object_digest
-from megacli.reshard.plan import Checkpoint, Plan, Target, build_plan, resolve_target
+from megacli.checkpoint.megacli_checkpoint import Checkpoint
+from megacli.reshard.plan import Plan, Target, build_plan, resolve_target
 
 
 class VerifyFailed(UserError):
@@ -291,7 +292,7 @@ def verify_plan(plan: Plan, it_dir: Path, progress=None) -> VerifyReport:
 
 
 def _verify_against(plan: Plan, tgt: Checkpoint, progress=None) -> VerifyReport:
-    from megacli.reshard.plan import RNG_KEY
+    from megacli.checkpoint.megacli_checkpoint import RNG_KEY
 
     start = time.perf_counter()
     mismatches: list[str] = []

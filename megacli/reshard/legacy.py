@@ -71,7 +71,8 @@ def import_to_staging(path: Path, *, where: Path, trust_pickle: bool = False, pr
     from megacli.checkpoint.torch_dist import ObjectEntry, TensorEntry, write_torch_dist
     from megacli.recipe.base import dump, validate
     from megacli.recipe.pretrain import TrainingRecipe
-    from megacli.reshard.plan import OPT_PREFIX, target_chunks
+    from megacli.checkpoint.megacli_checkpoint import OPT_PREFIX
+    from megacli.reshard.plan import target_chunks
 
     src = open_source(path, trust_pickle=trust_pickle)
     raw = recipe_from_args(src)

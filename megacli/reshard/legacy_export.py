@@ -47,7 +47,7 @@ def export(it_dir: Path, out: Path, *, trust_pickle: bool = False, progress=None
     legacy checkpoint in its layout under ``out`` (created). Returns notes for the user."""
     from megacli.recipe.base import validate
     from megacli.recipe.pretrain import TrainingRecipe
-    from megacli.reshard.plan import OPT_PREFIX, Checkpoint, split_optimizer_key
+    from megacli.checkpoint.megacli_checkpoint import OPT_PREFIX, Checkpoint, split_optimizer_key
 
     ck = Checkpoint(it_dir, trust_pickle=trust_pickle)
     if ck.optimizer_kind == "distributed":
@@ -157,7 +157,7 @@ def export(it_dir: Path, out: Path, *, trust_pickle: bool = False, progress=None
 def _legacy_optimizer(reader, params, groups, step, states, T, r, swiglu, mixed, opt_common) -> dict:
     """The standard optimizer's state dict for one rank: parameters indexed group by group
     (weights, then biases and 1-D parameters), each group in parameter order."""
-    from megacli.reshard.plan import OPT_PREFIX
+    from megacli.checkpoint.megacli_checkpoint import OPT_PREFIX
 
     wd_groups = [i for i, g in enumerate(groups) if float(g.get("wd_mult", 1.0)) != 0.0]
     nowd_groups = [i for i, g in enumerate(groups) if float(g.get("wd_mult", 1.0)) == 0.0]

@@ -4,20 +4,19 @@ layout, and every other object copied as stored."""
 from __future__ import annotations
 
 import io
-import re
 
 import torch
 
+from megacli.checkpoint.megacli_checkpoint import RNG_KEY
 from megacli.checkpoint.torch_dist import ObjectEntry, TorchDistReader
 from megacli.errors import UserError
 
-RNG_KEY = re.compile(r"^rng_state/shard_(\d+)\.(\d+)_(\d+)\.(\d+)$")
 # Megatron's RNG tracker streams that are seeded per tensor-parallel rank (tensor_parallel/random.py).
 _PER_TP_STREAMS = {"model-parallel-rng": 2718, "expert-parallel-rng": 1024}
 
 
 def plan_objects(src, target, recipe, notes: list[str]) -> list[ObjectEntry]:
-    """The sharded objects of ``target`` (a plan.Target) from ``src`` (a plan.Checkpoint): the RNG
+    """The sharded objects of ``target`` (a plan.Target) from ``src`` (a Checkpoint): the RNG
     state per (pipeline, tensor) rank, the rest copied."""
     reader = src.reader
     rng = src.rng_objects
