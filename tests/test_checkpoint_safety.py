@@ -209,3 +209,18 @@ def test_bert_legacy_export_is_refused_before_writing(tmp_path):
     res = cli("reshard", root, tmp_path / "out", "--format", "legacy")
     assert res.exit_code == 2 and "legacy export writes GPT checkpoints only" in " ".join(res.output.split()), res.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bert"]
+
+
+def test_a_failed_legacy_export_leaves_nothing(clean, tmp_path, monkeypatch):
+    from megacli.recipe.reshard import ReshardSection
+    from megacli.reshard import legacy_export, reshard
+
+    def fail(it_dir, out, **kwargs):
+        out.mkdir(parents=True)
+        (out / "half-written").write_text("x")
+        raise RuntimeError("injected failure while exporting")
+
+    monkeypatch.setattr(legacy_export, "export", fail)
+    with pytest.raises(RuntimeError, match="injected"):
+        reshard(ReshardSection(source=str(clean), output=str(tmp_path / "out"), format="legacy"))
+    assert list(tmp_path.iterdir()) == []
