@@ -21,6 +21,7 @@ import enum
 import functools
 import io
 import pickle
+import re
 import warnings
 from pathlib import Path
 
@@ -46,6 +47,9 @@ _METADATA_CLASSES = {
     "collections": {"OrderedDict"},
     "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},  # StorageMeta.checkpoint_id
 }
+
+
+_GLOBAL_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
 
 
 class RefusedPickle(UserError):
@@ -125,18 +129,28 @@ def torch_load(source, *, trust: bool, name, mmap: bool = False):
                 if hasattr(source, "seek"):
                     source.seek(0)
                 continue
-            raise _refused(name, _unsafe_globals(source, exc, megatron)) from None
+            unsafe = _unsafe_globals(source, exc, megatron)
+            if unsafe is None:  # torch reports every unpickling failure so, a torn file's too
+                raise _corrupt(name, exc) from None
+            raise _refused(name, unsafe) from None
         except RuntimeError as exc:
             if mmap and "mmap" in str(exc):  # legacy (non-zip) serialization cannot be memory-mapped
                 mmap = False
                 continue
-            raise UserError(f"{name}: cannot read ({first_line(exc)}); the file is truncated or corrupt") from None
-        except (EOFError, OSError, ValueError) as exc:
-            raise UserError(f"{name}: cannot read ({first_line(exc)}); the file is truncated or corrupt") from None
+            raise _corrupt(name, exc) from None
+        except Exception as exc:  # noqa: BLE001 - whatever a torn file makes the unpickler raise
+            raise _corrupt(name, exc) from None
 
 
-def _unsafe_globals(source, exc: Exception, megatron: bool) -> str:
-    """The globals the file needs that are not allowed, as torch reports them."""
+def _corrupt(name, exc: BaseException) -> UserError:
+    # torch's weights-only failures carry a long, terminal-formatted advice text; the cause is enough.
+    cause = "malformed pickle data" if isinstance(exc, pickle.UnpicklingError) else first_line(exc)
+    return UserError(f"{name}: cannot read ({cause}); the file is truncated or corrupt")
+
+
+def _unsafe_globals(source, exc: Exception, megatron: bool) -> str | None:
+    """The globals the file needs that are not allowed, as torch reports them; None when the
+    failure names none."""
     if isinstance(source, (str, Path)):
         allowed = {f"{g.__module__}.{g.__qualname__}" for g in _torch_load_globals(megatron) if hasattr(g, "__qualname__")}
         try:
@@ -149,8 +163,10 @@ def _unsafe_globals(source, exc: Exception, megatron: bool) -> str:
     marker = "Unsupported global: GLOBAL "
     if marker in text:
         name = text.split(marker, 1)[1].split()[0]
-        return name if "." in name else f"builtins.{name}"
-    return first_line(exc)
+        name = name if "." in name else f"builtins.{name}"
+        if _GLOBAL_NAME.fullmatch(name):  # not the garbage a torn file can decode to
+            return name
+    return None
 
 
 def check_torch_dist(ckpt: Path, *, trust: bool):
