@@ -108,6 +108,7 @@ def tmp_sibling(path: Path, tag: str) -> Path:
 
 
 def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (what was renamed into it) to disk, where the platform allows."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
