@@ -11,6 +11,8 @@ import argparse
 import io
 from pathlib import Path
 
+from megacli.checkpoint.layout import iter_name
+
 VOCAB = 300  # not a multiple of 128: padding differs at TP=1 (384) and TP=2 (512)
 
 COMMON_LLAMA = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -180,8 +182,9 @@ def _canonical_from_hf(hf_dir: Path, *, padded_rows: int) -> tuple[dict, object]
     """Global Megatron tensors (canonical keys) of an HF model, via its family's mapping table."""
     import re
 
+    from megacli.checkpoint.sharding import is_vocab_key
     from megacli.convert import families, hf_io
-    from megacli.convert.mapping import VOCAB_KEYS, fit_vocab_rows
+    from megacli.convert.mapping import fit_vocab_rows
     from megacli.recipe.model import ModelSection
 
     config = hf_io.read_json(hf_dir / "config.json")
@@ -197,7 +200,7 @@ def _canonical_from_hf(hf_dir: Path, *, padded_rows: int) -> tuple[dict, object]
             if not all(by_name.get(h) for h in table.hf_keys_for(key)):
                 continue  # e.g. position embeddings of a RoPE model
             t = table.to_megatron(key, lambda n: weights.get(by_name[n]))
-            if key in VOCAB_KEYS:
+            if is_vocab_key(key):
                 t = fit_vocab_rows(t, rows=padded_rows, vocab_size=model.vocab_size, key=key)
             out[key] = t
     assert all(re.match(r"(embedding|decoder|encoder|output_layer|lm_head|pooler|binary_head)\.", k) for k in out)
@@ -298,7 +301,7 @@ def write_legacy(hf_dir: Path, out: Path, *, tp: int, pp: int, iteration: int = 
         attention_dropout=0.0, attention_backend=AttnBackend.auto, iteration=iteration, ckpt_format="torch",
         **(extra_args or {}))
     per_stage = m.num_layers // pp
-    it_dir = out / f"iter_{iteration:07d}"
+    it_dir = out / iter_name(iteration)
     for p in range(pp):
         local = {}
         for key, t in tensors.items():

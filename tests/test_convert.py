@@ -109,7 +109,7 @@ def test_shape_mismatch_names_key_shapes_and_cause():
 
 
 def test_canonical_and_legacy_key_names():
-    from megacli.convert.legacy import canonical_name
+    from megacli.checkpoint.legacy import canonical_name
     from megacli.convert.megatron_io import canonical_key
 
     assert canonical_key("decoder.layers.3.input_layernorm.weight", "decoder.layers.self_attention.linear_qkv.layer_norm_weight") \
@@ -125,19 +125,19 @@ def test_canonical_and_legacy_key_names():
 def test_legacy_files_load_safely_and_refuse_arbitrary_code(tmp_path):
     import numpy as np
 
-    from megacli.convert.legacy import load_file
+    from megacli.checkpoint.safe_pickle import torch_load
     from megacli.errors import UserError
     from tests._convert_models import NotAllowListed
 
     ok = tmp_path / "ok.pt"
     torch.save({"args": argparse.Namespace(num_layers=2), "rng": np.random.get_state(), "w": torch.ones(2)}, ok)
-    assert load_file(ok, trust_pickle=False)["args"].num_layers == 2
+    assert torch_load(ok, trust=False, name=ok, mmap=True)["args"].num_layers == 2
     bad = tmp_path / "bad.pt"
     torch.save({"args": argparse.Namespace(thing=NotAllowListed())}, bad)
     with pytest.raises(UserError) as err:
-        load_file(bad, trust_pickle=False)
+        torch_load(bad, trust=False, name=bad, mmap=True)
     assert "tests._convert_models.NotAllowListed" in str(err.value) and "--trust-pickle" in str(err.value)
-    assert load_file(bad, trust_pickle=True)["args"].thing.value == 1
+    assert torch_load(bad, trust=True, name=bad, mmap=True)["args"].thing.value == 1
 
 
 # ---------------------------------------------------------------- conversions (one spawned process)

@@ -315,7 +315,7 @@ def test_legacy_t5_is_refused_and_reshard_refuses_bert(tmp_path):
 
     from megacli.convert import convert
     from megacli.errors import UserError
-    from megacli.reshard.legacy import LegacySource
+    from megacli.reshard.legacy import open_source
 
     d = tmp_path / "t5" / "iter_0000001" / "mp_rank_00"
     d.mkdir(parents=True)
@@ -332,4 +332,4 @@ def test_legacy_t5_is_refused_and_reshard_refuses_bert(tmp_path):
     _build_hf(tmp_path / "hf", "MegatronBertForPreTraining")
     _write_legacy_bert(tmp_path / "hf", tmp_path / "bert", tp=1, pp=1, style="legacy")
     with pytest.raises(UserError, match="megacli convert"):
-        LegacySource(tmp_path / "bert")
+        open_source(tmp_path / "bert")

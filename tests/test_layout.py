@@ -7,8 +7,6 @@ import ast
 import functools
 from pathlib import Path
 
-import pytest
-
 PACKAGE = Path(__file__).resolve().parent.parent / "megacli"
 
 # Top to bottom: a package imports only packages in layers below its own. Unlike the data flow
@@ -33,14 +31,6 @@ SIDEWAYS = {
     # convert builds the recipe's model (engine.models) for the keys, shapes and sharding of the
     # checkpoint it writes, and saves it through engine.checkpoint, as training does.
     ("convert", "engine"),
-}
-
-# Upward or sideways imports that the checkpoint package (issue 16) removes: reshard reading
-# checkpoints through checkpoint/ rather than through engine and convert.
-PENDING = {
-    ("megacli.reshard.core", "megacli.engine.checkpoint"),
-    ("megacli.reshard.legacy", "megacli.engine.distributed"),
-    ("megacli.reshard.legacy", "megacli.convert.legacy"),
 }
 
 
@@ -142,13 +132,7 @@ def test_no_import_cycle():
 
 
 def test_no_upward_or_sideways_import():
-    assert [edge for edge in _crossings(_graph()) if edge not in PENDING] == []
-
-
-@pytest.mark.xfail(strict=True, reason="pending the checkpoint package: reshard.core -> engine.checkpoint, "
-                                       "reshard.legacy -> engine.distributed, reshard.legacy -> convert.legacy")
-def test_pending_crossings_are_gone():
-    assert [edge for edge in _crossings(_graph()) if edge in PENDING] == []
+    assert _crossings(_graph()) == []
 
 
 def test_the_walk_sees_imports_inside_functions_and_relative_ones(tmp_path):

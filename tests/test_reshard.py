@@ -69,7 +69,7 @@ def assert_close(got: dict, want: dict, steps, rel=1e-4):
 
 def entries(ckpt: Path) -> dict:
     """What a torch_dist checkpoint holds, without the data: tensors (shape, dtype, chunks) and objects."""
-    from megacli.reshard.store import TorchDistReader
+    from megacli.checkpoint.torch_dist import TorchDistReader
 
     r = TorchDistReader(ckpt)
     return {"tensors": {k: (v.shape, v.dtype, sorted(v.chunks)) for k, v in r.tensors.items()},
@@ -148,17 +148,19 @@ def test_reshard_writes_what_the_engine_writes_under_the_new_layout(chain):
 @pytest.mark.slow
 def test_optimizer_kind_round_trip_and_vocab_padding(chain):
     """distributed -> standard gives back R1 exactly; TP 4 pads the vocabulary (512 -> 1024 rows)."""
+    from megacli.checkpoint.torch_dist import TorchDistReader
+    from megacli.recipe.reshard import ReshardSection
     from megacli.reshard import reshard, verify
-    from megacli.reshard.store import TorchDistReader
 
     tmp = chain["tmp"]
-    back = reshard(chain["r2"], tmp / "r3", tensor=1, data_parallel=1, distributed_optimizer=False, sequence_parallel=False)
+    back = reshard(ReshardSection(source=str(chain["r2"]), output=str(tmp / "r3"), tensor=1, data_parallel=1,
+                                  distributed_optimizer=False, sequence_parallel=False))
     assert back.target_layout == "TP 1 × PP 1 × DP 1"
     report = verify(chain["r1"], tmp / "r3")
     assert report.ok, report.line()
     assert entries(tmp / "r3" / "iter_0000002") == entries(chain["r1"] / "iter_0000002")
 
-    wide = reshard(chain["r1"], tmp / "r_tp4", tensor=4, verify_after=True)
+    wide = reshard(ReshardSection(source=str(chain["r1"]), output=str(tmp / "r_tp4"), tensor=4, verify=True))
     assert wide.verified.ok and any("1024 rows" in n for n in wide.notes), wide.notes
     src, dst = TorchDistReader(chain["r1"] / "iter_0000002"), TorchDistReader(tmp / "r_tp4" / "iter_0000002")
     for key in ("embedding.word_embeddings.weight", "optimizer.state.exp_avg.embedding.word_embeddings.weight"):
@@ -190,16 +192,15 @@ def test_inspect_human_and_json(chain):
 
 @pytest.mark.slow
 def test_verify_catches_a_corrupted_shard(chain, tmp_path):
-    from megacli.reshard.store import TorchDistReader
+    from megacli.checkpoint.torch_dist import TorchDistReader
 
     bad = tmp_path / "r2_bad"
     shutil.copytree(chain["r2"], bad)
     it = bad / "iter_0000002"
     reader = TorchDistReader(it)
     # Flip bytes in the middle of the largest stored chunk's data.
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-
     import torch
+    from torch.distributed.checkpoint.metadata import MetadataIndex
 
     key, info = max(reader.tensors.items(), key=lambda kv: kv[1].nbytes)
     storage = reader.metadata.storage_data[MetadataIndex(key, torch.Size(info.chunks[0][0]))]
@@ -218,6 +219,7 @@ def test_verify_catches_a_corrupted_shard(chain, tmp_path):
 
 @pytest.mark.slow
 def test_refuses_to_overwrite_and_an_interrupted_reshard_leaves_no_checkpoint(chain, tmp_path):
+    from megacli.recipe.reshard import ReshardSection
     from megacli.reshard import reshard
 
     res = cli("reshard", chain["r1"], chain["r2"], "--tensor", "2")
@@ -237,7 +239,7 @@ def test_refuses_to_overwrite_and_an_interrupted_reshard_leaves_no_checkpoint(ch
         return done
 
     with pytest.raises(KeyboardInterrupt):
-        reshard(chain["r1"], out, tensor=2, progress=progress)
+        reshard(ReshardSection(source=str(chain["r1"]), output=str(out), tensor=2), progress=progress)
     assert not out.exists()
     leftovers = list(tmp_path.iterdir())
     assert all(not (p / "latest").exists() for p in leftovers)
@@ -280,8 +282,8 @@ def test_megatron_lm_legacy_round_trip(chain, tmp_path):
     reads the same weights."""
     import torch
 
-    from megacli.convert.legacy import LegacyCheckpoint
-    from megacli.reshard.store import TorchDistReader
+    from megacli.checkpoint.torch_dist import TorchDistReader
+    from megacli.checkpoint.legacy import LegacyCheckpoint
 
     mlm = tmp_path / "megatron_lm"
     res = cli("reshard", chain["r1"], mlm, "--tensor", "2", "--pipeline", "2", "--format", "legacy")
@@ -295,6 +297,9 @@ def test_megatron_lm_legacy_round_trip(chain, tmp_path):
     keys = list(last["model"])
     assert keys[0] == "decoder.layers.0.self_attention.linear_proj.weight" and keys[-1] == "output_layer.weight"
     assert last["model"]["decoder.layers.0.mlp.linear_fc2.weight"].shape == (64, 64)  # row-parallel half
+    # Extra state as Megatron-LM's local layers write it: None (its loader refuses a pickled `bytes`).
+    extra = [v for k, v in last["model"].items() if k.endswith("._extra_state")]
+    assert extra and all(v is None for v in extra)
     groups = last["optimizer"]["param_groups"]
     assert [g["wd_mult"] for g in groups] == [1.0, 0.0] and last["optimizer"]["state"][0]["step"] == 2
     assert last["opt_param_scheduler"]["num_steps"] == 16  # Megatron-LM counts samples
@@ -325,7 +330,7 @@ import json, sys, threading, time
 from pathlib import Path
 import psutil, torch, yaml
 from megacli.reshard.plan import target_chunks
-from megacli.reshard.store import TensorEntry, write_torch_dist
+from megacli.checkpoint.torch_dist import TensorEntry, write_torch_dist
 
 src, recipe_from = Path(sys.argv[1]), Path(sys.argv[2])
 L, H = 64, 256
@@ -345,6 +350,7 @@ recipe["launch"]["nproc"] = 1
     "layout": {"tensor": 1, "pipeline": 1, "virtual_pipeline": None, "data": 1, "context": 1}}))
 largest = max(torch.Size(v).numel() * 4 for v in shapes.values())
 
+from megacli.recipe.reshard import ReshardSection
 from megacli.reshard import reshard
 proc = psutil.Process()
 base = proc.memory_info().rss
@@ -355,7 +361,7 @@ def sample():
         time.sleep(0.001)
 thread = threading.Thread(target=sample)
 thread.start()
-result = reshard(src, src.parent / "out", tensor=4, pipeline=2, verify_after=True)
+result = reshard(ReshardSection(source=str(src), output=str(src.parent / "out"), tensor=4, pipeline=2, verify=True))
 stop.append(1)
 thread.join()
 print(json.dumps({"growth": peak[0] - base, "largest": largest, "total": sum(torch.Size(v).numel() * 4 for v in shapes.values()),

@@ -14,6 +14,8 @@ from typer.core import TyperGroup
 
 RecipeArg = Annotated[Optional[Path], typer.Argument(help="YAML recipe (omit for the built-in default where there is one).", show_default=False)]
 SetOpt = Annotated[Optional[List[str]], typer.Option("--set", "-s", help="Override a recipe field: dotted.key=value (repeatable).", show_default=False)]
+TRUST_PICKLE_HELP = ("Unpickle any object the checkpoint holds (by default only tensors and known-safe types; a pickle "
+                     "can run code: only for checkpoints you trust).")
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the resolved recipe, layout and memory estimate; do not run.")]
 
 

@@ -10,7 +10,7 @@ from typing import Annotated, List, Optional
 import typer
 
 from megacli.cli.root import app
-from megacli.cli.common import SetOpt, guarded
+from megacli.cli.common import TRUST_PICKLE_HELP, SetOpt, guarded
 
 PathsArg = Annotated[Optional[List[str]], typer.Argument(metavar="[RECIPE | SRC DST | PATH]",
     help="RECIPE (YAML with a convert: section), or SRC DST, or PATH with --print-structure.", show_default=False)]
@@ -32,8 +32,7 @@ def convert(
     max_shard_size: Annotated[Optional[str], typer.Option("--max-shard-size", help="HF export: largest shard, e.g. 2GB.",
                                                           show_default=False)] = None,
     print_structure: Annotated[bool, typer.Option("--print-structure", help="List keys, shapes and dtypes of PATH.")] = False,
-    trust_pickle: Annotated[bool, typer.Option("--trust-pickle", help="Legacy checkpoints: allow arbitrary pickled objects "
-                                                                      "(only for sources you trust).")] = False,
+    trust_pickle: Annotated[bool, typer.Option("--trust-pickle", help=TRUST_PICKLE_HELP)] = False,
     set_: SetOpt = None,
 ) -> None:
     from megacli.errors import UserError

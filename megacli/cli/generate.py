@@ -10,7 +10,7 @@ from typing import Annotated, List, Optional
 import typer
 
 from megacli.cli.root import app
-from megacli.cli.common import RecipeArg, SetOpt, guarded
+from megacli.cli.common import TRUST_PICKLE_HELP, RecipeArg, SetOpt, guarded
 
 
 def _opt(help: str, *names: str):
@@ -40,6 +40,7 @@ def generate(
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Recompute the whole sequence each step (no KV cache).")] = False,
     score: Annotated[Optional[Path], _opt("Report log-likelihood and perplexity of this text/JSONL file.", "--score")] = None,
     cloze: Annotated[Optional[Path], _opt("LAMBADA-style last-word accuracy on this JSONL file.", "--cloze")] = None,
+    trust_pickle: Annotated[bool, typer.Option("--trust-pickle", help=TRUST_PICKLE_HELP)] = False,
     set_: SetOpt = None,
 ) -> None:
     flags = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
@@ -53,7 +54,8 @@ def generate(
         flags["logprobs"] = True
     if no_cache:
         flags["use_cache"] = False
-    job = build_recipe(recipe, flags, tensor=tensor, pipeline=pipeline, overrides=set_ or [])
+    overrides = (set_ or []) + (["checkpoint.trust_pickle=true"] if trust_pickle else [])
+    job = build_recipe(recipe, flags, tensor=tensor, pipeline=pipeline, overrides=overrides)
     g = job.generate
     if g.output:
         check_writable(Path(g.output))
@@ -69,7 +71,8 @@ def generate(
 def build_recipe(recipe_path: Optional[Path], flags: dict, *, tensor: Optional[int], pipeline: Optional[int],
                  overrides: list[str]):
     """The checkpoint's recipe, then the RECIPE file's sections, then the flags, then --set."""
-    from megacli.engine.checkpoint import find_checkpoint
+    from megacli.checkpoint.layout import find_checkpoint
+    from megacli.checkpoint.safe_pickle import check_checkpoint
     from megacli.errors import UserError
     from megacli.recipe import base
     from megacli.recipe.generate import GenerateRecipe
@@ -95,7 +98,9 @@ def build_recipe(recipe_path: Optional[Path], flags: dict, *, tensor: Optional[i
     train["global_batch_size"] = train.get("micro_batch_size", 1)  # no training: keep the batch arithmetic trivially valid
     raw.setdefault("run", {})["dir"] = (given.get("run") or {}).get("dir", "runs/generate")
     raw = base.apply_overrides(raw, overrides)
-    return base.validate(GenerateRecipe, raw, f"{ckpt / 'recipe.yaml'} + generate options")
+    job = base.validate(GenerateRecipe, raw, f"{ckpt / 'recipe.yaml'} + generate options")
+    check_checkpoint(ckpt, trust=job.checkpoint.trust_pickle)
+    return job
 
 
 def check_writable(path: Path) -> None:

@@ -8,7 +8,7 @@ from typing import Annotated, List, Optional
 import typer
 
 from megacli.cli.root import app
-from megacli.cli.common import DefaultCommandGroup, SetOpt, guarded
+from megacli.cli.common import TRUST_PICKLE_HELP, DefaultCommandGroup, SetOpt, guarded
 
 reshard_app = typer.Typer(
     cls=DefaultCommandGroup,
@@ -40,7 +40,7 @@ def run_command(
     overwrite: Annotated[Optional[bool], typer.Option("--overwrite", help="Replace an existing DST once the new checkpoint is complete.", show_default=False)] = None,
     verify: Annotated[Optional[bool], typer.Option("--verify", help="Compare every reassembled global tensor with the source before publishing.", show_default=False)] = None,
     progress: Annotated[Optional[bool], typer.Option("--progress/--no-progress", help="Show the progress bar.", show_default=False)] = None,
-    trust_pickle: Annotated[Optional[bool], typer.Option("--trust-pickle", help="Legacy checkpoints: allow arbitrary pickled objects.", show_default=False)] = None,
+    trust_pickle: Annotated[Optional[bool], typer.Option("--trust-pickle", help=TRUST_PICKLE_HELP, show_default=False)] = None,
     set_: SetOpt = None,
 ) -> None:
     from pathlib import Path
@@ -85,11 +85,7 @@ def run_reshard(job) -> None:
     from megacli.reshard.view import progress_bars, print_result
 
     with progress_bars(job.progress) as bars:
-        result = reshard(job.source, job.output, tensor=job.tensor, pipeline=job.pipeline,
-                         virtual_pipeline=job.virtual_pipeline, data_parallel=job.data_parallel,
-                         distributed_optimizer=job.distributed_optimizer, sequence_parallel=job.sequence_parallel,
-                         overrides=tuple(job.target_set), output_format=job.format, overwrite=job.overwrite,
-                         verify_after=job.verify, trust_pickle=job.trust_pickle, progress=bars)
+        result = reshard(job, progress=bars)
     print_result(result, Console(highlight=False))
 
 
@@ -99,14 +95,16 @@ def run_reshard(job) -> None:
 def inspect_command(
     checkpoint: Annotated[str, typer.Argument(help="Checkpoint directory (with `latest`), iteration directory, or Megatron-LM checkpoint.", show_default=False)],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of tables.")] = False,
+    trust_pickle: Annotated[bool, typer.Option("--trust-pickle", help=TRUST_PICKLE_HELP)] = False,
 ) -> None:
     import json
 
     from rich.console import Console
 
-    from megacli.reshard.inspect import inspect_checkpoint, render
+    from megacli.checkpoint.inspect import inspect
+    from megacli.reshard.inspect import render
 
-    info = inspect_checkpoint(checkpoint)
+    info = inspect(checkpoint, trust_pickle=trust_pickle)
     if as_json:
         typer.echo(json.dumps(info, indent=2, default=str))
     else:
@@ -120,7 +118,7 @@ def verify_command(
     source: Annotated[str, typer.Argument(help="The original checkpoint.", show_default=False)],
     target: Annotated[str, typer.Argument(help="The resharded checkpoint.", show_default=False)],
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show the progress bar.")] = True,
-    trust_pickle: Annotated[bool, typer.Option("--trust-pickle", help="Legacy checkpoints: allow arbitrary pickled objects.")] = False,
+    trust_pickle: Annotated[bool, typer.Option("--trust-pickle", help=TRUST_PICKLE_HELP)] = False,
 ) -> None:
     from rich.console import Console
 

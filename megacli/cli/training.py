@@ -71,9 +71,21 @@ def check_inputs(recipe) -> None:
     for path in (sft.train, sft.valid) if sft else ():
         if path and not Path(path).is_file():
             raise UserError(f"sft data {path!r} does not exist")
-    pretrained = recipe.checkpoint.pretrained
-    if pretrained and not Path(pretrained).exists():
-        raise UserError(f"checkpoint.pretrained {pretrained!r} does not exist")
+    ck = recipe.checkpoint
+    if ck.pretrained and not Path(ck.pretrained).exists():
+        raise UserError(f"checkpoint.pretrained {ck.pretrained!r} does not exist")
+    _check_pickles(ck)
     tok = recipe.tokenizer
     if tok.type in ("huggingface", "sentencepiece", "wordpiece") and not Path(tok.path).exists():
         raise UserError(f"tokenizer.path {tok.path!r} does not exist")
+
+
+def _check_pickles(ck) -> None:
+    """Refuse checkpoints the run may load whose pickles could run code, once, before any worker
+    unpickles them (each worker checks again before loading)."""
+    from megacli.checkpoint.safe_pickle import check_checkpoint
+
+    resume = {"none": None, "auto": ck.dir}.get(ck.resume, ck.resume)
+    for path in (resume, ck.pretrained):
+        if path:
+            check_checkpoint(path, trust=ck.trust_pickle)

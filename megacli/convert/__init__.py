@@ -7,8 +7,8 @@ either, for the model families in ``megacli.convert.families``.
 
 Modules: ``mapping`` (rule tables and tensor transforms), ``families`` (one module per HF
 family), ``hf_io`` (HF directories), ``megatron_io`` (global tensors <-> torch_dist checkpoints),
-``legacy`` (Megatron-LM legacy checkpoints), ``structure`` (--print-structure), ``run`` (the
-conversions).
+``structure`` (--print-structure), ``run`` (the conversions). Megatron-LM legacy checkpoints are
+read by ``megacli.checkpoint.legacy``.
 """
 
 from __future__ import annotations
@@ -20,10 +20,4 @@ def convert(*args, **kwargs):
     return _convert(*args, **kwargs)
 
 
-def detect(path):
-    from megacli.convert.run import detect as _detect
-
-    return _detect(path)
-
-
-__all__ = ["convert", "detect"]
+__all__ = ["convert"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 from typing import Iterable
@@ -93,8 +94,9 @@ def read_safetensors_tensor(f: Path, entry: dict, data_start: int) -> torch.Tens
 class HFWeights:
     """The tensors of an HF directory, read one at a time (safetensors headers parsed once)."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, *, trust_pickle: bool = False):
         self.root = root
+        self.trust_pickle = trust_pickle
         self._where: dict[str, Path] = {}
         self._headers: dict[Path, tuple[dict, int]] = {}
         self._bin_cache: tuple[Path, dict] | None = None
@@ -109,13 +111,22 @@ class HFWeights:
         for index in (SAFE_INDEX, BIN_INDEX):
             if (self.root / index).is_file():
                 weight_map = read_json(self.root / index).get("weight_map", {})
-                files = sorted({self.root / f for f in weight_map.values()})
+                files = sorted({self._inside(index, name) for name in weight_map.values()})
                 missing = [f.name for f in files if not f.is_file()]
                 if missing:
                     raise UserError(f"{self.root / index} names shards that are missing: {', '.join(missing)}")
                 return files
         safe = sorted(self.root.glob("*.safetensors"))
         return safe or sorted(self.root.glob("pytorch_model*.bin"))
+
+    def _inside(self, index: str, name) -> Path:
+        """A shard the index names, refused unless its path stays inside the model directory (judged
+        by the name: shards may be symlinks elsewhere, as in the Hugging Face cache)."""
+        inside = isinstance(name, str) and name and not os.path.isabs(name) and not name.startswith("~")
+        if not inside or Path(os.path.normpath(name)).parts[0] == "..":
+            raise UserError(f"{self.root / index} names the shard {name!r}, which is outside {self.root}; "
+                            f"an index may only name files in the model directory")
+        return self.root / name
 
     def _keys_of(self, f: Path) -> list[str]:
         if f.suffix == ".safetensors":
@@ -130,10 +141,11 @@ class HFWeights:
 
     def _bin(self, f: Path) -> dict:
         if self._bin_cache is None or self._bin_cache[0] != f:
-            try:
-                sd = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
-            except RuntimeError:  # legacy (non-zip) serialization cannot be memory-mapped
-                sd = torch.load(f, map_location="cpu", weights_only=True)
+            from megacli.checkpoint.safe_pickle import torch_load
+
+            sd = torch_load(f, trust=self.trust_pickle, name=f, mmap=True)
+            if not isinstance(sd, dict):
+                raise UserError(f"{f}: holds a {type(sd).__name__}, not a state dict of tensors")
             self._bin_cache = (f, sd)
         return self._bin_cache[1]
 

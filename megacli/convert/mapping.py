@@ -27,10 +27,6 @@ import torch
 
 from megacli.errors import UserError
 
-# The Megatron keys whose first dimension is the (padded) vocabulary (BERT's and T5's LM heads have
-# a bias; T5's head is also stored as lm_head.output_layer).
-VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias",
-              "lm_head.output_layer.weight", "lm_head.output_layer.bias")
 
 ToMegatron = Callable[..., torch.Tensor]
 ToHF = Callable[[torch.Tensor], Sequence[torch.Tensor]]

@@ -26,11 +26,12 @@ from typing import Callable, Iterator
 
 import torch
 
-from megacli.convert.mapping import VOCAB_KEYS, fit_vocab_rows
+from megacli.checkpoint.sharding import is_vocab_key
+from megacli.checkpoint.torch_dist import STACKED, TorchDistReader
+from megacli.convert.mapping import fit_vocab_rows
 from megacli.errors import UserError
 
 _LAYER_IN_STATE_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_STACKED = re.compile(r"(?:^|\.)layers\.(?!\d)")
 _LOCAL_EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
 # Checkpoint entries that are not model weights.
 _NOT_MODEL = ("optimizer", "rng_state", "scheduler")
@@ -68,9 +69,9 @@ def canonical_key(state_key: str, sharded_key: str) -> str:
     ``decoder.layers.self_attention.linear_qkv.layer_norm_weight`` ->
     ``decoder.layers.3.self_attention.linear_qkv.layer_norm_weight``."""
     m = _LAYER_IN_STATE_KEY.search(state_key)
-    if m is None or not _STACKED.search(sharded_key):
+    if m is None or not STACKED.search(sharded_key):
         return sharded_key
-    head, tail = _STACKED.split(sharded_key, maxsplit=1)
+    head, tail = STACKED.split(sharded_key, maxsplit=1)
     sep = "." if head else ""
     return f"{head}{sep}layers.{m.group(1)}.{tail}"
 
@@ -104,7 +105,7 @@ def shape_mismatch(key: str, got: tuple, want: tuple, source: str) -> UserError:
         diff = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
         if len(diff) == 1:
             g, w = got[diff[0]], want[diff[0]]
-            if key in VOCAB_KEYS and diff[0] == 0:
+            if is_vocab_key(key) and diff[0] == 0:
                 cause = "wrong vocabulary size or padding (model.vocab_size / make_vocab_size_divisible_by × TP)"
             elif w % g == 0:
                 cause = (f"the source holds 1/{w // g} of dimension {diff[0]}: a tensor-parallel shard "
@@ -149,7 +150,7 @@ def write_checkpoint(*, recipe, dst: Path, iteration: int, fetch: Callable[[str]
                         stacked_key, stacked = key, fetch(key)
                     tensor = stacked[int(expert.group(1))]
                 want = tuple(sh.data.shape)
-                if key in VOCAB_KEYS and tensor.dim() == len(want) and tensor.shape[1:] == want[1:]:
+                if is_vocab_key(key) and tensor.dim() == len(want) and tensor.shape[1:] == want[1:]:
                     tensor = fit_vocab_rows(tensor, rows=want[0], vocab_size=vocab_size, key=key)
                 if tuple(tensor.shape) != want:
                     raise shape_mismatch(key, tensor.shape, want, "the source")
@@ -177,39 +178,31 @@ def _with_data(sh, tensor: torch.Tensor):
 
 class CheckpointReader:
     """The model weights of a megacli (torch_dist) checkpoint as global tensors under canonical
-    keys, without building a model, one layer at a time (read inside ``megatron_process()``)."""
+    keys, without building a model, one layer at a time."""
 
-    def __init__(self, ckpt: Path):
-        from megacli.engine.distributed import quiet_megatron_imports
-
-        quiet_megatron_imports()
-        from megatron.core import dist_checkpointing
-
+    def __init__(self, ckpt: Path, *, trust_pickle: bool = False):
         self.ckpt = ckpt
-        try:
-            metadata = dist_checkpointing.load_tensors_metadata(str(ckpt))
-        except Exception as exc:
-            raise UserError(f"cannot read the tensor metadata of {ckpt}: {exc}") from None
-        self.all_tensors = {k: (tuple(v.global_shape), v.dtype) for k, v in metadata.items()}
+        self.reader = TorchDistReader(ckpt, trust_pickle=trust_pickle)
+        self.all_tensors = {k: (info.shape, info.dtype) for k, info in self.reader.tensors.items()}
         self.stored = {k: v for k, v in self.all_tensors.items() if k.split(".")[0] not in _NOT_MODEL}
         # Layers per stack ("decoder"; T5 also has "encoder"): the leading axis of its stacked tensors.
         self.stacks: dict[str, int] = {}
         for key, (shape, _) in self.stored.items():
-            if _STACKED.search(key):
-                head = _STACKED.split(key, maxsplit=1)[0]
+            if STACKED.search(key):
+                head = STACKED.split(key, maxsplit=1)[0]
                 if self.stacks.setdefault(head, shape[0]) != shape[0]:
                     raise UserError(f"{ckpt}: layer-stacked tensors of {head or 'the model'} disagree on the number of "
                                     f"layers ({self.stacks[head]} vs {shape[0]} in {key})")
 
     def _canonical(self, key: str, layer: int) -> str:
-        head, tail = _STACKED.split(key, maxsplit=1)
+        head, tail = STACKED.split(key, maxsplit=1)
         return f"{head}{'.' if head else ''}layers.{layer}.{tail}"
 
     def describe(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Canonical key -> (global shape, dtype), without reading data."""
         out = {}
         for key, (shape, dtype) in self.stored.items():
-            if _STACKED.search(key):
+            if STACKED.search(key):
                 for i in range(shape[0]):
                     out[self._canonical(key, i)] = (shape[1:], dtype)
             else:
@@ -225,46 +218,37 @@ class CheckpointReader:
     def groups(self, meta: bool = False) -> Iterator[dict[str, torch.Tensor]]:
         """Global tensors by canonical key: the embeddings first, then each layer, then the final
         norm and output layer. ``meta``: shapes and dtypes only (meta tensors, nothing read)."""
-        plain = {k: v for k, v in self.stored.items() if not _STACKED.search(k)}
+        plain = {k: v for k, v in self.stored.items() if not STACKED.search(k)}
         first = {k: v for k, v in plain.items() if not k.startswith(("output_layer", "decoder.final"))}
         last = {k: v for k, v in plain.items() if k not in first}
         yield self._load({k: (k, None) for k in first}, meta)
         for head, layers in self.stacks.items():
-            stacked = [k for k in self.stored if _STACKED.search(k) and _STACKED.split(k, maxsplit=1)[0] == head]
+            stacked = [k for k in self.stored if STACKED.search(k) and STACKED.split(k, maxsplit=1)[0] == head]
             for i in range(layers):
                 yield self._load({self._canonical(k, i): (k, i) for k in stacked}, meta)
         if last:
             yield self._load({k: (k, None) for k in last}, meta)
 
     def _load(self, wanted: dict[str, tuple[str, int | None]], meta: bool) -> dict[str, torch.Tensor]:
-        from megatron.core import dist_checkpointing
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-        if meta:
-            return {name: torch.empty(self.stored[key][0][1 if layer is not None else 0:], dtype=self.stored[key][1],
-                                      device="meta") for name, (key, layer) in wanted.items()}
-        request = {}
+        out = {}
         for name, (key, layer) in wanted.items():
             shape, dtype = self.stored[key]
-            if layer is None:
-                request[name] = ShardedTensor.from_rank_offsets(key, torch.empty(shape, dtype=dtype), replica_id=0)
+            if meta:
+                out[name] = torch.empty(shape[1 if layer is not None else 0:], dtype=dtype, device="meta")
+            elif layer is None:
+                out[name] = self.reader.read(key)
             else:
-                # One [1, ...] slice of the stacked tensor (a real leading axis: Megatron's
-                # prepend-axis form would expect this process to hold every layer).
-                request[name] = ShardedTensor.from_rank_offsets(key, torch.empty((1, *shape[1:]), dtype=dtype),
-                                                                (0, layer, shape[0]), replica_id=0)
-        if not request:
-            return {}
-        loaded = dist_checkpointing.load(request, str(self.ckpt), validate_access_integrity=False)
-        return {name: loaded[name][0] if wanted[name][1] is not None else loaded[name] for name in request}
+                out[name] = self.reader.read_region(key, (layer,) + (0,) * (len(shape) - 1), (1, *shape[1:]))[0]
+        return out
 
 
 class MergedLoRA:
     """A LoRA run's checkpoint read as full weights (the interface of CheckpointReader): its base
     checkpoint's tensors, each adapted weight replaced by W + (alpha / rank)·B·A."""
 
-    def __init__(self, ckpt: Path, *, base: Path, scale: float):
-        self.base, self.adapters, self.scale = CheckpointReader(base), CheckpointReader(ckpt), scale
+    def __init__(self, ckpt: Path, *, base: Path, scale: float, trust_pickle: bool = False):
+        self.base = CheckpointReader(base, trust_pickle=trust_pickle)
+        self.adapters, self.scale = CheckpointReader(ckpt, trust_pickle=trust_pickle), scale
         for key in self.adapters.canonical_keys():
             if not key.endswith(("lora_a", "lora_b")):
                 raise UserError(f"{ckpt}: a LoRA checkpoint holds adapters only, not {key}")

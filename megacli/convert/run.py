@@ -14,46 +14,57 @@ from __future__ import annotations
 
 import math
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
+from megacli.checkpoint.layout import HF_DIR, carried_hf_dir
 from megacli.convert import hf_io
 from megacli.errors import UserError
+from megacli.precision import DTYPES, params_dtype, precision_of
 
 FORMATS = ("hf", "megacli", "legacy")
-PRECISIONS = ("fp32", "bf16", "fp16")
-HF_DIR = "hf"
+PRECISIONS = tuple(DTYPES)
 _HF_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 Say = Callable[[str], None]
 
 
-def _torch_dtype(precision: str):
-    import torch
+@dataclass(frozen=True)
+class Source:
+    """What a conversion reads, resolved once: ``kind`` hf, megacli or legacy; for a megacli
+    checkpoint its iteration directory, recipe and (for a LoRA run's adapters) base checkpoint."""
 
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    path: Path
+    kind: str
+    ckpt: Path | None = None
+    recipe: object = None
+    lora_base: Path | None = None
 
 
-def _precision_of(dtype) -> str:
-    import torch
-
-    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
-
-
-def detect(path: Path) -> str:
-    """'hf', 'megacli' or 'legacy' for a source path."""
-    from megacli.convert.legacy import TRACKER, is_legacy_dir
+def resolve_source(path: Path) -> Source:
+    from megacli.checkpoint.layout import (
+        LATEST,
+        META,
+        RECIPE,
+        TRACKER,
+        find_checkpoint,
+        is_legacy_dir,
+        lora_base_of,
+    )
 
     if not path.exists():
         raise UserError(f"{path}: no such file or directory")
     if hf_io.is_hf_dir(path):
-        return "hf"
-    from megacli.engine.checkpoint import LATEST, META, find_checkpoint
+        return Source(path, "hf")
+    ckpt = find_checkpoint(path)
+    if ckpt is not None:
+        from megacli.recipe.base import load
+        from megacli.recipe.pretrain import TrainingRecipe
 
-    if find_checkpoint(path) is not None:
-        return "megacli"
+        return Source(path, "megacli", ckpt=ckpt, recipe=load(TrainingRecipe, ckpt / RECIPE), lora_base=lora_base_of(ckpt))
     if is_legacy_dir(path):
-        return "legacy"
+        return Source(path, "legacy")
     raise UserError(f"{path}: not a Hugging Face model directory (config.json), a megacli checkpoint ({META} or {LATEST}) "
                     f"or a Megatron-LM legacy checkpoint ({TRACKER} or mp_rank_* directories)")
 
@@ -66,12 +77,12 @@ def convert(src: str | Path, dst: str | Path, *, to: str | None = None, parallel
     from megacli.recipe.sections import ParallelSection
 
     src, dst = Path(src).expanduser(), Path(dst).expanduser()
-    fmt = detect(src)
+    source = resolve_source(src)
+    fmt = source.kind
     to = to or ("hf" if fmt == "megacli" else "megacli")
     if to not in ("hf", "megacli"):
         raise UserError(f"--to {to!r}: expected hf or megacli")
-    lora_run = fmt == "megacli" and _lora_base(src) is not None
-    if to == fmt and not lora_run:
+    if to == fmt and source.lora_base is None:
         hint = " (to change a megacli checkpoint's layout, just load it under the new one)" if fmt == "megacli" else ""
         raise UserError(f"{src} is already a {fmt} checkpoint{hint}")
     if dtype is not None and dtype not in PRECISIONS:
@@ -86,13 +97,13 @@ def convert(src: str | Path, dst: str | Path, *, to: str | None = None, parallel
     work.mkdir(parents=True)
     try:
         if fmt == "hf":
-            _hf_to_megacli(src, work, final, parallel=parallel, dtype=dtype, say=say)
+            _hf_to_megacli(src, work, final, parallel=parallel, dtype=dtype, trust_pickle=trust_pickle, say=say)
         elif fmt == "megacli" and to == "megacli":
-            _merge_lora(src, work, final, parallel=parallel, dtype=dtype, say=say)
+            _merge_lora(source, work, final, parallel=parallel, dtype=dtype, trust_pickle=trust_pickle, say=say)
         elif fmt == "megacli":
-            _megacli_to_hf(src, work, dtype=dtype, max_shard_size=max_shard_size, say=say)
+            _megacli_to_hf(source, work, dtype=dtype, max_shard_size=max_shard_size, trust_pickle=trust_pickle, say=say)
         else:
-            from megacli.convert.legacy import LegacyCheckpoint
+            from megacli.checkpoint.legacy import LegacyCheckpoint
 
             legacy = LegacyCheckpoint(src, trust_pickle=trust_pickle)
             if to == "hf":
@@ -145,7 +156,8 @@ def _tokenizer_section(final_hf_dir: Path, copied: list[str]) -> dict:
     return {"type": "none"}
 
 
-def _hf_to_megacli(src: Path, work: Path, final: Path, *, parallel, dtype: str | None, say: Say) -> None:
+def _hf_to_megacli(src: Path, work: Path, final: Path, *, parallel, dtype: str | None, trust_pickle: bool,
+                   say: Say) -> None:
     from megacli.convert import families
     from megacli.convert.mapping import unconsumed
     from megacli.convert.megatron_io import write_checkpoint
@@ -153,9 +165,9 @@ def _hf_to_megacli(src: Path, work: Path, final: Path, *, parallel, dtype: str |
     config = hf_io.read_json(src / hf_io.CONFIG)
     family, arch = families.for_hf_config(config)
     model = family.model_section(config)
-    weights = hf_io.HFWeights(src)
-    precision = dtype or _precision_of(weights.dtype())
-    target = _torch_dtype(precision)
+    weights = hf_io.HFWeights(src, trust_pickle=trust_pickle)
+    precision = dtype or precision_of(weights.dtype())
+    target = params_dtype(precision)
 
     hf_dir = work / HF_DIR
     hf_dir.mkdir()
@@ -195,8 +207,8 @@ def _legacy_to_megacli(legacy, work: Path, final: Path, *, parallel, dtype: str 
     from megacli.convert.megatron_io import write_checkpoint
 
     model = legacy.model_section()
-    precision = dtype or _precision_of(legacy.dtype())
-    target = _torch_dtype(precision)
+    precision = dtype or precision_of(legacy.dtype())
+    target = params_dtype(precision)
     hf_dir = work / HF_DIR
     copied = hf_io.copy_tokenizer_files(legacy.tokenizer_dir(), hf_dir) if legacy.tokenizer_dir() else []
     tokenizer = _tokenizer_section(final / HF_DIR, copied)
@@ -207,7 +219,7 @@ def _legacy_to_megacli(legacy, work: Path, final: Path, *, parallel, dtype: str 
     recipe = converted_recipe(model=model, parallel=parallel, precision=precision, tokenizer=tokenizer, resume=final)
 
     def check_keys(megatron_keys: list[str]) -> None:
-        stored = legacy.canonical_keys()
+        stored = set(legacy.canonical_keys())
         missing, extra = sorted(set(megatron_keys) - stored), sorted(stored - set(megatron_keys))
         if missing or extra:
             raise UserError(f"{legacy.it_dir}: the weights do not match the model its args describe"
@@ -226,60 +238,36 @@ def _legacy_to_megacli(legacy, work: Path, final: Path, *, parallel, dtype: str 
 # ---------------------------------------------------------------- into Hugging Face
 
 
-def carried_hf_config(ckpt: Path, recipe) -> dict | None:
-    """The Hugging Face config.json a converted checkpoint carries, None for other checkpoints."""
-    carried = _carried_hf_dir(ckpt, recipe)
-    return hf_io.read_json(carried / hf_io.CONFIG) if carried is not None else None
-
-
-def _carried_hf_dir(ckpt: Path, recipe) -> Path | None:
-    """The source HF config a converted checkpoint carries (DST/hf), or the tokenizer directory
-    when it holds a config.json."""
-    candidates = [ckpt.parent / HF_DIR]
-    if recipe.tokenizer.path:
-        tok = Path(recipe.tokenizer.path)
-        candidates.append(tok if tok.is_dir() else tok.parent)
-    return next((c for c in candidates if (c / hf_io.CONFIG).is_file()), None)
-
-
-def _megacli_to_hf(src: Path, work: Path, *, dtype: str | None, max_shard_size, say: Say) -> None:
+def _megacli_to_hf(source: Source, work: Path, *, dtype: str | None, max_shard_size, trust_pickle: bool,
+                   say: Say) -> None:
     from megacli.convert.megatron_io import megatron_process
-    from megacli.engine.checkpoint import find_checkpoint
-    from megacli.recipe.base import load
-    from megacli.recipe.pretrain import TrainingRecipe
 
-    ckpt = find_checkpoint(src)
-    recipe = load(TrainingRecipe, ckpt / "recipe.yaml")
-    source_of, what = _weights_of(ckpt, recipe)
-    carried = _carried_hf_dir(ckpt, recipe)
+    ckpt, recipe = source.ckpt, source.recipe
+    reader_of, what = _weights_of(source, trust_pickle=trust_pickle)
+    carried = carried_hf_dir(ckpt, recipe.tokenizer.path)
     vocab, tokenizer = _vocab_of(ckpt, recipe)
     tok_files = carried if carried is not None else _tokenizer_source(recipe)
     with megatron_process():
-        _export_hf(source_of(), recipe.model, work, vocab=vocab, carried=carried, tokenizer=tokenizer,
+        _export_hf(reader_of(), recipe.model, work, vocab=vocab, carried=carried, tokenizer=tokenizer,
                    tokenizer_src=tok_files, dtype=dtype, max_shard_size=max_shard_size, say=say, what=what)
     sp = Path(recipe.tokenizer.path or "")
     if recipe.tokenizer.type == "sentencepiece" and sp.is_file() and not (work / "tokenizer.model").exists():
         shutil.copy2(sp, work / "tokenizer.model")  # the name HF's SentencePiece tokenizers look for
 
 
-def _lora_base(src: Path) -> Path | None:
-    from megacli.engine.checkpoint import find_checkpoint, lora_base_of
-
-    return lora_base_of(find_checkpoint(src))
-
-
-def _weights_of(ckpt: Path, recipe):
+def _weights_of(source: Source, *, trust_pickle: bool):
     """A reader of the checkpoint's full weights (made inside megatron_process()), and its description:
     a LoRA run's adapters are merged into its base weights."""
     from megacli.convert.megatron_io import CheckpointReader, MergedLoRA
 
-    base = _lora_base(ckpt)
+    ckpt, base, recipe = source.ckpt, source.lora_base, source.recipe
     if base is None:
-        return (lambda: CheckpointReader(ckpt)), f"megacli checkpoint {ckpt}"
+        return (lambda: CheckpointReader(ckpt, trust_pickle=trust_pickle)), f"megacli checkpoint {ckpt}"
     if recipe.lora is None:
         raise UserError(f"{ckpt} holds LoRA adapters but its recipe.yaml has no lora section (rank and alpha)")
     scale = recipe.lora.alpha / recipe.lora.rank
-    return (lambda: MergedLoRA(ckpt, base=base, scale=scale)), f"LoRA checkpoint {ckpt} merged into {base}"
+    return ((lambda: MergedLoRA(ckpt, base=base, scale=scale, trust_pickle=trust_pickle)),
+            f"LoRA checkpoint {ckpt} merged into {base}")
 
 
 def _vocab_of(ckpt: Path, recipe) -> tuple[int, object]:
@@ -298,24 +286,21 @@ def _vocab_of(ckpt: Path, recipe) -> tuple[int, object]:
     return vocab or tokenizer.vocab_size, tokenizer
 
 
-def _merge_lora(src: Path, work: Path, final: Path, *, parallel, dtype: str | None, say: Say) -> None:
+def _merge_lora(source: Source, work: Path, final: Path, *, parallel, dtype: str | None, trust_pickle: bool,
+                say: Say) -> None:
     """A LoRA run's checkpoint -> a full megacli checkpoint (adapters merged into the base weights),
     with the tokenizer files and HF config the run used."""
     from megacli.convert.megatron_io import megatron_process, write_checkpoint
-    from megacli.engine.checkpoint import find_checkpoint
-    from megacli.recipe.base import load
-    from megacli.recipe.pretrain import TrainingRecipe
 
-    ckpt = find_checkpoint(src)
-    recipe = load(TrainingRecipe, ckpt / "recipe.yaml")
-    source_of, what = _weights_of(ckpt, recipe)
+    ckpt, recipe = source.ckpt, source.recipe
+    reader_of, what = _weights_of(source, trust_pickle=trust_pickle)
     vocab, _ = _vocab_of(ckpt, recipe)
     with megatron_process():  # the merged weights held once, as an import holds them
-        source = source_of()
-        precision = dtype or _precision_of(source.dtype())
-        tensors = {k: t for group in source.groups() for k, t in group.items()}
+        reader = reader_of()
+        precision = dtype or precision_of(reader.dtype())
+        tensors = {k: t for group in reader.groups() for k, t in group.items()}
     tokenizer = recipe.tokenizer.model_dump()
-    hf = _carried_hf_dir(ckpt, recipe)
+    hf = carried_hf_dir(ckpt, recipe.tokenizer.path)
     if hf is not None:
         for name in (hf_io.CONFIG, hf_io.GENERATION_CONFIG):
             if (hf / name).is_file():
@@ -326,7 +311,7 @@ def _merge_lora(src: Path, work: Path, final: Path, *, parallel, dtype: str | No
             tokenizer = _tokenizer_section(final / HF_DIR, copied)
     out = converted_recipe(model={**recipe.model.model_dump(), "vocab_size": vocab}, parallel=parallel, precision=precision,
                            tokenizer=tokenizer, resume=final)
-    target = _torch_dtype(precision)
+    target = params_dtype(precision)
     written = write_checkpoint(recipe=out, dst=work, iteration=0, fetch=lambda key: tensors.pop(key).to(target),
                                vocab_size=vocab, extra_meta={"converted_from": {"format": "megacli lora", "path": str(ckpt.resolve())}})
     say(f"{what} -> megacli checkpoint {final / written.name} ({precision})")
@@ -340,9 +325,8 @@ def _tokenizer_source(recipe) -> Path | None:
 
 
 def _legacy_to_hf(legacy, work: Path, *, dtype: str | None, max_shard_size, say: Say) -> None:
-    from megacli.recipe.model import ModelSection
-
     from megacli.data.tokenizers import load_tokenizer
+    from megacli.recipe.model import ModelSection
 
     model = ModelSection(**legacy.model_section())
     tok_dir, wordpiece = legacy.tokenizer_dir(), legacy.wordpiece_vocab()
@@ -365,22 +349,23 @@ def _export_hf(source, model, work: Path, *, vocab: int, carried: Path | None, t
     """Write an HF directory from a source of canonical global tensors (``canonical_keys()``,
     ``groups(meta)``, ``dtype()``: a megacli or a legacy checkpoint): weights streamed tensor by
     tensor, then generation config, tokenizer files and config.json."""
+    from megacli.checkpoint.sharding import is_vocab_key
     from megacli.convert import families
-    from megacli.convert.mapping import VOCAB_KEYS, fit_vocab_rows
+    from megacli.convert.mapping import fit_vocab_rows
 
     base = hf_io.read_json(carried / hf_io.CONFIG) if carried is not None else None
     preferred = (base.get("architectures") or [None])[0] if base else None
     family, arch = families.for_model(model, preferred=preferred)
     table = family.table(model)
-    precision = dtype or _precision_of(source.dtype())
-    target = _torch_dtype(precision)
+    precision = dtype or precision_of(source.dtype())
+    target = params_dtype(precision)
     for key in source.canonical_keys():
         table.rule_for(key)  # every stored tensor has a rule, before anything is written
 
     def converted(meta: bool) -> Iterable:
         for group in source.groups(meta=meta):
             for key, t in group.items():
-                if key in VOCAB_KEYS:
+                if is_vocab_key(key):
                     t = fit_vocab_rows(t, rows=vocab, vocab_size=vocab, key=key)
                 try:
                     pairs = table.to_hf(key, t)

@@ -7,42 +7,17 @@ from pathlib import Path
 from typing import Iterator
 
 
-def _row(key: str, shape, dtype) -> str:
-    return f"  {key}  {list(shape)}  {str(dtype).replace('torch.', '')}"
-
-
 def structure(path: Path, *, trust_pickle: bool = False) -> Iterator[str]:
+    from megacli.checkpoint.inspect import row
     from megacli.convert import hf_io
-    from megacli.convert.run import detect
 
-    fmt = detect(path)
-    if fmt == "hf":
+    if hf_io.is_hf_dir(path):
         config = hf_io.read_json(path / hf_io.CONFIG)
-        weights = hf_io.HFWeights(path)
+        weights = hf_io.HFWeights(path, trust_pickle=trust_pickle)
         yield f"Hugging Face model {path}: {(config.get('architectures') or ['?'])[0]}, {len(weights.keys())} tensors"
         for key in weights.keys():
-            yield _row(key, *weights.describe(key))
-    elif fmt == "megacli":
-        from megacli.convert.megatron_io import CheckpointReader
-        from megacli.engine.checkpoint import find_checkpoint, read_meta
+            yield row(key, *weights.describe(key))
+    else:  # a megacli or a Megatron-LM legacy checkpoint
+        from megacli.checkpoint.inspect import structure as checkpoint_structure
 
-        ckpt = find_checkpoint(path)
-        meta = read_meta(ckpt)
-        reader = CheckpointReader(ckpt)
-        yield (f"megacli checkpoint {ckpt}: iteration {meta.get('iteration')}, saved under {meta.get('layout')}, "
-               f"optimizer state: {'yes' if meta.get('has_optimizer', True) else 'no'}; global shapes "
-               f"(layers stacked along the first axis)")
-        for key, (shape, dtype) in sorted(reader.all_tensors.items()):
-            yield _row(key, shape, dtype)
-    else:
-        from megacli.convert.legacy import LegacyCheckpoint
-
-        legacy = LegacyCheckpoint(path, trust_pickle=trust_pickle)
-        a = legacy.args
-        yield (f"Megatron-LM legacy checkpoint {legacy.it_dir}: iteration {legacy.iteration}, TP={legacy.tp} PP={legacy.pp} "
-               f"VPP={legacy.vp}; {a.num_layers} layers, hidden {a.hidden_size}, {a.num_attention_heads} heads; "
-               f"per-rank shapes")
-        for name, rows in legacy.describe():
-            yield f"{name}:"
-            for key, shape, dtype in rows:
-                yield _row(key, shape, dtype)
+        yield from checkpoint_structure(path, trust_pickle=trust_pickle)

@@ -24,15 +24,13 @@ import numpy as np
 import torch
 
 from megacli.checkpoint import manifest, space
+from megacli.checkpoint.layout import LATEST, META, find_checkpoint, iter_name, lora_base_of, read_meta, read_recipe
+from megacli.checkpoint.safe_pickle import check_torch_dist
 from megacli.errors import UserError
 
-LATEST = "latest"
-META = "megacli.json"
+__all__ = ["LATEST", "META", "find_checkpoint", "iter_name", "lora_base_of", "read_meta", "load", "save"]
+
 OPTIM_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
-
-
-def iter_name(iteration: int) -> str:
-    return f"iter_{iteration:07d}"
 
 
 @dataclass(frozen=True)
@@ -41,24 +39,6 @@ class Restored:
     consumed_samples: int
     path: Path
     run_id: str | None = None  # the training run the checkpoint belongs to (None: weights only, or an older checkpoint)
-
-
-def find_checkpoint(path: str | Path) -> Path | None:
-    """A checkpoint directory from a run directory (via `latest`) or an iteration directory itself."""
-    path = Path(path)
-    if (path / META).is_file():
-        return path
-    pointer = path / LATEST
-    if pointer.is_file():
-        target = path / pointer.read_text().strip()
-        if (target / META).is_file():
-            return target
-        raise UserError(f"{pointer} names {target.name}, which is not a complete checkpoint")
-    return None
-
-
-def read_meta(ckpt: Path) -> dict:
-    return json.loads((ckpt / META).read_text())
 
 
 def _layout() -> dict:
@@ -271,11 +251,10 @@ def _prepare_distributed_optimizer_load(optimizer) -> None:
 def _check_optimizer_kind(ckpt: Path, optimizer) -> None:
     """The distributed and the standard optimizer save differently named state; loading one into
     the other fails deep inside Megatron. Say what to do instead."""
-    import yaml
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    recipe = yaml.safe_load((ckpt / "recipe.yaml").read_text()) if (ckpt / "recipe.yaml").is_file() else {}
-    saved = bool(((recipe or {}).get("parallel") or {}).get("distributed_optimizer", False))
+    recipe = read_recipe(ckpt)
+    saved = bool((recipe.get("parallel") or {}).get("distributed_optimizer", False))
     running = any(isinstance(o, DistributedOptimizer) for o in getattr(optimizer, "chained_optimizers", [optimizer]))
     if saved != running:
         kind = {True: "distributed", False: "standard"}
@@ -286,24 +265,15 @@ def _check_optimizer_kind(ckpt: Path, optimizer) -> None:
             f"`megacli reshard {ckpt} NEW_DIR {flag}`, or set checkpoint.load_optimizer=false to load the weights only.")
 
 
-def lora_base_of(ckpt: Path) -> Path | None:
-    """The base checkpoint of a LoRA run's checkpoint (which holds adapters only), else None."""
-    base = read_meta(ckpt).get("lora", {}).get("base")
-    if base is None:
-        return None
-    found = find_checkpoint(base) if Path(base).exists() else None
-    if found is None:
-        raise UserError(f"{ckpt} holds LoRA adapters for the base checkpoint {base}, which is not there any more")
-    return found
-
-
-def load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool, verify: bool = True) -> Restored:
+def load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool, verify: bool = True,
+         trust_pickle: bool = False) -> Restored:
     """Load model (and optimizer, scheduler, RNG when asked and possible) into the built chunks.
     The RNG state is restored only when the layout is unchanged (it is per rank). ``verify``: check
     the files against the checkpoint's manifest first.
 
     A model with LoRA adapters takes its base weights from a full checkpoint (the adapters keep
-    their initial values) or from the base a LoRA checkpoint names, then the adapters from it."""
+    their initial values) or from the base a LoRA checkpoint names, then the adapters from it.
+    ``trust_pickle``: unpickle whatever the checkpoint holds (see megacli.checkpoint.safe_pickle)."""
     from megacli.engine.models.common import unwrap
     from megacli.engine.models.lora import is_adapter_key
 
@@ -312,14 +282,14 @@ def load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool, veri
     if base is None:
         keep = None if not has_adapters else (lambda k: not is_adapter_key(k))
         return _load(ckpt=ckpt, chunks=chunks, optimizer=optimizer, scheduler=scheduler, load_optimizer=load_optimizer,
-                     keep=keep, verify=verify)
+                     keep=keep, verify=verify, trust_pickle=trust_pickle)
     if not has_adapters:
         raise UserError(f"{ckpt} holds LoRA adapters only: load it with its recipe's lora section, or merge them into "
                         f"the base weights first (`megacli convert {ckpt} DST --to megacli`)")
     _load(ckpt=base, chunks=chunks, optimizer=None, scheduler=None, load_optimizer=False,
-          keep=lambda k: not is_adapter_key(k), verify=verify)
+          keep=lambda k: not is_adapter_key(k), verify=verify, trust_pickle=trust_pickle)
     return _load(ckpt=ckpt, chunks=chunks, optimizer=optimizer, scheduler=scheduler, load_optimizer=load_optimizer,
-                 keep=is_adapter_key, verify=verify)
+                 keep=is_adapter_key, verify=verify, trust_pickle=trust_pickle)
 
 
 def _check_manifest(ckpt: Path) -> None:
@@ -334,9 +304,11 @@ def _check_manifest(ckpt: Path) -> None:
         raise manifest.mismatch_error(ckpt, found)
 
 
-def _load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool, keep, verify: bool) -> Restored:
+def _load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool, keep, verify: bool,
+          trust_pickle: bool) -> Restored:
     from megatron.core import dist_checkpointing
 
+    check_torch_dist(ckpt, trust=trust_pickle)  # Megatron and torch unpickle these files unrestricted
     if verify:
         _check_manifest(ckpt)
     meta = read_meta(ckpt)

@@ -232,11 +232,12 @@ def _train(recipe, runtime) -> None:
 
         changes_note = check_resumable(source, recipe)
         restored = checkpoint.load(ckpt=source, chunks=trainer.chunks, optimizer=trainer.optimizer,
-                                   scheduler=trainer.scheduler, load_optimizer=ck.load_optimizer, verify=ck.verify)
+                                   scheduler=trainer.scheduler, load_optimizer=ck.load_optimizer, verify=ck.verify,
+                                   trust_pickle=ck.trust_pickle)
         start_iter, consumed, run_id = restored.iteration, restored.consumed_samples, restored.run_id
     elif pretrained is not None:
         checkpoint.load(ckpt=pretrained, chunks=trainer.chunks, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
-                        load_optimizer=False, verify=ck.verify)
+                        load_optimizer=False, verify=ck.verify, trust_pickle=ck.trust_pickle)
 
     reporting = is_reporting_rank()
     m = recipe.model

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megacli.engine.models.config import params_dtype
+from megacli.precision import params_dtype
 
 
 def build_optimizer(chunks, *, optim, precision: str, distributed_optimizer: bool):

@@ -37,7 +37,8 @@ def load_for_decoding(recipe, runtime, *, vocab_size: int):
     config = transformer_config(model=recipe.model, parallel=recipe.parallel, precision=recipe.train.precision,
                                 on_cuda=runtime.is_cuda)
     chunks = [c.to(runtime.device) for c in build_model(recipe=recipe, config=config, vocab_size=vocab_size)]
-    checkpoint.load(ckpt=ckpt, chunks=chunks, optimizer=None, scheduler=None, load_optimizer=False)
+    checkpoint.load(ckpt=ckpt, chunks=chunks, optimizer=None, scheduler=None, load_optimizer=False,
+                    trust_pickle=recipe.checkpoint.trust_pickle)
     return unwrap(chunks[0]).eval(), config, ckpt
 
 
@@ -168,8 +169,7 @@ class Seq2Seq:
         self.decoder_start = self._decoder_start(ckpt, bos)
 
     def _decoder_start(self, ckpt, bos: int | None) -> int:
-        # TODO(coordinator): carried_hf_config moves to megacli/checkpoint/layout.py; repoint this import.
-        from megacli.convert.run import carried_hf_config
+        from megacli.checkpoint.layout import carried_hf_config
 
         start = self.recipe.generate.decoder_start_token
         if start is None:

@@ -47,7 +47,8 @@ class ConvertSection(Section):
     max_shard_size: str = "2GB"
     """HF export: largest safetensors shard (2GB, 500MB, 1GiB, ...)."""
     trust_pickle: bool = False
-    """Legacy checkpoints: allow pickled objects beyond the built-in safe list (only for sources you trust)."""
+    """Unpickle any object the source holds (by default only tensors and known-safe types: a pickle
+    can run code, so only for sources you trust)."""
 
     @field_validator("max_shard_size")
     @classmethod

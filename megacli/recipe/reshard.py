@@ -54,7 +54,8 @@ class ReshardSection(Section):
     progress: bool = True
     """Show a progress bar over tensors."""
     trust_pickle: bool = False
-    """Legacy checkpoints: allow arbitrary pickled objects in the files (only for checkpoints you trust)."""
+    """Unpickle any object the source holds (by default only tensors and known-safe types: a pickle
+    can run code, so only for checkpoints you trust)."""
 
     @field_validator("target_set")
     @classmethod

@@ -363,6 +363,9 @@ class CheckpointSection(Section):
     save_on_signal: bool = True
     """On SIGTERM or SIGUSR1 (what Slurm sends before preemption or the time limit), save a checkpoint
     at the next step boundary and exit 0; a second signal stops at once. false: stop at once."""
+    trust_pickle: bool = False
+    """Unpickle any object the checkpoints loaded (resume, pretrained, LoRA base) hold; by default
+    only tensors and known-safe types, since a pickle can run code. Only for checkpoints you trust."""
 
 
 class RunSection(Section):

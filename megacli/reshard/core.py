@@ -3,7 +3,7 @@
     reshard(SRC, DST, tensor=1, pipeline=1)     plan (plan.py), write to a temporary directory,
                                                  optionally verify, then rename into place
     verify(SRC, DST)                             every global tensor of DST against SRC
-    inspect_checkpoint(CKPT)                     format, layout, iteration, recipe, tensors
+    checkpoint.inspect.inspect(CKPT)             format, layout, iteration, recipe, tensors
 
 DST is a checkpoint directory like the engine's: ``DST/latest`` names ``DST/iter_NNNNNNN/``, so
 ``checkpoint.resume=DST`` (or ``checkpoint.dir=DST``) continues training under the new layout.
@@ -12,6 +12,7 @@ DST is a checkpoint directory like the engine's: ``DST/latest`` names ``DST/iter
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import shutil
@@ -20,11 +21,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+from megacli.checkpoint.layout import (
+    LATEST,
+    META,
+    RECIPE,
+    fsync_dir,
+    is_legacy_dir,
+    iter_name,
+    locate,
+    tmp_sibling,
+)
+from megacli.checkpoint.safe_pickle import torch_load
+from megacli.checkpoint.torch_dist import write_torch_dist
 from megacli.errors import UserError
-from megacli.reshard.plan import META, RECIPE, Checkpoint, Plan, Target, build_plan, resolve_target
-from megacli.reshard.store import Digest, bytes_digest, fsync_dir, object_digest, tmp_sibling, write_torch_dist
-
-LATEST = "latest"
+from megacli.reshard.digest import Digest, bytes_digest, object_digest
+from megacli.checkpoint.megacli_checkpoint import Checkpoint
+from megacli.reshard.plan import Plan, Target, build_plan, resolve_target
 
 
 class VerifyFailed(UserError):
@@ -73,22 +85,8 @@ class VerifyReport:
 
 
 def find_source(path: str | Path) -> Path:
-    """The iteration directory of a megacli checkpoint (a run's checkpoint dir via `latest`, or an
-    iteration directory)."""
-    from megacli.engine.checkpoint import find_checkpoint
-
-    p = Path(path)
-    if not p.exists():
-        raise UserError(f"{p}: no such checkpoint")
-    found = find_checkpoint(p)
-    if found is None:
-        from megacli.reshard import legacy
-
-        if legacy.is_legacy(p):
-            return p
-        raise UserError(f"{p}: not a checkpoint (expected a directory with '{LATEST}' or '{META}', or a Megatron-LM "
-                        f"checkpoint with mp_rank_* directories)")
-    return found
+    """The iteration directory of a megacli checkpoint, or a Megatron-LM legacy checkpoint's path."""
+    return locate(path)[0]
 
 
 def _check_output(output: Path, source: Path, overwrite: bool) -> None:
@@ -123,81 +121,88 @@ def _one_thread():
         torch.set_num_threads(before)
 
 
-def reshard(source: str | Path, output: str | Path, *, tensor: Optional[int] = None, pipeline: Optional[int] = None,
-            virtual_pipeline: Optional[int] = None, data_parallel: Optional[int] = None,
-            distributed_optimizer: Optional[bool] = None, sequence_parallel: Optional[bool] = None,
-            overrides: tuple[str, ...] = (), output_format: str = "torch_dist", overwrite: bool = False,
-            verify_after: bool = False, trust_pickle: bool = False,
-            progress: Callable[[str, int], Callable[[str], None]] | None = None) -> Result:
-    """Write SRC under a new layout to OUTPUT (a checkpoint directory with `latest`), atomically.
+def reshard(job, *, progress: Callable[[str, int], Callable[[str], None]] | None = None) -> Result:
+    """Write ``job.source`` (a ReshardSection) under a new layout to ``job.output`` (a checkpoint
+    directory with `latest`), atomically.
 
     ``progress(description, total)`` returns a callback called with each finished entry's key."""
     with _one_thread():
-        return _reshard(source, output, tensor=tensor, pipeline=pipeline, virtual_pipeline=virtual_pipeline,
-                        data_parallel=data_parallel, distributed_optimizer=distributed_optimizer,
-                        sequence_parallel=sequence_parallel, overrides=overrides, output_format=output_format,
-                        overwrite=overwrite, verify_after=verify_after, trust_pickle=trust_pickle, progress=progress)
+        return _reshard(job, progress)
 
 
-def _reshard(source, output, *, tensor, pipeline, virtual_pipeline, data_parallel, distributed_optimizer,
-             sequence_parallel, overrides, output_format, overwrite, verify_after, trust_pickle, progress) -> Result:
+def _reshard(job, progress) -> Result:
     start = time.perf_counter()
-    src_dir = find_source(source)
-    output = Path(output)
-    _check_output(output, src_dir, overwrite)
-    from megacli.reshard import legacy
+    src_dir = find_source(job.source)
+    output = Path(job.output)
+    _check_output(output, src_dir, job.overwrite)
+    from megacli.reshard import legacy, legacy_export
 
-    if output_format not in ("torch_dist", "legacy"):
-        raise UserError(f"output format {output_format!r}: expected torch_dist or legacy")
-    if output_format == "legacy":
+    distributed_optimizer = job.distributed_optimizer
+    if job.format == "legacy":
         if distributed_optimizer:
             raise UserError("the legacy format holds the standard optimizer's state; drop --distributed-optimizer "
                             "(Megatron-LM can still train the result with --use-distributed-optimizer after a torch_dist save)")
         distributed_optimizer = False
     original = src_dir
-    if legacy.is_legacy(src_dir):
-        src_dir = legacy.import_to_staging(src_dir, where=output.resolve().parent, trust_pickle=trust_pickle, progress=progress)
+    if is_legacy_dir(src_dir):
+        src_dir = legacy.import_to_staging(src_dir, where=output.resolve().parent, trust_pickle=job.trust_pickle,
+                                           progress=progress)
     try:
-        src = Checkpoint(src_dir)
-        target = resolve_target(src.layout, src.section("parallel"), tensor=tensor, pipeline=pipeline,
-                                virtual_pipeline=virtual_pipeline, data_parallel=data_parallel,
-                                distributed_optimizer=distributed_optimizer, sequence_parallel=sequence_parallel,
-                                overrides=overrides)
+        src = Checkpoint(src_dir, trust_pickle=job.trust_pickle)
+        if job.format == "legacy":
+            legacy_export.check_exportable(src.recipe_raw, src_dir)
+        target = resolve_target(src.layout, src.section("parallel"), tensor=job.tensor, pipeline=job.pipeline,
+                                virtual_pipeline=job.virtual_pipeline, data_parallel=job.data_parallel,
+                                distributed_optimizer=distributed_optimizer, sequence_parallel=job.sequence_parallel,
+                                overrides=tuple(job.target_set))
         plan = build_plan(src, target)
         _check_precision(src, plan)
         if original != src_dir:  # imported from Megatron-LM: name the legacy checkpoint, not the staging copy
             plan.meta["resharded_from"].update(path=str(original.resolve()), format="megatron-lm torch")
 
-        tmp = tmp_sibling(output, "reshard")
-        if tmp.exists():
-            shutil.rmtree(tmp)  # a previous reshard that did not finish
-        it_name = src_dir.name if src_dir.name.startswith("iter_") else f"iter_{src.iteration:07d}"
+        it_name = src_dir.name if src_dir.name.startswith("iter_") else iter_name(src.iteration)
+        report = _write_output(job, plan, output, it_name, progress)
+        return Result(output=output, iteration_dir=output / it_name, source=original, source_layout=str(src.layout),
+                      target_layout=str(target.layout), tensors=len(plan.tensors), objects=len(plan.objects),
+                      bytes=plan.total_bytes, seconds=time.perf_counter() - start, notes=plan.notes, verified=report,
+                      format=job.format)
+    finally:
+        legacy.cleanup_staging(src_dir)
+
+
+def _write_output(job, plan: Plan, output: Path, it_name: str, progress) -> VerifyReport | None:
+    """Write the plan (then, for the legacy format, export it) beside ``output`` and move it into
+    place. A failure leaves nothing behind, except an output that failed verification."""
+    from megacli.reshard import legacy_export
+
+    tmp, legacy_tmp = tmp_sibling(output, "reshard"), tmp_sibling(output, "legacy")
+    for stale in (tmp, legacy_tmp):  # a previous reshard that did not finish
+        if stale.exists():
+            shutil.rmtree(stale)
+    try:
         it_dir = tmp / it_name
         it_dir.mkdir(parents=True)
         write_plan(plan, it_dir, progress)
         report = None
-        if verify_after:
+        if job.verify:
             report = verify_plan(plan, it_dir, progress)
             if not report.ok:
                 raise VerifyFailed(report.line() + f" (the unverified output is left in {tmp})")
-        if output_format == "legacy":
-            legacy_tmp = tmp_sibling(output, "legacy")
-            if legacy_tmp.exists():
-                shutil.rmtree(legacy_tmp)
-            plan.notes.extend(legacy.export(it_dir, legacy_tmp, progress=progress))
+        if job.format == "legacy":
+            plan.notes.extend(legacy_export.export(it_dir, legacy_tmp, trust_pickle=job.trust_pickle, progress=progress))
             shutil.rmtree(tmp)
             tmp = legacy_tmp
-            it_dir = tmp / it_name
         else:
             (tmp / LATEST).write_text(it_name + "\n")
         fsync_dir(tmp)
         _replace(tmp, output)
-        return Result(output=output, iteration_dir=output / it_name, source=original, source_layout=str(src.layout),
-                      target_layout=str(target.layout), tensors=len(plan.tensors), objects=len(plan.objects),
-                      bytes=plan.total_bytes, seconds=time.perf_counter() - start, notes=plan.notes, verified=report,
-                      format=output_format)
-    finally:
-        legacy.cleanup_staging(src_dir)
+        return report
+    except VerifyFailed:
+        raise
+    except BaseException:
+        for partial in (tmp, legacy_tmp):
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
 
 
 def _check_precision(src: Checkpoint, plan: Plan) -> None:
@@ -247,19 +252,19 @@ def verify(source: str | Path, target: str | Path, *, trust_pickle: bool = False
 
 
 def _verify(source, target, *, trust_pickle: bool, progress) -> VerifyReport:
-    from megacli.engine.checkpoint import find_checkpoint
+    from megacli.checkpoint.layout import find_checkpoint
     from megacli.reshard import legacy
 
     src_dir = find_source(source)
     tgt_path = Path(target)
     tgt_dir = find_checkpoint(tgt_path) if tgt_path.exists() else None
     if tgt_dir is None:
-        if tgt_path.exists() and legacy.is_legacy(tgt_path):
+        if tgt_path.exists() and is_legacy_dir(tgt_path):
             tgt_dir = legacy.import_to_staging(tgt_path, where=tgt_path.resolve().parent, trust_pickle=trust_pickle, progress=progress)
         else:
             raise UserError(f"{target}: not a checkpoint")
     staged_src = src_dir
-    if legacy.is_legacy(src_dir):
+    if is_legacy_dir(src_dir):
         try:
             staged_src = legacy.import_to_staging(src_dir, where=tgt_path.resolve().parent, trust_pickle=trust_pickle,
                                                   progress=progress)
@@ -267,8 +272,8 @@ def _verify(source, target, *, trust_pickle: bool, progress) -> VerifyReport:
             legacy.cleanup_staging(tgt_dir)
             raise
     try:
-        src = Checkpoint(staged_src)
-        tgt = Checkpoint(tgt_dir)
+        src = Checkpoint(staged_src, trust_pickle=trust_pickle)
+        tgt = Checkpoint(tgt_dir, trust_pickle=trust_pickle)
         t_par = tgt.section("parallel")
         from megacli.recipe.base import validate
         from megacli.recipe.pretrain import TrainingRecipe
@@ -287,7 +292,7 @@ def verify_plan(plan: Plan, it_dir: Path, progress=None) -> VerifyReport:
 
 
 def _verify_against(plan: Plan, tgt: Checkpoint, progress=None) -> VerifyReport:
-    from megacli.reshard.plan import RNG_KEY
+    from megacli.checkpoint.megacli_checkpoint import RNG_KEY
 
     start = time.perf_counter()
     mismatches: list[str] = []
@@ -343,16 +348,11 @@ def _verify_against(plan: Plan, tgt: Checkpoint, progress=None) -> VerifyReport:
             done(key)
             continue
         try:
-            data = reader.read_object_bytes(key)
             if RNG_KEY.match(key):
-                import io
-
-                import torch
-
-                ok = object_digest(torch.load(io.BytesIO(data), weights_only=False)) == object_digest(
-                    torch.load(io.BytesIO(entry.produce()), weights_only=False))
+                ok = object_digest(reader.read_object(key)) == object_digest(
+                    torch_load(io.BytesIO(entry.produce()), trust=reader.trust_pickle, name=f"the planned {key}"))
             else:
-                ok = bytes_digest(data) == bytes_digest(entry.produce())
+                ok = bytes_digest(reader.read_object_bytes(key)) == bytes_digest(entry.produce())
         except UserError as exc:
             mismatches.append(str(exc))
             done(key)

@@ -1,60 +1,9 @@
-"""`megacli reshard inspect`: what a checkpoint holds, from its metadata (no tensor data is read)."""
+"""`megacli reshard inspect`: what a checkpoint holds (megacli.checkpoint.inspect), as tables."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
+from megacli.checkpoint.megacli_checkpoint import Layout, split_optimizer_key
 from megacli.errors import UserError
-
-
-def inspect_checkpoint(path: str | Path, *, trust_pickle: bool = False) -> dict:
-    """Format, layout, iteration, recipe and a row per tensor (global shape, dtype, split)."""
-    from megacli.reshard import legacy
-    from megacli.reshard.core import find_source
-    from megacli.reshard.plan import RNG_KEY, Checkpoint, describe_split, split_optimizer_key
-
-    src = find_source(path)
-    if legacy.is_legacy(src):
-        return legacy.inspect(src, trust_pickle=trust_pickle)
-    ck = Checkpoint(src)
-    meta = ck.meta
-    tensors = []
-    total = 0
-    for key, info in ck.reader.tensors.items():
-        state, base = split_optimizer_key(key)
-        tensors.append({
-            "name": key,
-            "kind": "optimizer" if state else "model",
-            "shape": list(info.shape),
-            "dtype": str(info.dtype).replace("torch.", ""),
-            "bytes": info.nbytes,
-            "chunks": len(info.chunks),
-            "split": describe_split(info),
-        })
-        total += info.nbytes
-    rng = sorted(k for k in ck.reader.objects if RNG_KEY.match(k))
-    other = sorted(k for k in ck.reader.objects if not RNG_KEY.match(k))
-    common = ck.common
-    sched = common.get("scheduler") or {}
-    recipe = ck.recipe_raw
-    return {
-        "path": str(src),
-        "format": meta.get("format", "torch_dist"),
-        "iteration": meta.get("iteration"),
-        "consumed_samples": meta.get("consumed_samples"),
-        "layout": ck.layout.as_meta(),
-        "layout_text": str(ck.layout),
-        "world_size": ck.layout.world_size,
-        "optimizer": ck.optimizer_kind,
-        "has_rng_state": bool(rng),
-        "scheduler_steps": sched.get("num_steps"),
-        "resharded_from": meta.get("resharded_from"),
-        "recipe": recipe,
-        "tensors": tensors,
-        "total_bytes": total,
-        "objects": {"rng_state": rng, "other": other},
-        "files": [p.name for p in ck.reader.files()],
-    }
 
 
 def render(info: dict, console) -> None:
@@ -62,7 +11,6 @@ def render(info: dict, console) -> None:
 
     from megacli.recipe.sections import sequence_parallel_on
     from megacli.reshard.core import _size
-    from megacli.reshard.plan import split_optimizer_key
 
     m = (info.get("recipe") or {}).get("model") or {}
     t = (info.get("recipe") or {}).get("train") or {}
@@ -129,8 +77,6 @@ def render(info: dict, console) -> None:
 
 
 def _layout_text(layout: dict) -> str:
-    from megacli.reshard.plan import Layout
-
     try:
         return str(Layout.from_meta(layout))
     except (TypeError, ValueError):

@@ -29,149 +29,17 @@ the new (pipeline, tensor) grid and rewrites the labels.
 from __future__ import annotations
 
 import copy
-import io
-import json
-import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional
 
 import torch
 
+from megacli.checkpoint.sharding import GATED_SPLIT, is_vocab_key, rank_pieces, split_of
+from megacli.checkpoint.torch_dist import STACKED, ObjectEntry, TensorEntry
+from megacli.checkpoint.megacli_checkpoint import OPT_PREFIX, Checkpoint, Layout, split_optimizer_key
 from megacli.errors import UserError
 from megacli.recipe.sections import sequence_parallel_on
-from megacli.reshard.store import ObjectEntry, TensorEntry, TorchDistReader
-
-META = "megacli.json"
-RECIPE = "recipe.yaml"
-OPT_PREFIX = "optimizer.state."
-RNG_KEY = re.compile(r"^rng_state/shard_(\d+)\.(\d+)_(\d+)\.(\d+)$")
-_STACKED = re.compile(r"(?:^|\.)layers\.(?!\d)")
-# Tensor-parallel split of Megatron-Core's GPT weights (the keys of GPTModel.sharded_state_dict()).
-_COLUMN = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias", "linear_qkv.weight",
-           "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias")
-_ROW = ("linear_proj.weight", "linear_fc2.weight")
-VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias")
-# Megatron's RNG tracker streams that are seeded per tensor-parallel rank (tensor_parallel/random.py).
-_PER_TP_STREAMS = {"model-parallel-rng": 2718, "expert-parallel-rng": 1024}
-
-
-# ---------------------------------------------------------------- layouts
-
-
-@dataclass(frozen=True)
-class Layout:
-    tensor: int = 1
-    pipeline: int = 1
-    virtual_pipeline: Optional[int] = None
-    data: int = 1
-    context: int = 1
-
-    @classmethod
-    def from_meta(cls, d: dict) -> "Layout":
-        return cls(tensor=int(d.get("tensor", 1)), pipeline=int(d.get("pipeline", 1)),
-                   virtual_pipeline=d.get("virtual_pipeline") or None, data=int(d.get("data", 1)),
-                   context=int(d.get("context", 1)))
-
-    def as_meta(self) -> dict:
-        return {"tensor": self.tensor, "pipeline": self.pipeline, "virtual_pipeline": self.virtual_pipeline,
-                "data": self.data, "context": self.context}
-
-    @property
-    def world_size(self) -> int:
-        return self.tensor * self.pipeline * self.context * self.data
-
-    @property
-    def vp(self) -> int:
-        return self.virtual_pipeline or 1
-
-    def __str__(self) -> str:
-        vp = f" (VP {self.virtual_pipeline})" if self.virtual_pipeline else ""
-        cp = f" × CP {self.context}" if self.context > 1 else ""
-        return f"TP {self.tensor} × PP {self.pipeline}{vp}{cp} × DP {self.data}"
-
-    def stage_of_layer(self, layer: int, num_layers: int) -> int:
-        """The pipeline rank holding (global, 0-based) ``layer``."""
-        per_chunk = num_layers // (self.pipeline * self.vp)
-        return (layer // per_chunk) % self.pipeline
-
-    def first_layer_of_stage(self, stage: int, num_layers: int) -> int:
-        return stage * (num_layers // (self.pipeline * self.vp))
-
-
-# ---------------------------------------------------------------- a source checkpoint
-
-
-class Checkpoint:
-    """A megacli torch_dist checkpoint (iteration directory): labels, recipe and entries."""
-
-    def __init__(self, path: Path):
-        import yaml
-
-        self.path = path
-        try:
-            self.meta = json.loads((path / META).read_text())
-        except (OSError, ValueError) as exc:
-            raise UserError(f"{path / META}: cannot read ({exc})") from None
-        fmt = self.meta.get("format", "torch_dist")
-        if fmt != "torch_dist":
-            raise UserError(f"{path}: format {fmt!r}; expected torch_dist")
-        recipe_file = path / RECIPE
-        if not recipe_file.is_file():
-            raise UserError(f"{path}: no {RECIPE} (reshard needs the run's recipe to know the model and write the new one)")
-        self.recipe_raw = yaml.safe_load(recipe_file.read_text()) or {}
-        self.layout = Layout.from_meta(self.meta.get("layout") or {})
-        self.reader = TorchDistReader(path)
-        self._common: dict | None = None
-
-    @property
-    def iteration(self) -> int:
-        return int(self.meta.get("iteration", 0))
-
-    @property
-    def common(self) -> dict:
-        if self._common is None:
-            self._common = self.reader.common()
-        return self._common
-
-    def section(self, name: str) -> dict:
-        return dict(self.recipe_raw.get(name) or {})
-
-    @property
-    def model_keys(self) -> list[str]:
-        return [k for k in self.reader.tensors if not k.startswith("optimizer.")]
-
-    @property
-    def optimizer_kind(self) -> Optional[str]:
-        """'distributed' (fully_reshardable), 'standard', or None (no optimizer state)."""
-        opt = self.common.get("optimizer")
-        if not isinstance(opt, dict):
-            return None
-        sharding = opt.get("param_state_sharding_type")
-        if sharding is not None:
-            if sharding != "fully_reshardable":
-                raise UserError(f"{self.path}: distributed-optimizer state in the {sharding!r} format; only "
-                                f"'fully_reshardable' (what megacli saves) is layout-free and can be resharded")
-            return "distributed"
-        return "standard"
-
-    @property
-    def rng_objects(self) -> dict[tuple[int, int], str]:
-        out = {}
-        for key in self.reader.objects:
-            m = RNG_KEY.match(key)
-            if m:
-                out[(int(m.group(1)), int(m.group(2)))] = key
-        return out
-
-
-def split_optimizer_key(key: str) -> tuple[Optional[str], str]:
-    """``optimizer.state.exp_avg.decoder.x`` -> ('exp_avg', 'decoder.x'); a model key -> (None, key)."""
-    if key.startswith(OPT_PREFIX):
-        state, _, base = key[len(OPT_PREFIX):].partition(".")
-        return state, base
-    return None, key
-
+from megacli.reshard.objects import plan_objects
 
 # ---------------------------------------------------------------- target chunks
 
@@ -184,49 +52,21 @@ def target_chunks(key: str, shape: tuple[int, ...], *, tp: int, gated: bool) -> 
     ndim = len(shape)
     if ndim == 0:
         return [((), ())]
-    stacked = bool(_STACKED.search(base)) and ndim >= 2
+    stacked = bool(STACKED.search(base)) and ndim >= 2
     lead = 1 if stacked else 0
     # pieces along each dim: list of (offset, size)
     axes: list[list[tuple[int, int]]] = [[(0, s)] for s in shape]
     if stacked:
         axes[0] = [(i, 1) for i in range(shape[0])]
-    tp_dim = None
-    if base.endswith(_COLUMN):
-        tp_dim = lead
-    elif base.endswith(_ROW):
-        tp_dim = lead + 1
-    if tp_dim is not None and tp_dim < ndim:
-        size = shape[tp_dim]
-        if gated and base.endswith(("linear_fc1.weight", "linear_fc1.bias")) and size % (2 * tp) == 0:
-            # SwiGLU: each rank holds its slice of the gate half and of the up half (two chunks, also at TP 1)
-            half, part = size // 2, size // (2 * tp)
-            axes[tp_dim] = [(h * half + r * part, part) for r in range(tp) for h in (0, 1)]
-        elif tp > 1 and size % tp == 0:
-            part = size // tp
-            axes[tp_dim] = [(r * part, part) for r in range(tp)]
+    split = split_of(base, gated=gated)
+    if split is not None:
+        tp_dim = lead + (0 if split == GATED_SPLIT else split)
+        if tp_dim < ndim:
+            axes[tp_dim] = rank_pieces(shape[tp_dim], tp=tp, gated_split=split == GATED_SPLIT)
     chunks: list[tuple[tuple[int, ...], tuple[int, ...]]] = [((), ())]
     for pieces in axes:
         chunks = [(o + (po,), s + (ps,)) for o, s in chunks for po, ps in pieces]
     return chunks
-
-
-def describe_split(info, num_layers: Optional[int] = None) -> str:
-    """How the stored chunks split a tensor, for people: 'per layer · 2 on dim 1', 'whole'."""
-    shape = info.shape
-    if not shape:
-        return "scalar"
-    parts = []
-    for d in range(len(shape)):
-        offsets = sorted({c[0][d] for c in info.chunks})
-        if len(offsets) <= 1:
-            continue
-        sizes = {c[1][d] for c in info.chunks}
-        if d == 0 and sizes == {1} and len(offsets) == shape[0] and _STACKED.search(split_optimizer_key(info.key)[1]):
-            parts.append("per layer")
-        else:
-            parts.append(f"{len(offsets)} on dim {d}")
-    text = " · ".join(parts) if parts else "whole"
-    return text
 
 
 # ---------------------------------------------------------------- the target
@@ -336,7 +176,7 @@ def build_plan(src: Checkpoint, target: Target, recipe=None) -> Plan:
         _, base = split_optimizer_key(key_in)
         shape = tuple(info.shape)
         rows = None  # rows of the source that exist, when the vocabulary padding changes
-        if rows_now is not None and rows_new != rows_now and base.endswith(VOCAB_KEYS) and shape and shape[0] == rows_now:
+        if rows_now is not None and rows_new != rows_now and is_vocab_key(base) and shape and shape[0] == rows_now:
             shape = (rows_new,) + shape[1:]
             rows = rows_now
             how = f"{how}, vocab rows {rows_now} → {rows_new}"
@@ -393,7 +233,7 @@ def build_plan(src: Checkpoint, target: Target, recipe=None) -> Plan:
             tensors += [entry(f"{OPT_PREFIX}param.{b}", b, how="model weight → param", cast=torch.float32) for b in bases]
         common["optimizer"] = convert_optimizer_common(src.common["optimizer"], kind, want, mixed)
 
-    objects = _plan_objects(src, target, recipe, notes)
+    objects = plan_objects(src, target, recipe, notes)
     meta = {k: v for k, v in src.meta.items() if k not in ("layout", "resharded_from")}
     meta.update(layout=target.layout.as_meta(), format="torch_dist",
                 resharded_from={"path": str(src.path.resolve()), "layout": src.layout.as_meta(),
@@ -468,65 +308,3 @@ def _vocab_rows(src: Checkpoint, recipe) -> tuple[Optional[int], Optional[int]]:
     if vocab > rows:
         raise UserError(f"the vocabulary ({vocab}) is larger than the checkpoint's embedding ({rows} rows)")
     return rows, padded_vocab_size(vocab, divisible_by=div, tensor_parallel=new_tp)
-
-
-# ---------------------------------------------------------------- sharded objects (RNG state and the rest)
-
-
-def _plan_objects(src: Checkpoint, target: Target, recipe, notes: list[str]) -> list[ObjectEntry]:
-    reader = src.reader
-    rng = src.rng_objects
-    out = [ObjectEntry(k, (lambda k=k: reader.read_object_bytes(k))) for k in reader.objects if not RNG_KEY.match(k)]
-    if not rng:
-        return out
-    s, t = src.layout, target.layout
-    grid_src = {(p, r) for p in range(s.pipeline) for r in range(s.tensor)}
-    if set(rng) != grid_src:
-        raise UserError(f"{src.path}: RNG state for ranks {sorted(rng)} does not match the recorded layout {s}")
-    if (s.pipeline, s.tensor) == (t.pipeline, t.tensor) and s.vp == t.vp:
-        out += [ObjectEntry(k, (lambda k=k: reader.read_object_bytes(k))) for k in rng.values()]
-        return out
-    num_layers = recipe.model.num_layers
-    seed = recipe.train.seed
-    notes.append(f"RNG state: {s.pipeline}×{s.tensor} → {t.pipeline}×{t.tensor} (PP×TP) ranks; each stage takes the "
-                 f"generators of the source stage that held its first layer, tensor-parallel streams by TP rank "
-                 f"(seeded afresh for new TP ranks)")
-    for p in range(t.pipeline):
-        sp = s.stage_of_layer(t.first_layer_of_stage(p, num_layers), num_layers)
-        for r in range(t.tensor):
-            key = f"rng_state/shard_{p}.{r}_{t.pipeline}.{t.tensor}"
-            out.append(ObjectEntry(key, (lambda sp=sp, r=r: _rng_bytes(reader, rng, sp, r, s.tensor, seed)),
-                                   how=f"from PP {sp} · TP {r if r < s.tensor else 'new'}"))
-    return out
-
-
-def _rng_bytes(reader: TorchDistReader, rng: dict, src_stage: int, tp_rank: int, src_tp: int, seed: int) -> bytes:
-    base = reader.read_object(rng[(src_stage, 0)])
-    if not (isinstance(base, list) and len(base) == 1 and isinstance(base[0], dict)):
-        raise UserError(f"{reader.path}: unexpected RNG state object layout ({type(base).__name__})")
-    state = dict(base[0])
-    tracker = dict(state.get("tracker") or {})
-    if tp_rank < src_tp:
-        same = reader.read_object(rng[(src_stage, tp_rank)])[0].get("tracker") or {}
-        for name in _PER_TP_STREAMS:
-            if name in same:
-                tracker[name] = same[name]
-    else:
-        for name, offset in _PER_TP_STREAMS.items():
-            if name in tracker:
-                tracker[name] = _seeded_state(tracker[name], seed + offset + tp_rank)
-    state["tracker"] = tracker
-    buf = io.BytesIO()
-    torch.save([state], buf)
-    return buf.getvalue()
-
-
-def _seeded_state(like: torch.Tensor, seed: int) -> torch.Tensor:
-    """A generator state for ``seed`` in the format of ``like`` (CPU Mersenne Twister, or CUDA Philox
-    seed + offset), as Megatron's model_parallel_cuda_manual_seed would set it."""
-    cpu = torch.Generator().get_state()
-    if like.numel() == cpu.numel():
-        return torch.Generator().manual_seed(seed).get_state()
-    if like.numel() == 16:
-        return torch.tensor([seed, 0], dtype=torch.int64).view(torch.uint8).clone()
-    raise UserError(f"unknown RNG state format ({like.numel()} bytes); cannot seed a new tensor-parallel rank")

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from megacli.engine.models import moe
+from megacli.precision import params_dtype
 
 
 def _activation(name: str):
@@ -20,10 +21,6 @@ def _activation(name: str):
         "relu": (F.relu, False),
         "squared_relu": (lambda x: torch.pow(F.relu(x), 2), False),
     }[name]
-
-
-def params_dtype(precision: str) -> torch.dtype:
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
 def _drawn_later(tensor):

@@ -17,11 +17,10 @@ a whole stacked tensor, let alone the model.
 from __future__ import annotations
 
 import bisect
-import hashlib
 import io
 import json
 import os
-import pickle
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,11 +28,13 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from megacli.checkpoint.safe_pickle import COMMON, DCP_METADATA, check_torch_dist, first_line, torch_load
 from megacli.errors import UserError
 
-COMMON = "common.pt"
+# A layer-stacked key (``decoder.layers.self_attention...``): its tensors have a leading layer axis.
+STACKED = re.compile(r"(?:^|\.)layers\.(?!\d)")
+
 BACKEND_META = "metadata.json"
-DCP_META = ".metadata"
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
 
 
@@ -61,23 +62,19 @@ class TensorInfo:
 class TorchDistReader:
     """The entries of one torch_dist checkpoint directory."""
 
-    def __init__(self, path: str | Path):
-        from torch.distributed.checkpoint import FileSystemReader
+    def __init__(self, path: str | Path, *, trust_pickle: bool = False):
         from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
         self.path = Path(path)
-        if not (self.path / DCP_META).is_file():
-            raise UserError(f"{self.path}: no {DCP_META} (not a torch_dist checkpoint, or an incomplete one)")
+        self.trust_pickle = trust_pickle
+        if not (self.path / DCP_METADATA).is_file():
+            raise UserError(f"{self.path}: no {DCP_METADATA} (not a torch_dist checkpoint, or an incomplete one)")
         backend = self.path / BACKEND_META
         if backend.is_file():
             kind = json.loads(backend.read_text()).get("sharded_backend")
             if kind != "torch_dist":
                 raise UserError(f"{self.path}: sharded backend {kind!r}; only torch_dist checkpoints can be resharded")
-        reader = FileSystemReader(str(self.path))
-        try:
-            self.metadata = reader.read_metadata()
-        except Exception as exc:  # noqa: BLE001 - a corrupt .metadata is a user-facing problem
-            raise UserError(f"{self.path / DCP_META}: cannot read the checkpoint metadata ({exc})") from None
+        self.metadata = check_torch_dist(self.path, trust=trust_pickle)
         self._cache: list[tuple[tuple, torch.Tensor]] = []
         self._index: dict[str, tuple] = {}
         self.cache_chunks = 2
@@ -94,10 +91,7 @@ class TorchDistReader:
         path = self.path / COMMON
         if not path.is_file():
             return {}
-        try:
-            return torch.load(path, map_location="cpu", weights_only=False)
-        except Exception as exc:  # noqa: BLE001
-            raise UserError(f"{path}: cannot read ({exc})") from None
+        return torch_load(path, trust=self.trust_pickle, name=path)
 
     def read(self, key: str) -> torch.Tensor:
         """The global tensor ``key``, assembled from all its chunks."""
@@ -178,7 +172,7 @@ class TorchDistReader:
         except UserError:
             raise
         except Exception as exc:  # noqa: BLE001 - a torn or corrupt shard file
-            raise UserError(f"{self.path}: cannot decode {where}: {_first_line(exc)}") from None
+            raise UserError(f"{self.path}: cannot decode {where}: {first_line(exc)}") from None
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(sizes) or t.dtype != dtype:
             got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise UserError(f"{self.path}: {where} holds {got}, the metadata says {tuple(sizes)} {dtype}")
@@ -214,12 +208,7 @@ class TorchDistReader:
         return self._bytes(storage, key)
 
     def read_object(self, key: str):
-        try:
-            return torch.load(io.BytesIO(self.read_object_bytes(key)), map_location="cpu", weights_only=False)
-        except UserError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            raise UserError(f"{self.path}: cannot decode {key} ({_first_line(exc)})") from None
+        return torch_load(io.BytesIO(self.read_object_bytes(key)), trust=self.trust_pickle, name=f"{self.path} ({key})")
 
     def files(self) -> list[Path]:
         return sorted(self.path.glob("*.distcp"))
@@ -257,11 +246,6 @@ class _RangeFile(io.RawIOBase):
         return got or 0
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-
-
 # ---------------------------------------------------------------- writing
 
 
@@ -294,9 +278,21 @@ class _LazyPlanner:
     """A DCP SavePlanner over TensorEntry/ObjectEntry: write items per chunk, data on demand."""
 
     def __new__(cls, tensors: Sequence[TensorEntry], objects: Sequence[ObjectEntry], on_done: Callable[[str], None]):
-        from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-        from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
+        from torch.distributed.checkpoint.default_planner import (
+            create_default_global_save_plan,
+        )
+        from torch.distributed.checkpoint.metadata import (
+            ChunkStorageMetadata,
+            MetadataIndex,
+            TensorProperties,
+        )
+        from torch.distributed.checkpoint.planner import (
+            SavePlan,
+            SavePlanner,
+            TensorWriteData,
+            WriteItem,
+            WriteItemType,
+        )
 
         by_key = {t.key: t for t in tensors}
         obj_by_key = {o.key: o for o in objects}
@@ -393,83 +389,3 @@ def write_torch_dist(path: Path, tensors: Sequence[TensorEntry], objects: Sequen
         raise UserError(f"writing {path} failed: {str(exc).strip().splitlines()[-1]}") from None
     torch.save(common, path / COMMON)
     (path / BACKEND_META).write_text(json.dumps(BACKEND))
-
-
-# ---------------------------------------------------------------- checksums
-
-
-class Digest:
-    """A running checksum over tensors (dtype, shape and bytes of each, in order)."""
-
-    def __init__(self):
-        self._h = hashlib.blake2b(digest_size=16)
-
-    def update(self, t: torch.Tensor) -> None:
-        self._h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-        flat = t.detach().contiguous().reshape(-1)
-        if flat.numel():
-            self._h.update(flat.view(torch.uint8).numpy().tobytes() if flat.dtype != torch.bool else flat.numpy().tobytes())
-
-    def hexdigest(self) -> str:
-        return self._h.hexdigest()
-
-
-def tensor_digest(t: torch.Tensor) -> str:
-    """A checksum of a tensor's dtype, shape and bytes."""
-    d = Digest()
-    d.update(t)
-    return d.hexdigest()
-
-
-def bytes_digest(data: bytes) -> str:
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
-
-
-def object_digest(obj) -> str:
-    """A checksum of a (nested) Python object with tensors, independent of how it was pickled."""
-    h = hashlib.blake2b(digest_size=16)
-
-    def feed(x):
-        if isinstance(x, torch.Tensor):
-            h.update(b"T")
-            h.update(tensor_digest(x).encode())
-        elif isinstance(x, dict):
-            h.update(b"D%d" % len(x))
-            for k in sorted(x, key=repr):
-                feed(k)
-                feed(x[k])
-        elif isinstance(x, (list, tuple)):
-            h.update(b"L%d" % len(x) if isinstance(x, list) else b"U%d" % len(x))
-            for v in x:
-                feed(v)
-        else:
-            try:
-                import numpy as np
-
-                if isinstance(x, np.ndarray):
-                    h.update(b"A" + str(x.dtype).encode() + repr(x.shape).encode() + x.tobytes())
-                    return
-            except ImportError:
-                pass
-            h.update(b"S" + pickle.dumps(x, protocol=4) if not isinstance(x, (int, float, str, bool, type(None))) else
-                     b"P" + repr(x).encode())
-
-    feed(obj)
-    return h.hexdigest()
-
-
-def tmp_sibling(path: Path, tag: str) -> Path:
-    return path.parent / f".{path.name}.{tag}-tmp"
-
-
-def fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -1,0 +1,181 @@
+"""Where things are in a megacli checkpoint directory.
+
+    CKPT/latest              the name of the newest complete iteration
+    CKPT/iter_0000100/       torch_dist shards + recipe.yaml + megacli.json (iteration, data position, layout)
+    CKPT/hf/                 a converted checkpoint's Hugging Face config and tokenizer files
+
+A Megatron-LM legacy (``--ckpt-format torch``) checkpoint:
+
+    CKPT/latest_checkpointed_iteration.txt                   "1000" (or "release")
+    CKPT/iter_0001000/mp_rank_TT/model_optim_rng.pt          pipeline size 1
+    CKPT/iter_0001000/mp_rank_TT_PPP/model_optim_rng.pt      pipeline size > 1
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+from megacli.errors import UserError
+
+LATEST = "latest"
+META = "megacli.json"
+RECIPE = "recipe.yaml"
+HF_DIR = "hf"
+HF_CONFIG = "config.json"
+TRACKER = "latest_checkpointed_iteration.txt"
+FILE = "model_optim_rng.pt"
+RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(_\d{3})?\Z")
+
+
+def iter_name(iteration: int) -> str:
+    """The directory name of an iteration, in megacli and Megatron-LM checkpoints alike."""
+    return f"iter_{iteration:07d}"
+
+
+def find_checkpoint(path: str | Path) -> Path | None:
+    """A checkpoint directory from a run directory (via `latest`) or an iteration directory itself;
+    None when ``path`` holds neither."""
+    path = Path(path)
+    if (path / META).is_file():
+        return path
+    pointer = path / LATEST
+    if pointer.is_file():
+        target = path / pointer.read_text().strip()
+        if (target / META).is_file():
+            return target
+        raise UserError(f"{pointer} names {target.name}, which is not a complete checkpoint")
+    return None
+
+
+def read_meta(ckpt: Path) -> dict:
+    try:
+        return json.loads((ckpt / META).read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{ckpt / META}: cannot read ({exc})") from None
+
+
+def read_recipe(ckpt: Path) -> dict:
+    """The raw recipe a checkpoint carries (an empty dict when it has none)."""
+    import yaml
+
+    path = ckpt / RECIPE
+    if not path.is_file():
+        return {}
+    try:
+        return yaml.safe_load(path.read_text()) or {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise UserError(f"{path}: cannot read ({exc})") from None
+
+
+def lora_base_of(ckpt: Path) -> Path | None:
+    """The base checkpoint of a LoRA run's checkpoint (which holds adapters only), else None."""
+    base = read_meta(ckpt).get("lora", {}).get("base")
+    if base is None:
+        return None
+    found = find_checkpoint(base) if Path(base).exists() else None
+    if found is None:
+        raise UserError(f"{ckpt} holds LoRA adapters for the base checkpoint {base}, which is not there any more")
+    return found
+
+
+def carried_hf_dir(ckpt: Path, tokenizer_path: str | None) -> Path | None:
+    """The source HF config a converted checkpoint carries (CKPT/../hf), or the tokenizer directory
+    when it holds a config.json."""
+    candidates = [ckpt.parent / HF_DIR]
+    if tokenizer_path:
+        tok = Path(tokenizer_path)
+        candidates.append(tok if tok.is_dir() else tok.parent)
+    return next((c for c in candidates if (c / HF_CONFIG).is_file()), None)
+
+
+def carried_hf_config(ckpt: Path, recipe) -> dict | None:
+    """The Hugging Face config.json a converted checkpoint carries, None for other checkpoints."""
+    carried = carried_hf_dir(ckpt, recipe.tokenizer.path)
+    if carried is None:
+        return None
+    try:
+        return json.loads((carried / HF_CONFIG).read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot read {carried / HF_CONFIG}: {exc}") from None
+
+
+def tmp_sibling(path: Path, tag: str) -> Path:
+    """A hidden sibling of ``path`` to build it in before renaming it into place."""
+    return path.parent / f".{path.name}.{tag}-tmp"
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (what was renamed into it) to disk, where the platform allows."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------- Megatron-LM legacy
+
+
+def is_legacy_dir(path: Path) -> bool:
+    """A Megatron-LM legacy checkpoint root (its tracker file) or iteration directory (mp_rank_*)."""
+    return (path / TRACKER).is_file() or any(RANK_DIR.match(p.name) for p in _subdirs(path))
+
+
+def _subdirs(path: Path) -> list[Path]:
+    return [p for p in path.iterdir() if p.is_dir()] if path.is_dir() else []
+
+
+def iteration_dir(path: Path) -> Path:
+    """The iteration directory (holding mp_rank_*) of a legacy checkpoint root or iteration dir."""
+    if (path / TRACKER).is_file():
+        text = (path / TRACKER).read_text().strip()
+        name = "release" if text == "release" else iter_name(int(text)) if text.isdigit() else None
+        if name is None or not (path / name).is_dir():
+            raise UserError(f"{path / TRACKER} says {text!r}, but there is no matching iteration directory")
+        return path / name
+    return path
+
+
+def rank_files(it_dir: Path) -> dict[tuple[int, int], Path]:
+    """(tp rank, pp rank) -> model_optim_rng.pt."""
+    files = {}
+    for d in _subdirs(it_dir):
+        m = RANK_DIR.match(d.name)
+        if not m:
+            continue
+        if m.group(3):
+            raise UserError(f"{d}: expert-parallel (MoE) legacy checkpoints are not supported")
+        f = d / FILE
+        if not f.is_file():
+            raise UserError(f"{d} has no {FILE}")
+        files[(int(m.group(1)), int(m.group(2) or 0))] = f
+    if not files:
+        raise UserError(f"{it_dir}: no mp_rank_* directories (not a Megatron-LM legacy checkpoint)")
+    tps = sorted({t for t, _ in files})
+    pps = sorted({p for _, p in files})
+    missing = [f"mp_rank_{t:02d}_{p:03d}" for t in tps for p in pps if (t, p) not in files]
+    if missing or tps != list(range(len(tps))) or pps != list(range(len(pps))):
+        raise UserError(f"{it_dir}: incomplete set of rank directories (missing {', '.join(missing) or 'ranks'})")
+    return files
+
+
+def locate(path: str | Path) -> tuple[Path, str]:
+    """A checkpoint at ``path``: (the megacli iteration directory, "megacli") or (``path``, "legacy")."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"{path}: no such checkpoint")
+    found = find_checkpoint(path)
+    if found is not None:
+        return found, "megacli"
+    if path.is_dir() and is_legacy_dir(path):
+        return path, "legacy"
+    raise UserError(f"{path}: not a checkpoint (expected a directory with '{LATEST}' or '{META}', or a Megatron-LM "
+                    f"checkpoint with {TRACKER} or mp_rank_* directories)")

@@ -1,0 +1,115 @@
+"""A Megatron-LM run's arguments (the ``args`` Namespace every legacy checkpoint file carries) as a
+megacli recipe: the model section, and the training recipe a resharded run continues with."""
+
+from __future__ import annotations
+
+from megacli.errors import UserError
+
+
+def arg(args, name, default=None):
+    """``args.name``, or ``default`` when the run did not set it (absent or None)."""
+    value = getattr(args, name, default)
+    return default if value is None else value
+
+
+def model_section_from_args(args, vocab_size: int, arch: str = "gpt") -> dict:
+    """The recipe ``model:`` section for a Megatron-LM run's arguments (``arch``: gpt or bert)."""
+    if arg(args, "apply_residual_connection_post_layernorm", False):
+        raise UserError("apply_residual_connection_post_layernorm checkpoints are not supported (the residual "
+                        "stream takes the normalised input, which megacli's layers do not express)")
+    if arg(args, "num_experts"):
+        raise UserError("legacy MoE checkpoints (num_experts) are not supported")
+    if arg(args, "rotary_interleaved", False):
+        raise UserError("rotary_interleaved checkpoints are not supported (megacli uses non-interleaved RoPE, as HF)")
+    hidden, heads = args.hidden_size, args.num_attention_heads
+    pos = arg(args, "position_embedding_type", "learned_absolute")
+    if arg(args, "use_rotary_position_embeddings", False):
+        pos = "rope"
+    positions = {"learned_absolute": "learned", "rope": "rope", "none": "none"}.get(pos)
+    if positions is None:
+        raise UserError(f"position_embedding_type {pos!r} is not supported")
+    if arg(args, "swiglu", False):
+        activation = "swiglu"
+    elif arg(args, "squared_relu", False):
+        activation = "squared_relu"
+    elif arg(args, "openai_gelu", False):
+        activation = "gelu_tanh"
+    else:
+        activation = "gelu"
+    seq = arg(args, "seq_length", 1024)
+    section = dict(
+        arch=arch,
+        num_layers=args.num_layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=arg(args, "num_query_groups", heads) if arg(args, "group_query_attention", False) else heads,
+        kv_channels=arg(args, "kv_channels", hidden // heads),
+        ffn_hidden_size=arg(args, "ffn_hidden_size", 4 * hidden),
+        seq_length=seq,
+        max_position_embeddings=arg(args, "max_position_embeddings", seq),
+        position_embedding=positions,
+        rotary_base=float(arg(args, "rotary_base", 10000)),
+        rotary_percent=float(arg(args, "rotary_percent", 1.0)),
+        normalization="rmsnorm" if arg(args, "normalization", "LayerNorm") == "RMSNorm" else "layernorm",
+        norm_epsilon=arg(args, "norm_epsilon", arg(args, "layernorm_epsilon", 1e-5)),
+        activation=activation,
+        add_bias_linear=arg(args, "add_bias_linear", not arg(args, "disable_bias_linear", False)),
+        add_qkv_bias=arg(args, "add_qkv_bias", False),
+        qk_layernorm=arg(args, "qk_layernorm", False),
+        untie_embeddings=arg(args, "untie_embeddings_and_output_weights", False),
+        dropout=arg(args, "hidden_dropout", 0.0),
+        attention_dropout=arg(args, "attention_dropout", 0.0),
+        vocab_size=vocab_size,
+        make_vocab_size_divisible_by=arg(args, "make_vocab_size_divisible_by", 128),
+        init_method_std=arg(args, "init_method_std", 0.02),
+    )
+    if arch == "bert":  # pretrain_bert.py: token types and the pooler come with the binary head
+        section.update(bert_binary_head=bool(arg(args, "bert_binary_head", True)))
+    return section
+
+
+def recipe_from_args(src) -> dict:
+    """The raw training recipe of a legacy checkpoint (a LegacyCheckpoint), from its run's arguments."""
+    a = src.args
+    model = src.model_section()
+    vocab = model.get("vocab_size")
+    tok_dir = src.tokenizer_dir()
+    tokenizer = {"type": "huggingface", "path": str(tok_dir)} if tok_dir else {"type": "none", "path": None}
+    if not tok_dir:
+        model["vocab_size"] = vocab
+    gbs = int(arg(a, "global_batch_size", 1))
+    mbs = int(arg(a, "micro_batch_size", 1))
+    world = int(arg(a, "world_size", src.tp * src.pp))
+    cp = int(arg(a, "context_parallel_size", 1))
+    train_iters = arg(a, "train_iters") or max(1, int(arg(a, "train_samples", gbs)) // gbs)
+    warmup = arg(a, "lr_warmup_iters", 0) or 0
+    if not warmup and arg(a, "lr_warmup_samples"):
+        warmup = int(a.lr_warmup_samples) // gbs
+    style = str(arg(a, "lr_decay_style", "linear"))
+    data_path = arg(a, "data_path")
+    if isinstance(data_path, (list, tuple)) and len(data_path) == 1:
+        data = {"path": str(data_path[0]), "mock": False}
+    elif isinstance(data_path, (list, tuple)) and len(data_path) > 1 and len(data_path) % 2 == 0:
+        data = {"blend": [[float(data_path[i]), str(data_path[i + 1])] for i in range(0, len(data_path), 2)], "mock": False}
+    else:
+        data = {"mock": True}
+    return {
+        "model": model,
+        "parallel": {"tensor": src.tp, "pipeline": src.pp, "virtual_pipeline": src.vp if src.vp > 1 else None,
+                     "sequence_parallel": bool(arg(a, "sequence_parallel", False)) and src.tp > 1, "context": cp,
+                     "distributed_optimizer": False},
+        "launch": {"nproc": world},
+        "tokenizer": tokenizer,
+        "data": data,
+        "train": {"iters": int(train_iters), "micro_batch_size": mbs, "global_batch_size": gbs,
+                  "seed": int(arg(a, "seed", 1234)),
+                  "precision": "bf16" if arg(a, "bf16", False) else "fp16" if arg(a, "fp16", False) else "fp32",
+                  "eval_interval": arg(a, "eval_interval", 1000), "eval_iters": int(arg(a, "eval_iters", 10) or 10),
+                  "log_interval": int(arg(a, "log_interval", 100) or 100)},
+        "optim": {"optimizer": str(arg(a, "optimizer", "adam")), "lr": float(arg(a, "lr", 3e-4)),
+                  "min_lr": float(arg(a, "min_lr", 0.0)), "warmup_iters": int(warmup),
+                  "decay_style": {"WSD": "wsd", "inverse-square-root": "cosine"}.get(style, style),
+                  "decay_iters": arg(a, "lr_decay_iters"), "weight_decay": float(arg(a, "weight_decay", 0.01)),
+                  "clip_grad": float(arg(a, "clip_grad", 1.0)), "adam_beta1": float(arg(a, "adam_beta1", 0.9)),
+                  "adam_beta2": float(arg(a, "adam_beta2", 0.999)), "adam_eps": float(arg(a, "adam_eps", 1e-8))},
+    }

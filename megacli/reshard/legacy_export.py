@@ -1,0 +1,253 @@
+"""Export a megacli checkpoint as a Megatron-LM legacy (``--ckpt-format torch``) checkpoint: the
+files of the target layout, with Megatron-Core's Transformer-Engine key names in Megatron-Core's
+parameter order (see megacli.reshard.legacy for what each part becomes). A legacy file holds one
+rank's whole state, so writing one needs that rank's share of the model in memory."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from megacli.checkpoint.layout import FILE, TRACKER, iter_name
+from megacli.checkpoint.sharding import shard
+from megacli.errors import UserError
+from megacli.precision import params_dtype
+from megacli.reshard.legacy import EXTRA_STATE_MODULES, scale_scheduler
+
+# Parameter order of a Megatron-Core GPT layer with the Transformer Engine spec (module creation
+# order: Attention builds linear_proj before SelfAttention builds linear_qkv; TE's LayerNormLinear
+# registers its norm before its weight).
+_LAYER_ORDER = (
+    "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
+    "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias",
+    "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+    "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
+    "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias",
+    "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias",
+    "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
+    "mlp.linear_fc2.weight", "mlp.linear_fc2.bias",
+)
+_TOP_FIRST = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
+_TOP_LAST = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight", "output_layer.bias")
+
+
+def check_exportable(recipe_raw: dict, where: Path) -> None:
+    """Refuse, before anything is written, a model the legacy export cannot name."""
+    arch = ((recipe_raw.get("model") or {}).get("arch")) or "gpt"
+    if arch != "gpt":
+        raise UserError(f"{where}: a {arch.upper()} checkpoint; the legacy export writes GPT checkpoints only. For the "
+                        f"weights in another format, use `megacli convert {where} DST --to hf`")
+
+
+def export(it_dir: Path, out: Path, *, trust_pickle: bool = False, progress=None) -> list[str]:
+    """Write the megacli checkpoint ``it_dir`` (standard optimizer, any layout) as a Megatron-LM
+    legacy checkpoint in its layout under ``out`` (created). Returns notes for the user."""
+    from megacli.recipe.base import validate
+    from megacli.recipe.pretrain import TrainingRecipe
+    from megacli.checkpoint.megacli_checkpoint import OPT_PREFIX, Checkpoint, split_optimizer_key
+
+    ck = Checkpoint(it_dir, trust_pickle=trust_pickle)
+    if ck.optimizer_kind == "distributed":
+        raise UserError("internal error: export needs the standard optimizer's format")
+    recipe = validate(TrainingRecipe, ck.recipe_raw, str(it_dir / "recipe.yaml"))
+    lay = ck.layout
+    m = recipe.model
+    L, T, P, V = m.num_layers, lay.tensor, lay.pipeline, lay.vp
+    swiglu = m.gated
+    reader = ck.reader
+    model_keys = set(ck.model_keys)
+    states = sorted({split_optimizer_key(k)[0] for k in reader.tensors if k.startswith(OPT_PREFIX)})
+    common = ck.common
+    mixed = recipe.train.precision != "fp32"
+    opt_common = common.get("optimizer")
+    if opt_common is not None:
+        inner = opt_common["optimizer"] if mixed else opt_common
+        groups = [dict(g) for g in inner["param_groups"]]
+        step = inner.get("state", {}).get("common_step")
+    else:
+        groups, step = [], None
+    notes = []
+    rng = ck.rng_objects
+    if rng:
+        sample = reader.read_object(next(iter(rng.values())))[0]
+        cpu_states = sample.get("cuda") is None
+        if cpu_states:
+            notes.append("RNG state is the CPU backend's (CPU generator states): in Megatron-LM on CUDA, load with --no-load-rng")
+    gbs = recipe.train.global_batch_size
+    args = _args_from_recipe(recipe, ck, reader)
+    it_name = iter_name(ck.iteration)
+    per_chunk = L // (P * V)
+    total = T * P
+    done = progress("exporting", total) if progress else (lambda key: None)
+
+    def local(base: str, layer: Optional[int]) -> str:
+        return base if layer is None else f"decoder.layers.{layer}.{base[len('decoder.layers.'):]}"
+
+    def global_piece(key: str, layer: Optional[int]) -> torch.Tensor:
+        info = reader.tensors[key]
+        if layer is None:
+            return reader.read(key)
+        return reader.read_region(key, (layer,) + (0,) * (len(info.shape) - 1), (1,) + tuple(info.shape[1:]))[0]
+
+    # One layer's entries in Megatron-Core's parameter order, TE extra state after each linear module.
+    layer_items: list[str] = []
+    present = [x for x in _LAYER_ORDER if f"decoder.layers.{x}" in model_keys]
+    for i, suffix in enumerate(present):
+        layer_items.append(suffix)
+        module = suffix.rsplit(".", 1)[0]
+        nxt = present[i + 1].rsplit(".", 1)[0] if i + 1 < len(present) else None
+        if module in EXTRA_STATE_MODULES and nxt != module:
+            layer_items.append(module + "._extra_state")
+    for p in range(P):
+        for r in range(T):
+            model_chunks = {}
+            params: list[tuple[str, str]] = []  # (file key, megacli base key) in parameter order
+            for v in range(V):
+                state: dict = {}
+                first_layer = v * (L // V) + p * per_chunk
+                entries: list[tuple[str, Optional[int], str]] = []  # (megacli key, global layer, file key)
+                if p == 0 and v == 0:
+                    entries += [(k, None, k) for k in _TOP_FIRST if k in model_keys]
+                for i in range(per_chunk):
+                    for suffix in layer_items:
+                        if suffix.endswith("._extra_state"):
+                            entries.append((None, first_layer + i, f"decoder.layers.{i}.{suffix}"))
+                        else:
+                            entries.append((f"decoder.layers.{suffix}", first_layer + i, f"decoder.layers.{i}.{suffix}"))
+                if p == P - 1 and v == V - 1:
+                    entries += [(k, None, k) for k in _TOP_LAST if k in model_keys]
+                    if P > 1 and not m.untie_embeddings:
+                        entries.append(("embedding.word_embeddings.weight", None, "output_layer.weight"))
+                unknown = {k for k in model_keys if k not in _TOP_FIRST + _TOP_LAST
+                           and not any(k == f"decoder.layers.{s}" for s in _LAYER_ORDER)}
+                if unknown:
+                    raise UserError(f"{it_dir}: no Megatron-LM name/order for {sorted(unknown)}")
+                for base, layer, file_key in entries:
+                    if base is None:  # TE extra state after the module's parameters: none, as Megatron-LM's local layers
+                        state[file_key] = None
+                        continue
+                    state[file_key] = shard(base, global_piece(base, layer), tp=T, rank=r, gated=swiglu)
+                    params.append((file_key, base, layer))
+                model_chunks["model" if V == 1 else f"model{v}"] = state
+            optimizer = _legacy_optimizer(reader, params, groups, step, states, T, r, swiglu, mixed, opt_common) if opt_common else None
+            rank_rng = None
+            if rng:
+                s = reader.read_object(rng[(p, r)])[0]
+                rank_rng = [{"random_rng_state": s["random"], "np_rng_state": s["numpy"], "torch_rng_state": s["torch"],
+                             "cuda_rng_state": s["cuda"], "rng_tracker_states": s["tracker"]}]
+            payload = {"args": args, "checkpoint_version": 3.0, "iteration": ck.iteration, **model_chunks,
+                       "num_floating_point_operations_so_far": 0}
+            if optimizer is not None:
+                payload["optimizer"] = optimizer
+            if "scheduler" in common:
+                payload["opt_param_scheduler"] = scale_scheduler(common["scheduler"], gbs, str(it_dir))
+            if rank_rng is not None:
+                payload["rng_state"] = rank_rng
+            name = f"mp_rank_{r:02d}" if P == 1 else f"mp_rank_{r:02d}_{p:03d}"
+            (out / it_name / name).mkdir(parents=True, exist_ok=True)
+            torch.save(payload, out / it_name / name / FILE)
+            done(name)
+    (out / TRACKER).write_text(str(ck.iteration))
+    return notes
+
+
+def _legacy_optimizer(reader, params, groups, step, states, T, r, swiglu, mixed, opt_common) -> dict:
+    """The standard optimizer's state dict for one rank: parameters indexed group by group
+    (weights, then biases and 1-D parameters), each group in parameter order."""
+    from megacli.checkpoint.megacli_checkpoint import OPT_PREFIX
+
+    wd_groups = [i for i, g in enumerate(groups) if float(g.get("wd_mult", 1.0)) != 0.0]
+    nowd_groups = [i for i, g in enumerate(groups) if float(g.get("wd_mult", 1.0)) == 0.0]
+    if len(wd_groups) != 1 or len(nowd_groups) > 1:
+        raise UserError(f"optimizer param groups {groups}: expected one weight group and at most one no-decay group")
+    members: dict[int, list] = {i: [] for i in range(len(groups))}
+    cache: dict = {}
+    for file_key, base, layer in params:
+        info = reader.tensors[base]
+        shape = info.shape[1:] if layer is not None else info.shape
+        no_wd = file_key.endswith(".bias") or len(shape) == 1
+        gi = (nowd_groups or [None])[0] if no_wd else wd_groups[0]
+        if gi is None:
+            raise UserError(f"{file_key}: a no-weight-decay parameter but the optimizer has no such group")
+        members[gi].append((file_key, base, layer))
+    state, out_groups, fp32 = {}, [], []
+    idx = 0
+    for gi, g in enumerate(groups):
+        ids, fp32_group = [], []
+        for file_key, base, layer in members[gi]:
+            entry = {}
+            if step is not None:
+                entry["step"] = step.clone() if isinstance(step, torch.Tensor) else torch.tensor(float(step))
+            for s in states:
+                if s == "fp32_param":
+                    continue
+                key = f"{OPT_PREFIX}{s}.{base}"
+                t = _piece(reader, key, layer, cache)
+                entry[s] = shard(base, t, tp=T, rank=r, gated=swiglu)
+            if mixed:
+                fp32_group.append(shard(base, _piece(reader, f"{OPT_PREFIX}fp32_param.{base}", layer, cache), tp=T, rank=r, gated=swiglu))
+            state[idx] = entry
+            ids.append(idx)
+            idx += 1
+        out_groups.append({**g, "params": ids})
+        fp32.append(fp32_group)
+    body = {"state": state, "param_groups": out_groups}
+    if not mixed:
+        return body
+    out = {"optimizer": body, "fp32_from_fp16_params": fp32}
+    if opt_common.get("grad_scaler") is not None:
+        out["grad_scaler"] = opt_common["grad_scaler"]
+    return out
+
+
+def _piece(reader, key: str, layer: Optional[int], cache: dict) -> torch.Tensor:
+    info = reader.tensors.get(key)
+    if info is None:
+        raise UserError(f"{reader.path}: no {key}")
+    if layer is None:
+        return reader.read(key)
+    return reader.read_region(key, (layer,) + (0,) * (len(info.shape) - 1), (1,) + tuple(info.shape[1:]))[0]
+
+
+def _args_from_recipe(recipe, ck, reader) -> argparse.Namespace:
+    """The Megatron-LM arguments a legacy checkpoint carries (what Megatron-LM checks on load, and
+    what megacli.convert reads back)."""
+    m, p, t, o = recipe.model, recipe.parallel, recipe.train, recipe.optim
+    emb = reader.tensors.get("embedding.word_embeddings.weight")
+    padded = emb.shape[0] if emb is not None else None
+    tok = recipe.tokenizer
+    gbs = t.global_batch_size
+    return argparse.Namespace(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+        group_query_attention=m.query_groups != m.num_attention_heads, num_query_groups=m.query_groups,
+        kv_channels=m.head_dim, ffn_hidden_size=m.ffn_size, seq_length=m.seq_length,
+        max_position_embeddings=m.max_positions,
+        position_embedding_type={"learned": "learned_absolute", "rope": "rope"}.get(m.position_embedding, "none"),
+        add_position_embedding=m.position_embedding == "learned",
+        rotary_base=int(m.rotary_base), rotary_percent=m.rotary_percent,
+        normalization="RMSNorm" if m.normalization == "rmsnorm" else "LayerNorm", norm_epsilon=m.norm_epsilon,
+        swiglu=m.activation == "swiglu", squared_relu=m.activation == "squared_relu", openai_gelu=m.activation == "gelu_tanh",
+        add_bias_linear=m.add_bias_linear, add_qkv_bias=m.add_qkv_bias, qk_layernorm=m.qk_layernorm,
+        untie_embeddings_and_output_weights=m.untie_embeddings, hidden_dropout=m.dropout,
+        attention_dropout=m.attention_dropout, init_method_std=m.init_method_std,
+        make_vocab_size_divisible_by=m.make_vocab_size_divisible_by, padded_vocab_size=padded,
+        vocab_size=m.vocab_size,
+        tokenizer_type="HuggingFaceTokenizer" if tok.type == "huggingface" else "NullTokenizer",
+        tokenizer_model=tok.path,
+        tensor_model_parallel_size=p.tensor, pipeline_model_parallel_size=p.pipeline,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline, sequence_parallel=p.sp_enabled,
+        context_parallel_size=p.context, data_parallel_size=recipe.data_parallel_size, world_size=recipe.world_size,
+        use_distributed_optimizer=False, ckpt_format="torch", data_parallel_random_init=False,
+        global_batch_size=gbs, micro_batch_size=t.micro_batch_size, train_iters=t.iters, seed=t.seed,
+        bf16=t.precision == "bf16", fp16=t.precision == "fp16",
+        params_dtype=params_dtype(t.precision),
+        optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, lr_decay_style={"wsd": "WSD"}.get(o.decay_style, o.decay_style),
+        lr_decay_iters=o.decay_horizon(t.iters), lr_warmup_iters=o.warmup_steps(t.iters), weight_decay=o.weight_decay,
+        clip_grad=o.clip_grad, adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+        iteration=ck.iteration, consumed_train_samples=int(ck.meta.get("consumed_samples", ck.iteration * gbs)),
+        consumed_valid_samples=0, skipped_train_samples=0,
+        data_path=[recipe.data.path] if recipe.data.path and not recipe.data.mock else None,
+    )

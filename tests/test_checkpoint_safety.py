@@ -1,0 +1,226 @@
+"""No code runs from a checkpoint: every pickle megacli reads is restricted to an allow-list unless
+the user says --trust-pickle / checkpoint.trust_pickle; corrupt, truncated and escaping files are
+clear errors. Single process: a small torch_dist checkpoint written directly (no model is built)."""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+ITER = "iter_0000002"
+TINY_MODEL = {"num_layers": 1, "hidden_size": 8, "num_attention_heads": 2, "ffn_hidden_size": 16, "seq_length": 8,
+              "make_vocab_size_divisible_by": 8}
+
+
+def cli(*args):
+    from typer.testing import CliRunner
+
+    from megacli.cli import _register, app
+
+    _register()
+    return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "200"})
+
+
+def write_checkpoint(root: Path, arch: str = "gpt") -> Path:
+    """A weights-only torch_dist checkpoint (CKPT/latest + iter dir) holding one tensor."""
+    from megacli.checkpoint.torch_dist import TensorEntry, write_torch_dist
+    from megacli.recipe.base import dump, validate
+    from megacli.recipe.pretrain import TrainingRecipe
+
+    it = root / ITER
+    it.mkdir(parents=True)
+    data = {"mock": True} if arch == "gpt" else {"path": "corpus_text_sentence"}  # BERT has no mock data
+    raw = {"data": data, "tokenizer": {"type": "byte", "path": None}, "model": {**TINY_MODEL, "arch": arch},
+           "train": {"precision": "fp32", "micro_batch_size": 1, "global_batch_size": 1, "iters": 4}}
+    shape = (264, 8)
+    write_torch_dist(it, [TensorEntry("embedding.word_embeddings.weight", shape, torch.float32, [((0, 0), shape)],
+                                      lambda offsets, sizes: torch.ones(sizes))], [], {"scheduler": {"num_steps": 2}})
+    (it / "recipe.yaml").write_text(dump(validate(TrainingRecipe, raw, "test")))
+    (it / "megacli.json").write_text(json.dumps({"iteration": 2, "consumed_samples": 2, "format": "torch_dist",
+                                                 "layout": {"tensor": 1, "pipeline": 1, "virtual_pipeline": None,
+                                                            "data": 1, "context": 1}}))
+    (root / "latest").write_text(ITER + "\n")
+    return it
+
+
+class _Payload:
+    """Unpickles by running code: creates ``marker``, then returns the object pickled in ``inner``."""
+
+    def __init__(self, marker: Path, inner: bytes):
+        self.marker, self.inner = marker, inner
+
+    def __reduce__(self):
+        return eval, (f"open({str(self.marker)!r}, 'w').close() or __import__('pickle').loads({self.inner!r})",)
+
+
+def poison(it: Path, which: str, marker: Path) -> None:
+    """Replace ``.metadata`` or ``common.pt`` with a pickle that runs code and then gives back the
+    real content (so everything would still work)."""
+    if which == ".metadata":
+        real = (it / which).read_bytes()
+        (it / which).write_bytes(pickle.dumps(_Payload(marker, real)))
+    else:
+        real = torch.load(it / which, weights_only=True)
+        torch.save({"scheduler": real["scheduler"], "extra": _Payload(marker, pickle.dumps(1))}, it / which)
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("clean") / "ck"
+    write_checkpoint(root)
+    return root
+
+
+@pytest.fixture(params=[".metadata", "common.pt"])
+def poisoned(request, clean, tmp_path):
+    import shutil
+
+    root = tmp_path / "ck"
+    shutil.copytree(clean, root)
+    marker = tmp_path / "code-ran"
+    poison(root / ITER, request.param, marker)
+    return root, marker, request.param
+
+
+def assert_refused(res, marker: Path, which: str) -> None:
+    assert res.exit_code == 2, res.output
+    text = " ".join(res.output.split())
+    assert "refused to unpickle builtins.eval" in text and which in text and "--trust-pickle" in text, text
+    assert "Traceback" not in res.output
+    assert not marker.exists()
+
+
+def test_inspect_refuses_code_and_runs_it_only_when_trusted(poisoned):
+    root, marker, which = poisoned
+    assert_refused(cli("reshard", "inspect", root), marker, which)
+    res = cli("reshard", "inspect", root, "--json", "--trust-pickle")
+    assert res.exit_code == 0, res.output
+    assert marker.exists()
+
+
+def test_reshard_convert_generate_and_resume_refuse_code(poisoned, tmp_path):
+    root, marker, which = poisoned
+    assert_refused(cli("reshard", root, tmp_path / "out", "--tensor", "2"), marker, which)
+    assert_refused(cli("convert", root, tmp_path / "hf"), marker, which)
+    assert_refused(cli("generate", "-c", root, "--prompt", "x"), marker, which)
+    data = ["data.path=null", "data.mock=true", "tokenizer.type=byte", "tokenizer.path=null", f"run.dir={tmp_path / 'run'}"]
+    for job, load in (("pretrain", f"checkpoint.resume={root}"), ("finetune", f"checkpoint.pretrained={root}")):
+        assert_refused(cli(job, *[x for s in (load, *data) for x in ("--set", s)]), marker, which)
+    assert not any(p.name not in ("ck",) for p in tmp_path.iterdir()), sorted(p.name for p in tmp_path.iterdir())
+
+
+def test_convert_runs_code_only_when_trusted(poisoned, tmp_path):
+    root, marker, which = poisoned
+    res = cli("convert", root, tmp_path / "hf", "--trust-pickle")
+    assert res.exit_code == 0, res.output
+    assert marker.exists() == (which == ".metadata")  # a conversion never reads the common state
+
+
+def test_rng_objects_are_restricted_too(tmp_path):
+    """Sharded objects (RNG state) are unpickled by torch's reader without restriction: checked first."""
+    from megacli.checkpoint.safe_pickle import check_torch_dist
+    from megacli.checkpoint.torch_dist import ObjectEntry, write_torch_dist
+    from megacli.errors import UserError
+
+    marker = tmp_path / "code-ran"
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    for path, obj in ((good, [{"random": (3, (1, 2), None), "torch": torch.zeros(4, dtype=torch.uint8)}]),
+                      (bad, [_Payload(marker, pickle.dumps(1))])):
+        path.mkdir()
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        write_torch_dist(path, [], [ObjectEntry("rng_state/shard_0.0_1.1", lambda data=buf.getvalue(): data)], {})
+    check_torch_dist(good, trust=False)
+    with pytest.raises(UserError, match="builtins.eval"):
+        check_torch_dist(bad, trust=False)
+    assert not marker.exists()
+
+
+def test_corrupt_metadata_and_truncated_files_are_clear_errors(clean, tmp_path):
+    import shutil
+
+    root = tmp_path / "ck"
+    shutil.copytree(clean, root)
+    (root / ITER / ".metadata").write_bytes(b"\x80\x04not a pickle at all")
+    res = cli("reshard", "inspect", root)
+    assert res.exit_code == 2 and ".metadata" in res.output and "Traceback" not in res.output, res.output
+
+    shutil.rmtree(root)
+    shutil.copytree(clean, root)
+    common = root / ITER / "common.pt"
+    common.write_bytes(common.read_bytes()[:200])
+    res = cli("reshard", "inspect", root)
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and "common.pt" in text and "truncated or corrupt" in text, res.output
+
+
+def test_truncated_legacy_file_is_a_clear_error(tmp_path):
+    import argparse
+
+    from megacli.checkpoint.legacy import LegacyCheckpoint
+    from megacli.errors import UserError
+
+    rank = tmp_path / "legacy" / ITER / "mp_rank_00"
+    rank.mkdir(parents=True)
+    (tmp_path / "legacy" / "latest_checkpointed_iteration.txt").write_text("2")
+    f = rank / "model_optim_rng.pt"
+    torch.save({"args": argparse.Namespace(num_layers=1), "checkpoint_version": 3.0, "model": {"w": torch.ones(64)}}, f)
+    f.write_bytes(f.read_bytes()[:-100])
+    with pytest.raises(UserError, match=r"model_optim_rng.pt: cannot read .*truncated or corrupt"):
+        LegacyCheckpoint(tmp_path / "legacy")
+
+
+@pytest.mark.parametrize("shard", ["../other/model.safetensors", "../../etc/passwd", "/etc/passwd", "a/../../x"])
+def test_safetensors_index_may_not_leave_the_model_directory(tmp_path, shard):
+    from safetensors.torch import save_file
+
+    from megacli.convert.hf_io import HFWeights
+    from megacli.errors import UserError
+
+    model, other = tmp_path / "model", tmp_path / "other"
+    model.mkdir()
+    other.mkdir()
+    save_file({"w": torch.ones(2)}, other / "model.safetensors")
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": shard}}))
+    with pytest.raises(UserError, match="outside"):
+        HFWeights(model)
+
+
+def test_pickled_pytorch_model_bin_needing_code_is_a_clear_error(tmp_path):
+    from megacli.convert.hf_io import HFWeights
+    from megacli.errors import UserError
+
+    marker = tmp_path / "code-ran"
+    torch.save({"w": torch.ones(2), "x": _Payload(marker, pickle.dumps(1))}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(UserError, match=r"pytorch_model.bin: refused to unpickle builtins.eval"):
+        HFWeights(tmp_path)
+    assert not marker.exists()
+    assert "w" in HFWeights(tmp_path, trust_pickle=True).keys() and marker.exists()
+
+
+def test_bert_legacy_export_is_refused_before_writing(tmp_path):
+    root = tmp_path / "bert"
+    write_checkpoint(root, arch="bert")
+    res = cli("reshard", root, tmp_path / "out", "--format", "legacy")
+    assert res.exit_code == 2 and "legacy export writes GPT checkpoints only" in " ".join(res.output.split()), res.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bert"]
+
+
+def test_a_failed_legacy_export_leaves_nothing(clean, tmp_path, monkeypatch):
+    from megacli.recipe.reshard import ReshardSection
+    from megacli.reshard import legacy_export, reshard
+
+    def fail(it_dir, out, **kwargs):
+        out.mkdir(parents=True)
+        (out / "half-written").write_text("x")
+        raise RuntimeError("injected failure while exporting")
+
+    monkeypatch.setattr(legacy_export, "export", fail)
+    with pytest.raises(RuntimeError, match="injected"):
+        reshard(ReshardSection(source=str(clean), output=str(tmp_path / "out"), format="legacy"))
+    assert list(tmp_path.iterdir()) == []
