@@ -57,13 +57,18 @@ def merge(name: str, parts: list[torch.Tensor], *, gated: bool) -> torch.Tensor:
 
 def shard(name: str, tensor: torch.Tensor, *, tp: int, rank: int, gated: bool) -> torch.Tensor:
     """Rank ``rank``'s part of the global ``tensor`` (a copy)."""
-    split = split_of(name, gated=gated)
+    return part_of(tensor, split_of(name, gated=gated), tp=tp, rank=rank).clone()
+
+
+def part_of(tensor: torch.Tensor, split: int | str | None, *, tp: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s part of ``tensor`` split as ``split`` says (a dimension, GATED_SPLIT, or
+    None for replicated): a view where it can be one."""
     if tp == 1 or split is None:
-        return tensor.clone()
+        return tensor
     if split == GATED_SPLIT:
         gate, up = tensor.chunk(2, dim=0)
-        return torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]]).clone()
-    return tensor.chunk(tp, dim=split)[rank].clone()
+        return torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]])
+    return tensor.chunk(tp, dim=split)[rank]
 
 
 def rank_pieces(size: int, *, tp: int, gated_split: bool) -> list[tuple[int, int]]:

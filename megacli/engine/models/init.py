@@ -7,6 +7,7 @@ import zlib
 
 import torch
 
+from megacli.checkpoint.sharding import GATED_SPLIT, part_of
 from megacli.engine.models.common import unwrap
 from megacli.engine.models.moe import global_expert_name
 
@@ -92,12 +93,8 @@ def _full_shape(p, tp: int) -> tuple[int, ...]:
 
 
 def _shard(master, p, tp_rank: int, tp: int, gated_fc1: bool):
-    """This rank's slice of the unsharded tensor. The gated MLP input (SwiGLU) keeps [gate; up]
-    per rank, so each rank takes its slice of the gate half and of the up half."""
-    if not getattr(p, "tensor_model_parallel", False) or tp == 1:
+    """This rank's slice of the unsharded tensor, split as the live parameter says (Megatron marks
+    each tensor-parallel parameter with its partition dim); the gated MLP input keeps [gate; up]."""
+    if not getattr(p, "tensor_model_parallel", False):
         return master
-    dim = p.partition_dim
-    if gated_fc1:
-        gate, up = master.chunk(2, dim=0)
-        return torch.cat([gate.chunk(tp, dim=0)[tp_rank], up.chunk(tp, dim=0)[tp_rank]], dim=0)
-    return master.chunk(tp, dim=dim)[tp_rank]
+    return part_of(master, GATED_SPLIT if gated_fc1 else p.partition_dim, tp=tp, rank=tp_rank)
