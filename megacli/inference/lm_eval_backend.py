@@ -15,6 +15,7 @@ from lm_eval import utils as harness_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 
+from megacli.errors import UserError
 from megacli.inference import sampling
 from megacli.inference.runner import left_padded
 
@@ -205,8 +206,6 @@ class MegacliLM(TemplateLM):
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
             max_new = kwargs.pop("max_gen_toks")
             if max_new >= self.max_length:
-                from megacli.errors import UserError
-
                 raise UserError(f"a task asks for max_gen_toks = {max_new} new tokens, but the model's context is "
                                 f"{self.max_length} tokens")
             encoded = [self.tok_encode(c, left_truncate_len=self.max_length - max_new) for c in contexts]
