@@ -203,6 +203,10 @@ def test_errors_come_before_the_model_loads(prepared, tmp_path):
     assert "Traceback" not in res.stderr and not (tmp_path / "run").exists()
     res = _megacli_eval(ckpt, "--tasks", "tiny_lambada,no_such_task", "--include-path", tasks)
     assert res.returncode == 2 and "unknown lm-evaluation-harness task(s) no_such_task" in res.stderr, res.stderr
+    recipe = tmp_path / "eval.yaml"
+    recipe.write_text(f"eval:\n  checkpoint: {ckpt}\n  include_path: {tasks}\n  tasks: [tiny_lambada, no_such_task]\n")
+    res = _megacli_eval("--recipe", recipe)
+    assert res.returncode == 2 and "unknown lm-evaluation-harness task(s) no_such_task" in res.stderr, res.stderr
     res = _megacli_eval(ckpt, "--include-path", tasks)
     assert res.returncode == 2 and "eval.tasks" in res.stderr, res.stderr
     res = _megacli_eval(tmp_path, "--tasks", "tiny_lambada")
