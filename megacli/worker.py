@@ -21,6 +21,10 @@ def run_job(job: str, recipe) -> None:
         from megacli.inference.job import run
 
         run(recipe)
+    elif job == "eval":
+        from megacli.inference.evaluate import run
+
+        run(recipe)
     else:
         raise ValueError(f"unknown job {job!r}")
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-SUBCOMMANDS = ["preprocess", "pretrain", "finetune", "plot", "generate", "convert", "reshard"]
+SUBCOMMANDS = ["preprocess", "pretrain", "finetune", "plot", "generate", "eval", "convert", "reshard"]
 
 
 def run(*args, **kw):

@@ -12,6 +12,7 @@ def _register() -> None:
     import megacli.cli.finetune  # noqa: F401
     import megacli.cli.plot  # noqa: F401
     import megacli.cli.generate  # noqa: F401
+    import megacli.cli.eval  # noqa: F401
     import megacli.cli.convert  # noqa: F401
     import megacli.cli.reshard  # noqa: F401
 

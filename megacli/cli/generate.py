@@ -65,29 +65,33 @@ def generate(
 
             raise UserError("no prompts: give --prompt TEXT, --prompts FILE, --score FILE or --cloze FILE")
         return _interactive(job)
-    _run(job)
+    launch_job(job)
 
 
 def build_recipe(recipe_path: Optional[Path], flags: dict, *, tensor: Optional[int], pipeline: Optional[int],
-                 overrides: list[str]):
-    """The checkpoint's recipe, then the RECIPE file's sections, then the flags, then --set."""
+                 overrides: list[str], job: str = "generate"):
+    """The checkpoint's recipe, then the RECIPE file's sections, then the flags (the ``job``
+    section: generate or eval), then --set."""
     from megacli.checkpoint.layout import find_checkpoint
     from megacli.checkpoint.safe_pickle import check_checkpoint
     from megacli.errors import UserError
     from megacli.recipe import base
-    from megacli.recipe.generate import GenerateRecipe
+    from megacli.recipe.jobs import recipe_model
 
     given = base.read_yaml(recipe_path) if recipe_path else {}
-    gen = {**(given.get("generate") or {}), **flags}
-    source = gen.get("checkpoint")
+    section = {**(given.get(job) or {}), **flags}
+    source = section.get("checkpoint")
     if not source:
-        raise UserError("which model? give --checkpoint DIR (or generate.checkpoint in the recipe)")
+        where = "--checkpoint DIR" if job == "generate" else "the CHECKPOINT directory"
+        raise UserError(f"which model? give {where} (or {job}.checkpoint in the recipe)")
     ckpt = find_checkpoint(source)
     if ckpt is None:
         raise UserError(f"{source}: not a megacli checkpoint (no `latest` or megacli.json); convert a Hugging Face "
                         f"model with `megacli convert` first")
     raw = _merge(base.read_yaml(ckpt / "recipe.yaml"), given)
-    raw["generate"] = gen
+    raw[job] = section
+    if job != "generate":  # the inference runner loads generate.checkpoint
+        raw["generate"] = {**(given.get("generate") or {}), "checkpoint": source}
     par = raw.setdefault("parallel", {})
     tp = tensor or (given.get("parallel") or {}).get("tensor") or 1
     pp = pipeline or (given.get("parallel") or {}).get("pipeline") or 1
@@ -96,11 +100,11 @@ def build_recipe(recipe_path: Optional[Path], flags: dict, *, tensor: Optional[i
     raw.setdefault("launch", {})["nproc"] = tp * pp
     train = raw.setdefault("train", {})
     train["global_batch_size"] = train.get("micro_batch_size", 1)  # no training: keep the batch arithmetic trivially valid
-    raw.setdefault("run", {})["dir"] = (given.get("run") or {}).get("dir", "runs/generate")
+    raw.setdefault("run", {})["dir"] = (given.get("run") or {}).get("dir", f"runs/{job}")
     raw = base.apply_overrides(raw, overrides)
-    job = base.validate(GenerateRecipe, raw, f"{ckpt / 'recipe.yaml'} + generate options")
-    check_checkpoint(ckpt, trust=job.checkpoint.trust_pickle)
-    return job
+    recipe = base.validate(recipe_model(job), raw, f"{ckpt / 'recipe.yaml'} + {job} options")
+    check_checkpoint(ckpt, trust=recipe.checkpoint.trust_pickle)
+    return recipe
 
 
 def check_writable(path: Path) -> None:
@@ -123,24 +127,25 @@ def _merge(a: dict, b: dict) -> dict:
     return out
 
 
-def _run(job) -> None:
+def launch_job(job, name: str = "generate") -> None:
+    """Run job ``name`` (generate or eval) here at one process, else in tensor × pipeline workers."""
     from megacli import launch, rundir
 
     if launch.inside_torchrun():
         from megacli.worker import run_guarded
 
-        if run_guarded("generate", job):
+        if run_guarded(name, job):
             raise launch.first_worker_error(job.run.dir)
         return
     recipe_file = rundir.prepare(job, job.run.dir)
     if job.world_size == 1:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(launch.free_port()))
-        from megacli.inference.job import run
+        from megacli.worker import run_job
 
-        run(job)
+        run_job(name, job)
         return
-    launch.launch_workers("generate", recipe_file, run_dir=job.run.dir, nproc=job.world_size, nnodes=1, node_rank=0,
+    launch.launch_workers(name, recipe_file, run_dir=job.run.dir, nproc=job.world_size, nnodes=1, node_rank=0,
                           rdzv_endpoint=None, job_id=launch.job_id(given=None, rdzv_endpoint=None),
                           timeout_minutes=job.launch.timeout_minutes)
 

@@ -146,6 +146,12 @@ class Model:
         w = batch.width
         return self.forward(batch.tokens[:, :w], batch.positions[:, :w], _full_mask(batch.pad_mask, w), context)
 
+    def all_logits(self, batch: PaddedBatch) -> torch.Tensor:
+        """Next-token logits [b, width, vocab] at every position of the prompts (no KV cache)."""
+        w = batch.width
+        return self.forward(batch.tokens[:, :w], batch.positions[:, :w], _full_mask(batch.pad_mask, w), None,
+                            all_positions=True)
+
     def step(self, tokens: torch.Tensor, batch: PaddedBatch, cur: int, context) -> torch.Tensor:
         """Next-token logits once ``tokens[:, cur]`` is known: that one token through the KV cache,
         or, without one, the whole sequence again."""

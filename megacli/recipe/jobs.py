@@ -20,6 +20,10 @@ def recipe_model(job: str):
         from megacli.recipe.generate import GenerateRecipe
 
         return GenerateRecipe
+    if job == "eval":
+        from megacli.recipe.eval import EvalRecipe
+
+        return EvalRecipe
     if job == "reshard":
         from megacli.recipe.reshard import ReshardRecipe
 

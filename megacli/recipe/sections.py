@@ -240,7 +240,11 @@ class TrainSection(Section):
     precision: Literal["fp32", "bf16", "fp16"] = "bf16"
     """Compute precision; fp16 uses dynamic loss scaling; master weights are fp32."""
     loss: Optional[str] = None
-    """Custom loss 'module:function' (called as fn(logits_loss_per_token, tokens, loss_mask, **loss_kwargs))."""
+    """Custom loss 'package.module:function', called on the last pipeline stage as
+    fn(per_token_losses, labels=labels, loss_mask=loss_mask, **loss_kwargs) with per_token_losses
+    [b, s] (fp32 cross-entropy), returning per-token losses [b, s] that are masked and summed. The
+    module is imported and runs with the run's rights, like transformers' trust_remote_code: name
+    only code you trust."""
     loss_kwargs: dict[str, Any] = {}
     """Keyword arguments for the custom loss."""
     loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = []

@@ -1,0 +1,117 @@
+"""The eval job: lm-evaluation-harness tasks on a checkpoint, the model run on every rank of its
+TP/PP layout (``lm_eval_backend``), rank 0 driving the harness, printing its table and writing its
+JSON with per-task seconds and tokens/s. ``check_tasks`` runs before any model is loaded."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from megacli.engine import distributed
+from megacli.errors import UserError
+
+
+def import_harness():
+    """The lm_eval package, or a UserError saying how to install it."""
+    try:
+        import lm_eval
+    except ImportError:
+        raise UserError("megacli eval runs lm-evaluation-harness: pip install 'megacli[eval]'") from None
+    return lm_eval
+
+
+def task_manager(ev):
+    from lm_eval.tasks import TaskManager
+
+    if ev.include_path and not Path(ev.include_path).is_dir():
+        raise UserError(f"eval.include_path = {ev.include_path!r}: no such directory")
+    return TaskManager(include_path=ev.include_path)
+
+
+def check_tasks(ev) -> None:
+    """Every task is known and its data loads (downloaded or local), or a UserError naming the
+    task and the dataset to fetch."""
+    import_harness()
+    manager = task_manager(ev)
+    unknown = [t for t in ev.tasks if t not in manager.all_tasks]
+    if unknown:
+        where = f" or in {ev.include_path}" if ev.include_path else " (give your own task YAMLs with --include-path)"
+        raise UserError(f"eval.tasks: unknown lm-evaluation-harness task(s) {', '.join(unknown)}: not among the "
+                        f"harness's tasks{where}")
+    for name in ev.tasks:
+        try:
+            manager.load_task_or_group([name])
+        except Exception as exc:  # the datasets library raises many kinds; all mean the same to the user
+            raise UserError(_missing_data(name, manager, exc)) from None
+
+
+def _missing_data(name: str, manager, exc: Exception) -> str:
+    cfg = manager.task_index[name].cfg or {}
+    dataset = cfg.get("dataset_path")
+    subset = cfg.get("dataset_name")
+    first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    if dataset is None:
+        return f"task {name}: its data cannot be loaded ({first_line})"
+    spelled = f"{dataset!r}" + (f", {subset!r}" if subset else "")
+    files = (cfg.get("dataset_kwargs") or {}).get("data_files")
+    if files:
+        return f"task {name}: its data files {files} cannot be loaded ({first_line})"
+    return (f"task {name}: dataset {spelled} is not available here ({first_line}); fetch it into the Hugging Face "
+            f"datasets cache first (datasets.load_dataset({spelled}) on a machine with network), or point "
+            f"--include-path at task YAMLs with local data files")
+
+
+def run(recipe) -> None:
+    runtime = distributed.setup(parallel=recipe.parallel, launch=recipe.launch, seed=recipe.eval.seed)
+    try:
+        _run(recipe, runtime)
+    finally:
+        distributed.teardown()
+
+
+def _run(recipe, runtime) -> None:
+    from megacli.data.tokenizers import load_tokenizer
+    from megacli.inference.lm_eval_backend import Lockstep, MegacliLM, Work
+    from megacli.inference.runner import Model
+    from megacli.plan import model_vocab_size
+
+    ev = recipe.eval
+    tok = load_tokenizer(type=recipe.tokenizer.type, path=recipe.tokenizer.path, vocab_size=recipe.model.vocab_size)
+    model = Model(recipe, runtime, vocab_size=model_vocab_size(recipe, tok))
+    lockstep = Lockstep(Work(model, tok, seed=ev.seed), world_size=runtime.world_size)
+    if runtime.rank != 0:
+        lockstep.follow()
+        return
+    lm = MegacliLM(lockstep, tok, max_length=recipe.model.max_positions, batch_size=ev.batch_size,
+                   max_gen_toks=ev.max_gen_toks, add_bos=ev.add_bos)
+    try:
+        results = evaluate(lm, ev)
+    finally:
+        lockstep.stop()
+    report(results, lm.timing.report(), output=ev.output)
+
+
+def evaluate(lm, ev) -> dict:
+    """The harness's simple_evaluate on ``lm``."""
+    from lm_eval import simple_evaluate
+
+    return simple_evaluate(model=lm, tasks=list(ev.tasks), num_fewshot=ev.num_fewshot, limit=ev.limit,
+                           task_manager=task_manager(ev), log_samples=ev.log_samples, random_seed=ev.seed,
+                           numpy_random_seed=ev.seed, torch_random_seed=ev.seed, fewshot_random_seed=ev.seed,
+                           bootstrap_iters=ev.bootstrap_iters)
+
+
+def report(results: dict, timing: dict, *, output: str | None) -> None:
+    """The harness's table, a line per task with its speed, and the JSON (timing under `megacli`)."""
+    from lm_eval.utils import handle_non_serializable, make_table
+
+    print(make_table(results), flush=True)
+    if "groups" in results:
+        print(make_table(results, "groups"), flush=True)
+    for task, t in timing.items():
+        speed = f"{t['tokens_per_second']:.1f} tokens/s" if t["tokens_per_second"] else "-"
+        print(f"{task}: {t['seconds']:.2f} s, {t['tokens']} tokens, {speed}", flush=True)
+    if output:
+        record = {**results, "megacli": {"timing": timing}}
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        Path(output).write_text(json.dumps(record, indent=2, default=handle_non_serializable, ensure_ascii=False) + "\n")

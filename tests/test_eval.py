@@ -1,0 +1,213 @@
+"""`megacli eval` against lm-evaluation-harness's own Hugging Face backend (`hf`) on tiny random
+GPT-2 and Llama models converted with `megacli convert`.
+
+Four harness tasks are defined from local JSONL files (a LAMBADA-style last word, a multiple
+choice, a rolling perplexity over texts longer than the model's context, a short greedy
+generate_until); one spawned process builds the models and runs the `hf` backend on them; the
+`megacli eval` command line then runs the same tasks at TP=1 (both models) and at TP=2 × PP=2
+(Llama, four gloo processes, all tasks in one run). Log-likelihood metrics must agree to 1e-4,
+accuracies and the generated texts exactly. Plus the errors a user sees before any model loads."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lm_eval")
+
+NAMES = ["gpt2", "llama_tied_gqa"]
+TASKS = ["tiny_lambada", "tiny_choice", "tiny_rolling", "tiny_generate"]
+LIMIT = 4
+WORDS = "the quick brown fox jumps over the lazy dog".split()
+
+LAMBADA = ["the quick brown fox jumps over the lazy dog", "over the lazy dog the quick brown fox",
+           "the lazy dog jumps over the quick fox", "a brown dog and a quick fox"]
+CHOICE = [{"question": "the quick brown", "choices": ["fox", "dog", "the lazy dog"], "label": 0},
+          {"question": "jumps over the", "choices": ["lazy dog", "quick", "brown fox jumps"], "label": 0},
+          {"question": "the lazy", "choices": ["dog", "cat", "fox over"], "label": 0},
+          {"question": "fox", "choices": [" jumps", " over the dog", " the"], "label": 1}]
+# The first two are longer than the models' 64-position context: several rolling windows.
+ROLLING = [" ".join(WORDS * 9), "Zebras & yaks: " + " ".join(reversed(WORDS * 4)), "the dog", "quick!"]
+GENERATE = [{"prompt": "the quick brown", "answer": "fox"}, {"prompt": "over the lazy dog the", "answer": "quick"},
+            {"prompt": "fox", "answer": "jumps"}, {"prompt": "the lazy dog jumps over the quick brown fox and", "answer": "the"}]
+
+TASK_YAMLS = {
+    "tiny_lambada": """
+output_type: loglikelihood
+doc_to_text: "{{text.split(' ')[:-1]|join(' ')}}"
+doc_to_target: "{{' ' + text.split(' ')[-1]}}"
+metric_list:
+  - {metric: perplexity, aggregation: perplexity, higher_is_better: false}
+  - {metric: acc, aggregation: mean, higher_is_better: true}
+""",
+    "tiny_choice": """
+output_type: multiple_choice
+doc_to_text: "{{question}}"
+doc_to_choice: "{{choices}}"
+doc_to_target: "{{label}}"
+metric_list:
+  - {metric: acc, aggregation: mean, higher_is_better: true}
+  - {metric: acc_norm, aggregation: mean, higher_is_better: true}
+""",
+    "tiny_rolling": """
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{text}}"
+metric_list:
+  - {metric: word_perplexity}
+  - {metric: byte_perplexity}
+  - {metric: bits_per_byte}
+""",
+    "tiny_generate": """
+output_type: generate_until
+doc_to_text: "{{prompt}}"
+doc_to_target: "{{answer}}"
+generation_kwargs: {until: ["dog"], max_gen_toks: 10, do_sample: false}
+metric_list:
+  - {metric: exact_match, aggregation: mean, higher_is_better: true}
+""",
+}
+DATA = {"tiny_lambada": [{"text": t} for t in LAMBADA], "tiny_choice": CHOICE,
+        "tiny_rolling": [{"text": t} for t in ROLLING], "tiny_generate": GENERATE}
+
+
+def write_tasks(root: Path, *, missing: bool = False) -> Path:
+    """Harness task YAMLs in root/tasks, their data in root/data (JSONL); ``missing``: one task
+    whose data file is not there."""
+    tasks, data = root / "tasks", root / "data"
+    tasks.mkdir(parents=True, exist_ok=True)
+    data.mkdir(exist_ok=True)
+    for name, body in TASK_YAMLS.items():
+        file = data / f"{name}.jsonl"
+        file.write_text("".join(json.dumps(d) + "\n" for d in DATA[name]))
+        head = f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {file}\ntest_split: test\n"
+        (tasks / f"{name}.yaml").write_text(head + body)
+    if missing:
+        head = f"task: tiny_missing\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data / 'nowhere.jsonl'}\ntest_split: test\n"
+        (tasks / "tiny_missing.yaml").write_text(head + TASK_YAMLS["tiny_lambada"])
+    return tasks
+
+
+def summary(results: dict) -> dict:
+    """Per task: its metrics (stderr left out) and each document's filtered model answers."""
+    out = {}
+    for task in TASKS:
+        metrics = {k: v for k, v in results["results"][task].items() if "," in k and "stderr" not in k}
+        answers = [s["filtered_resps"] for s in sorted(results["samples"][task], key=lambda s: s["doc_id"])]
+        out[task] = {"metrics": metrics, "answers": answers}
+    return out
+
+
+def _prepare(rank, world, root: str):
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from megacli.convert import convert
+    from tests import _convert_models as cm
+
+    root = Path(root)
+    tasks = write_tasks(root)
+    refs = {}
+    for name in NAMES:
+        hf = root / name / "hf"
+        cm.build_hf(name, hf, with_tokenizer=True)
+        # The model's end-of-text id is its tokenizer's (the harness's hf backend stops at the config's).
+        for file in ("config.json", "generation_config.json"):
+            config = json.loads((hf / file).read_text())
+            config.update(bos_token_id=0, eos_token_id=0)
+            (hf / file).write_text(json.dumps(config))
+        convert(hf, root / name / "mc", say=lambda *_: None)
+        results = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={hf},dtype=float32", tasks=TASKS,
+                                          batch_size=1, limit=LIMIT, task_manager=TaskManager(include_path=str(tasks)),
+                                          log_samples=True, bootstrap_iters=0, device="cpu")
+        refs[name] = json.loads(json.dumps(summary(results), default=str))
+    return refs
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    from tests._dist import spawn
+
+    root = tmp_path_factory.mktemp("eval")
+    return root, spawn(_prepare, 1, str(root), timeout=1800)[0]
+
+
+def _megacli_eval(*args, timeout=900):
+    return subprocess.run([sys.executable, "-m", "megacli", "eval", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _run_ours(root: Path, name: str, out: Path, *layout: str) -> dict:
+    res = _megacli_eval(root / name / "mc", "--tasks", ",".join(TASKS), "--include-path", root / "tasks",
+                        "--limit", LIMIT, "--batch-size", 3, "-o", out, *layout, "--set", "eval.log_samples=true",
+                        "--set", "eval.bootstrap_iters=0", "--set", f"run.dir={out.parent / 'run'}")
+    assert res.returncode == 0, res.stderr[-4000:]
+    for task in TASKS:
+        assert task in res.stdout and f"{task}: " in res.stdout  # the table and the speed line
+    record = json.loads(out.read_text())
+    assert set(record["megacli"]["timing"]) == set(TASKS)
+    assert all(t["tokens"] > 0 and t["tokens_per_second"] > 0 for t in record["megacli"]["timing"].values())
+    return summary(record)
+
+
+def _close(got: float, want: float) -> bool:
+    return abs(got - want) <= 1e-4 * abs(want)
+
+
+def _assert_same(ours: dict, ref: dict) -> None:
+    """Metrics and every document's answers: log-likelihoods to 1e-4, accuracies, greedy flags and
+    generated texts exactly."""
+    for task in TASKS:
+        got, want = ours[task]["metrics"], ref[task]["metrics"]
+        assert set(got) == set(want), (task, got, want)
+        for key, value in want.items():
+            same = got[key] == value if key.startswith(("acc", "exact_match")) else _close(got[key], value)
+            assert same, (task, key, got[key], value)
+        for doc, (mine, theirs) in enumerate(zip(ours[task]["answers"], ref[task]["answers"], strict=True)):
+            for a, b in zip(mine, theirs, strict=True):
+                if task == "tiny_generate":
+                    assert a == b, (doc, a, b)
+                elif task == "tiny_rolling":
+                    assert _close(a, b), (doc, a, b)
+                else:  # (log-likelihood, is greedy)
+                    assert _close(a[0], b[0]) and a[1] == b[1], (task, doc, a, b)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_tp1_equals_the_harness_hf_backend(prepared, name, tmp_path):
+    root, refs = prepared
+    ours = _run_ours(root, name, tmp_path / "results.json")
+    _assert_same(ours, refs[name])
+    assert any(text for text in refs[name]["tiny_generate"]["answers"]), "something was generated"
+
+
+@pytest.mark.slow
+def test_tp2_pp2_equals_the_harness_hf_backend(prepared, tmp_path):
+    root, refs = prepared
+    ours = _run_ours(root, "llama_tied_gqa", tmp_path / "results.json", "--tensor", 2, "--pipeline", 2)
+    _assert_same(ours, refs["llama_tied_gqa"])
+
+
+@pytest.mark.slow
+def test_errors_come_before_the_model_loads(prepared, tmp_path):
+    root, _ = prepared
+    tasks = write_tasks(tmp_path, missing=True)
+    ckpt = root / "gpt2" / "mc"
+    res = _megacli_eval(ckpt, "--tasks", "tiny_missing", "--include-path", tasks, "--set", f"run.dir={tmp_path / 'run'}")
+    assert res.returncode == 2 and "task tiny_missing" in res.stderr and "nowhere.jsonl" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr and not (tmp_path / "run").exists()
+    res = _megacli_eval(ckpt, "--tasks", "tiny_lambada,no_such_task", "--include-path", tasks)
+    assert res.returncode == 2 and "unknown lm-evaluation-harness task(s) no_such_task" in res.stderr, res.stderr
+    recipe = tmp_path / "eval.yaml"
+    recipe.write_text(f"eval:\n  checkpoint: {ckpt}\n  include_path: {tasks}\n  tasks: [tiny_lambada, no_such_task]\n")
+    res = _megacli_eval("--recipe", recipe)
+    assert res.returncode == 2 and "unknown lm-evaluation-harness task(s) no_such_task" in res.stderr, res.stderr
+    res = _megacli_eval(ckpt, "--include-path", tasks)
+    assert res.returncode == 2 and "eval.tasks" in res.stderr, res.stderr
+    res = _megacli_eval(tmp_path, "--tasks", "tiny_lambada")
+    assert res.returncode == 2 and "not a megacli checkpoint" in res.stderr, res.stderr
