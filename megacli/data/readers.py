@@ -272,7 +272,8 @@ def _arrow_chunks(source: Source, keys: list[str], chunk_bytes: int) -> Iterator
             row += part.num_rows
 
 
-def _hf_chunks(source: Source, keys: list[str], chunk_bytes: int) -> Iterator[Chunk]:
+def load_hf_split(source: Source):
+    """The split a `datasets` directory source names (load_from_disk; no download)."""
     import datasets
 
     try:
@@ -283,6 +284,11 @@ def _hf_chunks(source: Source, keys: list[str], chunk_bytes: int) -> Iterator[Ch
         if source.split not in ds:
             raise UserError(f"{source.path}: no split {source.split!r} (splits: {', '.join(ds)})")
         ds = ds[source.split]
+    return ds
+
+
+def _hf_chunks(source: Source, keys: list[str], chunk_bytes: int) -> Iterator[Chunk]:
+    ds = load_hf_split(source)
     missing = [k for k in keys if k not in ds.column_names]
     if missing:
         raise UserError(f"{source.path}: no column {missing[0]!r} (columns: {', '.join(ds.column_names[:12])})")

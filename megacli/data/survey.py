@@ -7,7 +7,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 
-from megacli.data.readers import Source
+from megacli.data.readers import Source, load_hf_split
 from megacli.errors import UserError
 
 SAMPLE_BYTES = 16 * 1024 * 1024
@@ -85,14 +85,4 @@ def _arrow_rows(path: str) -> int:
 
 
 def _hf_rows(source: Source) -> int:
-    import datasets
-
-    try:
-        ds = datasets.load_from_disk(source.path)
-    except Exception as exc:
-        raise UserError(f"{source.path}: cannot load the datasets directory ({exc})") from None
-    if isinstance(ds, datasets.DatasetDict):
-        if source.split not in ds:
-            raise UserError(f"{source.path}: no split {source.split!r} (splits: {', '.join(ds)})")
-        ds = ds[source.split]
-    return ds.num_rows
+    return load_hf_split(source).num_rows
