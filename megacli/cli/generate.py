@@ -158,8 +158,7 @@ def _interactive(job) -> None:
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(launch.free_port()))
-    runtime = distributed.setup(parallel=job.parallel, launch=job.launch, seed=job.generate.seed)
-    try:
+    with distributed.running(parallel=job.parallel, launch=job.launch, seed=job.generate.seed) as runtime:
         gen = build_generator(job, runtime)
         print("type a prompt and Enter (Ctrl-D to quit)", flush=True)
         while True:
@@ -171,5 +170,3 @@ def _interactive(job) -> None:
             if text.strip():
                 out = gen.run_batch([text])[0]
                 print(out.text, flush=True)
-    finally:
-        distributed.teardown()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -112,6 +113,22 @@ def seed_everything(seed: int) -> None:
     np.random.seed(seed)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+@contextmanager
+def running(*, parallel, launch, seed: int, deterministic: bool = False):
+    """setup(), the body with its Runtime, then teardown() however the body ends. A collective that
+    timed out becomes one message naming this rank and the collective."""
+    runtime = setup(parallel=parallel, launch=launch, seed=seed, deterministic=deterministic)
+    try:
+        yield runtime
+    except RuntimeError as exc:  # torch's DistBackendError on a collective timeout is one
+        stalled = stall_error(exc, rank=runtime.rank, timeout_minutes=launch.timeout_minutes)
+        if stalled is None:
+            raise
+        raise stalled from None
+    finally:
+        teardown()
 
 
 def teardown() -> None:

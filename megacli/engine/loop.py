@@ -32,17 +32,9 @@ class Trainer:
 
 
 def train(recipe) -> None:
-    runtime = distributed.setup(parallel=recipe.parallel, launch=recipe.launch, seed=recipe.train.seed,
-                                deterministic=recipe.train.deterministic)
-    try:
+    with distributed.running(parallel=recipe.parallel, launch=recipe.launch, seed=recipe.train.seed,
+                             deterministic=recipe.train.deterministic) as runtime:
         _train(recipe, runtime)
-    except RuntimeError as exc:  # torch's DistBackendError on a collective timeout is one
-        stalled = distributed.stall_error(exc, rank=runtime.rank, timeout_minutes=recipe.launch.timeout_minutes)
-        if stalled is None:
-            raise
-        raise stalled from None
-    finally:
-        distributed.teardown()
 
 
 def is_reporting_rank() -> bool:
@@ -54,7 +46,6 @@ def is_reporting_rank() -> bool:
 
 
 def build_trainer(recipe, runtime) -> tuple[Trainer, object]:
-    from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
     from megacli.data.tokenizers import load_tokenizer

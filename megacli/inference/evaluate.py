@@ -62,11 +62,8 @@ def _missing_data(name: str, manager, exc: Exception) -> str:
 
 
 def run(recipe) -> None:
-    runtime = distributed.setup(parallel=recipe.parallel, launch=recipe.launch, seed=recipe.eval.seed)
-    try:
+    with distributed.running(parallel=recipe.parallel, launch=recipe.launch, seed=recipe.eval.seed) as runtime:
         _run(recipe, runtime)
-    finally:
-        distributed.teardown()
 
 
 def _run(recipe, runtime) -> None:

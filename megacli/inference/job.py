@@ -28,11 +28,8 @@ def read_texts(path: str, key: str) -> list[str]:
 
 
 def run(recipe) -> None:
-    runtime = distributed.setup(parallel=recipe.parallel, launch=recipe.launch, seed=recipe.generate.seed)
-    try:
+    with distributed.running(parallel=recipe.parallel, launch=recipe.launch, seed=recipe.generate.seed) as runtime:
         _run(recipe, runtime)
-    finally:
-        distributed.teardown()
 
 
 def _run(recipe, runtime) -> None:
