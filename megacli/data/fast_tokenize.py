@@ -55,6 +55,7 @@ class GigatokenTokenizer(Tokenizer):
             setattr(self, name, getattr(reference, name))
         self.defer = defer  # texts holding one of these are encoded by the reference tokenizer
         self._engine = engine if engine is not None else _load_engine(reference)
+        import awkward  # noqa: F401  (gigatoken's batch results; imported once here, before workers fork)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         # Sequential: this is the small-batch call (the identity check runs it before workers are

@@ -30,7 +30,7 @@ from megacli.data.preprocess_report import MB, ProgressBar
 from megacli.data.tokenizers import Tokenizer, load_tokenizer
 from megacli.errors import UserError
 
-SAMPLE_BYTES = 1 << 18  # read from each input's start for the sample a faster encoder is checked on
+SAMPLE_BYTES = 1 << 16  # read from each input's start for the sample a faster encoder is checked on
 
 
 @dataclass(frozen=True)
@@ -127,13 +127,15 @@ def megatron_layout(tokens: np.ndarray, lengths: np.ndarray, pieces: np.ndarray,
     after = last if eod is not None else np.zeros(len(lengths), bool)
     new_lengths = lengths + before + after
     new_starts = np.cumsum(new_lengths) - new_lengths
-    old_starts = np.cumsum(lengths) - lengths
+    bos_at, eod_at = new_starts[before], (new_starts + new_lengths - 1)[after]
     out = np.empty(int(new_lengths.sum()), dtype)
-    out[np.arange(tokens.size) + np.repeat(new_starts + before - old_starts, lengths)] = tokens
+    text_at = np.ones(out.size, bool)
+    text_at[bos_at] = text_at[eod_at] = False
+    out[text_at] = tokens
     if bos is not None:
-        out[new_starts[first]] = bos
+        out[bos_at] = bos
     if eod is not None:
-        out[(new_starts + new_lengths - 1)[last]] = eod
+        out[eod_at] = eod
     return out, new_lengths.astype(np.int32), per_doc
 
 
