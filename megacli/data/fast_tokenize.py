@@ -66,13 +66,18 @@ class GigatokenTokenizer(Tokenizer):
         return ids
 
     def encode_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        if self._deferred(texts):
-            return super().encode_flat(texts)
         import awkward as ak
 
         # parallel=None: gigatoken's threads in the main process, one thread in a worker process
         encoded = self._engine.encode_batch(texts, parallel=None)
-        return ak.to_numpy(ak.flatten(encoded)), ak.to_numpy(ak.num(encoded))
+        tokens, lengths = ak.to_numpy(ak.flatten(encoded)), ak.to_numpy(ak.num(encoded))
+        deferred = self._deferred(texts)
+        if deferred:
+            rows = np.split(tokens, np.cumsum(lengths)[:-1])
+            for i in deferred:
+                rows[i] = np.asarray(self.reference.encode(texts[i]), tokens.dtype)
+            tokens, lengths = np.concatenate(rows), np.fromiter(map(len, rows), np.int64, len(rows))
+        return tokens, lengths
 
     def _deferred(self, texts: list[str]) -> list[int]:
         if not self.defer:
@@ -105,14 +110,14 @@ def _load_engine(reference: Tokenizer):
 
 
 def _special_texts(reference: Tokenizer) -> list[str]:
-    """The texts of the tokenizer's special and added tokens."""
+    """The texts of the tokenizer's added tokens (Hugging Face) or control pieces (SentencePiece)."""
     if isinstance(reference, HuggingFaceTokenizer):
         config = json.loads(reference.file.read_text(encoding="utf-8"))
         return [t["content"] for t in config.get("added_tokens") or []]
     import sentencepiece
 
     sp = sentencepiece.SentencePieceProcessor(model_file=str(reference.file))
-    return [sp.id_to_piece(i) for i in range(sp.get_piece_size()) if sp.is_control(i) or sp.is_user_defined(i)]
+    return [sp.id_to_piece(i) for i in range(sp.get_piece_size()) if sp.is_control(i)]
 
 
 def accelerate(tokenizer: Tokenizer, sample_texts: list[str]) -> tuple[Tokenizer, Optional[str]]:

@@ -205,6 +205,7 @@ class Result:
 def run(job: Job, console=None) -> Result:
     """Preprocess ``job``'s corpus; returns what was written. Raises UserError on bad input."""
     from rich.console import Console
+    from rich.markup import escape
 
     console = console or Console(stderr=True, highlight=False)
     start = time.perf_counter()
@@ -223,7 +224,7 @@ def run(job: Job, console=None) -> Result:
     tokenizer, note = fast_tokenize.accelerate(tokenizer, sample_texts(sources, job))
     if note:
         notes.append(note)
-        console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
+        console.print(f"[yellow]note:[/] {escape(note)}", soft_wrap=True)
     if job.split_sentences:
         from megacli.data.sentences import SentenceSplitter
 
