@@ -186,7 +186,8 @@ def test_megatron_layout_matches_a_sequence_by_sequence_reference():
         assert tuple(a.tolist() for a in got) == reference(docs, bos, eod), (docs, bos, eod)
 
 
-def test_quick_json_parse_agrees_with_the_json_module():
+@pytest.mark.parametrize("keys, records", [(["text"], 9), (["text", "title"], 7)])
+def test_quick_json_parse_agrees_with_the_json_module(keys, records):
     lines = [
         '{"text": "plain", "title": "t"}',
         '{"text": "dup", "text": "last wins", "title": "t"}',
@@ -198,16 +199,18 @@ def test_quick_json_parse_agrees_with_the_json_module():
         '{"text": "x"}',
         '{"text": "x", "title": null}',
         '[1, 2]',
+        '"text"',
         '{"text": "unterminated}',
         '\ufeff{"text": "bom", "title": "t"}',
         '   ',
+        '',
         '{"text": "crlf", "title": "t"}\r',
     ]
-    payload = "\n".join(lines).encode("utf-8", "surrogatepass") + b"\n" + b'{"text": "bad \xff utf8", "title": "t"}\n'
+    payload = "\n".join(lines).encode() + b"\n" + b'{"text": "bad \xff utf8", "title": "t"}\n'
     source = readers.Source("c.jsonl", "jsonl", len(payload))
-    parsed = readers.parse_chunk(readers.Chunk(source, 1, "lines", payload, len(payload)), ["text", "title"])
+    parsed = readers.parse_chunk(readers.Chunk(source, 1, "lines", payload, len(payload)), keys)
 
-    expected = readers.Parsed(values={"text": [], "title": []})
+    expected = readers.Parsed(values={k: [] for k in keys})
     for number, raw in enumerate(payload.split(b"\n")[:-1], 1):
         if not raw.strip():
             continue
@@ -216,13 +219,13 @@ def test_quick_json_parse_agrees_with_the_json_module():
         except ValueError:
             expected.errors.append(number)
             continue
-        values = [record.get(k) for k in ("text", "title")] if isinstance(record, dict) else [None]
+        values = [record.get(k) for k in keys] if isinstance(record, dict) else [None]
         if not all(isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)) for v in values):
             expected.errors.append(number)
             continue
-        expected.values["text"].append(values[0])
-        expected.values["title"].append(values[1])
+        for k, v in zip(keys, values):
+            expected.values[k].append(v)
         expected.records += 1
-    assert parsed.values == expected.values and parsed.records == expected.records == 7
+    assert parsed.values == expected.values and parsed.records == expected.records == records
     assert [line for line, _ in parsed.errors] == expected.errors
     assert "is int" in dict(parsed.errors)[6]  # the json module's reading, not orjson's float

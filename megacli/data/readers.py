@@ -332,22 +332,21 @@ def parse_chunk(chunk: Chunk, keys: list[str]) -> Parsed:
     if lines and lines[-1] == b"":
         lines.pop()
     as_text = chunk.source.format == "text"
+    quick_key = keys[0] if len(keys) == 1 and not as_text else None
     for i, raw in enumerate(lines):
-        if not raw.strip():
-            continue  # blank lines hold no record
-        if not as_text:
-            # The common case, quickly: strict JSON (orjson) with a string under every key. Anything
-            # else takes the path below, which gives the json module's verdict and the messages.
+        if quick_key is not None:
+            # The common case, quickly: strict JSON (orjson) with a string under the key. Anything
+            # else (blank lines too) takes the path below: the json module's verdict and messages.
             try:
-                record = _strict_loads(raw)
-                values = [record.get(k) for k in keys]
-            except (ValueError, AttributeError):
-                values = None
-            if values is not None and all(type(v) is str for v in values):
-                for k, v in zip(keys, values):
-                    out.values[k].append(v)
+                value = _strict_loads(raw)[quick_key]
+            except (ValueError, KeyError, TypeError):
+                value = None
+            if type(value) is str:
+                out.values[quick_key].append(value)
                 out.records += 1
                 continue
+        if not raw.strip():
+            continue  # blank lines hold no record
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
