@@ -92,7 +92,7 @@ def test_sentencepiece_bpe_gives_the_plain_path_bytes(tmp_path, corpus, monkeypa
     texts = [json.loads(line)["text"] for line in corpus.read_text(encoding="utf-8").splitlines()]
     docs = [[sp.encode_as_ids(t) + [sp.eos_id()]] if t else [] for t in texts]
     assert read_pair(fast.outputs["text"]) == expected_dataset(docs, np.uint16)
-    tok, _ = accelerate(load_tokenizer(type="sentencepiece", path=str(model)), [])
+    tok, _ = accelerate(load_tokenizer(type="sentencepiece", path=str(model)), list)
     assert isinstance(tok, GigatokenTokenizer) and "</s>" in tok.defer and "<s>" in tok.defer
 
 
@@ -124,23 +124,23 @@ def test_a_tokenizer_gigatoken_misreads_falls_back_with_a_note(tmp_path, corpus,
 
 def test_a_disagreement_in_the_corpus_sample_alone_falls_back(hf_dir, monkeypatch):
     tokenizer = load_tokenizer(type="huggingface", path=str(hf_dir))
-    assert isinstance(accelerate(tokenizer, ["a document"])[0], GigatokenTokenizer)
+    assert isinstance(accelerate(tokenizer, lambda: ["a document"])[0], GigatokenTokenizer)
     real = GigatokenTokenizer.encode_batch
     monkeypatch.setattr(GigatokenTokenizer, "encode_batch",
                         lambda self, texts: [ids[:-1] if t == "a document" else ids for t, ids in zip(texts, real(self, texts))])
-    used, note = accelerate(tokenizer, ["a document"])
+    used, note = accelerate(tokenizer, lambda: ["a document"])
     assert used is tokenizer and "on 1 of" in note and "'a document'" in note
 
 
 def test_unsupported_or_missing_gigatoken_keeps_the_plain_path(tmp_path, hf_dir, monkeypatch):
     unigram = load_tokenizer(type="sentencepiece", path=str(train_sentencepiece(tmp_path, "unigram")))
-    used, note = accelerate(unigram, [])
+    used, note = accelerate(unigram, list)
     assert used is unigram and "only BPE sentencepiece models" in note and "\n" not in note
     byte = load_tokenizer(type="byte", path=None)
-    assert accelerate(byte, []) == (byte, None)
+    assert accelerate(byte, lambda: pytest.fail("the corpus is sampled for a tokenizer gigatoken cannot serve")) == (byte, None)
     monkeypatch.setitem(sys.modules, "gigatoken", None)
     hf = load_tokenizer(type="huggingface", path=str(hf_dir))
-    used, note = accelerate(hf, [])
+    used, note = accelerate(hf, list)
     assert used is hf and "gigatoken is not installed" in note
 
 

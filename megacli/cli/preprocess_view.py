@@ -49,7 +49,7 @@ def print_preprocess_plan(recipe) -> None:
     tok.add_row("type", job.tokenizer_type)
     tok.add_row("path", str(job.tokenizer_path or "(none: built in)"))
     tok.add_row("vocabulary", f"{tokenizer.vocab_size:,} ids, {describe_specials(tokenizer)}")
-    encoder, note = accelerate(tokenizer, sample_texts(sources, job))
+    encoder, note = accelerate(tokenizer, lambda: sample_texts(sources, job))
     tok.add_row("encoder", Text(describe_encoder(encoder) + (f"\n({note})" if note else "")))
     tok.add_row("per document", ", ".join(filter(None, ["BOS first" if job.add_bos else "", "EOD appended" if job.append_eod else "",
                                                         f"split into sentences ({job.lang})" if job.split_sentences else ""])) or "as is")

@@ -1,11 +1,11 @@
 """gigatoken behind the ``Tokenizer`` interface, used only where it gives the reference ids.
 
-    tokenizer, note = accelerate(tokenizer, sample_texts)
+    tokenizer, note = accelerate(tokenizer, lambda: first_documents_of_the_corpus)
 
 gigatoken (PyPI) encodes byte-level BPE tokenizer.json files and SentencePiece BPE models with
 byte fallback many times faster than ``tokenizers`` and ``sentencepiece``. ``accelerate`` loads
-it for the tokenizer and encodes ``sample_texts`` (the corpus's first documents) plus a fixed set
-of hard cases both ways; only when every id agrees does it return a ``GigatokenTokenizer``.
+it for the tokenizer and encodes the sample (the corpus's first documents, read only when
+gigatoken may serve) plus a fixed set of hard cases both ways; only when every id agrees does it return a ``GigatokenTokenizer``.
 Otherwise, and where gigatoken is not installed, cannot read the tokenizer or is switched off
 (``MEGACLI_NO_GIGATOKEN=1``), the reference tokenizer comes back with a one-line ``note`` saying
 why. WordPiece, byte and pre-tokenized (none) tokenizers are not gigatoken's: they come back
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -120,9 +120,10 @@ def _special_texts(reference: Tokenizer) -> list[str]:
     return [sp.id_to_piece(i) for i in range(sp.get_piece_size()) if sp.is_control(i)]
 
 
-def accelerate(tokenizer: Tokenizer, sample_texts: list[str]) -> tuple[Tokenizer, Optional[str]]:
-    """(gigatoken in front of ``tokenizer`` if it gives the same ids on the sample, else
-    ``tokenizer``; a one-line note when gigatoken could have served but does not)."""
+def accelerate(tokenizer: Tokenizer, sample: Callable[[], list[str]]) -> tuple[Tokenizer, Optional[str]]:
+    """(gigatoken in front of ``tokenizer`` if it gives the same ids on the texts ``sample()``
+    returns and on PROBES, else ``tokenizer``; a one-line note when gigatoken could have served
+    but does not)."""
     if type(tokenizer) not in (HuggingFaceTokenizer, SentencePieceTokenizer):
         return tokenizer, None
     library = reference_library(tokenizer)
@@ -140,7 +141,7 @@ def accelerate(tokenizer: Tokenizer, sample_texts: list[str]) -> tuple[Tokenizer
         return tokenizer, f"gigatoken cannot use this tokenizer ({reason}): tokenizing with {library}"
     defer = tuple(s for s in specials if s and tokenizer.encode(s) != engine.encode(s).tolist())
     fast = GigatokenTokenizer(tokenizer, defer, engine)
-    texts = [*PROBES, *(f"x{s}y {s}" for s in specials), *sample_texts]
+    texts = [*PROBES, *(f"x{s}y {s}" for s in specials), *sample()]
     expected, got = tokenizer.encode_batch(texts), fast.encode_batch(texts)
     differ = [i for i, (a, b) in enumerate(zip(expected, got)) if list(a) != list(b)]
     if differ:

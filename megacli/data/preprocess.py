@@ -221,7 +221,7 @@ def run(job: Job, console=None) -> Result:
     if any(s.format == "text" for s in sources) and len(job.keys) != 1:
         raise UserError(f"plain-text input has one field; give one json key (got {', '.join(job.keys)})")
     notes: list[str] = []
-    tokenizer, note = fast_tokenize.accelerate(tokenizer, sample_texts(sources, job))
+    tokenizer, note = fast_tokenize.accelerate(tokenizer, lambda: sample_texts(sources, job))
     if note:
         notes.append(note)
         console.print(f"[yellow]note:[/] {escape(note)}", soft_wrap=True)
