@@ -4,12 +4,12 @@
 
 gigatoken (PyPI) encodes byte-level BPE tokenizer.json files and SentencePiece BPE models with
 byte fallback many times faster than ``tokenizers`` and ``sentencepiece``. ``accelerate`` loads
-it for the tokenizer and encodes the sample (the corpus's first documents, read only when
-gigatoken may serve) plus a fixed set of hard cases both ways; only when every id agrees does it return a ``GigatokenTokenizer``.
-Otherwise, and where gigatoken is not installed, cannot read the tokenizer or is switched off
-(``MEGACLI_NO_GIGATOKEN=1``), the reference tokenizer comes back with a one-line ``note`` saying
-why. WordPiece, byte and pre-tokenized (none) tokenizers are not gigatoken's: they come back
-as they are, with no note.
+it for the tokenizer and encodes a sample (the corpus's first documents, read only when gigatoken
+may serve) plus fixed hard cases both ways; only when every id agrees does it return a
+``GigatokenTokenizer``. Otherwise, and where gigatoken is not installed, cannot read the
+tokenizer or is switched off (``MEGACLI_NO_GIGATOKEN=1``), the reference tokenizer comes back
+with a one-line ``note`` saying why. WordPiece, byte and pre-tokenized (none) tokenizers are not
+gigatoken's: they come back as they are, with no note.
 
 One difference is known and handled per text: SentencePiece reads a control piece written in
 the text (``</s>``) as plain characters, gigatoken as the token; texts holding a special token
