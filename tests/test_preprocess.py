@@ -466,7 +466,7 @@ def _cli(*args):
     from megacli.cli import _register, app
 
     _register()
-    return CliRunner().invoke(app, [str(a) for a in args])
+    return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "200"})  # long tmp paths must not wrap
 
 
 def test_megatron_lm_spellings_write_what_megacli_spellings_write(tmp_path, corpus, hf_dir):

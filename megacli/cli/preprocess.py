@@ -69,7 +69,8 @@ def run_command(
 ) -> None:
     from rich.console import Console
 
-    from megacli.data.preprocess import job_from_recipe, run as run_job, summary_table
+    from megacli.data.preprocess import job_from_recipe, run as run_job
+    from megacli.data.preprocess_report import summary_table
     from megacli.data.tokenizers import guess_tokenizer_type
     from megacli.errors import UserError
     from megacli.recipe.base import apply_overrides, read_yaml, validate

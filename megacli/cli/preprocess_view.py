@@ -15,10 +15,12 @@ def _bytes(n: float) -> str:
 
 def print_preprocess_plan(recipe) -> None:
     from rich.table import Table
+    from rich.text import Text
 
     from megacli.cli.plan_view import dry_run_console, print_recipe
     from megacli.data import indexed, readers
-    from megacli.data.preprocess import default_workers, job_from_recipe
+    from megacli.data.fast_tokenize import accelerate, describe_encoder
+    from megacli.data.preprocess import default_workers, job_from_recipe, sample_texts
     from megacli.data.survey import count_records
     from megacli.data.tokenizers import describe_specials, load_tokenizer
 
@@ -46,7 +48,8 @@ def print_preprocess_plan(recipe) -> None:
     tok.add_row("type", job.tokenizer_type)
     tok.add_row("path", str(job.tokenizer_path or "(none: built in)"))
     tok.add_row("vocabulary", f"{tokenizer.vocab_size:,} ids, {describe_specials(tokenizer)}")
-    tok.add_row("encoder", getattr(tokenizer, "shortcut", None) or "the tokenizer library's own")
+    encoder, note = accelerate(tokenizer, lambda: sample_texts(sources, job))
+    tok.add_row("encoder", Text(describe_encoder(encoder) + (f"\n({note})" if note else "")))
     tok.add_row("per document", ", ".join(filter(None, ["BOS first" if job.add_bos else "", "EOD appended" if job.append_eod else "",
                                                         f"split into sentences ({job.lang})" if job.split_sentences else ""])) or "as is")
     console.print(tok)

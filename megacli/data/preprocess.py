@@ -25,11 +25,12 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from megacli.data import indexed, readers
+from megacli.data import fast_tokenize, indexed, readers
+from megacli.data.preprocess_report import MB, ProgressBar
 from megacli.data.tokenizers import Tokenizer, load_tokenizer
 from megacli.errors import UserError
 
-MB = 1024 * 1024
+SAMPLE_BYTES = 1 << 16  # read from each input's start for the sample a faster encoder is checked on
 
 
 @dataclass(frozen=True)
@@ -97,36 +98,45 @@ def encode_chunk(chunk: readers.Chunk) -> Encoded:
 
 def _encode_documents(docs: list, tok: Tokenizer, opt: Options):
     """Tokenize documents as Megatron-LM does: each sentence (or the whole text) separately, empty
-    sequences dropped, eod appended to the last sequence of a non-empty document."""
-    dtype = np.dtype(opt.dtype)
-    prefix = [tok.bos] if opt.add_bos else []
+    sequences dropped, bos before the first and eod after the last sequence of a non-empty document."""
     if not opt.split_sentences and all(type(d) is str for d in docs):
-        seqs = tok.encode_batch(docs)
-        per_doc = np.fromiter((1 if s else 0 for s in seqs), np.int64, len(seqs))
-        seqs = [s for s in seqs if s]
+        texts, pieces = docs, np.ones(len(docs), np.int64)
     else:
         splitter = _worker.get("splitter")
-        pieces: list[list[str]] = [d if isinstance(d, list) else (splitter(d) if splitter else [d]) for d in docs]
-        flat = tok.encode_batch(list(chain.from_iterable(pieces))) if pieces else []
-        seqs, counts, at = [], [], 0
-        for p in pieces:
-            kept = [s for s in flat[at:at + len(p)] if s]
-            at += len(p)
-            seqs.extend(kept)
-            counts.append(len(kept))
-        per_doc = np.asarray(counts, np.int64)
-    # seqs holds only non-empty sequences; mark each document's first and last of them
-    if opt.append_eod or prefix:
-        ends = np.cumsum(per_doc)[per_doc > 0]
-        if opt.append_eod:
-            for e in ends:
-                seqs[e - 1].append(tok.eod)
-        if prefix:
-            for s in ends - per_doc[per_doc > 0]:
-                seqs[s] = prefix + seqs[s]
-    lengths = np.fromiter(map(len, seqs), np.int32, len(seqs))
-    tokens = np.fromiter(chain.from_iterable(seqs), dtype, int(lengths.sum(dtype=np.int64)))
-    return tokens, lengths, per_doc
+        split = [d if isinstance(d, list) else (splitter(d) if splitter else [d]) for d in docs]
+        texts, pieces = list(chain.from_iterable(split)), np.fromiter(map(len, split), np.int64, len(split))
+    tokens, lengths = tok.encode_flat(texts) if texts else (np.zeros(0, np.int64), np.zeros(0, np.int64))
+    return megatron_layout(tokens, lengths, pieces, np.dtype(opt.dtype),
+                           bos=tok.bos if opt.add_bos else None, eod=tok.eod if opt.append_eod else None)
+
+
+def megatron_layout(tokens: np.ndarray, lengths: np.ndarray, pieces: np.ndarray, dtype: np.dtype,
+                    bos: Optional[int], eod: Optional[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Encoded pieces (``tokens`` back to back, ``lengths`` per piece, ``pieces`` per document) ->
+    (tokens, sequence lengths, sequences per document) as written: empty pieces dropped, ``bos``
+    before the first and ``eod`` after the last remaining sequence of each document."""
+    kept = lengths > 0
+    doc_of_seq = np.repeat(np.arange(len(pieces)), pieces)[kept]
+    lengths = lengths[kept]
+    per_doc = np.bincount(doc_of_seq, minlength=len(pieces)).astype(np.int64)
+    if (bos is None and eod is None) or not len(lengths):
+        return tokens.astype(dtype, copy=False), lengths.astype(np.int32), per_doc
+    new_doc = np.diff(doc_of_seq, prepend=-1, append=len(pieces)) != 0
+    first, last = new_doc[:-1], new_doc[1:]  # sequence opens / closes its document
+    before = first if bos is not None else np.zeros(len(lengths), bool)
+    after = last if eod is not None else np.zeros(len(lengths), bool)
+    new_lengths = lengths + before + after
+    new_starts = np.cumsum(new_lengths) - new_lengths
+    bos_at, eod_at = new_starts[before], (new_starts + new_lengths - 1)[after]
+    out = np.empty(int(new_lengths.sum()), dtype)
+    text_at = np.ones(out.size, bool)
+    text_at[bos_at] = text_at[eod_at] = False
+    out[text_at] = tokens
+    if bos is not None:
+        out[bos_at] = bos
+    if eod is not None:
+        out[eod_at] = eod
+    return out, new_lengths.astype(np.int32), per_doc
 
 
 # ---- main side ----
@@ -189,11 +199,13 @@ class Result:
     dtype: np.dtype
     notes: list[str]
     tokenizer: str = ""
+    encoder: str = ""  # which code turned text into ids (gigatoken, or the tokenizer's own library)
 
 
 def run(job: Job, console=None) -> Result:
     """Preprocess ``job``'s corpus; returns what was written. Raises UserError on bad input."""
     from rich.console import Console
+    from rich.markup import escape
 
     console = console or Console(stderr=True, highlight=False)
     start = time.perf_counter()
@@ -209,6 +221,10 @@ def run(job: Job, console=None) -> Result:
     if any(s.format == "text" for s in sources) and len(job.keys) != 1:
         raise UserError(f"plain-text input has one field; give one json key (got {', '.join(job.keys)})")
     notes: list[str] = []
+    tokenizer, note = fast_tokenize.accelerate(tokenizer, lambda: sample_texts(sources, job))
+    if note:
+        notes.append(note)
+        console.print(f"[yellow]note:[/] {escape(note)}", soft_wrap=True)
     if job.split_sentences:
         from megacli.data.sentences import SentenceSplitter
 
@@ -221,14 +237,29 @@ def run(job: Job, console=None) -> Result:
     outputs = {key: job.prefix_of(key) for key in job.keys}
     total_bytes = sum(s.size for s in sources)
     workers = default_workers() if job.workers is None else job.workers
-    with _Progress(console, total_bytes, job.progress) as progress:
+    with ProgressBar(console, total_bytes, job.progress) as progress:
         if job.partitions <= 1:
             _run_sources(sources, outputs, tokenizer, options, job, workers, stats, progress)
         else:
             _run_partitioned(sources, outputs, tokenizer, options, job, workers, stats, progress)
     seconds = time.perf_counter() - start
     bytes_out = sum(os.path.getsize(indexed.bin_path(p)) + os.path.getsize(indexed.idx_path(p)) for p in outputs.values())
-    return Result(outputs, stats, seconds, bytes_out, dtype, notes, f"{tokenizer.name} ({tokenizer.vocab_size:,} ids)")
+    return Result(outputs, stats, seconds, bytes_out, dtype, notes, f"{tokenizer.name} ({tokenizer.vocab_size:,} ids)",
+                  fast_tokenize.describe_encoder(tokenizer))
+
+
+def sample_texts(sources: list[readers.Source], job: Job, limit: int = 256) -> list[str]:
+    """Up to ``limit`` texts from the start of the corpus (the first chunk of each source until
+    there are enough), for checking a faster encoder against the tokenizer."""
+    texts: list[str] = []
+    for source in sources:
+        for chunk in readers.iter_chunks(source, list(job.keys), SAMPLE_BYTES, job.document_per_line):
+            for values in readers.parse_chunk(chunk, list(job.keys)).values.values():
+                texts.extend(t for v in values for t in (v if isinstance(v, list) else [v]))
+            break
+        if len(texts) >= limit:
+            break
+    return texts[:limit]
 
 
 def _run_partitioned(sources, outputs, tokenizer, options, job, workers, stats, progress) -> None:
@@ -274,7 +305,7 @@ def _chunks(sources, job: Job) -> Iterator[readers.Chunk]:
 
 
 def _run_sources(sources, prefixes: dict[str, str], tokenizer, options: Options, job: Job, workers: int,
-                 stats: Stats, progress: "_Progress") -> None:
+                 stats: Stats, progress: ProgressBar) -> None:
     with ExitStack() as stack:
         with _signals_held():  # no Ctrl-C between creating a partial file and owning its cleanup
             writers = {key: stack.enter_context(indexed.IndexedDatasetWriter(prefix, np.dtype(options.dtype)))
@@ -365,72 +396,3 @@ class _terminate_as_interrupt:
     def __exit__(self, *exc):
         if self._old is not None:
             signal.signal(signal.SIGTERM, self._old)
-
-
-class _Progress:
-    """A rich progress bar over input bytes: documents, MB/s, tokens/s, ETA."""
-
-    def __init__(self, console, total_bytes: int, enabled: bool) -> None:
-        self.console, self.total, self.enabled = console, total_bytes, enabled
-        self.start = time.perf_counter()
-        self._bar = None
-
-    def __enter__(self) -> "_Progress":
-        if self.enabled:
-            from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
-
-            self._bar = Progress(
-                TextColumn("[bold]preprocess[/]"), BarColumn(), TaskProgressColumn(),
-                TextColumn("{task.fields[docs]} docs · {task.fields[mbs]} MB/s · {task.fields[tps]} tok/s"),
-                TextColumn("ETA"), TimeRemainingColumn(), console=self.console, transient=True,
-            )
-            self._bar.__enter__()
-            self._task = self._bar.add_task("preprocess", total=self.total or None, docs=0, mbs="-", tps="-")
-        return self
-
-    def update(self, nbytes: int, stats: Stats) -> None:
-        if self._bar is None:
-            return
-        elapsed = max(time.perf_counter() - self.start, 1e-9)
-        self._bar.update(self._task, advance=nbytes, docs=f"{stats.documents:,}",
-                         mbs=f"{stats.bytes_in / MB / elapsed:.1f}", tps=_si(stats.tokens / elapsed))
-
-    def advance(self, nbytes: int) -> None:
-        if self._bar is not None:
-            self._bar.update(self._task, advance=nbytes)
-
-    def __exit__(self, *exc) -> None:
-        if self._bar is not None:
-            self._bar.__exit__(*exc)
-
-
-def _si(x: float) -> str:
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if x >= scale:
-            return f"{x / scale:.1f}{unit}"
-    return f"{x:.0f}"
-
-
-def summary_table(result: Result):
-    """The closing summary as a rich Table."""
-    from rich.table import Table
-
-    s = result.stats
-    secs = max(result.seconds, 1e-9)
-    table = Table(title="preprocess summary", show_header=False, title_justify="left")
-    table.add_column(style="bold")
-    table.add_column(justify="right")
-    table.add_row("tokenizer", result.tokenizer)
-    table.add_row("documents", f"{s.documents:,}")
-    if s.sequences != s.documents:
-        table.add_row("sequences", f"{s.sequences:,}")
-    table.add_row("tokens", f"{s.tokens:,}")
-    table.add_row("bytes in", f"{s.bytes_in:,} ({s.bytes_in / MB:.1f} MB)")
-    table.add_row("bytes out", f"{result.bytes_out:,} ({result.bytes_out / MB:.1f} MB, {result.dtype.name})")
-    table.add_row("seconds", f"{result.seconds:.2f}")
-    table.add_row("throughput", f"{s.bytes_in / MB / secs:.2f} MB/s · {_si(s.tokens / secs)} tokens/s")
-    if s.skipped:
-        table.add_row("skipped bad records", f"{s.skipped:,}")
-    for key, prefix in result.outputs.items():
-        table.add_row(f"output ({key})", f"{prefix}.bin/.idx")
-    return table

@@ -32,6 +32,8 @@ from itertools import chain
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
+import numpy as np
+
 from megacli.errors import UserError
 
 TOKENIZER_TYPES = ("huggingface", "byte", "sentencepiece", "wordpiece", "none")
@@ -57,6 +59,12 @@ class Tokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         raise NotImplementedError
+
+    def encode_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """encode_batch as arrays: every text's ids back to back, and each text's id count."""
+        seqs = self.encode_batch(texts)
+        lengths = np.fromiter(map(len, seqs), np.int64, len(seqs))
+        return np.fromiter(chain.from_iterable(seqs), np.int64, int(lengths.sum())), lengths
 
     def decode(self, ids: Iterable[int]) -> str:
         raise NotImplementedError
@@ -154,6 +162,7 @@ class HuggingFaceTokenizer(Tokenizer):
             self._tok = RustTokenizer.from_file(str(file))
         except Exception as exc:
             raise UserError(f"tokenizer.path = {path!r}: cannot read {file}: {exc}") from None
+        self.file = file
         # Documents are never cut or padded, whatever tokenizer.json says (as AutoTokenizer.tokenize).
         self._tok.no_truncation()
         self._tok.no_padding()
@@ -303,6 +312,7 @@ class SentencePieceTokenizer(Tokenizer):
         except Exception as exc:
             raise UserError(f"tokenizer.path = {path!r}: not a SentencePiece model ({exc})") from None
         self.name = str(path)
+        self.file = Path(path)
 
         def opt(i: int) -> Optional[int]:
             return i if i >= 0 else None
