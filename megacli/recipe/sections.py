@@ -89,7 +89,91 @@ class TokenizerSection(Section):
         return self
 
 
-class DataSection(Section):
+class StreamFields(Section):
+    """Where on-the-fly documents come from (data.source jsonl or hf, or one entry of data.sources)."""
+
+    files: Optional[list[str]] = None
+    """jsonl: JSONL files or glob patterns, read in the order given (each pattern's matches sorted)."""
+    name: Optional[str] = None
+    """hf: a `datasets` dataset name, a load_from_disk directory, or Arrow/Parquet/JSONL files
+    (read with datasets' builder for that extension)."""
+    config: Optional[str] = None
+    """hf: the dataset's configuration (subset) name."""
+    hf_split: str = "train"
+    """hf: which split of the dataset to read."""
+    streaming: bool = False
+    """hf: read the dataset as a stream (nothing downloaded or cached up front)."""
+    text_field: str = "text"
+    """The field of each record holding the document text."""
+
+
+class StreamSource(StreamFields):
+    """One source of a weighted mixture (data.sources)."""
+
+    source: Literal["hf", "jsonl"]
+    """jsonl files or a Hugging Face dataset."""
+    weight: PositiveFloat = 1.0
+    """Share of the samples drawn from this source (weights need not sum to 1)."""
+
+    @model_validator(mode="after")
+    def _located(self):
+        check_stream_location(self, self.source, where="data.sources")
+        return self
+
+
+def check_stream_location(fields: StreamFields, source: str, *, where: str) -> None:
+    """jsonl needs files, hf needs a name; the other kind's fields must stay unset."""
+    if source == "jsonl" and not fields.files:
+        raise ValueError(f"{where}: source jsonl needs files (JSONL paths or globs)")
+    if source == "hf" and not fields.name:
+        raise ValueError(f"{where}: source hf needs name (a dataset name or a local path)")
+    if source == "hf" and fields.files:
+        raise ValueError(f"{where}: files is for source jsonl; hf reads name")
+    if source == "jsonl" and fields.name:
+        raise ValueError(f"{where}: name is for source hf; jsonl reads files")
+
+
+class FIMSection(Section):
+    """Fill-in-the-middle, as Megatron-LM's FIM dataset: a document (or fragment) is cut at two
+    random character positions into prefix, middle and suffix and rewritten as
+    <fim_prefix> prefix <fim_suffix> suffix <fim_middle> middle (PSM) or
+    <fim_prefix> <fim_suffix> suffix <fim_middle> prefix middle (SPM); the sample keeps its length
+    (the suffix is cut or <fim_pad> padded)."""
+
+    rate: float = Field(0.5, ge=0, le=1)
+    """Probability that a document of a sample is rewritten."""
+    spm_rate: float = Field(0.5, ge=0, le=1)
+    """Probability that a rewritten document uses the SPM order instead of PSM."""
+    split_sample: Optional[str] = None
+    """A token (e.g. a file separator) at which documents are cut into fragments, each rewritten on its own."""
+    fragment_rate: float = Field(0.5, ge=0, le=1)
+    """With split_sample: probability that a fragment is rewritten."""
+    prefix_token: str = "<fim_prefix>"
+    """The tokenizer's token that opens the prefix."""
+    middle_token: str = "<fim_middle>"
+    """The tokenizer's token that opens the middle."""
+    suffix_token: str = "<fim_suffix>"
+    """The tokenizer's token that opens the suffix."""
+    pad_token: str = "<fim_pad>"
+    """The tokenizer's token that pads a rewritten document to its old length."""
+
+
+class DataSection(StreamFields):
+    source: Literal["indexed", "hf", "jsonl"] = "indexed"
+    """indexed: Megatron .bin/.idx files (data.path or data.blend); jsonl or hf: documents read and
+    tokenized while training (files / name), packed like Megatron's GPTDataset without shuffling."""
+    sources: Optional[list[StreamSource]] = None
+    """Weighted mixture of on-the-fly sources, each {source, weight, files | name, ...}; leave data.source unset."""
+    tokenizer_workers: NonNegativeInt = 1
+    """On-the-fly data: processes tokenizing ahead of training (0: a background thread does it)."""
+    reset_position_ids: bool = False
+    """Position ids restart after each end-of-document token (Megatron-LM's --reset-position-ids)."""
+    reset_attention_mask: bool = False
+    """Tokens attend only within their own document (Megatron-LM's --reset-attention-mask)."""
+    eod_mask_loss: bool = False
+    """No loss on end-of-document tokens (Megatron-LM's --eod-mask-loss)."""
+    fim: Optional[FIMSection] = None
+    """Fill-in-the-middle rewriting of on-the-fly samples; null = off."""
     path: Optional[str] = None
     """One Megatron indexed-dataset prefix (the path without .bin/.idx)."""
     blend: Optional[list[tuple[PositiveFloat, str]]] = None
@@ -116,11 +200,37 @@ class DataSection(Section):
 
     @model_validator(mode="after")
     def _one_source(self):
+        if self.on_the_fly:
+            if self.sources and self.source != "indexed":
+                raise ValueError("give data.source (one on-the-fly source) or data.sources (a mixture), not both")
+            if self.path or self.blend or self.mock:
+                raise ValueError("on-the-fly data (data.source / data.sources) reads no data.path, data.blend or data.mock")
+            if self.source != "indexed":
+                check_stream_location(self, self.source, where="data")
+            return self
+        if self.reset_attention_mask:
+            raise ValueError("data.reset_attention_mask is for on-the-fly data (data.source jsonl or hf); indexed "
+                             "batches carry no per-document mask")
+        if self.fim is not None:
+            raise ValueError("data.fim rewrites on-the-fly samples (data.source jsonl or hf); Megatron-Core 0.16.1 "
+                             "has no FIM dataset for indexed data")
         if self.path and self.blend:
             raise ValueError("give data.path or data.blend, not both")
         if not (self.path or self.blend or self.mock):
-            raise ValueError("give one of data.path, data.blend or data.mock: true")
+            raise ValueError("give one of data.path, data.blend, data.mock: true or data.source: jsonl/hf")
         return self
+
+    @property
+    def on_the_fly(self) -> bool:
+        """Documents are read and tokenized while training (not from indexed files)."""
+        return self.source != "indexed" or bool(self.sources)
+
+    def stream_sources(self) -> list[StreamSource]:
+        """The on-the-fly sources as a mixture (one entry of weight 1 for data.source)."""
+        if self.sources:
+            return list(self.sources)
+        fields = {k: getattr(self, k) for k in StreamFields.model_fields}
+        return [StreamSource(source=self.source, **fields)]
 
     @property
     def prefixes(self) -> list[str]:
