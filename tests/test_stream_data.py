@@ -239,3 +239,38 @@ def test_pretrain_resume_mid_stream_equals_uninterrupted_run(tmp_path):
     assert sorted(resumed) == list(range(1, 7))
     for i in range(1, 7):
         assert resumed[i] == pytest.approx(whole[i], rel=1e-6, abs=0), f"step {i}"
+
+
+@pytest.mark.parametrize("layout", ["save_to_disk", "parquet", "jsonl", "streaming parquet"])
+def test_hf_local_copies_read_like_jsonl(tmp_path, layout):
+    import datasets
+
+    from megacli.data.stream import texts
+
+    docs = documents(12)
+    ds = datasets.Dataset.from_dict({"content": docs, "id": list(range(12))})
+    if layout == "save_to_disk":
+        ds.save_to_disk(str(tmp_path / "ds"))
+        name = str(tmp_path / "ds")
+    elif layout == "jsonl":
+        name = str(write_jsonl(tmp_path / "d.jsonl", docs))
+        ds = None
+    else:
+        ds.to_parquet(str(tmp_path / "d.parquet"))
+        name = str(tmp_path / "*.parquet")
+    source = StreamSource(source="hf", name=name, text_field="text" if layout == "jsonl" else "content",
+                          streaming=layout.startswith("streaming"))
+    assert list(texts(source)) == docs
+
+
+def test_hf_errors_name_the_field(tmp_path):
+    from megacli.data.stream import texts
+    from megacli.errors import UserError
+
+    with pytest.raises(UserError, match="data.name"):
+        list(texts(StreamSource(source="hf", name=str(tmp_path / "nothing-here"))))
+    corpus = write_jsonl(tmp_path / "c.jsonl", ["x"])
+    with pytest.raises(UserError, match="no text field 'body'"):
+        list(texts(StreamSource(source="jsonl", files=[str(corpus)], text_field="body")))
+    with pytest.raises(UserError, match="matches no file"):
+        list(texts(StreamSource(source="jsonl", files=[str(tmp_path / "*.jsonl.gz")])))

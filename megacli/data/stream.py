@@ -87,7 +87,8 @@ def open_hf(source):
     name = source.name
     local = Path(name)
     try:
-        if local.is_dir() and (local / "dataset_info.json").is_file() or (local / "dataset_dict.json").is_file():
+        saved = local.is_dir() and any((local / f).is_file() for f in ("dataset_info.json", "dataset_dict.json"))
+        if saved:  # written by save_to_disk
             ds = datasets.load_from_disk(name)
             if isinstance(ds, datasets.DatasetDict):
                 ds = ds[source.hf_split]
@@ -98,6 +99,8 @@ def open_hf(source):
             if builder is None:
                 raise UserError(f"data.name {name!r}: unknown file type (give {', '.join(HF_BUILDERS)} files)")
             return datasets.load_dataset(builder, data_files=files, split=source.hf_split, streaming=source.streaming)
+        if "/" in name and (name.startswith((".", "/", "~")) or local.parent.exists()):
+            raise UserError(f"data.name {name!r}: no such file or directory")
         return datasets.load_dataset(name, source.config, split=source.hf_split, streaming=source.streaming)
     except UserError:
         raise
