@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 from itertools import islice
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -224,7 +223,7 @@ def test_validation_does_not_change_the_recipe():
 
 @pytest.mark.slow
 def test_pretrain_resume_mid_stream_equals_uninterrupted_run(tmp_path):
-    from tests.test_pretrain import TINY, layout, losses, pretrain
+    from tests.test_pretrain import layout, losses, pretrain
 
     corpus = write_jsonl(tmp_path / "c.jsonl", documents(200))
     stream = ["data.mock=false", "data.source=jsonl", f"data.files=[{corpus}]", "data.reset_position_ids=true",
