@@ -222,18 +222,21 @@ def test_validation_does_not_change_the_recipe():
 # ---------------------------------------------------------------- end to end
 
 @pytest.mark.slow
-def test_pretrain_resume_mid_stream_equals_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("dp", [1, 2])
+def test_pretrain_resume_mid_stream_equals_uninterrupted_run(tmp_path, dp):
     from tests.test_pretrain import layout, losses, pretrain
 
     corpus = write_jsonl(tmp_path / "c.jsonl", documents(200))
     stream = ["data.mock=false", "data.source=jsonl", f"data.files=[{corpus}]", "data.reset_position_ids=true",
-              "data.tokenizer_workers=1", "train.iters=6"]
-    pretrain(tmp_path, "whole", layout() + stream)
+              "data.tokenizer_workers=1", "train.iters=6", *layout(nproc=dp)]
+    pretrain(tmp_path, "whole", stream)
     ck = tmp_path / "ck"
-    pretrain(tmp_path, "part", layout() + stream + [f"checkpoint.dir={ck}", "train.exit_after_iters=3"])
-    meta = json.loads((ck / "iter_0000003" / "megacli.json").read_text())
-    assert meta["stream"][0]["samples"] == 24 and meta["stream"][0]["positions"][0]["documents"] > 0
-    pretrain(tmp_path, "part", layout() + stream + [f"checkpoint.dir={ck}"])
+    pretrain(tmp_path, "part", stream + [f"checkpoint.dir={ck}", "train.exit_after_iters=3"])
+    saved = json.loads((ck / "iter_0000003" / "megacli.json").read_text())["stream"]
+    assert [s["samples"] for s in saved] == [24 // dp] * dp  # 3 steps of 8 samples, split over the DP ranks
+    assert all(s["positions"][0]["documents"] > 0 for s in saved)
+    assert len({json.dumps(s) for s in saved}) == dp  # each rank at its own place in its own documents
+    pretrain(tmp_path, "part", stream + [f"checkpoint.dir={ck}"])
     whole, resumed = losses(tmp_path, "whole"), losses(tmp_path, "part")
     assert sorted(resumed) == list(range(1, 7))
     for i in range(1, 7):
