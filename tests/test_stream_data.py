@@ -276,3 +276,37 @@ def test_hf_errors_name_the_field(tmp_path):
         list(texts(StreamSource(source="jsonl", files=[str(corpus)], text_field="body")))
     with pytest.raises(UserError, match="matches no file"):
         list(texts(StreamSource(source="jsonl", files=[str(tmp_path / "*.jsonl.gz")])))
+
+
+def test_sample_layout_follows_megatron_flags():
+    from megacli.engine.stream_data import gpt_sample
+
+    eod = 9
+    text = np.asarray([1, 2, eod, 3, 4, 5, eod, 6, 7])
+    plain = gpt_sample(text, eod=eod, pad=None, data=DataSection(source="jsonl", files=["x"]))
+    assert plain["tokens"].tolist() == [1, 2, eod, 3, 4, 5, eod, 6] and plain["labels"].tolist() == [2, eod, 3, 4, 5, eod, 6, 7]
+    assert plain["position_ids"].tolist() == list(range(8)) and plain["loss_mask"].tolist() == [1.0] * 8
+    assert "segments" not in plain
+    flags = DataSection(source="jsonl", files=["x"], reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
+    reset = gpt_sample(text, eod=eod, pad=None, data=flags)
+    assert reset["position_ids"].tolist() == [0, 1, 2, 0, 1, 2, 3, 0]
+    assert reset["loss_mask"].tolist() == [1, 1, 0, 1, 1, 1, 0, 1]
+    assert reset["segments"].tolist() == [0, 0, 0, 1, 1, 1, 1, 2]  # an EOD belongs to the document it ends
+
+
+def test_indexed_data_honours_reset_position_ids_and_eod_mask_loss(tmp_path):
+    from megacli.data.preprocess import Job, run
+    from megacli.data.tokenizers import load_tokenizer
+    from megacli.engine.data import build_gpt_datasets
+
+    corpus = write_jsonl(tmp_path / "c.jsonl", ["ab", "cde", "fghij"] * 10)
+    run(Job(inputs=[str(corpus)], output_prefix=str(tmp_path / "c"), keys=["text"], tokenizer_type="byte",
+            tokenizer_path=None, append_eod=True, workers=0, progress=False))
+    tok = load_tokenizer(type="byte", path=None)
+    data = DataSection(path=str(tmp_path / "c_text_document"), split="1,0,0", reset_position_ids=True, eod_mask_loss=True)
+    sample = build_gpt_datasets(data=data, seq_length=SEQ, seed=1, tokenizer=tok, train_samples=4, valid_samples=0,
+                                cache_dir=str(tmp_path / "cache")).train[0]
+    tokens = sample["tokens"]
+    assert (sample["loss_mask"][tokens == tok.eod] == 0).all()
+    after = (tokens == tok.eod).nonzero().flatten() + 1
+    assert (sample["position_ids"][after[after < SEQ]] == 0).all()
