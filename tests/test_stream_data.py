@@ -310,3 +310,33 @@ def test_indexed_data_honours_reset_position_ids_and_eod_mask_loss(tmp_path):
     assert (sample["loss_mask"][tokens == tok.eod] == 0).all()
     after = (tokens == tok.eod).nonzero().flatten() + 1
     assert (sample["position_ids"][after[after < SEQ]] == 0).all()
+
+
+def test_fim_batches_are_redrawn_the_same_after_a_resume(tmp_path):
+    import torch
+
+    from megacli.data.fim import fim_ids
+    from megacli.engine.stream_data import StreamData
+
+    corpus = write_jsonl(tmp_path / "c.jsonl", [f"def f{i}(x):\n    return x * {i} + {i * i}\n" for i in range(30)])
+    data = DataSection(source="jsonl", files=[str(corpus)], fim={"rate": 1.0, "spm_rate": 0.5})
+    tok = CharTokenizer()  # the byte tokenizer's ids for ASCII text and EOD, plus FIM tokens
+
+    def opened(state=None):
+        sd = StreamData(data=data, spec=BYTE, tokenizer=tok, seq_length=SEQ * 4, seed=5, fim_ids=fim_ids(tok, data.fim),
+                        start_state=state)
+        return sd, sd.iterators(1, micro_batch_size=2, dp_rank=0, dp_size=1, device=torch.device("cpu"))[0]
+
+    whole, batches = opened()
+    expected = [next(batches)["tokens"] for _ in range(6)]
+    whole.close()
+    first, batches = opened()
+    head = [next(batches)["tokens"] for _ in range(2)]
+    state = first.state()
+    first.close()
+    rest, batches = opened(state)
+    tail = [next(batches)["tokens"] for _ in range(4)]
+    rest.close()
+    assert all(torch.equal(a, b) for a, b in zip(head + tail, expected))
+    decoded = [tok.decode(row.tolist()) for b in expected for row in b]
+    assert sum("<fim_prefix>" in d for d in decoded) >= len(decoded) - 1

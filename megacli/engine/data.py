@@ -49,11 +49,13 @@ def is_built_on_rank() -> bool:
 
 def stream_data(*, data, tokenizer_section, tokenizer, vocab_size: int | None, seq_length: int, seed: int):
     """On-the-fly training data (data.source jsonl/hf or data.sources): read, tokenized and packed while training."""
+    from megacli.data.fim import fim_ids
     from megacli.data.stream import TokenizerSpec
     from megacli.engine.stream_data import StreamData
 
     spec = TokenizerSpec(type=tokenizer_section.type, path=tokenizer_section.path, vocab_size=vocab_size)
-    return StreamData(data=data, spec=spec, tokenizer=tokenizer, seq_length=seq_length, seed=seed)
+    ids = fim_ids(tokenizer, data.fim) if data.fim is not None else None  # missing FIM tokens fail before training
+    return StreamData(data=data, spec=spec, tokenizer=tokenizer, seq_length=seq_length, seed=seed, fim_ids=ids)
 
 
 def build_gpt_datasets(*, data, seq_length: int, seed: int, tokenizer, train_samples: int, valid_samples: int,

@@ -22,19 +22,17 @@ class StreamData:
     tokenizer: object
     seq_length: int
     seed: int
+    fim_ids: object = None  # data.fim's token ids (megacli.data.fim.FIMIds), None without FIM
     start_state: dict | None = None
     streams: list | None = None
 
     def iterators(self, count: int, *, micro_batch_size: int, dp_rank: int, dp_size: int, device) -> list:
         """``count`` iterators over the same micro-batches (one per model chunk)."""
-        from megacli.data.fim import fim_ids
-
-        ids = fim_ids(self.tokenizer, self.data.fim) if self.data.fim is not None else None
         self.close()
         self.streams = [RankStream(self.data.stream_sources(), spec=self.spec, seq_length=self.seq_length, rank=dp_rank,
                                    world=dp_size, workers=self.data.tokenizer_workers, state=self.start_state)
                         for _ in range(count)]
-        return [self._batches(s, micro_batch_size=micro_batch_size, dp_rank=dp_rank, device=device, fim=ids)
+        return [self._batches(s, micro_batch_size=micro_batch_size, dp_rank=dp_rank, device=device, fim=self.fim_ids)
                 for s in self.streams]
 
     def _batches(self, stream: RankStream, *, micro_batch_size: int, dp_rank: int, device, fim) -> Iterator[dict]:
