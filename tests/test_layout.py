@@ -47,8 +47,15 @@ def _imported(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """The megacli modules ``name`` imports: ``from pkg import sub`` names the submodule when
     there is one, else the package; a name that is no module names the module holding it."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    # Imports under `if TYPE_CHECKING:` are for annotations only: no edge at run time.
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and getattr(block.test, "id", getattr(block.test, "attr", None)) == "TYPE_CHECKING"
+                   for stmt in block.body for n in ast.walk(stmt)}
     targets = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             targets.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -145,6 +152,8 @@ def test_the_walk_sees_imports_inside_functions_and_relative_ones(tmp_path):
     module.write_text("from . import gpt\nfrom ..models.common import unwrap\nfrom .. import loop\n")
     assert _imported("megacli.engine.models.gpt2", module, _modules()) == {
         "megacli.engine.models.gpt", "megacli.engine.models.common", "megacli.engine.loop"}
+    module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .. import loop\nfrom . import gpt\n")
+    assert _imported("megacli.engine.models.gpt2", module, _modules()) == {"megacli.engine.models.gpt"}
     cyclic = {"megacli.a": {"megacli.b"}, "megacli.b": {"megacli.c"}, "megacli.c": {"megacli.a"}}
     assert _cycle(cyclic) == ["megacli.a", "megacli.b", "megacli.c", "megacli.a"]
     assert _crossings({"megacli.engine.loop": {"megacli.inference.runner"}}) == [("megacli.engine.loop", "megacli.inference.runner")]

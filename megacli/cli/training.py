@@ -67,6 +67,12 @@ def check_inputs(recipe) -> None:
         if missing:
             raise UserError(f"data prefix {prefix!r}: missing {' and '.join(missing)} "
                             f"(build it with `megacli preprocess`; the prefix is the path without .bin/.idx)")
+    if recipe.data.on_the_fly:
+        from megacli.data.stream import jsonl_paths
+
+        for source in recipe.data.stream_sources():
+            if source.source == "jsonl":
+                jsonl_paths(source.files)  # names a pattern without files
     sft = getattr(recipe, "sft", None)
     for path in (sft.train, sft.valid) if sft else ():
         if path and not Path(path).is_file():

@@ -47,6 +47,17 @@ def is_built_on_rank() -> bool:
     return True  # every rank reads its own batches; Megatron builds the index caches on rank 0 first
 
 
+def stream_data(*, data, tokenizer_section, tokenizer, vocab_size: int | None, seq_length: int, seed: int):
+    """On-the-fly training data (data.source jsonl/hf or data.sources): read, tokenized and packed while training."""
+    from megacli.data.fim import fim_ids
+    from megacli.data.stream import TokenizerSpec
+    from megacli.engine.stream_data import StreamData
+
+    spec = TokenizerSpec(type=tokenizer_section.type, path=tokenizer_section.path, vocab_size=vocab_size)
+    ids = fim_ids(tokenizer, data.fim) if data.fim is not None else None  # missing FIM tokens fail before training
+    return StreamData(data=data, spec=spec, tokenizer=tokenizer, seq_length=seq_length, seed=seed, fim_ids=ids)
+
+
 def build_gpt_datasets(*, data, seq_length: int, seed: int, tokenizer, train_samples: int, valid_samples: int,
                        cache_dir: str) -> Splits:
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
@@ -65,9 +76,9 @@ def build_gpt_datasets(*, data, seq_length: int, seed: int, tokenizer, train_sam
         split=data.split,
         path_to_cache=cache_dir,
         tokenizer=ds_tok,
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
+        reset_position_ids=data.reset_position_ids,
+        reset_attention_mask=False,  # refused for indexed data by the recipe (the batches carry no mask)
+        eod_mask_loss=data.eod_mask_loss,
         create_attention_mask=False,
         mmap_bin_files=True,
     )

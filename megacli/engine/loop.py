@@ -118,6 +118,11 @@ def build_trainer(recipe, runtime) -> tuple[Trainer, object]:
                                                          seq_length=m.seq_length, seed=t.seed)
         train_ds.summary = summary
         splits = data_mod.Splits(train=train_ds, valid=valid_ds, test=None)
+    elif recipe.data.on_the_fly:
+        splits = data_mod.Splits(train=data_mod.stream_data(data=recipe.data, tokenizer_section=recipe.tokenizer,
+                                                            tokenizer=tokenizer, vocab_size=m.vocab_size, seq_length=m.seq_length,
+                                                            seed=t.seed),
+                                 valid=None, test=None)
     else:
         splits = data_mod.build_gpt_datasets(data=recipe.data, seq_length=m.seq_length, seed=t.seed, tokenizer=tokenizer,
                                              train_samples=train_samples, valid_samples=valid_samples, cache_dir=cache_dir)
@@ -135,6 +140,9 @@ def data_iterators(trainer: Trainer, dataset, start_sample: int) -> list:
     from megacli.engine.data import micro_batches
 
     t = trainer.recipe.train
+    if hasattr(dataset, "iterators"):  # on-the-fly data: this rank's own stream
+        return dataset.iterators(len(trainer.chunks), micro_batch_size=t.micro_batch_size, dp_rank=ps.get_data_parallel_rank(),
+                                 dp_size=ps.get_data_parallel_world_size(), device=trainer.runtime.device)
     return [micro_batches(dataset, start_sample=start_sample, micro_batch_size=t.micro_batch_size,
                           dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
                           device=trainer.runtime.device) for _ in trainer.chunks]
@@ -226,6 +234,8 @@ def _train(recipe, runtime) -> None:
                                    scheduler=trainer.scheduler, load_optimizer=ck.load_optimizer, verify=ck.verify,
                                    trust_pickle=ck.trust_pickle)
         start_iter, consumed, run_id = restored.iteration, restored.consumed_samples, restored.run_id
+        if recipe.data.on_the_fly:
+            _resume_stream(trainer, checkpoint.read_meta(restored.path).get("stream"))
     elif pretrained is not None:
         checkpoint.load(ckpt=pretrained, chunks=trainer.chunks, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
                         load_optimizer=False, verify=ck.verify, trust_pickle=ck.trust_pickle)
@@ -326,7 +336,8 @@ def _train(recipe, runtime) -> None:
                     raise _stopped_nonfinite(f"the weights are not finite after iteration {iteration} (not saved)", last_good)
                 path = checkpoint.save(ckpt_dir=ck.dir, iteration=iteration, consumed_samples=consumed, chunks=trainer.chunks,
                                        optimizer=trainer.optimizer, scheduler=trainer.scheduler, recipe_yaml=recipe_yaml,
-                                       keep_last=ck.keep_last, run_id=run_id, lora_base=lora_base)
+                                       keep_last=ck.keep_last, run_id=run_id, lora_base=lora_base,
+                                       extra_meta=_stream_meta(trainer))
                 log.say(f"saved checkpoint {path}")
                 log.plot()
                 last_good = path
@@ -340,6 +351,8 @@ def _train(recipe, runtime) -> None:
     finally:
         stops.close()
         log.close()
+        if hasattr(trainer.train_data, "close"):
+            trainer.train_data.close()
     if stopped:
         return
     if last_val is not None:
@@ -351,6 +364,24 @@ def _train(recipe, runtime) -> None:
         log.say(f"done: {iteration} iterations")
     if skipped:
         log.say(f"{skipped} step(s) skipped for a non-finite loss or gradients (train.on_nonfinite = skip)")
+
+
+def _resume_stream(trainer: Trainer, saved) -> None:
+    from megatron.core import parallel_state as ps
+
+    from megacli.engine.stream_data import state_of_rank
+
+    trainer.train_data.start_state = state_of_rank(saved, dp_rank=ps.get_data_parallel_rank(),
+                                                   dp_size=ps.get_data_parallel_world_size())
+
+
+def _stream_meta(trainer: Trainer) -> dict | None:
+    """On-the-fly data: every data-parallel rank's stream position, for megacli.json."""
+    if not hasattr(trainer.train_data, "iterators"):
+        return None
+    from megacli.engine.stream_data import gathered_states
+
+    return {"stream": gathered_states(trainer.train_data)}
 
 
 def _stopped_nonfinite(what: str, last_good):

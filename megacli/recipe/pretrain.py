@@ -220,7 +220,7 @@ class TrainingRecipe(Section):
     def _check_sft(self) -> None:
         if self.model.arch != "gpt":
             raise RecipeError("sft", self.sft.train, f"instruction finetuning is for gpt models, not {self.model.arch}")
-        if self.data.prefixes:
+        if self.data.prefixes or self.data.on_the_fly:
             raise RecipeError("sft", self.sft.train, "give sft (instruction data) or data.path/data.blend (continued "
                                                      "pretraining), not both")
         if self.parallel.context > 1:
@@ -244,6 +244,9 @@ class TrainingRecipe(Section):
     def _check_bert_t5(self) -> None:
         """What Megatron-Core 0.16.1's BertModel/T5Model and their masked datasets support."""
         m, p, arch = self.model, self.parallel, self.model.arch
+        if self.data.on_the_fly:
+            raise RecipeError("data.source", self.data.source, f"on-the-fly data is packed for gpt; {arch} trains on "
+                              "sentence-split indexed data (`megacli preprocess --split-sentences`)")
         if self.data.mock:
             raise RecipeError("data.mock", True, f"{arch} trains on sentence-split indexed data (Megatron's masked "
                               "WordPiece datasets have no mock variant): build it with `megacli preprocess "

@@ -8,6 +8,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator, model_validator
 
 from megacli.recipe.base import Section
+from megacli.recipe.stream import FIMSection, StreamFields, StreamSource, check_stream_location
 
 
 class ParallelSection(Section):
@@ -96,7 +97,22 @@ class TokenizerSection(Section):
         return self
 
 
-class DataSection(Section):
+class DataSection(StreamFields):
+    source: Literal["indexed", "hf", "jsonl"] = "indexed"
+    """indexed: Megatron .bin/.idx files (data.path or data.blend); jsonl or hf: documents read and
+    tokenized while training (files / name), packed like Megatron's GPTDataset without shuffling."""
+    sources: Optional[list[StreamSource]] = None
+    """Weighted mixture of on-the-fly sources, each {source, weight, files | name, ...}; leave data.source unset."""
+    tokenizer_workers: NonNegativeInt = 1
+    """On-the-fly data: processes tokenizing ahead of training (0: a background thread does it)."""
+    reset_position_ids: bool = False
+    """Position ids restart after each end-of-document token (Megatron-LM's --reset-position-ids)."""
+    reset_attention_mask: bool = False
+    """Tokens attend only within their own document (Megatron-LM's --reset-attention-mask)."""
+    eod_mask_loss: bool = False
+    """No loss on end-of-document tokens (Megatron-LM's --eod-mask-loss)."""
+    fim: Optional[FIMSection] = None
+    """Fill-in-the-middle rewriting of on-the-fly samples; null = off."""
     path: Optional[str] = None
     """One Megatron indexed-dataset prefix (the path without .bin/.idx)."""
     blend: Optional[list[tuple[PositiveFloat, str]]] = None
@@ -123,6 +139,20 @@ class DataSection(Section):
 
     @model_validator(mode="after")
     def _one_source(self):
+        if self.on_the_fly:
+            if self.sources and self.source != "indexed":
+                raise ValueError("give data.source (one on-the-fly source) or data.sources (a mixture), not both")
+            if self.path or self.blend or self.mock:
+                raise ValueError("on-the-fly data (data.source / data.sources) reads no data.path, data.blend or data.mock")
+            if self.source != "indexed":
+                check_stream_location(self, self.source, where="data")
+            return self
+        if self.reset_attention_mask:
+            raise ValueError("data.reset_attention_mask is for on-the-fly data (data.source jsonl or hf); indexed "
+                             "batches carry no per-document mask")
+        if self.fim is not None:
+            raise ValueError("data.fim rewrites on-the-fly samples (data.source jsonl or hf); Megatron-Core 0.16.1 "
+                             "has no FIM dataset for indexed data")
         if self.path and self.blend:
             raise ValueError("give data.path or data.blend, not both")
         return self
@@ -130,7 +160,19 @@ class DataSection(Section):
     @property
     def named(self) -> bool:
         """Whether a source is given (a training run needs one; instruction finetuning reads sft instead)."""
-        return bool(self.path or self.blend or self.mock)
+        return bool(self.path or self.blend or self.mock or self.on_the_fly)
+
+    @property
+    def on_the_fly(self) -> bool:
+        """Documents are read and tokenized while training (not from indexed files)."""
+        return self.source != "indexed" or bool(self.sources)
+
+    def stream_sources(self) -> list[StreamSource]:
+        """The on-the-fly sources as a mixture (one entry of weight 1 for data.source)."""
+        if self.sources:
+            return list(self.sources)
+        fields = {k: getattr(self, k) for k in StreamFields.model_fields}
+        return [StreamSource(source=self.source, **fields)]
 
     @property
     def prefixes(self) -> list[str]:

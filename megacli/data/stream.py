@@ -1,0 +1,311 @@
+"""Training data without a preprocessing step: documents read from JSONL files or a Hugging Face
+dataset, tokenized in the background and packed into samples of seq_length + 1 tokens.
+
+Packing is Megatron's GPTDataset's without shuffling: the documents (each followed by EOD, as
+`megacli preprocess` writes them) are concatenated in order and sample k is tokens
+[k·seq_length, (k+1)·seq_length + 1) of that stream, so consecutive samples share one token. When a
+source runs out it starts over (another epoch), as GPTDataset's document index repeats.
+
+Sharding: document i of a source goes to data-parallel rank i mod DP, which packs its own
+documents. A rank's position is (documents of its shard consumed, tokens of the next one already
+used): a resume skips those documents untokenized and continues with the next unseen token.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import queue
+import threading
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from megacli.errors import UserError
+
+AHEAD = 4  # batches of documents being tokenized ahead of training
+BATCH_DOCS = 64
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """How a worker process builds the run's tokenizer (tokenizers are rebuilt, not pickled)."""
+
+    type: str
+    path: str | None
+    vocab_size: int | None
+
+
+# ------------------------------------------------------------------------------ reading documents
+
+
+def jsonl_paths(patterns: list[str]) -> list[Path]:
+    """The files a jsonl source reads: each pattern's matches sorted, in the order the patterns are given."""
+    paths = []
+    for pattern in patterns:
+        found = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+        if not found:
+            raise UserError(f"data.files: {pattern!r} matches no file")
+        for name in found:
+            if not Path(name).is_file():
+                raise UserError(f"data.files: {name!r}: file not found")
+            paths.append(Path(name))
+    return paths
+
+
+def _jsonl_texts(paths: list[Path], field: str) -> Iterator[str]:
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise UserError(f"{path}:{n}: not a JSON line ({e.msg})") from None
+                yield _text_of(record, field, f"{path}:{n}")
+
+
+def _text_of(record, field: str, where: str) -> str:
+    text = record.get(field) if isinstance(record, dict) else None
+    if not isinstance(text, str):
+        raise UserError(f"{where}: no text field {field!r} (set data.text_field)")
+    return text
+
+
+HF_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".jsonl": "json", ".json": "json"}
+
+
+def open_hf(source):
+    """The `datasets` dataset a hf source names: a load_from_disk directory, data files of a known
+    extension (read with that builder), or a dataset name / script directory."""
+    import datasets
+
+    name = source.name
+    local = Path(name)
+    try:
+        saved = local.is_dir() and any((local / f).is_file() for f in ("dataset_info.json", "dataset_dict.json"))
+        if saved:  # written by save_to_disk
+            ds = datasets.load_from_disk(name)
+            if isinstance(ds, datasets.DatasetDict):
+                ds = ds[source.hf_split]
+            return ds.to_iterable_dataset() if source.streaming else ds
+        files = sorted(glob.glob(name)) if glob.has_magic(name) else ([name] if local.is_file() else [])
+        if files:
+            builder = HF_BUILDERS.get(Path(files[0]).suffix)
+            if builder is None:
+                raise UserError(f"data.name {name!r}: unknown file type (give {', '.join(HF_BUILDERS)} files)")
+            return datasets.load_dataset(builder, data_files=files, split=source.hf_split, streaming=source.streaming)
+        if "/" in name and (name.startswith((".", "/", "~")) or local.parent.exists()):
+            raise UserError(f"data.name {name!r}: no such file or directory")
+        return datasets.load_dataset(name, source.config, split=source.hf_split, streaming=source.streaming)
+    except UserError:
+        raise
+    except Exception as e:  # datasets raises many kinds (missing, offline, bad config)
+        raise UserError(f"data.name {name!r}: cannot open the dataset ({type(e).__name__}: {e})") from None
+
+
+def _hf_texts(source) -> Iterator[str]:
+    for n, record in enumerate(open_hf(source)):
+        yield _text_of(record, source.text_field, f"data.name {source.name!r} record {n}")
+
+
+def texts(source) -> Iterator[str]:
+    """One pass over a source's document texts."""
+    if source.source == "jsonl":
+        return _jsonl_texts(jsonl_paths(source.files), source.text_field)
+    return _hf_texts(source)
+
+
+def shard_texts(source, *, rank: int, world: int) -> Iterator[str]:
+    """This rank's documents (i mod world == rank), pass after pass, without end."""
+    i = 0
+    while True:
+        seen = False
+        for text in texts(source):
+            if i % world == rank:
+                seen = True
+                yield text
+            i += 1
+        if not seen:
+            where = source.files if source.source == "jsonl" else source.name
+            raise UserError(f"on-the-fly data {where!r}: no document for data-parallel rank {rank} of {world} "
+                            f"({i} documents in all)")
+
+
+# ------------------------------------------------------------------------------ tokenizing ahead
+
+_worker_tokenizer = None
+
+
+def _init_worker(spec: TokenizerSpec) -> None:
+    global _worker_tokenizer
+    from megacli.data.tokenizers import load_tokenizer
+
+    _worker_tokenizer = load_tokenizer(type=spec.type, path=spec.path, vocab_size=spec.vocab_size)
+
+
+def _encode(batch: list[str]) -> list[np.ndarray]:
+    """A document's tokens followed by EOD; an empty document has none (as preprocess writes)."""
+    tok = _worker_tokenizer
+    out = []
+    for ids in tok.encode_batch(batch):
+        out.append(np.asarray([*ids, tok.eod] if ids else [], dtype=np.int64))
+    return out
+
+
+class Tokenized:
+    """Token arrays of an endless document iterator, tokenized ahead in a background thread (and,
+    with workers > 0, a process pool), at most AHEAD batches ahead."""
+
+    def __init__(self, docs: Iterator[str], *, spec: TokenizerSpec, workers: int):
+        self._queue: queue.Queue = queue.Queue(maxsize=AHEAD)
+        self._stop = threading.Event()
+        self._pool = None
+        if workers:
+            import multiprocessing as mp
+
+            self._pool = mp.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(spec,))
+        else:
+            _init_worker(spec)
+        self._thread = threading.Thread(target=self._fill, args=(docs,), daemon=True)
+        self._thread.start()
+        self._current: Iterator[np.ndarray] = iter(())
+
+    def _fill(self, docs: Iterator[str]) -> None:
+        try:
+            while not self._stop.is_set():
+                batch = list(islice(docs, BATCH_DOCS))
+                job = self._pool.apply_async(_encode, (batch,)) if self._pool else _encode(batch)
+                self._put(("ok", job))
+        except BaseException as e:  # handed to the training thread, which raises it
+            self._put(("error", e))
+
+    def _put(self, item) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> np.ndarray:
+        while True:
+            for tokens in self._current:
+                return tokens
+            kind, job = self._queue.get()
+            if kind == "error":
+                raise job
+            self._current = iter(job.get() if self._pool else job)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._pool is not None:
+            self._pool.terminate()
+
+
+# ------------------------------------------------------------------------------ packing
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where a rank's next sample starts: `offset` tokens into document `documents` of its shard."""
+
+    documents: int = 0
+    offset: int = 0
+
+
+def pack(docs: Iterator[np.ndarray], *, seq_length: int, start: Position) -> Iterator[tuple[np.ndarray, Position]]:
+    """Samples of seq_length + 1 tokens cut from the documents' concatenation (the first
+    ``start.documents`` already skipped by the caller), each with the position after it."""
+    pending: list[np.ndarray] = []  # token arrays not fully used, the first starting at `position`
+    have = 0
+    doc, offset = start.documents, start.offset
+    first = True
+    while True:
+        while have < seq_length + 1:
+            tokens = next(docs)
+            if first:
+                tokens, first = tokens[offset:], False
+            pending.append(tokens)
+            have += len(tokens)
+        sample = np.concatenate(pending)[:seq_length + 1]
+        drop = seq_length
+        while drop:  # move the start on by seq_length tokens: the sample's last token starts the next one
+            head = pending[0]
+            if len(head) <= drop:
+                pending.pop(0)
+                drop -= len(head)
+                have -= len(head)
+                doc, offset = doc + 1, 0
+            else:
+                pending[0] = head[drop:]
+                have -= drop
+                offset += drop
+                drop = 0
+        while pending and not len(pending[0]):  # empty documents hold no position
+            pending.pop(0)
+            doc, offset = doc + 1, 0
+        yield sample, Position(doc, offset)
+
+
+def blend_choice(weights: list[float], n: int, counts: list[int]) -> int:
+    """Megatron's blending order (helpers.build_blending_indices): sample n comes from the source
+    furthest behind its share."""
+    errors = [w * max(n, 1) - c for w, c in zip(weights, counts)]
+    return int(np.argmax(errors))
+
+
+def normalized(weights: list[float]) -> list[float]:
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+class RankStream:
+    """One data-parallel rank's samples (seq_length + 1 token arrays) from a weighted mixture of
+    sources, resumable from ``state()``: samples drawn and each source's Position."""
+
+    def __init__(self, sources: list, *, spec: TokenizerSpec, seq_length: int, rank: int, world: int,
+                 workers: int, state: dict | None = None):
+        state = state or {}
+        self.weights = normalized([s.weight for s in sources])
+        self.samples = int(state.get("samples", 0))
+        self.counts = [0] * len(sources)
+        for n in range(self.samples):  # the blend's per-source counts follow from the sample count
+            self.counts[blend_choice(self.weights, n, self.counts)] += 1
+        starts = [Position(**p) for p in state.get("positions", [{}] * len(sources))]
+        if len(starts) != len(sources):
+            raise UserError(f"the checkpoint's stream position has {len(starts)} sources; data.sources has {len(sources)}")
+        self.positions = list(starts)
+        self._tokenized = []
+        self._packers = []
+        for source, start in zip(sources, starts):
+            docs = islice(shard_texts(source, rank=rank, world=world), start.documents, None)
+            tokenized = Tokenized(docs, spec=spec, workers=workers)
+            self._tokenized.append(tokenized)
+            self._packers.append(pack(tokenized, seq_length=seq_length, start=start))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> np.ndarray:
+        i = blend_choice(self.weights, self.samples, self.counts)
+        sample, self.positions[i] = next(self._packers[i])
+        self.counts[i] += 1
+        self.samples += 1
+        return sample
+
+    def state(self) -> dict:
+        """What a checkpoint keeps to continue with the next unseen token."""
+        return {"samples": self.samples, "positions": [{"documents": p.documents, "offset": p.offset}
+                                                       for p in self.positions]}
+
+    def close(self) -> None:
+        for t in self._tokenized:
+            t.close()

@@ -1,0 +1,342 @@
+"""On-the-fly data (data.source jsonl/hf): packing equals preprocess + GPTDataset, data-parallel
+shards are disjoint and complete, a resume continues with the next unseen token (stream and a real
+pretrain pair), weighted mixtures, fill-in-the-middle samples, recipe errors."""
+
+from __future__ import annotations
+
+import json
+from itertools import islice
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megacli.data.stream import Position, RankStream, TokenizerSpec, Tokenized, pack, shard_texts
+from megacli.recipe.sections import DataSection, StreamSource
+
+BYTE = TokenizerSpec(type="byte", path=None, vocab_size=None)
+SEQ = 16
+
+
+def documents(n: int) -> list[str]:
+    rng = np.random.RandomState(0)
+    return ["".join(chr(97 + int(c)) for c in rng.randint(0, 26, size=int(rng.randint(1, 40)))) + f" doc{i}"
+            for i in range(n)]
+
+
+def write_jsonl(path: Path, texts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    return path
+
+
+def jsonl_source(path: Path, weight: float = 1.0) -> StreamSource:
+    return StreamSource(source="jsonl", files=[str(path)], weight=weight)
+
+
+def test_packing_equals_preprocess_and_gpt_dataset(tmp_path):
+    from megacli.data.preprocess import Job, run
+    from megacli.data.tokenizers import load_tokenizer
+    from megacli.engine.data import build_gpt_datasets
+
+    texts = documents(60)
+    corpus = write_jsonl(tmp_path / "c.jsonl", texts)
+    run(Job(inputs=[str(corpus)], output_prefix=str(tmp_path / "c"), keys=["text"], tokenizer_type="byte",
+            tokenizer_path=None, append_eod=True, workers=0, progress=False))
+    data = DataSection(path=str(tmp_path / "c_text_document"), split="1,0,0")
+    tok = load_tokenizer(type="byte", path=None)
+    train = build_gpt_datasets(data=data, seq_length=SEQ, seed=3, tokenizer=tok, train_samples=40, valid_samples=0,
+                               cache_dir=str(tmp_path / "cache")).train
+    # GPTDataset shuffles documents and samples; read its samples in unshuffled order and give the
+    # stream its documents in its (shuffled) document order.
+    order = np.asarray(train.document_index)
+    unshuffled = np.argsort(np.asarray(train.shuffle_index))
+    ordered = iter([texts[i] for i in order])
+    stream = pack(Tokenized(ordered, spec=BYTE, workers=0), seq_length=SEQ, start=Position())
+    for j in range(len(unshuffled)):
+        want, _ = train._query_document_sample_shuffle_indices(int(unshuffled[j]))
+        got, _ = next(stream)
+        assert got.tolist() == want.tolist(), f"sample {j}"
+    assert len(unshuffled) >= 40
+
+
+def test_data_parallel_shards_are_disjoint_and_complete(tmp_path):
+    from megacli.data.tokenizers import load_tokenizer
+
+    texts = documents(23)
+    src = jsonl_source(write_jsonl(tmp_path / "c.jsonl", texts))
+    shards = [list(islice(shard_texts(src, rank=r, world=2), n)) for r, n in ((0, 12), (1, 11))]
+    assert sorted(shards[0] + shards[1]) == sorted(texts)
+    assert not set(shards[0]) & set(shards[1])
+    assert shards[0] == texts[0::2] and shards[1] == texts[1::2]
+    # Token level: each rank's packed samples are its documents' tokens, in order.
+    for r in (0, 1):
+        stream = RankStream([src], spec=BYTE, seq_length=SEQ, rank=r, world=2, workers=0)
+        samples = [next(stream) for _ in range(6)]
+        stream.close()
+        flat = np.concatenate([samples[0]] + [s[1:] for s in samples[1:]])
+        tok = load_tokenizer(type="byte", path=None)
+        want = np.concatenate([np.asarray(tok.encode(t) + [tok.eod]) for t in shards[r] + shards[r]])
+        assert flat.tolist() == want[:len(flat)].tolist()
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_stream_resumes_with_the_next_unseen_token(tmp_path, workers):
+    a = jsonl_source(write_jsonl(tmp_path / "a.jsonl", documents(15)), weight=3)
+    b = jsonl_source(write_jsonl(tmp_path / "b.jsonl", [t.upper() for t in documents(9)]), weight=1)
+    whole = RankStream([a, b], spec=BYTE, seq_length=SEQ, rank=1, world=2, workers=workers)
+    expected = [next(whole).tolist() for _ in range(30)]
+    whole.close()
+    first = RankStream([a, b], spec=BYTE, seq_length=SEQ, rank=1, world=2, workers=workers)
+    head = [next(first).tolist() for _ in range(13)]
+    state = json.loads(json.dumps(first.state()))  # as megacli.json keeps it
+    first.close()
+    rest = RankStream([a, b], spec=BYTE, seq_length=SEQ, rank=1, world=2, workers=workers, state=state)
+    tail = [next(rest).tolist() for _ in range(17)]
+    rest.close()
+    assert head + tail == expected
+    assert 0 < state["positions"][0]["documents"] and state["samples"] == 13
+
+
+def test_mixture_follows_the_weights(tmp_path):
+    a = jsonl_source(write_jsonl(tmp_path / "a.jsonl", ["a" * 50] * 4), weight=3)
+    b = jsonl_source(write_jsonl(tmp_path / "b.jsonl", ["b" * 50] * 4), weight=1)
+    stream = RankStream([a, b], spec=BYTE, seq_length=SEQ, rank=0, world=1, workers=0)
+    firsts = [chr(next(stream)[0]) for _ in range(40)]
+    stream.close()
+    assert firsts.count("a") == 30 and firsts.count("b") == 10
+
+
+# ---------------------------------------------------------------- fill-in-the-middle
+
+class CharTokenizer:
+    """One id per character, plus EOD and the FIM tokens."""
+
+    name = "chars"
+    specials = ["<eod>", "<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>", "<|file|>"]
+
+    def __init__(self):
+        self.eod = 256
+
+    def vocabulary(self):
+        return {**{i: chr(i) for i in range(256)}, **{256 + k: s for k, s in enumerate(self.specials)}}
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+    def decode(self, ids):
+        return "".join(self.vocabulary()[i] for i in ids)
+
+
+def fim_sections(**kw):
+    return DataSection(source="jsonl", files=["x.jsonl"], fim=kw).fim
+
+
+@pytest.mark.parametrize("spm", [False, True])
+def test_fim_samples_decode_to_prefix_suffix_middle(spm):
+    from megacli.data.fim import fim_ids, fim_sample
+
+    tok = CharTokenizer()
+    fim = fim_sections(rate=1.0, spm_rate=1.0 if spm else 0.0)
+    ids = fim_ids(tok, fim)
+    docs = ["def f(x): return x + 1", "print('hello world')"]
+    sample = np.asarray([t for d in docs for t in tok.encode(d) + [tok.eod]])
+    rewritten = 0
+    for seed in range(20):
+        out = fim_sample(sample, np.random.RandomState(seed), fim=fim, tokenizer=tok, ids=ids)
+        assert len(out) == len(sample)
+        parts = tok.decode(out.tolist()).split("<eod>")
+        assert len(parts) == 3 and parts[2] == ""
+        for doc, text in zip(docs, parts):
+            if text == doc:  # Megatron-LM leaves a document whose suffix cannot give up the 3 FIM tokens
+                continue
+            rewritten += 1
+            # The three FIM tokens keep the length: the suffix gives up its last 3 tokens.
+            if spm:
+                assert text.startswith("<fim_prefix><fim_suffix>")
+                suffix, prefix_middle = text[len("<fim_prefix><fim_suffix>"):].split("<fim_middle>")
+                assert prefix_middle + suffix == doc[:-3]
+            else:
+                assert text.startswith("<fim_prefix>")
+                prefix, rest = text[len("<fim_prefix>"):].split("<fim_suffix>")
+                suffix, middle = rest.split("<fim_middle>")
+                assert prefix + middle + suffix == doc[:-3]
+    assert rewritten >= 20
+
+
+def test_fim_rate_zero_leaves_samples_and_split_sample_rewrites_fragments():
+    from megacli.data.fim import fim_ids, fim_sample
+
+    tok = CharTokenizer()
+    one, two = "abcdefghijklmnopqrstuvwxyz", "0123456789ABCDEFGHIJKLMNOP"
+    sample = np.asarray(tok.encode(one) + [261] + tok.encode(two) + [tok.eod])
+    off = fim_sections(rate=0.0)
+    assert fim_sample(sample, np.random.RandomState(0), fim=off, tokenizer=tok, ids=fim_ids(tok, off)).tolist() == sample.tolist()
+    split = fim_sections(rate=1.0, spm_rate=0.0, split_sample="<|file|>", fragment_rate=1.0)
+    both = 0
+    for seed in range(10):
+        out = fim_sample(sample, np.random.RandomState(seed), fim=split, tokenizer=tok, ids=fim_ids(tok, split))
+        fragments = tok.decode(out.tolist()).split("<eod>")[0].split("<|file|>")
+        assert len(fragments) == 2
+        assert all(f == orig or f.startswith("<fim_prefix>") for f, orig in zip(fragments, (one, two)))
+        both += all(f.startswith("<fim_prefix>") for f in fragments)
+    assert both >= 3  # the seeds are fixed: 4 of 10 rewrite both fragments
+
+
+def test_fim_names_missing_tokens():
+    from megacli.data.fim import fim_ids
+    from megacli.data.tokenizers import load_tokenizer
+    from megacli.errors import UserError
+
+    with pytest.raises(UserError, match="data.fim.prefix_token"):
+        fim_ids(load_tokenizer(type="byte", path=None), fim_sections())
+
+
+# ---------------------------------------------------------------- recipe
+
+@pytest.mark.parametrize("fields, message", [
+    ({"source": "jsonl"}, "source jsonl needs files"),
+    ({"source": "hf"}, "source hf needs name"),
+    ({"source": "jsonl", "files": ["a"], "path": "p"}, "reads no data.path"),
+    ({"source": "jsonl", "files": ["a"], "sources": [{"source": "jsonl", "files": ["b"]}]}, "not both"),
+    ({"path": "p", "fim": {}}, "no FIM dataset for indexed data"),
+    ({"path": "p", "reset_attention_mask": True}, "for on-the-fly data"),
+])
+def test_recipe_errors(fields, message):
+    with pytest.raises(ValueError, match=message):
+        DataSection(**fields)
+
+
+def test_every_new_field_is_documented():
+    from megacli.recipe.sections import FIMSection, StreamFields
+
+    for section in (DataSection, StreamFields, StreamSource, FIMSection):
+        for name, field in section.model_fields.items():
+            assert field.description, f"{section.__name__}.{name}"
+
+
+def test_validation_does_not_change_the_recipe():
+    d = DataSection(source="jsonl", files=["a.jsonl"])
+    assert d.sources is None and d.stream_sources()[0].files == ["a.jsonl"] and d.sources is None
+
+
+# ---------------------------------------------------------------- end to end
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dp", [1, 2])
+def test_pretrain_resume_mid_stream_equals_uninterrupted_run(tmp_path, dp):
+    from tests.test_pretrain import layout, losses, pretrain
+
+    corpus = write_jsonl(tmp_path / "c.jsonl", documents(200))
+    stream = ["data.mock=false", "data.source=jsonl", f"data.files=[{corpus}]", "data.reset_position_ids=true",
+              "data.tokenizer_workers=1", "train.iters=6", *layout(nproc=dp)]
+    pretrain(tmp_path, "whole", stream)
+    ck = tmp_path / "ck"
+    pretrain(tmp_path, "part", stream + [f"checkpoint.dir={ck}", "train.exit_after_iters=3"])
+    saved = json.loads((ck / "iter_0000003" / "megacli.json").read_text())["stream"]
+    assert [s["samples"] for s in saved] == [24 // dp] * dp  # 3 steps of 8 samples, split over the DP ranks
+    assert all(s["positions"][0]["documents"] > 0 for s in saved)
+    assert len({json.dumps(s) for s in saved}) == dp  # each rank at its own place in its own documents
+    pretrain(tmp_path, "part", stream + [f"checkpoint.dir={ck}"])
+    whole, resumed = losses(tmp_path, "whole"), losses(tmp_path, "part")
+    assert sorted(resumed) == list(range(1, 7))
+    for i in range(1, 7):
+        assert resumed[i] == pytest.approx(whole[i], rel=1e-6, abs=0), f"step {i}"
+
+
+@pytest.mark.parametrize("layout", ["save_to_disk", "parquet", "jsonl", "streaming parquet"])
+def test_hf_local_copies_read_like_jsonl(tmp_path, layout):
+    import datasets
+
+    from megacli.data.stream import texts
+
+    docs = documents(12)
+    ds = datasets.Dataset.from_dict({"content": docs, "id": list(range(12))})
+    if layout == "save_to_disk":
+        ds.save_to_disk(str(tmp_path / "ds"))
+        name = str(tmp_path / "ds")
+    elif layout == "jsonl":
+        name = str(write_jsonl(tmp_path / "d.jsonl", docs))
+        ds = None
+    else:
+        ds.to_parquet(str(tmp_path / "d.parquet"))
+        name = str(tmp_path / "*.parquet")
+    source = StreamSource(source="hf", name=name, text_field="text" if layout == "jsonl" else "content",
+                          streaming=layout.startswith("streaming"))
+    assert list(texts(source)) == docs
+
+
+def test_hf_errors_name_the_field(tmp_path):
+    from megacli.data.stream import texts
+    from megacli.errors import UserError
+
+    with pytest.raises(UserError, match="data.name"):
+        list(texts(StreamSource(source="hf", name=str(tmp_path / "nothing-here"))))
+    corpus = write_jsonl(tmp_path / "c.jsonl", ["x"])
+    with pytest.raises(UserError, match="no text field 'body'"):
+        list(texts(StreamSource(source="jsonl", files=[str(corpus)], text_field="body")))
+    with pytest.raises(UserError, match="matches no file"):
+        list(texts(StreamSource(source="jsonl", files=[str(tmp_path / "*.jsonl.gz")])))
+
+
+def test_sample_layout_follows_megatron_flags():
+    from megacli.engine.stream_data import gpt_sample
+
+    eod = 9
+    text = np.asarray([1, 2, eod, 3, 4, 5, eod, 6, 7])
+    plain = gpt_sample(text, eod=eod, pad=None, data=DataSection(source="jsonl", files=["x"]))
+    assert plain["tokens"].tolist() == [1, 2, eod, 3, 4, 5, eod, 6] and plain["labels"].tolist() == [2, eod, 3, 4, 5, eod, 6, 7]
+    assert plain["position_ids"].tolist() == list(range(8)) and plain["loss_mask"].tolist() == [1.0] * 8
+    assert "segments" not in plain
+    flags = DataSection(source="jsonl", files=["x"], reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
+    reset = gpt_sample(text, eod=eod, pad=None, data=flags)
+    assert reset["position_ids"].tolist() == [0, 1, 2, 0, 1, 2, 3, 0]
+    assert reset["loss_mask"].tolist() == [1, 1, 0, 1, 1, 1, 0, 1]
+    assert reset["segments"].tolist() == [0, 0, 0, 1, 1, 1, 1, 2]  # an EOD belongs to the document it ends
+
+
+def test_indexed_data_honours_reset_position_ids_and_eod_mask_loss(tmp_path):
+    from megacli.data.preprocess import Job, run
+    from megacli.data.tokenizers import load_tokenizer
+    from megacli.engine.data import build_gpt_datasets
+
+    corpus = write_jsonl(tmp_path / "c.jsonl", ["ab", "cde", "fghij"] * 10)
+    run(Job(inputs=[str(corpus)], output_prefix=str(tmp_path / "c"), keys=["text"], tokenizer_type="byte",
+            tokenizer_path=None, append_eod=True, workers=0, progress=False))
+    tok = load_tokenizer(type="byte", path=None)
+    data = DataSection(path=str(tmp_path / "c_text_document"), split="1,0,0", reset_position_ids=True, eod_mask_loss=True)
+    sample = build_gpt_datasets(data=data, seq_length=SEQ, seed=1, tokenizer=tok, train_samples=4, valid_samples=0,
+                                cache_dir=str(tmp_path / "cache")).train[0]
+    tokens = sample["tokens"]
+    assert (sample["loss_mask"][tokens == tok.eod] == 0).all()
+    after = (tokens == tok.eod).nonzero().flatten() + 1
+    assert (sample["position_ids"][after[after < SEQ]] == 0).all()
+
+
+def test_fim_batches_are_redrawn_the_same_after_a_resume(tmp_path):
+    import torch
+
+    from megacli.data.fim import fim_ids
+    from megacli.engine.stream_data import StreamData
+
+    corpus = write_jsonl(tmp_path / "c.jsonl", [f"def f{i}(x):\n    return x * {i} + {i * i}\n" for i in range(30)])
+    data = DataSection(source="jsonl", files=[str(corpus)], fim={"rate": 1.0, "spm_rate": 0.5})
+    tok = CharTokenizer()  # the byte tokenizer's ids for ASCII text and EOD, plus FIM tokens
+
+    def opened(state=None):
+        sd = StreamData(data=data, spec=BYTE, tokenizer=tok, seq_length=SEQ * 4, seed=5, fim_ids=fim_ids(tok, data.fim),
+                        start_state=state)
+        return sd, sd.iterators(1, micro_batch_size=2, dp_rank=0, dp_size=1, device=torch.device("cpu"))[0]
+
+    whole, batches = opened()
+    expected = [next(batches)["tokens"] for _ in range(6)]
+    whole.close()
+    first, batches = opened()
+    head = [next(batches)["tokens"] for _ in range(2)]
+    state = first.state()
+    first.close()
+    rest, batches = opened(state)
+    tail = [next(batches)["tokens"] for _ in range(4)]
+    rest.close()
+    assert all(torch.equal(a, b) for a, b in zip(head + tail, expected))
+    decoded = [tok.decode(row.tolist()) for b in expected for row in b]
+    assert sum("<fim_prefix>" in d for d in decoded) >= len(decoded) - 1
