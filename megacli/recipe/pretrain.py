@@ -223,6 +223,9 @@ class TrainingRecipe(Section):
         if self.data.prefixes:
             raise RecipeError("sft", self.sft.train, "give sft (instruction data) or data.path/data.blend (continued "
                                                      "pretraining), not both")
+        if self.data.named_valid:
+            raise RecipeError("data.valid", self.data.valid, "instruction finetuning names its validation sets in "
+                              "sft.valid (a map name -> JSONL file)")
         if self.parallel.context > 1:
             raise RecipeError("parallel.context", self.parallel.context,
                               "packed instruction data needs per-example attention masks; context parallelism "
@@ -244,6 +247,8 @@ class TrainingRecipe(Section):
     def _check_bert_t5(self) -> None:
         """What Megatron-Core 0.16.1's BertModel/T5Model and their masked datasets support."""
         m, p, arch = self.model, self.parallel, self.model.arch
+        if self.data.named_valid:
+            raise RecipeError("data.valid", self.data.valid, f"named validation sets are for gpt, not {arch}")
         if self.data.mock:
             raise RecipeError("data.mock", True, f"{arch} trains on sentence-split indexed data (Megatron's masked "
                               "WordPiece datasets have no mock variant): build it with `megacli preprocess "
