@@ -23,7 +23,7 @@ TINY = [
     f"model.seq_length={SEQ}", "train.iters=4", "train.micro_batch_size=2", "train.global_batch_size=4",
     "train.eval_interval=2", "train.eval_iters=3", "train.log_interval=1", "optim.warmup_iters=0", "optim.lr=1e-2",
     "train.precision=fp32", "parallel.tensor=1", "parallel.pipeline=1", "parallel.sequence_parallel=false",
-    "launch.nproc=1",
+    "launch.nproc=1", "checkpoint.dir=null",
 ]
 
 
@@ -119,3 +119,28 @@ def test_bad_named_set_is_refused(tmp_path, case):
     for text in expected:
         assert text in out.stderr, out.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_sft_named_set_equals_the_same_file_as_the_validation_split(tmp_path):
+    """sft.valid as a map: val_loss/<name> of a file is the val_loss that file gives as sft.valid."""
+    rng = np.random.default_rng(4)
+
+    def records(path: Path, n: int) -> str:
+        words = ["alpha", "beta", "gamma", "delta", "epsilon"]
+        with path.open("w") as f:
+            for _ in range(n):
+                f.write(json.dumps({"prompt": " ".join(rng.choice(words, 3)), "response": " ".join(rng.choice(words, 4))})
+                        + "\n")
+        return str(path)
+
+    train, held = records(tmp_path / "train.jsonl", 24), records(tmp_path / "held.jsonl", 14)
+    common = ["data.path=null", f"sft.train={train}", "sft.valid_fraction=0", "sft.packing=false", "sft.template=plain"]
+    losses = {}
+    for name, valid in (("file", f"sft.valid={held}"), ("named", f"sft.valid.held={held}")):
+        out = pretrain(tmp_path / name, [*common, valid])
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        records_ = [json.loads(line) for line in (tmp_path / name / "run" / "metrics.jsonl").read_text().splitlines()]
+        losses[name] = {r["iteration"]: r for r in records_ if any(k.startswith("val_loss") for k in r)}
+    assert sorted(losses["named"]) == [2, 4] and "val_loss" not in losses["named"][4], "no split, no val_loss"
+    for it in (2, 4):
+        assert losses["named"][it]["val_loss/held"] == losses["file"][it]["val_loss"]
