@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megacli.engine import checkpoint, distributed, nonfinite
-from megacli.engine.metrics import MetricsLog, Stopwatch, loss_metrics
+from megacli.engine.metrics import MetricsLog, Stopwatch, loss_metrics, perplexity
 from megacli.engine.stop import StopRequests
 
 
@@ -289,7 +289,7 @@ def _train(recipe, runtime) -> None:
     window_losses, window_steps, window_time = {}, 0, 0.0
     iteration = start_iter
     stop_at = min(t.iters, start_iter + t.exit_after_iters) if t.exit_after_iters else t.iters
-    last_val = last_lm = None
+    last_val = None  # the newest split-based validation losses
     memory_reported = False
     last_good, skipped = source, 0  # the newest checkpoint with finite weights; steps dropped as non-finite
     run_id = run_id or uuid.uuid4().hex  # carried across resumes: keep_last prunes only this run's checkpoints
@@ -332,8 +332,7 @@ def _train(recipe, runtime) -> None:
                 val = evaluate(trainer, trainer.valid_data, batches=t.eval_iters)
                 named = {name: evaluate(trainer, ds, batches=ds.batches) for name, ds in trainer.named_valid.items()}
                 log.evaluation(iteration=iteration, val=val, named=named)
-                if val is not None:
-                    last_val, last_lm = val["loss"], val.get("lm_loss")
+                last_val = val if val is not None else last_val
                 watch.lap()
             stopped = stops.reason()
             path = None
@@ -359,10 +358,8 @@ def _train(recipe, runtime) -> None:
     if stopped:
         return
     if last_val is not None:
-        import math
-
-        ppl = math.exp(min(last_lm if last_lm is not None else last_val, 50))
-        log.say(f"done: {iteration} iterations | final validation loss {last_val:.4f} | perplexity {ppl:.2f}")
+        log.say(f"done: {iteration} iterations | final validation loss {last_val['loss']:.4f} | "
+                f"perplexity {perplexity(last_val):.2f}")
     else:
         log.say(f"done: {iteration} iterations")
     if skipped:

@@ -110,7 +110,7 @@ class DataSection(Section):
     data.valid are then not read (they may stay in the recipe, so `--set data.mock=true` is all a
     smoke run needs)."""
     valid: dict[str, str] = {}
-    """Named validation sets, name -> indexed-dataset prefix (the whole dataset, in file order, cut
+    """Named validation sets (gpt), name -> indexed-dataset prefix (the whole dataset, in file order, cut
     into model.seq_length windows). At each evaluation every set gives val_loss/<name> and
     val_ppl/<name> beside the split-based val_loss: over train.eval_iters global batches, or the
     whole set when it holds fewer. Names are identifiers (letters, digits, _)."""
