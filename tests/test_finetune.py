@@ -47,9 +47,8 @@ def test_loss_mask_by_hand():
 
 
 def test_the_tokenizers_chat_template_is_used_when_it_has_one(tmp_path):
-    from types import SimpleNamespace
-
     from megacli.data.sft import build_sft_datasets, chat_template_of
+    from megacli.recipe.sections import SFTSection
 
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({
         "chat_template": "{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{{ eos_token }}{% endfor %}",
@@ -58,7 +57,7 @@ def test_the_tokenizers_chat_template_is_used_when_it_has_one(tmp_path):
     assert render(record, "tokenizer", chat_template_of(str(tmp_path))) == [("[<user>q]", False), ("<assistant>a]", True)]
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps(record) + "\n")
-    sft = SimpleNamespace(train=str(data), valid=str(data), template="auto", packing=True, too_long="truncate")
+    sft = SFTSection(train=str(data), valid=str(data))
     train, _, summary = build_sft_datasets(sft=sft, tokenizer=BYTE, tokenizer_path=str(tmp_path), seq_length=32, seed=0)
     assert "(template: tokenizer)" in summary[0]
     text = bytes(t for t in train[0]["tokens"].tolist() if t < 256).decode()

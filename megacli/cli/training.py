@@ -62,10 +62,11 @@ def check_inputs(recipe) -> None:
     """Fail before starting workers when a named file is missing."""
     from megacli.errors import UserError
 
-    for prefix in recipe.data.prefixes:
+    named = {f"data.valid.{name}": prefix for name, prefix in recipe.data.named_valid.items()}
+    for field, prefix in [("data prefix", p) for p in recipe.data.prefixes] + list(named.items()):
         missing = [p for p in (prefix + ".bin", prefix + ".idx") if not Path(p).is_file()]
         if missing:
-            raise UserError(f"data prefix {prefix!r}: missing {' and '.join(missing)} "
+            raise UserError(f"{field} {prefix!r}: missing {' and '.join(missing)} "
                             f"(build it with `megacli preprocess`; the prefix is the path without .bin/.idx)")
     if recipe.data.on_the_fly:
         from megacli.data.stream import jsonl_paths
@@ -74,9 +75,11 @@ def check_inputs(recipe) -> None:
             if source.source == "jsonl":
                 jsonl_paths(source.files)  # names a pattern without files
     sft = getattr(recipe, "sft", None)
-    for path in (sft.train, sft.valid) if sft else ():
+    files = [("sft data", sft.train), ("sft data", sft.valid_file),
+             *((f"sft.valid.{name}", path) for name, path in sft.named_valid.items())] if sft else []
+    for field, path in files:
         if path and not Path(path).is_file():
-            raise UserError(f"sft data {path!r} does not exist")
+            raise UserError(f"{field} {path!r} does not exist")
     ck = recipe.checkpoint
     if ck.pretrained and not Path(ck.pretrained).exists():
         raise UserError(f"checkpoint.pretrained {ck.pretrained!r} does not exist")

@@ -191,6 +191,39 @@ def build_sft_datasets(*, sft, tokenizer, tokenizer_path: str | None, seq_length
                        seed: int) -> tuple[SftDataset, SftDataset | None, list[str]]:
     """Train and validation datasets (validation from sft.valid, or a seeded sft.valid_fraction of
     the training file) and one summary line per split."""
+    records = read_records(sft.train)
+    if sft.valid_file:
+        valid_records = read_records(sft.valid_file)
+    else:
+        order = list(range(len(records)))
+        random.Random(seed).shuffle(order)
+        n_valid = int(round(len(records) * sft.valid_fraction))
+        valid_records = [records[i] for i in sorted(order[:n_valid])]
+        records = [records[i] for i in sorted(order[n_valid:])]
+    out, lines = [], []
+    for name, recs in (("train", records), ("validation", valid_records)):
+        ds, line = _dataset(recs, name, sft=sft, tokenizer=tokenizer, tokenizer_path=tokenizer_path,
+                            seq_length=seq_length) if recs else (None, None)
+        out.append(ds)
+        lines += [line] if line else []
+    return out[0], out[1], lines
+
+
+def build_sft_named_sets(*, sft, tokenizer, tokenizer_path: str | None,
+                         seq_length: int) -> tuple[dict[str, SftDataset], list[str]]:
+    """sft.valid as a map: name -> the dataset of its JSONL file (records in file order), and one
+    summary line per set."""
+    sets, lines = {}, []
+    for name, path in sft.named_valid.items():
+        sets[name], line = _dataset(read_records(path), f"validation set {name}", sft=sft, tokenizer=tokenizer,
+                                    tokenizer_path=tokenizer_path, seq_length=seq_length)
+        lines.append(line)
+    return sets, lines
+
+
+def _dataset(records: list[dict], name: str, *, sft, tokenizer, tokenizer_path: str | None,
+             seq_length: int) -> tuple[SftDataset, str]:
+    """The records as fixed-length samples, and a summary line."""
     if tokenizer.eod is None and tokenizer.pad is None:
         raise UserError("finetuning needs a tokenizer with an end-of-document token")
     chat_template = chat_template_of(tokenizer_path)
@@ -200,23 +233,7 @@ def build_sft_datasets(*, sft, tokenizer, tokenizer_path: str | None, seq_length
     elif template == "tokenizer" and not chat_template:
         raise UserError(f"sft.template: tokenizer, but {tokenizer_path} has no chat_template in tokenizer_config.json")
     pad_id = tokenizer.pad if tokenizer.pad is not None else tokenizer.eod
-    records = read_records(sft.train)
-    if sft.valid:
-        valid_records = read_records(sft.valid)
-    else:
-        order = list(range(len(records)))
-        random.Random(seed).shuffle(order)
-        n_valid = int(round(len(records) * sft.valid_fraction))
-        valid_records = [records[i] for i in sorted(order[:n_valid])]
-        records = [records[i] for i in sorted(order[n_valid:])]
-    out, lines = [], []
-    for name, recs in (("train", records), ("validation", valid_records)):
-        if not recs:
-            out.append(None)
-            continue
-        stats = SftStats(examples=len(recs))
-        ds = SftDataset([tokenize(r, tokenizer, template, chat_template) for r in recs], seq_length=seq_length, pad_id=pad_id,
-                        packing=sft.packing, too_long=sft.too_long, stats=stats)
-        out.append(ds)
-        lines.append(stats.describe(name) + f" (template: {template})")
-    return out[0], out[1], lines
+    stats = SftStats(examples=len(records))
+    ds = SftDataset([tokenize(r, tokenizer, template, chat_template) for r in records], seq_length=seq_length,
+                    pad_id=pad_id, packing=sft.packing, too_long=sft.too_long, stats=stats)
+    return ds, stats.describe(name) + f" (template: {template})"

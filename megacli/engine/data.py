@@ -89,6 +89,93 @@ def build_gpt_datasets(*, data, seq_length: int, seed: int, tokenizer, train_sam
     return Splits(train, valid, test)
 
 
+# ---------------------------------------------------------------- named validation sets
+
+
+def named_validation_sets(*, data, sft, train, tokenizer, tokenizer_path: str | None, seq_length: int,
+                          cache_dir: str) -> dict[str, "ScoredSamples"]:
+    """data.valid (or, finetuning, sft.valid as a map): name -> what each evaluation scores of that
+    set: its first train.eval_iters global batches of samples, or all of them when it holds fewer."""
+    if sft is not None:
+        from megacli.data.sft import build_sft_named_sets
+
+        sets, notes = build_sft_named_sets(sft=sft, tokenizer=tokenizer, tokenizer_path=tokenizer_path,
+                                           seq_length=seq_length)
+    else:
+        sets = build_named_gpt_sets(sets=data.named_valid, seq_length=seq_length, tokenizer=tokenizer, cache_dir=cache_dir)
+        notes = [f"validation set {name}: {len(ds)} samples of {seq_length} tokens, in file order"
+                 for name, ds in sets.items()]
+    samples = train.eval_iters * train.global_batch_size
+    return {name: ScoredSamples(ds, samples=samples, global_batch_size=train.global_batch_size, note=note)
+            for (name, ds), note in zip(sets.items(), notes)}
+
+
+def build_named_gpt_sets(*, sets: dict[str, str], seq_length: int, tokenizer, cache_dir: str) -> dict:
+    """data.valid: name -> the whole dataset of its prefix as Megatron's validation split (split
+    0,1,0 through BlendedMegatronDatasetBuilder), its samples in file order."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+
+    ds_tok = DatasetTokenizer(vocab_size=tokenizer.vocab_size, eod=tokenizer.eod, pad=getattr(tokenizer, "pad", None),
+                              unique_identifiers={"class": type(tokenizer).__name__, "vocab_size": tokenizer.vocab_size})
+    out = {}
+    for name, prefix in sets.items():
+        tokens = int(validate(prefix).document_lengths().sum())
+        if tokens < seq_length + 1:
+            raise UserError(f"data.valid.{name} = {prefix!r} holds {tokens:,} tokens; one sample needs "
+                            f"model.seq_length + 1 = {seq_length + 1:,}")
+        check_vocabulary([prefix], tokenizer.vocab_size)
+        config = GPTDatasetConfig(random_seed=0, sequence_length=seq_length, blend=([prefix], None), split="0,1,0",
+                                  path_to_cache=cache_dir, tokenizer=ds_tok, reset_position_ids=False,
+                                  reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
+                                  mmap_bin_files=True)
+        _, valid, _ = BlendedMegatronDatasetBuilder(sequential_gpt_dataset_class(), [0, None, 0], is_built_on_rank,
+                                                    config).build()
+        out[name] = valid
+    return out
+
+
+def sequential_gpt_dataset_class():
+    """Megatron-Core's GPTDataset over one epoch of its documents in file order, samples unshuffled:
+    sample k is tokens [k·s, (k+1)·s] of the documents laid end to end (s = sequence length), so
+    what a named validation set scores does not depend on a seed."""
+    from megatron.core.datasets import helpers
+    from megatron.core.datasets.gpt_dataset import GPTDataset
+
+    class SequentialGPTDataset(GPTDataset):
+        def _build_document_sample_shuffle_indices(self):
+            documents = np.asarray(self.indices, dtype=np.int32)
+            sample_index = helpers.build_sample_idx(self.dataset.sequence_lengths, documents, self.config.sequence_length,
+                                                    1, self._get_num_tokens_per_epoch(), True,
+                                                    self.config.add_extra_token_to_sequence)
+            return documents, sample_index, np.arange(len(sample_index) - 1, dtype=np.int64)
+
+    return SequentialGPTDataset
+
+
+class ScoredSamples:
+    """The first ``samples`` samples of a dataset (all of them when it holds fewer), as whole
+    global batches: a last partial batch is filled with copies of sample 0 whose loss mask is zero,
+    so every sample counts exactly once in the mean token loss. ``batches``: global batches to run."""
+
+    def __init__(self, dataset, *, samples: int, global_batch_size: int, note: str = ""):
+        self.dataset = dataset
+        self.scored = min(samples, len(dataset))
+        self.batches = -(-self.scored // global_batch_size)
+        self.length = self.batches * global_batch_size
+        self.summary = f"{note}; each evaluation scores {self.scored} of them ({self.batches} global batches)"
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> dict:
+        if i < self.scored:
+            return self.dataset[i]
+        filler = dict(self.dataset[0])
+        filler["loss_mask"] = np.zeros_like(np.asarray(filler["loss_mask"]))
+        return filler
+
+
 # ---------------------------------------------------------------- BERT and T5 (masked WordPiece datasets)
 
 

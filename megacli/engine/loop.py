@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from megacli.engine import checkpoint, distributed, nonfinite
-from megacli.engine.metrics import MetricsLog, Stopwatch, loss_metrics
+from megacli.engine.metrics import MetricsLog, Stopwatch, loss_metrics, perplexity
 from megacli.engine.stop import StopRequests
 
 
@@ -25,6 +25,7 @@ class Trainer:
     train_data: object
     valid_data: object | None
     vocab_size: int  # the model's vocabulary before padding (plan.model_vocab_size)
+    named_valid: dict = field(default_factory=dict)  # name -> engine.data.ScoredSamples
 
     @property
     def num_microbatches(self) -> int:
@@ -126,9 +127,13 @@ def build_trainer(recipe, runtime) -> tuple[Trainer, object]:
     else:
         splits = data_mod.build_gpt_datasets(data=recipe.data, seq_length=m.seq_length, seed=t.seed, tokenizer=tokenizer,
                                              train_samples=train_samples, valid_samples=valid_samples, cache_dir=cache_dir)
+    named_valid = data_mod.named_validation_sets(data=recipe.data, sft=recipe.sft, train=t, tokenizer=tokenizer,
+                                                 tokenizer_path=recipe.tokenizer.path, seq_length=m.seq_length,
+                                                 cache_dir=cache_dir)
     forward_step = forward_step_for(recipe, custom_loss=load_custom_loss(t.loss, t.loss_kwargs))
     trainer = Trainer(recipe=recipe, runtime=runtime, chunks=chunks, optimizer=optimizer, scheduler=scheduler,
-                      forward_step=forward_step, train_data=splits.train, valid_data=splits.valid, vocab_size=vocab)
+                      forward_step=forward_step, train_data=splits.train, valid_data=splits.valid, vocab_size=vocab,
+                      named_valid=named_valid)
     return trainer, tokenizer
 
 
@@ -193,16 +198,17 @@ def train_step(trainer: Trainer, iterators: list) -> tuple[dict[str, float], flo
     return loss_metrics(reports), grad_norm, ok
 
 
-def evaluate(trainer: Trainer) -> dict[str, float] | None:
-    """Validation losses over eval_iters global batches (the same batches every time), as train_step's."""
-    if trainer.valid_data is None:
+def evaluate(trainer: Trainer, dataset, *, batches: int) -> dict[str, float] | None:
+    """Losses over the first ``batches`` global batches of ``dataset`` (the same every time), as
+    train_step's; None without a dataset, and off the last pipeline stage."""
+    if dataset is None:
         return None
     for chunk in trainer.chunks:
         chunk.eval()
-    iterators = data_iterators(trainer, trainer.valid_data, start_sample=0)
+    iterators = data_iterators(trainer, dataset, start_sample=0)
     totals: dict[str, tuple[float, float]] = {}
     with torch.no_grad():
-        for _ in range(trainer.recipe.train.eval_iters):
+        for _ in range(batches):
             for k, (s, n) in run_schedule(trainer, iterators, forward_only=True).items():
                 s0, n0 = totals.get(k, (0.0, 0.0))
                 totals[k] = (s0 + s, n0 + n)
@@ -255,7 +261,7 @@ def _train(recipe, runtime) -> None:
             f"CP {p.context} × DP {recipe.data_parallel_size} on {runtime.world_size} {runtime.device.type} processes | "
             f"{recipe.num_microbatches} micro-batches/step | {describe_kernels(runtime)}")
     expert_stats = _expert_stats(recipe, trainer, runtime)
-    for line in getattr(trainer.train_data, "summary", []):
+    for line in getattr(trainer.train_data, "summary", []) + [ds.summary for ds in trainer.named_valid.values()]:
         log.say(line)
     if pretrained is not None:
         log.say(f"starting from the weights of {pretrained}")
@@ -284,7 +290,7 @@ def _train(recipe, runtime) -> None:
     window_losses, window_steps, window_time = {}, 0, 0.0
     iteration = start_iter
     stop_at = min(t.iters, start_iter + t.exit_after_iters) if t.exit_after_iters else t.iters
-    last_val = last_lm = None
+    last_val = None  # the newest split-based validation losses
     memory_reported = False
     last_good, skipped = source, 0  # the newest checkpoint with finite weights; steps dropped as non-finite
     run_id = run_id or uuid.uuid4().hex  # carried across resumes: keep_last prunes only this run's checkpoints
@@ -324,10 +330,10 @@ def _train(recipe, runtime) -> None:
             else:
                 log.advance(iteration)
             if t.eval_interval and (iteration % t.eval_interval == 0 or iteration == t.iters):
-                val = evaluate(trainer)
-                if val is not None:
-                    last_val, last_lm = val.pop("loss"), val.get("lm_loss")
-                    log.evaluation(iteration=iteration, val_loss=last_val, losses=val)
+                val = evaluate(trainer, trainer.valid_data, batches=t.eval_iters)
+                named = {name: evaluate(trainer, ds, batches=ds.batches) for name, ds in trainer.named_valid.items()}
+                log.evaluation(iteration=iteration, val=val, named=named)
+                last_val = val if val is not None else last_val
                 watch.lap()
             stopped = stops.reason()
             path = None
@@ -356,10 +362,8 @@ def _train(recipe, runtime) -> None:
     if stopped:
         return
     if last_val is not None:
-        import math
-
-        ppl = math.exp(min(last_lm if last_lm is not None else last_val, 50))
-        log.say(f"done: {iteration} iterations | final validation loss {last_val:.4f} | perplexity {ppl:.2f}")
+        log.say(f"done: {iteration} iterations | final validation loss {last_val['loss']:.4f} | "
+                f"perplexity {perplexity(last_val):.2f}")
     else:
         log.say(f"done: {iteration} iterations")
     if skipped:

@@ -37,6 +37,11 @@ def loss_metrics(reports: dict[str, tuple[float, float]]) -> dict[str, float]:
     return out
 
 
+def perplexity(losses: dict[str, float]) -> float:
+    """exp of the language-model term of loss_metrics' losses (the loss itself when it is the only term)."""
+    return math.exp(min(losses.get("lm_loss", losses["loss"]), 50.0))
+
+
 def _describe_losses(losses: dict | None) -> str:
     return "".join(f" | {k} {v:.4f}" for k, v in (losses or {}).items())
 
@@ -167,14 +172,24 @@ class MetricsLog:
         if self.enabled:
             self.progress.update(self.task, completed=iteration)
 
-    def evaluation(self, *, iteration: int, val_loss: float, losses: dict | None = None) -> None:
-        if not self.enabled:
+    def evaluation(self, *, iteration: int, val: dict | None, named: dict[str, dict | None] | None = None) -> None:
+        """One evaluation record: ``val``, the split-based validation losses (see loss_metrics; None
+        without a validation split), as val_loss, val_<term> and val_ppl; ``named``, each named
+        validation set's losses, as val_loss/<name> and val_ppl/<name>."""
+        named = {k: v for k, v in (named or {}).items() if v is not None}
+        if not self.enabled or (val is None and not named):
             return
-        ppl = math.exp(min((losses or {}).get("lm_loss", val_loss), 50.0))  # of the language-model term
-        self._write({"iteration": iteration, "val_loss": val_loss, **{f"val_{k}": v for k, v in (losses or {}).items()},
-                     "val_ppl": ppl})
-        self.console.print(f"[bold]validation[/] iter {iteration} | loss {val_loss:.4f}{_describe_losses(losses)} | "
-                           f"perplexity {ppl:.2f}")
+        record, parts = {"iteration": iteration}, []
+        if val is not None:
+            losses = {k: v for k, v in val.items() if k != "loss"}
+            ppl = perplexity(val)
+            record.update({"val_loss": val["loss"], **{f"val_{k}": v for k, v in losses.items()}, "val_ppl": ppl})
+            parts.append(f"loss {val['loss']:.4f}{_describe_losses(losses)} | perplexity {ppl:.2f}")
+        for name, losses in named.items():
+            record[f"val_loss/{name}"], record[f"val_ppl/{name}"] = losses["loss"], perplexity(losses)
+            parts.append(f"{name}: loss {losses['loss']:.4f}, perplexity {perplexity(losses):.2f}")
+        self._write(record)
+        self.console.print(f"[bold]validation[/] iter {iteration} | " + " | ".join(parts))
 
     def close(self) -> None:
         if self.progress is not None:

@@ -223,6 +223,9 @@ class TrainingRecipe(Section):
         if self.data.prefixes or self.data.on_the_fly:
             raise RecipeError("sft", self.sft.train, "give sft (instruction data) or data.path/data.blend (continued "
                                                      "pretraining), not both")
+        if self.data.named_valid:
+            raise RecipeError("data.valid", self.data.valid, "instruction finetuning names its validation sets in "
+                              "sft.valid (a map name -> JSONL file)")
         if self.parallel.context > 1:
             raise RecipeError("parallel.context", self.parallel.context,
                               "packed instruction data needs per-example attention masks; context parallelism "
@@ -247,6 +250,8 @@ class TrainingRecipe(Section):
         if self.data.on_the_fly:
             raise RecipeError("data.source", self.data.source, f"on-the-fly data is packed for gpt; {arch} trains on "
                               "sentence-split indexed data (`megacli preprocess --split-sentences`)")
+        if self.data.named_valid:
+            raise RecipeError("data.valid", self.data.valid, f"named validation sets are for gpt, not {arch}")
         if self.data.mock:
             raise RecipeError("data.mock", True, f"{arch} trains on sentence-split indexed data (Megatron's masked "
                               "WordPiece datasets have no mock variant): build it with `megacli preprocess "

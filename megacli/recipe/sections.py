@@ -122,8 +122,14 @@ class DataSection(StreamFields):
     cache_dir: Optional[str] = None
     """Where sample-index caches go; default <run.dir>/data_cache."""
     mock: bool = False
-    """Random tokens instead of files (smoke tests, benchmarks). true wins: data.path and data.blend
-    are then not read (they may stay in the recipe, so `--set data.mock=true` is all a smoke run needs)."""
+    """Random tokens instead of files (smoke tests, benchmarks). true wins: data.path, data.blend and
+    data.valid are then not read (they may stay in the recipe, so `--set data.mock=true` is all a
+    smoke run needs)."""
+    valid: dict[str, str] = {}
+    """Named validation sets (gpt), name -> indexed-dataset prefix (the whole dataset, in file order, cut
+    into model.seq_length windows). At each evaluation every set gives val_loss/<name> and
+    val_ppl/<name> beside the split-based val_loss: over train.eval_iters global batches, or the
+    whole set when it holds fewer. Names are identifiers (letters, digits, _)."""
 
     @field_validator("split")
     @classmethod
@@ -136,6 +142,12 @@ class DataSection(StreamFields):
         if len(nums) > 3 or any(n < 0 for n in nums) or sum(nums) <= 0:
             raise ValueError("expected up to three non-negative numbers with a positive sum")
         return v
+
+    @field_validator("valid")
+    @classmethod
+    def _valid_names(cls, sets: dict[str, str]) -> dict[str, str]:
+        check_set_names(sets)
+        return sets
 
     @model_validator(mode="after")
     def _one_source(self):
@@ -183,6 +195,19 @@ class DataSection(StreamFields):
             return [self.path]
         return [p for _, p in self.blend or []]
 
+    @property
+    def named_valid(self) -> dict[str, str]:
+        """The named validation sets the run reads (none with mock data)."""
+        return {} if self.mock else dict(self.valid)
+
+
+def check_set_names(sets: dict[str, str]) -> None:
+    """Named validation sets: each name an identifier (it becomes part of a metric name)."""
+    for name in sets:
+        if not (name.isascii() and name.isidentifier()):
+            raise ValueError(f"validation set name {name!r} is not an identifier (letters, digits and _, "
+                             f"not starting with a digit): it becomes the metric val_loss/{name}")
+
 
 
 
@@ -191,10 +216,30 @@ class SFTSection(Section):
 
     train: str
     """Training JSONL file."""
-    valid: Optional[str] = None
-    """Validation JSONL file; null = hold out valid_fraction of the training file."""
+    valid: Union[str, dict[str, str], None] = None
+    """Validation JSONL file (val_loss); null = hold out valid_fraction of the training file. A map
+    name -> JSONL file gives named validation sets instead, one val_loss/<name> and val_ppl/<name>
+    each (over train.eval_iters global batches, or the whole set when it holds fewer), and val_loss
+    then comes from the held-out valid_fraction. Names are identifiers (letters, digits, _)."""
     valid_fraction: float = Field(0.05, ge=0, lt=1)
-    """Share of the training records held out for validation when no valid file is given."""
+    """Share of the training records held out for validation when sft.valid is not a single file."""
+
+    @field_validator("valid")
+    @classmethod
+    def _valid_names(cls, valid):
+        if isinstance(valid, dict):
+            check_set_names(valid)
+        return valid
+
+    @property
+    def valid_file(self) -> str | None:
+        """The one validation file, when sft.valid names one (not a map of named sets)."""
+        return self.valid if isinstance(self.valid, str) else None
+
+    @property
+    def named_valid(self) -> dict[str, str]:
+        """The named validation sets, name -> JSONL file (none unless sft.valid is a map)."""
+        return dict(self.valid) if isinstance(self.valid, dict) else {}
     template: Literal["auto", "tokenizer", "chatml", "plain"] = "auto"
     """How records become text: the tokenizer's chat template (auto: when it has one, else plain),
     chatml (<|im_start|>role ... <|im_end|>), or plain (the texts one after the other)."""
