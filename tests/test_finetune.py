@@ -118,7 +118,7 @@ def _packed_vs_alone(rank, world, position_embedding: str):
 
     recipe = base.load(TrainingRecipe, None, [
         "model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4", "model.seq_length=16",
-        f"model.position_embedding={position_embedding}", "launch.device=cpu", "tokenizer.type=byte"])
+        f"model.position_embedding={position_embedding}", "launch.device=cpu", "tokenizer.type=byte", "data.mock=true"])
     distributed.setup(parallel=recipe.parallel, launch=recipe.launch, seed=0)
     config = transformer_config(model=recipe.model, parallel=recipe.parallel, precision="fp32", on_cuda=False)
     chunks = build_model(recipe=recipe, config=config, vocab_size=BYTE.vocab_size)

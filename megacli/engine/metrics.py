@@ -119,9 +119,10 @@ class MetricsLog:
             self.console.print(text, markup=False)  # the text names user paths and values
 
     def warn(self, text: str) -> None:
-        from rich.markup import escape
+        if self.enabled:
+            from rich.text import Text
 
-        self.say(f"[yellow]warning:[/] {escape(text)}")
+            self.console.print(Text("warning: ", style="yellow") + Text(text))  # user text printed as is
 
     def plot(self) -> None:
         """Redraw <run.dir>/plot.png from metrics.jsonl; skipped without matplotlib."""
