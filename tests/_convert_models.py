@@ -35,6 +35,20 @@ MOE_MODELS = {
     "qwen2_moe": ("Qwen2MoeConfig", dict(COMMON_LLAMA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                                          shared_expert_intermediate_size=40, mlp_only_layers=[1], tie_word_embeddings=False)),
 }
+# RoPE scaling: Llama-3.2-1B's rope_scaling block verbatim, the same with a short original context
+# (so the low, smooth and high frequency bands all occur within the test's 128 positions), linear and yarn.
+LLAMA_LONG = dict(COMMON_LLAMA, max_position_embeddings=256, tie_word_embeddings=True, head_dim=16)
+ROPE_MODELS = {
+    "llama3_2": ("LlamaConfig", dict(LLAMA_LONG, rope_theta=500000.0, rope_scaling={
+        "factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 8192,
+        "rope_type": "llama3"})),
+    "llama3_short": ("LlamaConfig", dict(LLAMA_LONG, rope_scaling={
+        "factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 64,
+        "rope_type": "llama3"})),
+    "linear": ("LlamaConfig", dict(LLAMA_LONG, rope_scaling={"factor": 4.0, "rope_type": "linear"})),
+    "yarn": ("LlamaConfig", dict(LLAMA_LONG, tie_word_embeddings=False, rope_scaling={
+        "factor": 4.0, "original_max_position_embeddings": 64, "rope_type": "yarn"})),
+}
 ARCHITECTURES = {"MixtralConfig": "MixtralForCausalLM", "Qwen2MoeConfig": "Qwen2MoeForCausalLM", "GPT2Config": "GPT2LMHeadModel", "LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralForCausalLM",
                  "Qwen2Config": "Qwen2ForCausalLM"}
 
@@ -66,7 +80,7 @@ def build_hf(name: str, path: Path, *, with_tokenizer: bool = False):
     import torch
     import transformers
 
-    cls_name, kwargs = {**MODELS, **MOE_MODELS}[name]
+    cls_name, kwargs = {**MODELS, **MOE_MODELS, **ROPE_MODELS}[name]
     config = getattr(transformers, cls_name)(**kwargs, architectures=[ARCHITECTURES[cls_name]])
     config._attn_implementation = "eager"
     torch.manual_seed(hash(name) % 1000)
