@@ -354,3 +354,30 @@ def write_legacy(hf_dir: Path, out: Path, *, tp: int, pp: int, iteration: int = 
                 "num_floating_point_operations_so_far": 0.0,
             }, it_dir / name / "model_optim_rng.pt")
     (out / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+
+
+def drop_tokenizer_files(hf_dir: Path) -> None:
+    """Leave only the config and the weights (a directory saved without its tokenizer)."""
+    for p in hf_dir.iterdir():
+        if p.name not in ("config.json", "model.safetensors", "generation_config.json"):
+            p.unlink()
+
+
+def check_converts_without_tokenizer(hf_dir: Path, out: Path, arch: str) -> None:
+    """`megacli convert` of a directory without tokenizer files succeeds with tokenizer.type none;
+    pretraining from its recipe is then refused (exit 2, one message): masking needs a tokenizer."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    drop_tokenizer_files(hf_dir)
+    run = [sys.executable, "-m", "megacli"]
+    done = subprocess.run([*run, "convert", str(hf_dir), str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    recipe = out / "iter_0000000" / "recipe.yaml"
+    assert yaml.safe_load(recipe.read_text())["tokenizer"]["type"] == "none"
+    refused = subprocess.run([*run, "pretrain", str(recipe), "--dry-run"], capture_output=True, text=True, timeout=600)
+    message = " ".join((refused.stdout + refused.stderr).split())
+    assert refused.returncode == 2 and "Traceback" not in message, message
+    assert f"tokenizer.type = 'none': {arch} masking needs a tokenizer" in message, message
