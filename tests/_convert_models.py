@@ -50,7 +50,9 @@ ROPE_MODELS = {
     "yarn": ("LlamaConfig", dict(LLAMA_LONG, tie_word_embeddings=False, rope_scaling={
         "factor": 4.0, "original_max_position_embeddings": 64, "rope_type": "yarn"})),
 }
-ARCHITECTURES = {"MixtralConfig": "MixtralForCausalLM", "Qwen2MoeConfig": "Qwen2MoeForCausalLM", "GPT2Config": "GPT2LMHeadModel", "LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralForCausalLM",
+# Qwen3: per-head q/k RMSNorm, head_dim (16) != hidden / heads (8).
+QWEN3_MODELS = {"qwen3": ("Qwen3Config", dict(COMMON_LLAMA, head_dim=16, tie_word_embeddings=False))}
+ARCHITECTURES = {"Qwen3Config": "Qwen3ForCausalLM", "MixtralConfig": "MixtralForCausalLM", "Qwen2MoeConfig": "Qwen2MoeForCausalLM", "GPT2Config": "GPT2LMHeadModel", "LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralForCausalLM",
                  "Qwen2Config": "Qwen2ForCausalLM"}
 
 
@@ -81,7 +83,7 @@ def build_hf(name: str, path: Path, *, with_tokenizer: bool = False):
     import torch
     import transformers
 
-    cls_name, kwargs = {**MODELS, **MOE_MODELS, **ROPE_MODELS}[name]
+    cls_name, kwargs = {**MODELS, **MOE_MODELS, **ROPE_MODELS, **QWEN3_MODELS}[name]
     config = getattr(transformers, cls_name)(**kwargs, architectures=[ARCHITECTURES[cls_name]])
     config._attn_implementation = "eager"
     torch.manual_seed(zlib.crc32(name.encode()) % 1000)  # the same weights in every process

@@ -1,6 +1,7 @@
-"""The Llama family: Llama, Mistral and Qwen2 (LlamaForCausalLM, MistralForCausalLM,
-Qwen2ForCausalLM). RoPE, grouped-query attention, SwiGLU, RMSNorm, tied or untied embeddings;
-Qwen2 adds a bias to the q/k/v projections only (``add_qkv_bias``).
+"""The Llama family: Llama, Mistral, Qwen2 and Qwen3 (LlamaForCausalLM, MistralForCausalLM,
+Qwen2ForCausalLM, Qwen3ForCausalLM). RoPE (optionally scaled), grouped-query attention, SwiGLU,
+RMSNorm, tied or untied embeddings; Qwen2 adds a bias to the q/k/v projections only
+(``add_qkv_bias``); Qwen3 normalises queries and keys per head before RoPE (``qk_layernorm``).
 
 RoPE convention: HF rotates halves (``rotate_half``, non-interleaved), which is Megatron's default
 ``rotary_interleaved=False``; the inverse frequencies are computed the same way from rope_theta.
@@ -12,10 +13,11 @@ from megacli.convert.families import require
 from megacli.convert.mapping import MappingTable, Rule, direct, gate_up, qkv
 from megacli.errors import UserError
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 ARCH = "gpt"
 
-_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                "Qwen3ForCausalLM": "qwen3"}
 
 
 # HF rope parameter key -> model.rope_scaling field (type: rope_type, or the older "type")
@@ -117,6 +119,7 @@ def model_section(c: dict) -> dict:
         activation="swiglu",
         add_bias_linear=bias_linear,
         add_qkv_bias=qkv_bias,
+        qk_layernorm=architecture == "Qwen3ForCausalLM",
         untie_embeddings=not c.get("tie_word_embeddings", False),
         vocab_size=require(c, "vocab_size"),
         init_method_std=c.get("initializer_range", 0.02),
@@ -127,8 +130,10 @@ def model_section(c: dict) -> dict:
 
 def architecture_for(m, preferred: str | None = None) -> str | None:
     if not (m.arch == "gpt" and m.position_embedding == "rope" and m.normalization == "rmsnorm"
-            and m.activation == "swiglu" and not m.qk_layernorm and m.rotary_percent == 1.0 and m.moe is None):
+            and m.activation == "swiglu" and m.rotary_percent == 1.0 and m.moe is None):
         return None
+    if m.qk_layernorm:
+        return "Qwen3ForCausalLM" if not m.add_qkv_bias and not m.add_bias_linear else None
     standard_head = m.head_dim * m.num_attention_heads == m.hidden_size
     expressible = {
         "LlamaForCausalLM": not m.add_qkv_bias or m.add_bias_linear,
@@ -164,6 +169,8 @@ def hf_config(m, *, architecture: str, vocab_size: int, base: dict | None) -> di
         derived["head_dim"] = m.head_dim
     if architecture == "LlamaForCausalLM":
         derived["attention_bias"] = derived["mlp_bias"] = m.add_bias_linear
+    if architecture == "Qwen3ForCausalLM":
+        derived["attention_bias"] = False
     return {**base, **derived, **_hf_rope(m, base)}
 
 
@@ -182,6 +189,9 @@ def table(m) -> MappingTable:
         Rule(L + "mlp.linear_fc2.weight", H + "mlp.down_proj.weight", *direct()),
         Rule("decoder.final_layernorm.weight", "model.norm.weight", *direct()),
     ]
+    if m.qk_layernorm:
+        rules += [Rule(L + "self_attention.q_layernorm.weight", attn + "q_norm.weight", *direct()),
+                  Rule(L + "self_attention.k_layernorm.weight", attn + "k_norm.weight", *direct())]
     if m.add_qkv_bias or m.add_bias_linear:
         rules.append(Rule(L + "self_attention.linear_qkv.bias", (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"),
                           *qkv(groups=groups, heads=heads)))
