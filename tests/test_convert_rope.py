@@ -184,3 +184,27 @@ def test_dynamic_hf_config_does_not_convert():
               "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}
     with pytest.raises(UserError, match="'dynamic' .NTK.*position-dependent"):
         llama.model_section(config)
+
+
+def _logits_tp2(rank, world, root: str):
+    import torch
+
+    from megacli.engine import distributed
+    from megacli.recipe.sections import LaunchSection, ParallelSection
+
+    distributed.setup(parallel=ParallelSection(tensor=2), launch=LaunchSection(nproc=2, device="cpu"), seed=0)
+    out = {}
+    for name in ("llama3_short", "yarn"):
+        got = cm.megacli_logits(Path(root) / name / "mc", _tokens())
+        out[name] = None if got is None else cm.max_diff(got, torch.load(Path(root) / name / "hf_logits.pt"))
+    distributed.teardown()
+    return out
+
+
+@pytest.mark.slow
+def test_logits_equal_hugging_face_at_tp2(converted):
+    from tests._dist import spawn
+
+    reports = [r for r in spawn(_logits_tp2, 2, str(converted[0])) if r["yarn"] is not None]
+    assert len(reports) == 1
+    assert reports[0]["llama3_short"] < TOL and reports[0]["yarn"] < TOL, reports
