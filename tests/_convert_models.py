@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import zlib
 from pathlib import Path
 
 from megacli.checkpoint.layout import iter_name
@@ -35,7 +36,23 @@ MOE_MODELS = {
     "qwen2_moe": ("Qwen2MoeConfig", dict(COMMON_LLAMA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                                          shared_expert_intermediate_size=40, mlp_only_layers=[1], tie_word_embeddings=False)),
 }
-ARCHITECTURES = {"MixtralConfig": "MixtralForCausalLM", "Qwen2MoeConfig": "Qwen2MoeForCausalLM", "GPT2Config": "GPT2LMHeadModel", "LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralForCausalLM",
+# RoPE scaling: Llama-3.2-1B's rope_scaling block verbatim, the same with a short original context
+# (so the low, smooth and high frequency bands all occur within the test's 128 positions), linear and yarn.
+LLAMA_LONG = dict(COMMON_LLAMA, max_position_embeddings=256, tie_word_embeddings=False, head_dim=16)
+ROPE_MODELS = {
+    "llama3_2": ("LlamaConfig", dict(LLAMA_LONG, rope_theta=500000.0, rope_scaling={
+        "factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 8192,
+        "rope_type": "llama3"})),
+    "llama3_short": ("LlamaConfig", dict(LLAMA_LONG, rope_scaling={
+        "factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 64,
+        "rope_type": "llama3"})),
+    "linear": ("LlamaConfig", dict(LLAMA_LONG, rope_scaling={"factor": 4.0, "rope_type": "linear"})),
+    "yarn": ("LlamaConfig", dict(LLAMA_LONG, tie_word_embeddings=False, rope_scaling={
+        "factor": 4.0, "original_max_position_embeddings": 64, "rope_type": "yarn"})),
+}
+# Qwen3: per-head q/k RMSNorm, head_dim (16) != hidden / heads (8).
+QWEN3_MODELS = {"qwen3": ("Qwen3Config", dict(COMMON_LLAMA, head_dim=16, tie_word_embeddings=False))}
+ARCHITECTURES = {"Qwen3Config": "Qwen3ForCausalLM", "MixtralConfig": "MixtralForCausalLM", "Qwen2MoeConfig": "Qwen2MoeForCausalLM", "GPT2Config": "GPT2LMHeadModel", "LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralForCausalLM",
                  "Qwen2Config": "Qwen2ForCausalLM"}
 
 
@@ -66,10 +83,10 @@ def build_hf(name: str, path: Path, *, with_tokenizer: bool = False):
     import torch
     import transformers
 
-    cls_name, kwargs = {**MODELS, **MOE_MODELS}[name]
+    cls_name, kwargs = {**MODELS, **MOE_MODELS, **ROPE_MODELS, **QWEN3_MODELS}[name]
     config = getattr(transformers, cls_name)(**kwargs, architectures=[ARCHITECTURES[cls_name]])
     config._attn_implementation = "eager"
-    torch.manual_seed(hash(name) % 1000)
+    torch.manual_seed(zlib.crc32(name.encode()) % 1000)  # the same weights in every process
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for pname, p in model.named_parameters():
@@ -339,3 +356,30 @@ def write_legacy(hf_dir: Path, out: Path, *, tp: int, pp: int, iteration: int = 
                 "num_floating_point_operations_so_far": 0.0,
             }, it_dir / name / "model_optim_rng.pt")
     (out / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+
+
+def drop_tokenizer_files(hf_dir: Path) -> None:
+    """Leave only the config and the weights (a directory saved without its tokenizer)."""
+    for p in hf_dir.iterdir():
+        if p.name not in ("config.json", "model.safetensors", "generation_config.json"):
+            p.unlink()
+
+
+def check_converts_without_tokenizer(hf_dir: Path, out: Path, arch: str) -> None:
+    """`megacli convert` of a directory without tokenizer files succeeds with tokenizer.type none;
+    pretraining from its recipe is then refused (exit 2, one message): masking needs a tokenizer."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    drop_tokenizer_files(hf_dir)
+    run = [sys.executable, "-m", "megacli"]
+    done = subprocess.run([*run, "convert", str(hf_dir), str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    recipe = out / "iter_0000000" / "recipe.yaml"
+    assert yaml.safe_load(recipe.read_text())["tokenizer"]["type"] == "none"
+    refused = subprocess.run([*run, "pretrain", str(recipe), "--dry-run"], capture_output=True, text=True, timeout=600)
+    message = " ".join((refused.stdout + refused.stderr).split())
+    assert refused.returncode == 2 and "Traceback" not in message, message
+    assert f"tokenizer.type = 'none': {arch} masking needs a tokenizer" in message, message

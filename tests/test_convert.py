@@ -91,8 +91,8 @@ def test_llama_family_refuses_what_megatron_cannot_express():
                 intermediate_size=64, max_position_embeddings=64, vocab_size=100)
     assert llama.model_section(base)["rotary_base"] == 10000.0
     assert llama.model_section({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}})["rotary_base"] == 5e5
-    with pytest.raises(UserError, match="RoPE scaling 'llama3'"):
-        llama.model_section({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+    with pytest.raises(UserError, match="RoPE scaling 'longrope'.*linear, llama3, yarn and plain RoPE convert"):
+        llama.model_section({**base, "rope_scaling": {"rope_type": "longrope", "factor": 8.0}})
     with pytest.raises(UserError, match="attention_bias = True with mlp_bias = False"):
         llama.model_section({**base, "attention_bias": True})
     qwen = llama.model_section({**base, "architectures": ["Qwen2ForCausalLM"]})

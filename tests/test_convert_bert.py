@@ -333,3 +333,9 @@ def test_legacy_t5_is_refused_and_reshard_refuses_bert(tmp_path):
     _write_legacy_bert(tmp_path / "hf", tmp_path / "bert", tp=1, pp=1, style="legacy")
     with pytest.raises(UserError, match="megacli convert"):
         open_source(tmp_path / "bert")
+
+
+@pytest.mark.slow
+def test_a_bert_without_tokenizer_files_converts_and_only_training_needs_one(tmp_path):
+    _build_hf(tmp_path / "hf", "BertForMaskedLM")
+    cm.check_converts_without_tokenizer(tmp_path / "hf", tmp_path / "mc", "bert")

@@ -177,3 +177,9 @@ def test_generate_greedy_equals_hf_generate(converted, tensor, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     got = [json.loads(line)["tokens"] for line in out.read_text().splitlines()]
     assert got == want
+
+
+@pytest.mark.slow
+def test_a_t5_without_tokenizer_files_converts_and_only_training_needs_one(tmp_path):
+    _build_hf("t5_gated_tied", tmp_path / "hf")
+    cm.check_converts_without_tokenizer(tmp_path / "hf", tmp_path / "mc", "t5")

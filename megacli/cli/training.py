@@ -11,6 +11,7 @@ def run_training_job(job: str, recipe_path: Path | None, overrides: list[str], d
     from megacli.recipe.jobs import load_job_recipe
 
     recipe = load_job_recipe(job, recipe_path, overrides)
+    recipe.check_trainable()
     if job == "finetune" and not recipe.checkpoint.pretrained:
         from megacli.errors import UserError
 

@@ -21,7 +21,7 @@ WEIGHT_FIELDS = tuple(f"model.{k}" for k in (
 )) + ("tokenizer.type", "masking.sentinel_tokens", "lora.rank", "lora.targets")
 
 # Fields a resumed run may change; the change is reported in one line.
-NOTED_FIELDS = ("model.seq_length", "model.decoder_seq_length", "model.rotary_base", "train.micro_batch_size",
+NOTED_FIELDS = ("model.seq_length", "model.decoder_seq_length", "model.rotary_base", "model.rope_scaling", "train.micro_batch_size",
                 "train.global_batch_size", "tokenizer.path")
 
 _ABSENT = object()

@@ -69,6 +69,69 @@ class MoESection(Section):
         return self
 
 
+# Fields of model.rope_scaling each scaling type uses (the others must stay unset).
+_ROPE_SCALING_FIELDS = {
+    "linear": {"factor"},
+    "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_positions"},
+    "yarn": {"factor", "original_max_positions", "beta_fast", "beta_slow", "attention_factor", "mscale",
+             "mscale_all_dim", "truncate"},
+}
+
+
+class RopeScalingSection(Section):
+    """RoPE scaling for a context longer than pretraining's, as Hugging Face computes it
+    (modeling_rope_utils): the inverse frequencies are rescaled once, and for yarn the attention
+    scores are multiplied by attention_factor**2 (HF scales cos and sin by attention_factor)."""
+
+    type: Literal["linear", "llama3", "yarn"]
+    """linear (positions divided by factor), llama3 (Llama 3.1+: low frequencies divided by factor,
+    high ones kept, a smooth band between), yarn (YaRN: per-dimension blend plus an attention factor)."""
+    factor: PositiveFloat
+    """Context extension factor."""
+    low_freq_factor: Optional[PositiveFloat] = None
+    """llama3: wavelengths above original_max_positions / low_freq_factor are divided by factor."""
+    high_freq_factor: Optional[PositiveFloat] = None
+    """llama3: wavelengths below original_max_positions / high_freq_factor are kept."""
+    original_max_positions: Optional[PositiveInt] = None
+    """llama3 (required), yarn (default model.max_position_embeddings): pretraining's context length."""
+    beta_fast: Optional[PositiveFloat] = None
+    """yarn: rotations bounding the extrapolated (unscaled) dimensions; null = 32."""
+    beta_slow: Optional[PositiveFloat] = None
+    """yarn: rotations bounding the interpolated (scaled) dimensions; null = 1."""
+    attention_factor: Optional[PositiveFloat] = None
+    """yarn: factor on cos and sin; null = 0.1 ln(factor) + 1 (or the mscale / mscale_all_dim ratio)."""
+    mscale: Optional[float] = None
+    """yarn (DeepSeek): with mscale_all_dim, attention_factor = (0.1 mscale ln f + 1) / (0.1 mscale_all_dim ln f + 1)."""
+    mscale_all_dim: Optional[float] = None
+    """yarn (DeepSeek): see mscale."""
+    truncate: Optional[bool] = None
+    """yarn: round the correction range to whole dimensions; null = true."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_type(cls, data):
+        if isinstance(data, dict) and data.get("type") == "dynamic":
+            raise RecipeError("model.rope_scaling.type", "dynamic",
+                              "dynamic (NTK) scaling recomputes the frequencies from each batch's length; Megatron-Core "
+                              "has no position-dependent rotary embedding, so it is not supported (use linear, llama3 or yarn)")
+        return data
+
+    @model_validator(mode="after")
+    def _fields_of_the_type(self):
+        allowed = _ROPE_SCALING_FIELDS[self.type]
+        for name in sorted(self.model_fields_set - allowed - {"type"}):
+            if getattr(self, name) is not None:
+                raise RecipeError(f"model.rope_scaling.{name}", getattr(self, name), f"is not used by {self.type} scaling")
+        if self.type == "llama3":
+            for name in ("low_freq_factor", "high_freq_factor", "original_max_positions"):
+                if getattr(self, name) is None:
+                    raise RecipeError(f"model.rope_scaling.{name}", None, "llama3 scaling needs it")
+            if self.high_freq_factor <= self.low_freq_factor:
+                raise RecipeError("model.rope_scaling.high_freq_factor", self.high_freq_factor,
+                                  f"must be greater than low_freq_factor = {self.low_freq_factor}")
+        return self
+
+
 class ModelSection(Section):
     arch: Literal["gpt", "bert", "t5"] = "gpt"
     """Model class: gpt (decoder-only), bert (encoder) or t5 (encoder-decoder)."""
@@ -98,6 +161,8 @@ class ModelSection(Section):
     """RoPE base frequency (theta)."""
     rotary_percent: float = Field(1.0, gt=0, le=1)
     """Fraction of each head's dimensions that RoPE rotates."""
+    rope_scaling: Optional[RopeScalingSection] = None
+    """gpt with rope only: RoPE scaling (Llama 3.1+, YaRN, linear); null = plain RoPE."""
     normalization: Literal["layernorm", "rmsnorm"] = "layernorm"
     """Norm layer type."""
     norm_epsilon: PositiveFloat = 1e-5
@@ -140,6 +205,13 @@ class ModelSection(Section):
     with its tied head; T5 v1.1 and flan-T5 do not)."""
     moe: Optional[MoESection] = None
     """Mixture of experts: replace the MLP of some layers by routed experts; null = dense model."""
+
+    @model_validator(mode="after")
+    def _rope_scaling_needs_gpt_rope(self):
+        if self.rope_scaling is not None and (self.arch != "gpt" or self.position_embedding != "rope"):
+            raise RecipeError("model.rope_scaling", self.rope_scaling.type,
+                              f"needs model.arch = gpt and model.position_embedding = rope (got {self.arch}, {self.position_embedding})")
+        return self
 
     @property
     def gated(self) -> bool:

@@ -9,6 +9,7 @@ from typing import ClassVar, Optional
 
 from pydantic import model_validator
 
+from megacli.errors import UserError
 from megacli.recipe.base import RecipeError, Section
 from megacli.recipe.model import ModelSection
 from megacli.recipe.sections import (
@@ -244,6 +245,13 @@ class TrainingRecipe(Section):
             raise RecipeError("lora.targets", self.lora.targets, f"the MLP of a mixture-of-experts model has no "
                               f"{' or '.join(mlp)} to adapt; target the attention (linear_qkv, linear_proj)")
 
+    def check_trainable(self) -> None:
+        """What only training needs, checked by pretrain and finetune (also under --dry-run) but not by
+        validation, so a converted BERT or T5 without tokenizer files still gets its recipe."""
+        if self.model.arch in ("bert", "t5") and self.tokenizer.type == "none":
+            raise UserError(f"tokenizer.type = 'none': {self.model.arch} masking needs a tokenizer with special tokens "
+                            "(a WordPiece vocab, a Hugging Face tokenizer with them, sentencepiece or byte)")
+
     def _check_bert_t5(self) -> None:
         """What Megatron-Core 0.16.1's BertModel/T5Model and their masked datasets support."""
         m, p, arch = self.model, self.parallel, self.model.arch
@@ -256,9 +264,6 @@ class TrainingRecipe(Section):
             raise RecipeError("data.mock", True, f"{arch} trains on sentence-split indexed data (Megatron's masked "
                               "WordPiece datasets have no mock variant): build it with `megacli preprocess "
                               "--split-sentences` and set data.path to the PREFIX_text_sentence dataset")
-        if self.tokenizer.type == "none":
-            raise RecipeError("tokenizer.type", "none", f"{arch} masking needs a tokenizer with special tokens "
-                              "(a WordPiece vocab, a Hugging Face tokenizer with them, sentencepiece or byte)")
         if p.context > 1:
             raise RecipeError("parallel.context", p.context, f"context parallelism is for gpt; {arch} supports "
                               "tensor, pipeline (bert), sequence and data parallelism")

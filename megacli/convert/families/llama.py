@@ -1,6 +1,7 @@
-"""The Llama family: Llama, Mistral and Qwen2 (LlamaForCausalLM, MistralForCausalLM,
-Qwen2ForCausalLM). RoPE, grouped-query attention, SwiGLU, RMSNorm, tied or untied embeddings;
-Qwen2 adds a bias to the q/k/v projections only (``add_qkv_bias``).
+"""The Llama family: Llama, Mistral, Qwen2 and Qwen3 (LlamaForCausalLM, MistralForCausalLM,
+Qwen2ForCausalLM, Qwen3ForCausalLM). RoPE (optionally scaled), grouped-query attention, SwiGLU,
+RMSNorm, tied or untied embeddings; Qwen2 adds a bias to the q/k/v projections only
+(``add_qkv_bias``); Qwen3 normalises queries and keys per head before RoPE (``qk_layernorm``).
 
 RoPE convention: HF rotates halves (``rotate_half``, non-interleaved), which is Megatron's default
 ``rotary_interleaved=False``; the inverse frequencies are computed the same way from rope_theta.
@@ -12,23 +13,61 @@ from megacli.convert.families import require
 from megacli.convert.mapping import MappingTable, Rule, direct, gate_up, qkv
 from megacli.errors import UserError
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 ARCH = "gpt"
 
-_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                "Qwen3ForCausalLM": "qwen3"}
+
+
+# HF rope parameter key -> model.rope_scaling field (type: rope_type, or the older "type")
+_ROPE_KEYS = {"rope_type": "type", "factor": "factor", "low_freq_factor": "low_freq_factor",
+              "high_freq_factor": "high_freq_factor", "original_max_position_embeddings": "original_max_positions",
+              "beta_fast": "beta_fast", "beta_slow": "beta_slow", "attention_factor": "attention_factor",
+              "mscale": "mscale", "mscale_all_dim": "mscale_all_dim", "truncate": "truncate"}
+_SCALING_TYPES = ("linear", "llama3", "yarn")
+
+
+def _rope_params(c: dict) -> dict:
+    """The RoPE parameters of a transformers 5 (rope_parameters) or 4 (rope_theta, rope_scaling) config."""
+    return {**(c.get("rope_scaling") or {}), **(c.get("rope_parameters") or {})}
 
 
 def rope_theta(c: dict) -> float:
-    """rope_theta from a transformers 4 (top-level rope_theta / rope_scaling) or 5
-    (rope_parameters) config; only plain RoPE (no scaling) is supported."""
-    params = c.get("rope_parameters") or {}
-    scaling = c.get("rope_scaling")
-    rope_type = params.get("rope_type") or (scaling or {}).get("rope_type") or (scaling or {}).get("type")
-    if rope_type not in (None, "default"):
-        raise UserError(f"RoPE scaling {rope_type!r} (rope_scaling / rope_parameters) is not supported by the Megatron "
-                        f"model; only plain RoPE converts")
-    theta = params.get("rope_theta", c.get("rope_theta", 10000.0))
-    return float(theta)
+    return float(_rope_params(c).get("rope_theta", c.get("rope_theta", 10000.0)))
+
+
+def rope_scaling(c: dict) -> dict | None:
+    """model.rope_scaling for an HF config (None for plain RoPE)."""
+    params = _rope_params(c)
+    rope_type = params.get("rope_type", params.get("type"))
+    if rope_type in (None, "default"):
+        return None
+    if rope_type == "dynamic":
+        raise UserError("RoPE scaling 'dynamic' (NTK) recomputes the frequencies from each batch's length; Megatron-Core "
+                        "has no position-dependent rotary embedding, so it does not convert")
+    if rope_type not in _SCALING_TYPES:
+        raise UserError(f"RoPE scaling {rope_type!r} (rope_scaling / rope_parameters) is not supported; "
+                        f"{', '.join(_SCALING_TYPES)} and plain RoPE convert")
+    section = {field: params[key] for key, field in _ROPE_KEYS.items() if params.get(key) is not None and key != "rope_type"}
+    return {**section, "type": rope_type}
+
+
+def _hf_rope(m, base: dict) -> dict:
+    """The RoPE keys of an exported config.json, in the source's style (rope_parameters or rope_theta
+    / rope_scaling)."""
+    scaling = {}
+    if m.rope_scaling is not None:
+        scaling = {key: getattr(m.rope_scaling, field) for key, field in _ROPE_KEYS.items()
+                   if getattr(m.rope_scaling, field) is not None}
+        scaling["rope_type"] = m.rope_scaling.type
+    if isinstance(base.get("rope_parameters"), dict):
+        kept = {k: v for k, v in base["rope_parameters"].items() if k not in _ROPE_KEYS and k != "type"}
+        return {"rope_parameters": {**kept, "rope_theta": m.rotary_base, "rope_type": "default", **scaling}}
+    keys = {"rope_theta": m.rotary_base}
+    if scaling or "rope_scaling" in base:
+        keys["rope_scaling"] = scaling or None
+    return keys
 
 
 def _biases(c: dict, architecture: str) -> tuple[bool, bool]:
@@ -74,11 +113,13 @@ def model_section(c: dict) -> dict:
         max_position_embeddings=positions,
         position_embedding="rope",
         rotary_base=rope_theta(c),
+        rope_scaling=rope_scaling(c),
         normalization="rmsnorm",
         norm_epsilon=c.get("rms_norm_eps", 1e-6),
         activation="swiglu",
         add_bias_linear=bias_linear,
         add_qkv_bias=qkv_bias,
+        qk_layernorm=architecture == "Qwen3ForCausalLM",
         untie_embeddings=not c.get("tie_word_embeddings", False),
         vocab_size=require(c, "vocab_size"),
         init_method_std=c.get("initializer_range", 0.02),
@@ -89,8 +130,10 @@ def model_section(c: dict) -> dict:
 
 def architecture_for(m, preferred: str | None = None) -> str | None:
     if not (m.arch == "gpt" and m.position_embedding == "rope" and m.normalization == "rmsnorm"
-            and m.activation == "swiglu" and not m.qk_layernorm and m.rotary_percent == 1.0 and m.moe is None):
+            and m.activation == "swiglu" and m.rotary_percent == 1.0 and m.moe is None):
         return None
+    if m.qk_layernorm:
+        return "Qwen3ForCausalLM" if not m.add_qkv_bias and not m.add_bias_linear else None
     standard_head = m.head_dim * m.num_attention_heads == m.hidden_size
     expressible = {
         "LlamaForCausalLM": not m.add_qkv_bias or m.add_bias_linear,
@@ -126,11 +169,9 @@ def hf_config(m, *, architecture: str, vocab_size: int, base: dict | None) -> di
         derived["head_dim"] = m.head_dim
     if architecture == "LlamaForCausalLM":
         derived["attention_bias"] = derived["mlp_bias"] = m.add_bias_linear
-    if isinstance(base.get("rope_parameters"), dict):
-        derived["rope_parameters"] = {**base["rope_parameters"], "rope_theta": m.rotary_base}
-    else:
-        derived["rope_theta"] = m.rotary_base
-    return {**base, **derived}
+    if architecture == "Qwen3ForCausalLM":
+        derived["attention_bias"] = False
+    return {**base, **derived, **_hf_rope(m, base)}
 
 
 def table(m) -> MappingTable:
@@ -148,6 +189,9 @@ def table(m) -> MappingTable:
         Rule(L + "mlp.linear_fc2.weight", H + "mlp.down_proj.weight", *direct()),
         Rule("decoder.final_layernorm.weight", "model.norm.weight", *direct()),
     ]
+    if m.qk_layernorm:
+        rules += [Rule(L + "self_attention.q_layernorm.weight", attn + "q_norm.weight", *direct()),
+                  Rule(L + "self_attention.k_layernorm.weight", attn + "k_norm.weight", *direct())]
     if m.add_qkv_bias or m.add_bias_linear:
         rules.append(Rule(L + "self_attention.linear_qkv.bias", (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"),
                           *qkv(groups=groups, heads=heads)))

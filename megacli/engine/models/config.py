@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
 
-from megacli.engine.models import moe
+from megacli.engine.models import moe, rope
 from megacli.precision import params_dtype
 
 
@@ -28,6 +29,14 @@ def _drawn_later(tensor):
     return tensor
 
 
+def _softmax_scale(model) -> float | None:
+    """The recipe's attention scale (null: Megatron's 1/sqrt(head dim)) times RoPE scaling's factor."""
+    factor = rope.softmax_scale_factor(model.rope_scaling)
+    if factor == 1.0:
+        return model.softmax_scale
+    return (model.softmax_scale or 1.0 / math.sqrt(model.head_dim)) * factor
+
+
 def transformer_config(*, model, parallel, precision: str, on_cuda: bool, **overrides):
     """The TransformerConfig for a recipe. Fusions that need CUDA kernels are on only on CUDA."""
     from megatron.core.transformer import TransformerConfig
@@ -41,7 +50,7 @@ def transformer_config(*, model, parallel, precision: str, on_cuda: bool, **over
         num_attention_heads=model.num_attention_heads,
         num_query_groups=model.query_groups,
         kv_channels=model.head_dim,
-        softmax_scale=model.softmax_scale,
+        softmax_scale=_softmax_scale(model),
         ffn_hidden_size=model.ffn_size,
         hidden_dropout=model.dropout,
         attention_dropout=model.attention_dropout,

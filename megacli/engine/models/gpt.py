@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from megacli.engine.models import rope
 from megacli.engine.models.common import POSITION_TYPES, build_chunks, mask_padded_vocab
 
 
@@ -26,6 +27,7 @@ def build_gpt(*, recipe, config, padded_vocab: int, vocab_size: int) -> list:
             vp_stage=vp_stage,
         )
         chunk.model_type = ModelType.encoder_or_decoder
+        rope.install(chunk, model=m)
         if chunk.post_process:
             mask_padded_vocab(chunk.output_layer, vocab_size=vocab_size)
         return chunk
