@@ -1,0 +1,101 @@
+"""Uneven pipeline stages end to end on the CPU backend: a 3-layer GPT at PP=2 with one layer on
+the first stage trains as one process does, its checkpoint resumes at PP=1 and reshards to PP=3
+and back."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TINY = [
+    "data.path=null", "data.mock=true", "tokenizer.type=byte", "tokenizer.path=null",
+    "model.num_layers=3", "model.hidden_size=32", "model.num_attention_heads=2", "model.ffn_hidden_size=64",
+    "model.seq_length=16", "model.make_vocab_size_divisible_by=256",
+    "train.iters=4", "train.micro_batch_size=2", "train.global_batch_size=4", "train.log_interval=1",
+    "train.eval_interval=null", "optim.warmup_iters=1", "optim.lr=1e-2", "train.precision=fp32",
+    "checkpoint.dir=null", "parallel.tensor=1", "parallel.sequence_parallel=false", "parallel.virtual_pipeline=null",
+]
+UNEVEN = ["parallel.pipeline=2", "parallel.first_stage_layers=1", "launch.nproc=2"]
+SINGLE = ["parallel.pipeline=1", "launch.nproc=1"]
+
+
+def pretrain(run_dir: Path, overrides: list[str]) -> dict[int, float]:
+    sets = [*TINY, *overrides, f"run.dir={run_dir}"]
+    env = dict(os.environ)
+    if "launch.nproc=1" in overrides:
+        env["MEGACLI_IN_PROCESS"] = "1"  # one worker: run it in the launcher's process
+    out = subprocess.run([sys.executable, "-m", "megacli", "pretrain", *[x for s in sets for x in ("--set", s)]],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["iteration"]: r["loss"] for r in records if "loss" in r}
+
+
+def assert_close(got: dict, want: dict, steps, rel=1e-5):
+    for i in steps:
+        assert abs(got[i] - want[i]) <= rel * abs(want[i]), f"step {i}: {got[i]} vs {want[i]}"
+
+
+def cli(*args):
+    from typer.testing import CliRunner
+
+    from megacli.cli import _register, app
+
+    _register()
+    return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "200"})
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("uneven")
+    single = pretrain(tmp / "single", SINGLE)
+    ck = tmp / "ck"
+    uneven = pretrain(tmp / "uneven", UNEVEN + [f"checkpoint.dir={ck}", "checkpoint.save_interval=2"])
+    return tmp, single, uneven, ck / "iter_0000002"
+
+
+@pytest.mark.slow
+def test_pp2_with_one_layer_on_the_first_stage_matches_one_process(runs):
+    _, single, uneven, ckpt = runs
+    assert_close(uneven, single, range(1, 5))
+    meta = json.loads((ckpt / "megacli.json").read_text())
+    assert meta["layout"]["pipeline"] == 2 and meta["layout"]["first_stage_layers"] == 1
+
+
+@pytest.mark.slow
+def test_uneven_checkpoint_resumes_at_pp1(runs):
+    tmp, _, uneven, ckpt = runs
+    resumed = pretrain(tmp / "resumed", SINGLE + [f"checkpoint.resume={ckpt}"])
+    assert min(resumed) == 3
+    assert_close(resumed, uneven, [3, 4])
+
+
+@pytest.mark.slow
+def test_reshard_to_pp3_and_back_to_the_uneven_split(runs):
+    from megacli.checkpoint.torch_dist import TorchDistReader
+
+    tmp, _, _, ckpt = runs
+    out = cli("reshard", ckpt, tmp / "pp3", "--pipeline", 3)
+    assert out.exit_code == 0, out.output
+    meta = json.loads((tmp / "pp3" / "iter_0000002" / "megacli.json").read_text())
+    assert meta["layout"]["pipeline"] == 3 and "first_stage_layers" not in meta["layout"]  # 3 layers split evenly
+    assert sorted(k for k in TorchDistReader(tmp / "pp3" / "iter_0000002").objects if k.startswith("rng_state")) == \
+        [f"rng_state/shard_{p}.0_3.1" for p in range(3)]
+    out = cli("reshard", tmp / "pp3", tmp / "back", "--pipeline", 2)
+    assert out.exit_code == 0, out.output
+    back = tmp / "back" / "iter_0000002"
+    meta = json.loads((back / "megacli.json").read_text())
+    assert meta["layout"]["first_stage_layers"] == 1 and "last_stage_layers" not in meta["layout"], meta["layout"]
+    import yaml
+
+    assert yaml.safe_load((back / "recipe.yaml").read_text())["parallel"]["first_stage_layers"] == 1
+    a, b = TorchDistReader(ckpt), TorchDistReader(back)
+    assert set(a.tensors) == set(b.tensors)
+    for key, info in a.tensors.items():
+        full = (0,) * len(info.shape)
+        assert a.read_region(key, full, tuple(info.shape)).equal(b.read_region(key, full, tuple(info.shape))), key
