@@ -35,6 +35,8 @@ MOE_MODELS = {
     "qwen2_moe": ("Qwen2MoeConfig", dict(COMMON_LLAMA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                                          shared_expert_intermediate_size=40, mlp_only_layers=[1], tie_word_embeddings=False)),
 }
+# Layers that do not split evenly over PP=2 (uneven pipeline stages).
+ODD_LAYER_MODELS = {"llama_3_layers": ("LlamaConfig", dict(COMMON_LLAMA, num_hidden_layers=3, tie_word_embeddings=False))}
 ARCHITECTURES = {"MixtralConfig": "MixtralForCausalLM", "Qwen2MoeConfig": "Qwen2MoeForCausalLM", "GPT2Config": "GPT2LMHeadModel", "LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralForCausalLM",
                  "Qwen2Config": "Qwen2ForCausalLM"}
 
@@ -66,7 +68,7 @@ def build_hf(name: str, path: Path, *, with_tokenizer: bool = False):
     import torch
     import transformers
 
-    cls_name, kwargs = {**MODELS, **MOE_MODELS}[name]
+    cls_name, kwargs = {**MODELS, **MOE_MODELS, **ODD_LAYER_MODELS}[name]
     config = getattr(transformers, cls_name)(**kwargs, architectures=[ARCHITECTURES[cls_name]])
     config._attn_implementation = "eager"
     torch.manual_seed(hash(name) % 1000)

@@ -99,3 +99,53 @@ def test_reshard_to_pp3_and_back_to_the_uneven_split(runs):
     for key, info in a.tensors.items():
         full = (0,) * len(info.shape)
         assert a.read_region(key, full, tuple(info.shape)).equal(b.read_region(key, full, tuple(info.shape))), key
+
+
+# ---------------------------------------------------------------- convert: HF -> megacli at PP=2
+
+
+def _convert_3_layers(rank, world, root: str):
+    """A 3-layer Llama: HF logits, HF -> megacli prepared for PP=2 (what convert says), and back."""
+    import torch
+
+    from megacli.convert import convert
+    from megacli.recipe.sections import ParallelSection
+    from tests import _convert_models as cm
+
+    d = Path(root)
+    torch.save(cm.hf_logits(cm.build_hf("llama_3_layers", d / "hf"), cm.tokens()), d / "hf_logits.pt")
+    said: list[str] = []
+    out = cm.round_trip(d, parallel=ParallelSection(pipeline=2), say=said.append)
+    return {**out, "said": said}
+
+
+def _logits_pp2(rank, world, root: str):
+    from megacli.engine import distributed
+    from megacli.recipe.sections import LaunchSection, ParallelSection
+    from tests import _convert_models as cm
+
+    distributed.setup(parallel=ParallelSection(pipeline=2, first_stage_layers=1), launch=LaunchSection(nproc=2, device="cpu"),
+                      seed=0)
+    logits = cm.megacli_logits(Path(root) / "mc", cm.tokens())
+    distributed.teardown()
+    return logits
+
+
+@pytest.mark.slow
+def test_convert_at_pp2_picks_a_split_and_the_logits_match_hf(tmp_path):
+    import torch
+    import yaml
+
+    from tests import _convert_models as cm
+    from tests._dist import spawn
+
+    result = spawn(_convert_3_layers, 1, str(tmp_path), timeout=900)[0]
+    assert any("layers per pipeline stage: [1, 2] (3 layers do not split evenly over PP=2; chose "
+               "parallel.first_stage_layers = 1" in line for line in result["said"]), result["said"]
+    recipe = yaml.safe_load(next((tmp_path / "mc").glob("iter_*/recipe.yaml")).read_text())
+    assert (recipe["parallel"]["pipeline"], recipe["parallel"]["first_stage_layers"]) == (2, 1)
+    assert result["same_keys"] and result["bitwise"], result  # megacli -> HF reads the uneven checkpoint
+    assert result["config"][0] == result["config"][1]
+    logits = [x for x in spawn(_logits_pp2, 2, str(tmp_path), timeout=900) if x is not None]
+    assert len(logits) == 1
+    assert cm.max_diff(logits[0], torch.load(tmp_path / "hf_logits.pt")) < 1e-4

@@ -53,9 +53,9 @@ def _layout(chunks) -> dict:
         "data": ps.get_data_parallel_world_size(),
         "context": ps.get_context_parallel_world_size(),
     }
-    config = unwrap(chunks[0]).config
-    for key, given in (("first_stage_layers", config.num_layers_in_first_pipeline_stage),
-                       ("last_stage_layers", config.num_layers_in_last_pipeline_stage)):
+    config = getattr(unwrap(chunks[0]), "config", None)  # none: weights written by convert, in one process
+    for key in ("first_stage_layers", "last_stage_layers"):
+        given = getattr(config, f"num_layers_in_{key.split('_')[0]}_pipeline_stage", None)
         if given is not None:  # uneven stages only: even layouts keep the keys older checkpoints have
             layout[key] = given
     return layout
