@@ -22,6 +22,7 @@ TINY = [
 ]
 UNEVEN = ["parallel.pipeline=2", "parallel.first_stage_layers=1", "launch.nproc=2"]
 SINGLE = ["parallel.pipeline=1", "launch.nproc=1"]
+PROMPT = "the quick brown fox"
 
 
 def pretrain(run_dir: Path, overrides: list[str]) -> dict[int, float]:
@@ -113,10 +114,16 @@ def _convert_3_layers(rank, world, root: str):
     from tests import _convert_models as cm
 
     d = Path(root)
-    torch.save(cm.hf_logits(cm.build_hf("llama_3_layers", d / "hf"), cm.tokens()), d / "hf_logits.pt")
+    model = cm.build_hf("llama_3_layers", d / "hf", with_tokenizer=True)
+    torch.save(cm.hf_logits(model, cm.tokens()), d / "hf_logits.pt")
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(d / "hf").encode(PROMPT)
+    with torch.no_grad():
+        greedy = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=8, eos_token_id=None, pad_token_id=0)
     said: list[str] = []
     out = cm.round_trip(d, parallel=ParallelSection(pipeline=2), say=said.append)
-    return {**out, "said": said}
+    return {**out, "said": said, "greedy": greedy[0, len(ids):].tolist()}
 
 
 def _logits_pp2(rank, world, root: str):
@@ -149,3 +156,16 @@ def test_convert_at_pp2_picks_a_split_and_the_logits_match_hf(tmp_path):
     logits = [x for x in spawn(_logits_pp2, 2, str(tmp_path), timeout=900) if x is not None]
     assert len(logits) == 1
     assert cm.max_diff(logits[0], torch.load(tmp_path / "hf_logits.pt")) < 1e-4
+
+    # generate at PP=2 (the recipe's split) decodes as HF; at PP=1 and PP=3 the split is refitted
+    out = tmp_path / "gen.jsonl"
+    res = subprocess.run([sys.executable, "-m", "megacli", "generate", "--checkpoint", str(tmp_path / "mc"), "--pipeline", "2",
+                          "--prompt", PROMPT, "-n", "8", "--output", str(out), "--set", "generate.stop_at_eod=false",
+                          "--set", f"run.dir={tmp_path / 'gen'}"], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert json.loads(out.read_text())["tokens"] == result["greedy"]
+    from megacli.cli.generate import build_recipe
+
+    for pp, split in ((1, [3]), (3, [1, 1, 1])):
+        recipe = build_recipe(None, {"checkpoint": str(tmp_path / "mc")}, tensor=1, pipeline=pp, overrides=[])
+        assert recipe.layers_per_stage == split
