@@ -169,3 +169,27 @@ def test_convert_at_pp2_picks_a_split_and_the_logits_match_hf(tmp_path):
     for pp, split in ((1, [3]), (3, [1, 1, 1])):
         recipe = build_recipe(None, {"checkpoint": str(tmp_path / "mc")}, tensor=1, pipeline=pp, overrides=[])
         assert recipe.layers_per_stage == split
+
+
+@pytest.mark.slow
+def test_megatron_lm_legacy_export_and_import_keep_the_uneven_split(runs):
+    import torch
+
+    from megacli.checkpoint.torch_dist import TorchDistReader
+
+    tmp, _, _, ckpt = runs
+    mlm = tmp / "megatron_lm"
+    out = cli("reshard", ckpt, mlm, "--format", "legacy")
+    assert out.exit_code == 0, out.output
+    stages = [torch.load(mlm / "iter_0000002" / f"mp_rank_00_{p:03d}" / "model_optim_rng.pt", weights_only=False) for p in range(2)]
+    assert stages[0]["args"].decoder_first_pipeline_num_layers == 1
+    assert [len({k.split(".")[2] for k in s["model"] if k.startswith("decoder.layers.")}) for s in stages] == [1, 2]
+    out = cli("reshard", mlm, tmp / "imported")
+    assert out.exit_code == 0, out.output
+    back = tmp / "imported" / "iter_0000002"
+    assert json.loads((back / "megacli.json").read_text())["layout"]["first_stage_layers"] == 1
+    a, b = TorchDistReader(ckpt), TorchDistReader(back)
+    for key, info in a.tensors.items():
+        if not key.startswith("optimizer."):
+            full = (0,) * len(info.shape)
+            assert a.read_region(key, full, tuple(info.shape)).equal(b.read_region(key, full, tuple(info.shape))), key
