@@ -157,11 +157,11 @@ def pipeline_split(recipe, *, asked) -> str:
     """The written recipe's layers per pipeline stage, and why when convert chose an uneven split."""
     p, n = recipe.parallel, recipe.model.num_layers
     text = f"layers per pipeline stage: {recipe.layers_per_stage}"
-    chosen = [f"parallel.{name} = {v}" for name, v, given in (
-        ("first_stage_layers", p.first_stage_layers, asked.first_stage_layers),
-        ("last_stage_layers", p.last_stage_layers, asked.last_stage_layers)) if v is not None and given is None]
-    if chosen and asked.first_stage_layers is None and asked.last_stage_layers is None:
-        text += (f" ({n} layers do not split evenly over PP={p.pipeline}; chose {' and '.join(chosen)} in recipe.yaml, "
+    picked = (p.first_stage_layers, p.last_stage_layers)
+    if (asked.first_stage_layers, asked.last_stage_layers) == (None, None) and picked != (None, None):
+        chosen = " and ".join(f"parallel.{name} = {v}" for name, v in zip(("first_stage_layers", "last_stage_layers"), picked)
+                              if v is not None)
+        text += (f" ({n} layers do not split evenly over PP={p.pipeline}; chose {chosen} in recipe.yaml, "
                  f"--set parallel.first_stage_layers=N / last_stage_layers=N picks another)")
     return text
 
