@@ -124,6 +124,7 @@ class RankMemory:
     optimizer_gib_with_dist_opt: float
     activations_gib: float
     logits_gib: float = 0.0  # the output layer's logits at the loss (last pipeline stage)
+    stage: int = 0  # the pipeline stage this rank belongs to
 
     @property
     def total_gib(self) -> float:
@@ -194,16 +195,30 @@ def logits_bytes(recipe: TrainingRecipe, padded_vocab: int) -> float:
 
 
 def estimate(recipe: TrainingRecipe, vocab_size: int, *, device: str = "cuda") -> tuple[ParamCounts, RankMemory]:
-    """Memory of the busiest rank: the first pipeline stage (embedding + in-flight activations),
-    with the activations of the attention kernel the run uses on ``device`` ("cuda" or "cpu")."""
-    p = recipe.parallel
+    """Memory of a rank of the busiest pipeline stage, with the activations of the attention kernel
+    the run uses on ``device`` ("cuda" or "cpu")."""
     counts = count_params(recipe, vocab_size)
-    layers = recipe.layers_per_stage
-    moe_layers = sum(recipe.model.moe_layers()[:layers])
+    stages = [_stage_memory(recipe, counts, vocab_size, stage, device=device) for stage in range(recipe.parallel.pipeline)]
+    return counts, max(stages, key=lambda mem: mem.total_gib)
+
+
+def _stage_memory(recipe: TrainingRecipe, counts: ParamCounts, vocab_size: int, stage: int, *, device: str) -> RankMemory:
+    """A rank of pipeline stage ``stage``: its layers; the embedding on the first stage; the final
+    norm, output layer and logits on the last."""
+    p, m = recipe.parallel, recipe.model
+    padded = padded_vocab_size(vocab_size, divisible_by=m.make_vocab_size_divisible_by, tensor_parallel=p.tensor)
+    layers = recipe.layers_per_stage[stage]
+    pattern = m.moe_layers()
+    moe_layers = sum(pattern[i] for chunk in p.chunk_layers(m.num_layers)[stage] for i in chunk)
+    last = stage == p.pipeline - 1
     if p.pipeline == 1:  # the whole model, its routed experts counted below
         stage_params = counts.total - counts.moe_experts * moe_layers
     else:
-        stage_params = counts.per_layer * (layers - moe_layers) + (counts.moe_layer - counts.moe_experts) * moe_layers + counts.embedding
+        stage_params = counts.per_layer * (layers - moe_layers) + (counts.moe_layer - counts.moe_experts) * moe_layers
+        if stage == 0:
+            stage_params += counts.embedding
+        if last:  # a tied output layer is a copy of the word embedding on the last stage
+            stage_params += counts.final_norm + counts.output_layer + counts.heads + (0 if m.untie_embeddings else padded * m.hidden_size)
     # Routed experts are split over expert parallel × expert tensor parallel, the rest over TP.
     expert_params = counts.moe_experts * moe_layers // (p.expert * recipe.expert_tensor_size)
     rank_params = stage_params // p.tensor + expert_params
@@ -211,15 +226,13 @@ def estimate(recipe: TrainingRecipe, vocab_size: int, *, device: str = "cuda") -
     dp, edp = recipe.data_parallel_size, recipe.expert_data_parallel_size
     # The distributed optimizer shards expert state over the expert data-parallel group.
     sharded = o * (rank_params - expert_params) / dp + o * expert_params / edp
-    # 1F1B: the first stage holds activations of `pipeline` micro-batches (L/p layers each = L layers),
-    # interleaving adds (1 + (p-1)/(p·v)) (Narayanan et al. 2021).
-    in_flight_layers = layers * min(p.pipeline, recipe.num_microbatches)
+    # 1F1B: stage k holds activations of (pipeline - k) micro-batches (the first stage: L/p layers
+    # each = L layers), interleaving adds (1 + (p-1)/(p·v)) (Narayanan et al. 2021).
+    in_flight_layers = layers * min(p.pipeline - stage, recipe.num_microbatches)
     if p.virtual_pipeline:
         in_flight_layers *= 1 + (p.pipeline - 1) / (p.pipeline * p.virtual_pipeline)
     act = activation_bytes_per_layer(recipe, kernel=attention_kernel(recipe, device=device)) * in_flight_layers
-    m = recipe.model
-    padded = padded_vocab_size(vocab_size, divisible_by=m.make_vocab_size_divisible_by, tensor_parallel=p.tensor)
-    mem = RankMemory(
+    return RankMemory(
         params=rank_params,
         weights_gib=rank_params * w / GIB,
         grads_gib=rank_params * g / GIB,
@@ -227,10 +240,9 @@ def estimate(recipe: TrainingRecipe, vocab_size: int, *, device: str = "cuda") -
         optimizer_gib_without_dist_opt=rank_params * o / GIB,
         optimizer_gib_with_dist_opt=sharded / GIB,
         activations_gib=act / GIB,
-        # With pipelining the first stage holds no logits (the last one does, with fewer layers in flight).
-        logits_gib=logits_bytes(recipe, padded) / GIB if p.pipeline == 1 else 0.0,
+        logits_gib=logits_bytes(recipe, padded) / GIB if last else 0.0,
+        stage=stage,
     )
-    return counts, mem
 
 
 def flops_per_token(recipe: TrainingRecipe, n_params: int, attention_factor: int = 12) -> float:

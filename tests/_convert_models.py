@@ -52,6 +52,8 @@ ROPE_MODELS = {
 }
 # Qwen3: per-head q/k RMSNorm, head_dim (16) != hidden / heads (8).
 QWEN3_MODELS = {"qwen3": ("Qwen3Config", dict(COMMON_LLAMA, head_dim=16, tie_word_embeddings=False))}
+# Layers that do not split evenly over PP=2 (uneven pipeline stages).
+ODD_LAYER_MODELS = {"llama_3_layers": ("LlamaConfig", dict(COMMON_LLAMA, num_hidden_layers=3, tie_word_embeddings=False))}
 ARCHITECTURES = {"Qwen3Config": "Qwen3ForCausalLM", "MixtralConfig": "MixtralForCausalLM", "Qwen2MoeConfig": "Qwen2MoeForCausalLM", "GPT2Config": "GPT2LMHeadModel", "LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralForCausalLM",
                  "Qwen2Config": "Qwen2ForCausalLM"}
 
@@ -83,7 +85,7 @@ def build_hf(name: str, path: Path, *, with_tokenizer: bool = False):
     import torch
     import transformers
 
-    cls_name, kwargs = {**MODELS, **MOE_MODELS, **ROPE_MODELS, **QWEN3_MODELS}[name]
+    cls_name, kwargs = {**MODELS, **MOE_MODELS, **ROPE_MODELS, **QWEN3_MODELS, **ODD_LAYER_MODELS}[name]
     config = getattr(transformers, cls_name)(**kwargs, architectures=[ARCHITECTURES[cls_name]])
     config._attn_implementation = "eager"
     torch.manual_seed(zlib.crc32(name.encode()) % 1000)  # the same weights in every process

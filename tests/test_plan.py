@@ -199,3 +199,27 @@ def test_dry_run_says_what_auto_and_warmup_fraction_resolve_to():
     out = CliRunner().invoke(app, ["pretrain", "--dry-run", "--set", "parallel.tensor=1", "--set", "optim.warmup_iters=3"])
     text = " ".join(out.output.replace("│", " ").split())
     assert "sequence parallelism off (auto: TP 1)" in text and "3 steps (optim.warmup_iters)" in text
+
+
+def test_dry_run_lists_uneven_stages_and_estimates_the_busiest():
+    from typer.testing import CliRunner
+
+    from megacli import plan
+    from megacli.cli import _register, app
+    from megacli.recipe import base
+    from megacli.recipe.pretrain import TrainingRecipe
+
+    _register()
+    uneven = ["model.num_layers=7", "parallel.pipeline=4", "launch.nproc=4", "parallel.last_stage_layers=1",
+              "train.global_batch_size=8", "model.vocab_size=50000"]
+    sets = [x for s in [*TINY, *uneven] for x in ("--set", s)]
+    out = CliRunner().invoke(app, ["pretrain", "--dry-run", *sets], env={"COLUMNS": "200"})
+    assert out.exit_code == 0, out.output
+    assert "[2, 2, 2, 1] (uneven: parallel.last_stage_layers = 1)" in out.output
+    recipe = base.load(TrainingRecipe, None, [*TINY, *uneven])
+    counts, mem = plan.estimate(recipe, 50000, device="cpu")
+    stages = [plan._stage_memory(recipe, counts, 50000, s, device="cpu") for s in range(4)]
+    assert mem.total_gib == max(s.total_gib for s in stages)
+    # the last stage: one layer, but the output layer and the logits of a 50k vocabulary
+    assert mem.stage == 3 and mem.logits_gib > 0 and stages[0].logits_gib == 0
+    assert "pipeline stage 3 of 4, the busiest" in out.output

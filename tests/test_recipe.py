@@ -71,8 +71,19 @@ def test_defaults_are_a_valid_recipe():
 def test_derived_numbers():
     r = load(["launch.nproc=8", "parallel.tensor=2", "parallel.pipeline=2", "train.global_batch_size=32",
               "train.micro_batch_size=2", "model.num_layers=8"])
-    assert (r.world_size, r.data_parallel_size, r.num_microbatches, r.layers_per_stage) == (8, 2, 8, 4)
+    assert (r.world_size, r.data_parallel_size, r.num_microbatches, r.layers_per_stage) == (8, 2, 8, [4, 4])
     assert r.tokens_per_step == 32 * 1024
+
+
+def test_uneven_stages_split_as_megatron_core():
+    r = load(["launch.nproc=4", "parallel.pipeline=4", "model.num_layers=26", "parallel.first_stage_layers=5"])
+    assert r.layers_per_stage == [5, 7, 7, 7]
+    assert r.model_dump()["parallel"]["last_stage_layers"] is None  # nothing derived is stored
+    r = load(["launch.nproc=3", "parallel.pipeline=3", "parallel.virtual_pipeline=2", "model.num_layers=10",
+              "parallel.first_stage_layers=2", "parallel.last_stage_layers=4", "train.global_batch_size=24"])
+    assert r.layers_per_stage == [2, 4, 4]
+    # chunk 0 of every stage, then chunk 1 (Megatron-Core's layer offsets)
+    assert [[list(c) for c in s] for s in r.parallel.chunk_layers(10)] == [[[0], [5]], [[1, 2], [6, 7]], [[3, 4], [8, 9]]]
 
 
 @pytest.mark.parametrize("overrides, field, words", [
@@ -81,6 +92,19 @@ def test_derived_numbers():
     (["model.num_query_groups=2", "parallel.tensor=4", "launch.nproc=4", "train.global_batch_size=32"], "parallel.tensor = 4", "num_query_groups = 2"),
     (["parallel.pipeline=5", "launch.nproc=5"], "model.num_layers = 12", "12 % 5 = 2"),
     (["parallel.pipeline=2", "parallel.virtual_pipeline=4", "launch.nproc=2"], "model.num_layers = 12", "= 8"),
+    (["model.num_layers=3", "parallel.pipeline=2", "launch.nproc=2"], "model.num_layers = 3",
+     "parallel.first_stage_layers = 1 (stages of 1, 2 layers)"),
+    (["model.num_layers=3", "parallel.pipeline=2", "launch.nproc=2", "parallel.first_stage_layers=3"],
+     "parallel.first_stage_layers = 3", "3 layers on the uneven stage leave 0 for 1 other stage"),
+    (["model.num_layers=10", "parallel.pipeline=4", "launch.nproc=4", "parallel.first_stage_layers=2"],
+     "parallel.first_stage_layers = 2", "10 - 2 = 8 layers must divide evenly over the 3 other stages (8 % 3 = 2)"),
+    (["model.num_layers=10", "parallel.pipeline=3", "parallel.virtual_pipeline=2", "launch.nproc=3",
+      "parallel.first_stage_layers=3", "train.global_batch_size=24"], "parallel.first_stage_layers = 3",
+     "must be divisible by parallel.virtual_pipeline = 2"),
+    (["model.num_layers=12", "parallel.pipeline=3", "parallel.virtual_pipeline=2", "launch.nproc=3",
+      "parallel.first_stage_layers=2", "train.global_batch_size=24"], "parallel.first_stage_layers = 2",
+     "12 - 2 = 10 layers must divide evenly over the 2 other stages × parallel.virtual_pipeline 2 (10 % 4 = 2)"),
+    (["parallel.first_stage_layers=1"], "parallel.first_stage_layers = 1", "need parallel.pipeline >= 2"),
     (["launch.nproc=3", "parallel.tensor=2"], "launch.nproc = 3", "multiple of"),
     (["train.global_batch_size=30", "launch.nproc=4"], "train.global_batch_size = 30", "4 × 4 = 16"),
     (["parallel.sequence_parallel=true"], "parallel.sequence_parallel = True", "parallel.tensor > 1"),

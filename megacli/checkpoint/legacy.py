@@ -36,6 +36,7 @@ from megacli.checkpoint.layout import iteration_dir, rank_files
 from megacli.checkpoint.legacy_args import arg, model_section_from_args
 from megacli.checkpoint.safe_pickle import torch_load
 from megacli.errors import UserError
+from megacli.recipe.stages import chunk_layers, split_problem, stage_of_layer
 
 # Legacy-model (megatron/legacy/model) and local-spec names -> canonical (TE-style) names.
 _RENAMES = [
@@ -117,12 +118,17 @@ class LegacyCheckpoint:
         if (saved_tp, saved_pp) != (self.tp, self.pp):
             raise UserError(f"{self.it_dir}: args say TP={saved_tp} PP={saved_pp} but the directory holds TP={self.tp} "
                             f"PP={self.pp} rank files")
-        if arg(self.args, "decoder_first_pipeline_num_layers") or arg(self.args, "decoder_last_pipeline_num_layers"):
-            raise UserError("uneven pipeline stages (decoder_first/last_pipeline_num_layers) are not supported")
         self.vp = len([k for k in first if re.fullmatch(r"model\d+", k)]) or 1
         self.num_layers = self.args.num_layers
-        if self.num_layers % (self.pp * self.vp):
-            raise UserError(f"num_layers = {self.num_layers} is not divisible by PP × VPP = {self.pp * self.vp}")
+        # Uneven pipeline stages: Megatron-LM's --decoder-first/last-pipeline-num-layers.
+        self.first_stage_layers = arg(self.args, "decoder_first_pipeline_num_layers") or None
+        self.last_stage_layers = arg(self.args, "decoder_last_pipeline_num_layers") or None
+        split = (self.num_layers, self.pp, self.vp if self.vp > 1 else None, self.first_stage_layers, self.last_stage_layers)
+        problem = split_problem(*split, hint=False)
+        if problem:
+            raise UserError(f"{self.it_dir}: args split num_layers = {self.num_layers} over PP {self.pp} × VPP {self.vp} "
+                            f"in a way Megatron-Core does not: {problem[0]} = {problem[1]} {problem[2]}")
+        self.split = split
         self.arch = self._arch(first)
         self.untied = bool(arg(self.args, "untie_embeddings_and_output_weights", False))
         self.swiglu = bool(arg(self.args, "swiglu", False))
@@ -203,15 +209,13 @@ class LegacyCheckpoint:
     # --- tensors
 
     def chunk_offset(self, pp_rank: int, vp_rank: int) -> int:
-        per_chunk = self.num_layers // (self.pp * self.vp)
-        return vp_rank * (self.num_layers // self.vp) + pp_rank * per_chunk
+        return chunk_layers(*self.split)[pp_rank][vp_rank].start
 
     def stage_of(self, name: str) -> int:
         """The pipeline stage holding canonical key ``name``."""
         m = LAYER.match(name)
         if m:
-            per_chunk = self.num_layers // (self.pp * self.vp)
-            return (int(m.group(1)) // per_chunk) % self.pp
+            return stage_of_layer(int(m.group(1)), *self.split)
         return 0 if name.startswith("embedding.") else self.pp - 1
 
     def stage(self, pp_rank: int) -> dict:

@@ -96,6 +96,7 @@ def recipe_from_args(src) -> dict:
     return {
         "model": model,
         "parallel": {"tensor": src.tp, "pipeline": src.pp, "virtual_pipeline": src.vp if src.vp > 1 else None,
+                     "first_stage_layers": src.first_stage_layers, "last_stage_layers": src.last_stage_layers,
                      "sequence_parallel": bool(arg(a, "sequence_parallel", False)) and src.tp > 1, "context": cp,
                      "distributed_optimizer": False},
         "launch": {"nproc": world},

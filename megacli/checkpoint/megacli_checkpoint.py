@@ -12,6 +12,7 @@ from typing import Optional
 from megacli.checkpoint.layout import RECIPE, read_meta, read_recipe
 from megacli.checkpoint.torch_dist import STACKED, TorchDistReader
 from megacli.errors import UserError
+from megacli.recipe.stages import chunk_layers, stage_of_layer
 
 OPT_PREFIX = "optimizer.state."
 RNG_KEY = re.compile(r"^rng_state/shard_(\d+)\.(\d+)_(\d+)\.(\d+)$")
@@ -27,16 +28,23 @@ class Layout:
     virtual_pipeline: Optional[int] = None
     data: int = 1
     context: int = 1
+    first_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = None
 
     @classmethod
     def from_meta(cls, d: dict) -> "Layout":
         return cls(tensor=int(d.get("tensor", 1)), pipeline=int(d.get("pipeline", 1)),
                    virtual_pipeline=d.get("virtual_pipeline") or None, data=int(d.get("data", 1)),
-                   context=int(d.get("context", 1)))
+                   context=int(d.get("context", 1)), first_stage_layers=d.get("first_stage_layers"),
+                   last_stage_layers=d.get("last_stage_layers"))
 
     def as_meta(self) -> dict:
-        return {"tensor": self.tensor, "pipeline": self.pipeline, "virtual_pipeline": self.virtual_pipeline,
+        meta = {"tensor": self.tensor, "pipeline": self.pipeline, "virtual_pipeline": self.virtual_pipeline,
                 "data": self.data, "context": self.context}
+        for key, given in (("first_stage_layers", self.first_stage_layers), ("last_stage_layers", self.last_stage_layers)):
+            if given is not None:  # as the engine records them: only for uneven stages
+                meta[key] = given
+        return meta
 
     @property
     def world_size(self) -> int:
@@ -49,15 +57,18 @@ class Layout:
     def __str__(self) -> str:
         vp = f" (VP {self.virtual_pipeline})" if self.virtual_pipeline else ""
         cp = f" × CP {self.context}" if self.context > 1 else ""
-        return f"TP {self.tensor} × PP {self.pipeline}{vp}{cp} × DP {self.data}"
+        uneven = "".join(f", {n} layers on the {which} stage" for which, n in
+                         (("first", self.first_stage_layers), ("last", self.last_stage_layers)) if n is not None)
+        return f"TP {self.tensor} × PP {self.pipeline}{vp}{cp} × DP {self.data}{uneven}"
 
     def stage_of_layer(self, layer: int, num_layers: int) -> int:
         """The pipeline rank holding (global, 0-based) ``layer``."""
-        per_chunk = num_layers // (self.pipeline * self.vp)
-        return (layer // per_chunk) % self.pipeline
+        return stage_of_layer(layer, num_layers, self.pipeline, self.virtual_pipeline, self.first_stage_layers,
+                              self.last_stage_layers)
 
     def first_layer_of_stage(self, stage: int, num_layers: int) -> int:
-        return stage * (num_layers // (self.pipeline * self.vp))
+        chunks = chunk_layers(num_layers, self.pipeline, self.virtual_pipeline, self.first_stage_layers, self.last_stage_layers)
+        return chunks[stage][0].start
 
 
 # ---------------------------------------------------------------- the checkpoint

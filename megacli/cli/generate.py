@@ -97,6 +97,7 @@ def build_recipe(recipe_path: Optional[Path], flags: dict, *, tensor: Optional[i
     pp = pipeline or (given.get("parallel") or {}).get("pipeline") or 1
     par.update(tensor=tp, pipeline=pp, virtual_pipeline=None, sequence_parallel=False, context=1,
                distributed_optimizer=False, recompute="none")
+    par.update(_stage_split(raw, pp))
     raw.setdefault("launch", {})["nproc"] = tp * pp
     train = raw.setdefault("train", {})
     train["global_batch_size"] = train.get("micro_batch_size", 1)  # no training: keep the batch arithmetic trivially valid
@@ -105,6 +106,20 @@ def build_recipe(recipe_path: Optional[Path], flags: dict, *, tensor: Optional[i
     recipe = base.validate(recipe_model(job), raw, f"{ckpt / 'recipe.yaml'} + {job} options")
     check_checkpoint(ckpt, trust=recipe.checkpoint.trust_pickle)
     return recipe
+
+
+def _stage_split(raw: dict, pp: int) -> dict:
+    """Uneven pipeline stages for ``pp``: the recipe's when they fit it, else a split that does
+    (an even one where the layers divide)."""
+    from megacli.recipe.model import ModelSection
+    from megacli.recipe.stages import pick_split, split_problem
+
+    par = raw.get("parallel") or {}
+    num_layers = (raw.get("model") or {}).get("num_layers", ModelSection.model_fields["num_layers"].default)
+    first, last = par.get("first_stage_layers"), par.get("last_stage_layers")
+    if split_problem(num_layers, pp, None, first, last, hint=False):
+        first, last = pick_split(num_layers, pp) or (None, None)  # None: the recipe check says why
+    return {"first_stage_layers": first, "last_stage_layers": last}
 
 
 def check_writable(path: Path) -> None:

@@ -71,7 +71,7 @@ def print_plan(recipe) -> None:
     layout.add_row("world size", f"TP {p.tensor} × PP {p.pipeline} × CP {p.context} × DP {recipe.data_parallel_size} = {recipe.world_size}")
     sp = "on" if p.sp_enabled else "off"
     layout.add_row("sequence parallelism", sp + (f" (auto: TP {p.tensor})" if p.sequence_parallel == "auto" else ""))
-    layout.add_row("layers per pipeline stage", f"{recipe.layers_per_stage}" + (f" ({recipe.layers_per_stage // p.virtual_pipeline} per virtual stage × {p.virtual_pipeline})" if p.virtual_pipeline else ""))
+    layout.add_row("layers per pipeline stage", _stages(recipe))
     layout.add_row("micro-batches per step", f"{recipe.num_microbatches} = global {t.global_batch_size} / (micro {t.micro_batch_size} × DP {recipe.data_parallel_size})")
     layout.add_row("tokens per step", f"{recipe.tokens_per_step:,} = {t.global_batch_size} × {m.seq_length}")
     layout.add_row("vocabulary", f"{vocab:,} ({vocab_src}) → padded {plan.padded_vocab_size(vocab, divisible_by=m.make_vocab_size_divisible_by, tensor_parallel=p.tensor):,}")
@@ -82,7 +82,7 @@ def print_plan(recipe) -> None:
         layout.add_row("parameters (model)", f"{total:,} ({counts.active:,} active per token)")
     else:
         layout.add_row("parameters (model)", f"{total:,}")
-    layout.add_row("parameters per rank (first stage)", f"{mem.params:,}")
+    layout.add_row(f"parameters per rank (stage {mem.stage}, the busiest)", f"{mem.params:,}")
     layout.add_row("attention kernel", f"{kernel} on {device}: {plan.ATTENTION_KERNELS[kernel]}")
     o = recipe.optim
     warmup = o.warmup_steps(t.iters)
@@ -93,7 +93,7 @@ def print_plan(recipe) -> None:
     console.print(layout)
 
     w, g, o = plan.bytes_per_param(t.precision)
-    memory = Table(title=f"memory per rank (first pipeline stage, {t.precision})")
+    memory = Table(title=f"memory per rank (pipeline stage {mem.stage} of {p.pipeline}, the busiest; {t.precision})")
     memory.add_column("what")
     memory.add_column("GiB", justify="right")
     memory.add_column("how")
@@ -111,9 +111,23 @@ def print_plan(recipe) -> None:
                    f"{scores} per layer, {_act_form(recipe)}, × in-flight layers")
     logits_how = "8·s·b·V/t (fp32 softmax, then gradient, + a masked copy)" if t.precision == "fp32" else \
         "6·s·b·V/t (16-bit logits + fp32 softmax)"
-    memory.add_row("logits at the loss", f"{mem.logits_gib:.3f}", logits_how if p.pipeline == 1 else "on the last stage only")
+    memory.add_row("logits at the loss", f"{mem.logits_gib:.3f}", logits_how if p.pipeline == 1 else
+                   f"{logits_how}, on the last stage only" if mem.stage == p.pipeline - 1 else "on the last stage only")
     memory.add_row("total", f"{mem.total_gib:.3f}", "")
     console.print(memory)
+
+
+def _stages(recipe) -> str:
+    """Layers of each pipeline stage as a list, with the model chunks under interleaving."""
+    p = recipe.parallel
+    counts = recipe.layers_per_stage
+    text = "[" + ", ".join(map(str, counts)) + "]"
+    if p.first_stage_layers is not None or p.last_stage_layers is not None:
+        text += " (uneven: " + ", ".join(f"parallel.{name} = {n}" for name, n in (
+            ("first_stage_layers", p.first_stage_layers), ("last_stage_layers", p.last_stage_layers)) if n is not None) + ")"
+    if p.virtual_pipeline:
+        text += f"; {p.virtual_pipeline} chunks per stage of [" + ", ".join(str(n // p.virtual_pipeline) for n in counts) + "] layers"
+    return text
 
 
 def _act_form(recipe) -> str:

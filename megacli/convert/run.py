@@ -22,6 +22,7 @@ from megacli.checkpoint.layout import HF_DIR, carried_hf_dir
 from megacli.convert import hf_io
 from megacli.errors import UserError
 from megacli.precision import DTYPES, params_dtype, precision_of
+from megacli.recipe.stages import pick_split
 
 FORMATS = ("hf", "megacli", "legacy")
 PRECISIONS = tuple(DTYPES)
@@ -130,6 +131,10 @@ def converted_recipe(*, model: dict, parallel, precision: str, tokenizer: dict, 
 
     pp = parallel.pipeline
     layout = parallel.model_dump()
+    if parallel.first_stage_layers is None and parallel.last_stage_layers is None and model.get("num_layers"):
+        # layers that do not split evenly over PP: a split Megatron-Core accepts (pipeline_split says which)
+        first, last = pick_split(model["num_layers"], pp, parallel.virtual_pipeline) or (None, None)
+        layout.update(first_stage_layers=first, last_stage_layers=last)
     if model.get("moe") and parallel.tensor > 1:
         layout["sequence_parallel"] = True  # Megatron-Core's MoE layers need it under tensor parallelism
     raw = {
@@ -146,6 +151,19 @@ def converted_recipe(*, model: dict, parallel, precision: str, tokenizer: dict, 
     else:
         raw["data"] = {"mock": True}
     return validate(TrainingRecipe, raw, "the converted checkpoint's recipe")
+
+
+def pipeline_split(recipe, *, asked) -> str:
+    """The written recipe's layers per pipeline stage, and why when convert chose an uneven split."""
+    p, n = recipe.parallel, recipe.model.num_layers
+    text = f"layers per pipeline stage: {recipe.layers_per_stage}"
+    picked = (p.first_stage_layers, p.last_stage_layers)
+    if (asked.first_stage_layers, asked.last_stage_layers) == (None, None) and picked != (None, None):
+        chosen = " and ".join(f"parallel.{name} = {v}" for name, v in zip(("first_stage_layers", "last_stage_layers"), picked)
+                              if v is not None)
+        text += (f" ({n} layers do not split evenly over PP={p.pipeline}; chose {chosen} in recipe.yaml, "
+                 f"--set parallel.first_stage_layers=N / last_stage_layers=N picks another)")
+    return text
 
 
 def _tokenizer_section(final_hf_dir: Path, copied: list[str]) -> dict:
@@ -200,6 +218,7 @@ def _hf_to_megacli(src: Path, work: Path, final: Path, *, parallel, dtype: str |
     p = recipe.parallel
     say(f"{arch} -> megacli checkpoint {final / ckpt.name} ({precision}; prepared for TP={p.tensor} PP={p.pipeline}"
         f"{f' VPP={p.virtual_pipeline}' if p.virtual_pipeline else ''}; loads under any layout)")
+    say(pipeline_split(recipe, asked=parallel))
     say(f"tokenizer: {tokenizer['type']}" + (f" ({', '.join(copied)})" if copied else " (the source has no tokenizer files)"))
 
 
@@ -233,6 +252,7 @@ def _legacy_to_megacli(legacy, work: Path, final: Path, *, parallel, dtype: str 
                                                                       "virtual_pipeline": legacy.vp}}})
     say(f"Megatron-LM legacy {model['arch'].upper()} checkpoint (TP={legacy.tp} PP={legacy.pp}, iteration "
         f"{legacy.iteration}) -> megacli checkpoint {final / ckpt.name} ({precision}; tokenizer: {tokenizer['type']})")
+    say(pipeline_split(recipe, asked=parallel))
 
 
 # ---------------------------------------------------------------- into Hugging Face

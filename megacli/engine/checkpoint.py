@@ -41,16 +41,24 @@ class Restored:
     run_id: str | None = None  # the training run the checkpoint belongs to (None: weights only, or an older checkpoint)
 
 
-def _layout() -> dict:
+def _layout(chunks) -> dict:
     from megatron.core import parallel_state as ps
 
-    return {
+    from megacli.engine.models.common import unwrap
+
+    layout = {
         "tensor": ps.get_tensor_model_parallel_world_size(),
         "pipeline": ps.get_pipeline_model_parallel_world_size(),
         "virtual_pipeline": ps.get_virtual_pipeline_model_parallel_world_size(),
         "data": ps.get_data_parallel_world_size(),
         "context": ps.get_context_parallel_world_size(),
     }
+    config = getattr(unwrap(chunks[0]), "config", None)  # none: weights written by convert, in one process
+    for key in ("first_stage_layers", "last_stage_layers"):
+        given = getattr(config, f"num_layers_in_{key.split('_')[0]}_pipeline_stage", None)
+        if given is not None:  # uneven stages only: even layouts keep the keys older checkpoints have
+            layout[key] = given
+    return layout
 
 
 def _model_keys(chunks) -> list[str]:
@@ -159,7 +167,7 @@ def save(*, ckpt_dir: str | Path, iteration: int, consumed_samples: int, chunks,
     parts = [None] * world if rank == 0 else None
     dist.gather_object(described, parts, dst=0)
     if rank == 0:
-        meta = {"iteration": iteration, "consumed_samples": consumed_samples, "layout": _layout(), "format": "torch_dist"}
+        meta = {"iteration": iteration, "consumed_samples": consumed_samples, "layout": _layout(chunks), "format": "torch_dist"}
         if weights_only:
             meta.update(has_optimizer=False, has_rng_state=False)
         if run_id is not None:
@@ -312,7 +320,7 @@ def _load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool, kee
     if verify:
         _check_manifest(ckpt)
     meta = read_meta(ckpt)
-    restore_rng = meta.get("layout") == _layout() and meta.get("has_rng_state", True)
+    restore_rng = meta.get("layout") == _layout(chunks) and meta.get("has_rng_state", True)
     has_optimizer = load_optimizer and meta.get("has_optimizer", True)
     if has_optimizer:
         _check_optimizer_kind(ckpt, optimizer)

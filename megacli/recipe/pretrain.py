@@ -12,6 +12,7 @@ from pydantic import model_validator
 from megacli.errors import UserError
 from megacli.recipe.base import RecipeError, Section
 from megacli.recipe.model import ModelSection
+from megacli.recipe.stages import split_problem
 from megacli.recipe.sections import (
     CheckpointSection,
     DataSection,
@@ -80,8 +81,9 @@ class TrainingRecipe(Section):
         return self.train.global_batch_size * self.model.seq_length
 
     @property
-    def layers_per_stage(self) -> int:
-        return self.model.num_layers // self.parallel.pipeline
+    def layers_per_stage(self) -> list[int]:
+        """Transformer layers on each pipeline stage."""
+        return self.parallel.stage_layer_counts(self.model.num_layers)
 
     @model_validator(mode="after")
     def _check_arithmetic(self):
@@ -103,12 +105,9 @@ class TrainingRecipe(Section):
                               f"(or set model.kv_channels)")
         if m.ffn_size % tp:
             raise RecipeError("model.ffn_hidden_size", m.ffn_size, f"must be divisible by parallel.tensor = {tp}")
-        stages = p.pipeline * (p.virtual_pipeline or 1)
-        if m.num_layers % stages:
-            what = f"parallel.pipeline × parallel.virtual_pipeline = {p.pipeline} × {p.virtual_pipeline}" if p.virtual_pipeline \
-                else "parallel.pipeline"
-            raise RecipeError("model.num_layers", m.num_layers, f"must be divisible by {what} = {stages} "
-                              f"({m.num_layers} % {stages} = {m.num_layers % stages})")
+        problem = split_problem(m.num_layers, p.pipeline, p.virtual_pipeline, p.first_stage_layers, p.last_stage_layers)
+        if problem:
+            raise RecipeError(*problem)
         if p.virtual_pipeline and p.pipeline < 2:
             raise RecipeError("parallel.virtual_pipeline", p.virtual_pipeline, "interleaving needs parallel.pipeline >= 2")
         if self.world_size % self.model_parallel_size:

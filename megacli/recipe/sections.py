@@ -18,6 +18,13 @@ class ParallelSection(Section):
     """Pipeline-parallel size (splits the layers into stages)."""
     virtual_pipeline: Optional[PositiveInt] = None
     """Model chunks per pipeline stage for the interleaved 1F1B schedule; null = plain 1F1B."""
+    first_stage_layers: Optional[PositiveInt] = None
+    """Transformer layers on the first pipeline stage when the layers do not split evenly (or to
+    lighten the stage that also holds the embedding); the other stages share the rest evenly.
+    Megatron-Core's num_layers_in_first_pipeline_stage. null = an even split."""
+    last_stage_layers: Optional[PositiveInt] = None
+    """Transformer layers on the last pipeline stage (which also holds the output layer and the
+    loss); Megatron-Core's num_layers_in_last_pipeline_stage. null = an even split."""
     sequence_parallel: Union[bool, Literal["auto"]] = "auto"
     """Shard norms/dropout activations along the sequence across the tensor-parallel group.
     auto: on when tensor > 1 (it only saves memory); true with tensor = 1 is an error."""
@@ -37,6 +44,18 @@ class ParallelSection(Section):
     """Overlap the data-parallel gradient reduce with the backward pass."""
     overlap_param_gather: bool = False
     """Overlap the distributed optimizer's parameter all-gather with the forward pass."""
+
+    def stage_layer_counts(self, num_layers: int) -> list[int]:
+        """Transformer layers on each pipeline stage (of a split the recipe checks accepted)."""
+        from megacli.recipe.stages import stage_layer_counts
+
+        return stage_layer_counts(num_layers, self.pipeline, self.first_stage_layers, self.last_stage_layers)
+
+    def chunk_layers(self, num_layers: int) -> list[list[range]]:
+        """[stage][virtual chunk] -> the global layer numbers it holds."""
+        from megacli.recipe.stages import chunk_layers
+
+        return chunk_layers(num_layers, self.pipeline, self.virtual_pipeline, self.first_stage_layers, self.last_stage_layers)
 
     @property
     def sp_enabled(self) -> bool:

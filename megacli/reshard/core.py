@@ -154,7 +154,7 @@ def _reshard(job, progress) -> Result:
         target = resolve_target(src.layout, src.section("parallel"), tensor=job.tensor, pipeline=job.pipeline,
                                 virtual_pipeline=job.virtual_pipeline, data_parallel=job.data_parallel,
                                 distributed_optimizer=distributed_optimizer, sequence_parallel=job.sequence_parallel,
-                                overrides=tuple(job.target_set))
+                                overrides=tuple(job.target_set), num_layers=_num_layers(src))
         plan = build_plan(src, target)
         _check_precision(src, plan)
         if original != src_dir:  # imported from Megatron-LM: name the legacy checkpoint, not the staging copy
@@ -168,6 +168,12 @@ def _reshard(job, progress) -> Result:
                       format=job.format)
     finally:
         legacy.cleanup_staging(src_dir)
+
+
+def _num_layers(src: Checkpoint) -> int:
+    from megacli.recipe.model import ModelSection
+
+    return int(src.section("model").get("num_layers", ModelSection.model_fields["num_layers"].default))
 
 
 def _write_output(job, plan: Plan, output: Path, it_name: str, progress) -> VerifyReport | None:

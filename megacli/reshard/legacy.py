@@ -71,7 +71,7 @@ def import_to_staging(path: Path, *, where: Path, trust_pickle: bool = False, pr
     from megacli.checkpoint.torch_dist import ObjectEntry, TensorEntry, write_torch_dist
     from megacli.recipe.base import dump, validate
     from megacli.recipe.pretrain import TrainingRecipe
-    from megacli.checkpoint.megacli_checkpoint import OPT_PREFIX
+    from megacli.checkpoint.megacli_checkpoint import OPT_PREFIX, Layout
     from megacli.reshard.plan import target_chunks
 
     src = open_source(path, trust_pickle=trust_pickle)
@@ -175,8 +175,9 @@ def import_to_staging(path: Path, *, where: Path, trust_pickle: bool = False, pr
     write_torch_dist(it_dir, tensors, objects, common, on_done=done)
     consumed = int(arg(src.args, "consumed_train_samples", src.iteration * gbs) or 0)
     meta = {"iteration": src.iteration, "consumed_samples": consumed,
-            "layout": {"tensor": src.tp, "pipeline": src.pp, "virtual_pipeline": src.vp if src.vp > 1 else None,
-                       "data": recipe.data_parallel_size, "context": recipe.parallel.context},
+            "layout": Layout(tensor=src.tp, pipeline=src.pp, virtual_pipeline=src.vp if src.vp > 1 else None,
+                             data=recipe.data_parallel_size, context=recipe.parallel.context,
+                             first_stage_layers=src.first_stage_layers, last_stage_layers=src.last_stage_layers).as_meta(),
             "format": "torch_dist", "imported_from": {"path": str(Path(path).resolve()), "format": "megatron-lm torch"}}
     if not src.has_optimizer:
         meta["has_optimizer"] = False

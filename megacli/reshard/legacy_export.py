@@ -79,7 +79,7 @@ def export(it_dir: Path, out: Path, *, trust_pickle: bool = False, progress=None
     gbs = recipe.train.global_batch_size
     args = _args_from_recipe(recipe, ck, reader)
     it_name = iter_name(ck.iteration)
-    per_chunk = L // (P * V)
+    chunks = recipe.parallel.chunk_layers(L)  # [stage][virtual chunk] -> its global layers
     total = T * P
     done = progress("exporting", total) if progress else (lambda key: None)
 
@@ -107,7 +107,7 @@ def export(it_dir: Path, out: Path, *, trust_pickle: bool = False, progress=None
             params: list[tuple[str, str]] = []  # (file key, megacli base key) in parameter order
             for v in range(V):
                 state: dict = {}
-                first_layer = v * (L // V) + p * per_chunk
+                first_layer, per_chunk = chunks[p][v].start, len(chunks[p][v])
                 entries: list[tuple[str, Optional[int], str]] = []  # (megacli key, global layer, file key)
                 if p == 0 and v == 0:
                     entries += [(k, None, k) for k in _TOP_FIRST if k in model_keys]
@@ -239,6 +239,7 @@ def _args_from_recipe(recipe, ck, reader) -> argparse.Namespace:
         tokenizer_model=tok.path,
         tensor_model_parallel_size=p.tensor, pipeline_model_parallel_size=p.pipeline,
         virtual_pipeline_model_parallel_size=p.virtual_pipeline, sequence_parallel=p.sp_enabled,
+        decoder_first_pipeline_num_layers=p.first_stage_layers, decoder_last_pipeline_num_layers=p.last_stage_layers,
         context_parallel_size=p.context, data_parallel_size=recipe.data_parallel_size, world_size=recipe.world_size,
         use_distributed_optimizer=False, ckpt_format="torch", data_parallel_random_init=False,
         global_batch_size=gbs, micro_batch_size=t.micro_batch_size, train_iters=t.iters, seed=t.seed,

@@ -29,7 +29,7 @@ the new (pipeline, tensor) grid and rewrites the labels.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -39,6 +39,7 @@ from megacli.checkpoint.torch_dist import STACKED, ObjectEntry, TensorEntry
 from megacli.checkpoint.megacli_checkpoint import OPT_PREFIX, Checkpoint, Layout, split_optimizer_key
 from megacli.errors import UserError
 from megacli.recipe.sections import sequence_parallel_on
+from megacli.recipe.stages import pick_split
 from megacli.reshard.objects import plan_objects
 
 # ---------------------------------------------------------------- target chunks
@@ -81,10 +82,13 @@ class Target:
 
 
 def resolve_target(src_layout: Layout, src_parallel: dict, *, tensor=None, pipeline=None, virtual_pipeline=None,
-                   data_parallel=None, distributed_optimizer=None, sequence_parallel=None, overrides=()) -> Target:
+                   data_parallel=None, distributed_optimizer=None, sequence_parallel=None, overrides=(),
+                   num_layers: Optional[int] = None) -> Target:
     """Fill what the user did not give from the source: TP/PP/DP and the optimizer kind are kept;
     virtual stages are kept when PP is unchanged (``1`` = none); sequence parallelism is kept
-    where TP > 1."""
+    where TP > 1. Uneven stages are kept when PP and VP are; otherwise a split of the model's
+    ``num_layers`` is picked (even where they divide; ``--set parallel.first_stage_layers=N``
+    chooses another)."""
     tp = tensor or src_layout.tensor
     pp = pipeline or src_layout.pipeline
     if virtual_pipeline is None:
@@ -97,7 +101,11 @@ def resolve_target(src_layout: Layout, src_parallel: dict, *, tensor=None, pipel
         sp = tp > 1 and sequence_parallel_on(src_parallel.get("sequence_parallel", False), tensor=tp)
     else:
         sp = sequence_parallel
-    layout = Layout(tensor=tp, pipeline=pp, virtual_pipeline=vp, data=dp, context=src_layout.context)
+    first, last = src_layout.first_stage_layers, src_layout.last_stage_layers
+    if (pp, vp) != (src_layout.pipeline, src_layout.virtual_pipeline) and num_layers is not None:
+        first, last = pick_split(num_layers, pp, vp) or (None, None)  # None: the recipe check says why
+    layout = Layout(tensor=tp, pipeline=pp, virtual_pipeline=vp, data=dp, context=src_layout.context,
+                    first_stage_layers=first, last_stage_layers=last)
     return Target(layout=layout, distributed_optimizer=dist_opt, sequence_parallel=sp, overrides=tuple(overrides))
 
 
@@ -110,6 +118,7 @@ def target_recipe(src: Checkpoint, target: Target):
     lay = target.layout
     parallel = dict(raw.get("parallel") or {})
     parallel.update(tensor=lay.tensor, pipeline=lay.pipeline, virtual_pipeline=lay.virtual_pipeline,
+                    first_stage_layers=lay.first_stage_layers, last_stage_layers=lay.last_stage_layers,
                     context=lay.context, distributed_optimizer=target.distributed_optimizer,
                     sequence_parallel=target.sequence_parallel)
     if not target.distributed_optimizer:
@@ -160,6 +169,9 @@ def build_plan(src: Checkpoint, target: Target, recipe=None) -> Plan:
     """The entries of the target checkpoint. ``recipe``: the target's recipe (default: the source's
     with the target layout, see target_recipe)."""
     recipe = recipe if recipe is not None else target_recipe(src, target)
+    p = recipe.parallel  # uneven stages as the written recipe has them (--set may choose them)
+    target = replace(target, layout=replace(target.layout, first_stage_layers=p.first_stage_layers,
+                                            last_stage_layers=p.last_stage_layers))
     m = recipe.model
     gated = m.gated
     notes: list[str] = []

@@ -65,6 +65,8 @@ def transformer_config(*, model, parallel, precision: str, on_cuda: bool, **over
         tensor_model_parallel_size=parallel.tensor,
         pipeline_model_parallel_size=parallel.pipeline,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
+        num_layers_in_first_pipeline_stage=parallel.first_stage_layers,
+        num_layers_in_last_pipeline_stage=parallel.last_stage_layers,
         sequence_parallel=parallel.sp_enabled,
         context_parallel_size=parallel.context,
         expert_model_parallel_size=parallel.expert,
