@@ -54,10 +54,12 @@ def generate(
         flags["logprobs"] = True
     if no_cache:
         flags["use_cache"] = False
+    if output:  # before the checkpoint is read at all
+        check_writable(output)
     overrides = (set_ or []) + (["checkpoint.trust_pickle=true"] if trust_pickle else [])
     job = build_recipe(recipe, flags, tensor=tensor, pipeline=pipeline, overrides=overrides)
     g = job.generate
-    if g.output:
+    if g.output and not output:  # the recipe file's generate.output
         check_writable(Path(g.output))
     if not (g.prompts or g.prompts_file or g.score or g.cloze):
         if job.world_size > 1 or not sys.stdin.isatty():
