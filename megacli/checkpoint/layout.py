@@ -4,6 +4,11 @@
     CKPT/iter_0000100/       torch_dist shards + recipe.yaml + megacli.json (iteration, data position, layout)
     CKPT/hf/                 a converted checkpoint's Hugging Face config and tokenizer files
 
+A Megatron-LM torch_dist checkpoint (its default format; see megacli.checkpoint.megatron_lm):
+
+    CKPT/latest_checkpointed_iteration.txt                   "1000" (or "release")
+    CKPT/iter_0001000/.metadata, *.distcp, common.pt
+
 A Megatron-LM legacy (``--ckpt-format torch``) checkpoint:
 
     CKPT/latest_checkpointed_iteration.txt                   "1000" (or "release")
@@ -126,6 +131,10 @@ def fsync_dir(path: Path) -> None:
 
 def is_legacy_dir(path: Path) -> bool:
     """A Megatron-LM legacy checkpoint root (its tracker file) or iteration directory (mp_rank_*)."""
+    from megacli.checkpoint.megatron_lm import is_megatron_lm_dir
+
+    if is_megatron_lm_dir(path):
+        return False
     return (path / TRACKER).is_file() or any(RANK_DIR.match(p.name) for p in _subdirs(path))
 
 
@@ -168,14 +177,20 @@ def rank_files(it_dir: Path) -> dict[tuple[int, int], Path]:
 
 
 def locate(path: str | Path) -> tuple[Path, str]:
-    """A checkpoint at ``path``: (the megacli iteration directory, "megacli") or (``path``, "legacy")."""
+    """A checkpoint at ``path``: (the megacli iteration directory, "megacli"), or (``path``,
+    "megatron-lm") for Megatron-LM's torch_dist format, or (``path``, "legacy") for its legacy one."""
+    from megacli.checkpoint.megatron_lm import is_megatron_lm_dir
+
     path = Path(path)
     if not path.exists():
         raise UserError(f"{path}: no such checkpoint")
     found = find_checkpoint(path)
     if found is not None:
         return found, "megacli"
+    if is_megatron_lm_dir(path):
+        return path, "megatron-lm"
     if path.is_dir() and is_legacy_dir(path):
         return path, "legacy"
     raise UserError(f"{path}: not a checkpoint (expected a directory with '{LATEST}' or '{META}', or a Megatron-LM "
-                    f"checkpoint with {TRACKER} or mp_rank_* directories)")
+                    f"checkpoint with {TRACKER}, an iter_* directory holding .metadata and common.pt, or mp_rank_* "
+                    f"directories)")

@@ -1,0 +1,226 @@
+"""Megatron-LM's own torch_dist checkpoints (``--ckpt-format torch_dist``, its default), read.
+
+    CKPT/latest_checkpointed_iteration.txt     "1000" (or "release")
+    CKPT/iter_0001000/.metadata, __R_F.distcp  the sharded state: model (global shapes, layers stacked),
+                                               optimizer, RNG state (sharded objects)
+    CKPT/iter_0001000/common.pt                the state every rank shares: args (the run's argparse
+                                               Namespace), checkpoint_version, iteration,
+                                               opt_param_scheduler, ...
+    CKPT/iter_0001000/metadata.json            {"sharded_backend": "torch_dist", ...}
+
+The model's sharded keys are megacli's canonical ones: Megatron-Core's Transformer Engine spec
+fuses the layer norms into ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``
+and its local spec maps its norms to those names on save. A local-spec model saved without that
+map (``input_layernorm.weight``, ``pre_mlp_layernorm.weight``) is renamed on read; Transformer
+Engine's ``_extra_state`` entries are not weights and are skipped.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from megacli.checkpoint.layout import TRACKER, iter_name
+from megacli.checkpoint.legacy_args import arg, model_section_from_args, tokenizer_dir, wordpiece_vocab
+from megacli.checkpoint.safe_pickle import COMMON, DCP_METADATA, torch_load
+from megacli.errors import UserError
+
+FORMAT = "megatron-lm torch_dist"
+
+# Arguments that change the model in ways megacli's model section does not express (name: why).
+_UNMAPPED_ARGS = {
+    "num_experts": "mixture-of-experts Megatron-LM torch_dist checkpoints are not supported yet",
+    "apply_layernorm_1p": "zero-centred norm gains (apply_layernorm_1p) are not expressed by megacli's model",
+    "use_rope_scaling": "RoPE frequency scaling (use_rope_scaling) is not mapped",
+    "multi_latent_attention": "multi-latent attention is not supported",
+    "mtp_num_layers": "multi-token prediction layers are not supported",
+    "window_size": "sliding-window attention (window_size) is not supported",
+}
+_NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+
+_LOCAL_NORM = re.compile(r"(?P<head>(?:^|\.)layers\.)(?P<norm>input_layernorm|pre_mlp_layernorm)\.(?P<kind>weight|bias)\Z")
+_FUSED_INTO = {"input_layernorm": "self_attention.linear_qkv", "pre_mlp_layernorm": "mlp.linear_fc1"}
+
+
+def is_torch_dist_iteration(path: Path) -> bool:
+    """An iteration directory Megatron-LM wrote with torch_dist: DCP metadata and common.pt, and no
+    megacli.json (megacli's own checkpoints have that)."""
+    from megacli.checkpoint.layout import META
+
+    return (path / DCP_METADATA).is_file() and (path / COMMON).is_file() and not (path / META).is_file()
+
+
+def tracked_iteration(root: Path) -> Path | None:
+    """The iteration directory a tracker file names (None when ``root`` has no tracker file)."""
+    tracker = root / TRACKER
+    if not tracker.is_file():
+        return None
+    text = tracker.read_text().strip()
+    name = "release" if text == "release" else iter_name(int(text)) if text.isdigit() else None
+    if name is None or not (root / name).is_dir():
+        raise UserError(f"{tracker} says {text!r}, but there is no matching iteration directory")
+    return root / name
+
+
+def is_megatron_lm_dir(path: Path) -> bool:
+    """A Megatron-LM torch_dist checkpoint: a root whose tracker names a torch_dist iteration, or
+    such an iteration directory itself."""
+    if not path.is_dir():
+        return False
+    if (path / TRACKER).is_file():
+        try:
+            it = tracked_iteration(path)
+        except UserError:
+            return False
+        return it is not None and is_torch_dist_iteration(it)
+    return is_torch_dist_iteration(path)
+
+
+def canonical_key(key: str, stored: set[str]) -> str | None:
+    """The megacli (canonical) name of a stored model key; None for entries that are not weights.
+    A local-spec norm is renamed to the fused spelling only where the layer has that fused linear
+    (a MoE layer's pre-MLP norm stays separate)."""
+    if key.endswith("_extra_state") or "._extra_state/" in key:
+        return None
+    m = _LOCAL_NORM.search(key)
+    if m is None:
+        return key
+    stem = key[: m.start("norm")]
+    fused = _FUSED_INTO[m.group("norm")]
+    if f"{stem}{fused}.weight" not in stored:
+        return key
+    return f"{stem}{fused}.layer_norm_{m.group('kind')}"
+
+
+class MegatronLMCheckpoint:
+    """A Megatron-LM torch_dist checkpoint: its run's args, iteration and model weights (as a
+    CheckpointReader with canonical keys, made by ``weights()``)."""
+
+    def __init__(self, path: Path, *, trust_pickle: bool = False):
+        self.root = Path(path)
+        self.trust_pickle = trust_pickle
+        self.it_dir = tracked_iteration(self.root) or self.root
+        if not is_torch_dist_iteration(self.it_dir):
+            raise UserError(f"{self.it_dir}: not a Megatron-LM torch_dist iteration directory (needs {DCP_METADATA} "
+                            f"and {COMMON})")
+        common_path = self.it_dir / COMMON
+        self.common = torch_load(common_path, trust=trust_pickle, name=common_path)
+        if not isinstance(self.common, dict):
+            raise UserError(f"{common_path}: holds a {type(self.common).__name__}, not Megatron-LM's common state dict")
+        version = self.common.get("checkpoint_version", 0) or 0
+        if version < 3.0:
+            raise UserError(f"{common_path}: checkpoint_version {version}; only version 3.0 is supported")
+        self.args = self.common.get("args")
+        if self.args is None:
+            raise UserError(f"{common_path} has no 'args' (needed to know the model)")
+        for name in ("num_layers", "hidden_size", "num_attention_heads"):
+            if getattr(self.args, name, None) is None:
+                raise UserError(f"{common_path}: args has no {name}")
+        self.iteration = int(self.common.get("iteration", 0) or 0)
+        self.tp = int(arg(self.args, "tensor_model_parallel_size", 1))
+        self.pp = int(arg(self.args, "pipeline_model_parallel_size", 1))
+        self.vp = int(arg(self.args, "virtual_pipeline_model_parallel_size", 1))
+        self._weights = None
+        self._loaded: dict[str, torch.Tensor] | None = None
+
+    # --- what the model is
+
+    def weights(self):
+        """The model weights under canonical keys (a CheckpointReader; made once)."""
+        if self._weights is None:
+            from megacli.convert.megatron_io import CheckpointReader
+
+            self._weights = CheckpointReader(self.it_dir, trust_pickle=self.trust_pickle, rename=canonical_key)
+        return self._weights
+
+    @property
+    def arch(self) -> str:
+        keys = self.weights().stored
+        if any(k.startswith("encoder.") for k in keys) and any(k.startswith("decoder.") for k in keys):
+            raise UserError(f"{self.it_dir}: an encoder-decoder (T5) checkpoint; Megatron-LM torch_dist T5 checkpoints "
+                            f"are not supported yet (GPT and BERT are)")
+        return "bert" if any(k.startswith("lm_head.") for k in keys) else "gpt"
+
+    def unmapped(self) -> list[str]:
+        """Why this run's model cannot be expressed as a megacli model section (empty when it can)."""
+        out = [why for name, why in _UNMAPPED_ARGS.items() if arg(self.args, name)]
+        norm = arg(self.args, "normalization", "LayerNorm")
+        if norm not in _NORMALIZATIONS:
+            out.append(f"normalization {norm!r} is not supported (LayerNorm and RMSNorm are)")
+        return out
+
+    def padded_vocab_rows(self) -> int:
+        info = self.weights().stored.get("embedding.word_embeddings.weight")
+        if info is None:
+            raise UserError(f"{self.it_dir}: no embedding.word_embeddings.weight")
+        return info[0][0]
+
+    def vocab_size(self) -> int:
+        """The real vocabulary: args.vocab_size, else the tokenizer's, else the padded rows."""
+        given = arg(self.args, "vocab_size")
+        if given:
+            return int(given)
+        from megacli.data.tokenizers import load_tokenizer
+
+        tok, vocab = self.tokenizer_dir(), self.wordpiece_vocab()
+        if tok is not None:
+            return load_tokenizer(type="huggingface", path=str(tok)).vocab_size
+        if vocab is not None:
+            return load_tokenizer(type="wordpiece", path=str(vocab)).vocab_size
+        return self.padded_vocab_rows()
+
+    def tokenizer_dir(self) -> Path | None:
+        return tokenizer_dir(self.args)
+
+    def wordpiece_vocab(self) -> Path | None:
+        return wordpiece_vocab(self.args)
+
+    def model_section(self) -> dict:
+        problems = self.unmapped()
+        if problems:
+            raise UserError(f"{self.it_dir}: " + "; ".join(problems))
+        return model_section_from_args(self.args, self.vocab_size(), arch=self.arch)
+
+    def dtype(self) -> torch.dtype:
+        return self.weights().dtype()
+
+    # --- the weights, as the converters read them
+
+    def canonical_keys(self) -> list[str]:
+        return self.weights().canonical_keys()
+
+    def groups(self, meta: bool = False):
+        return self.weights().groups(meta=meta)
+
+    def get(self, key: str) -> torch.Tensor:
+        """One global tensor by canonical key, handed over once (the weights are read on the first call)."""
+        if self._loaded is None:
+            self._loaded = {k: t for group in self.groups() for k, t in group.items()}
+        if key not in self._loaded:
+            raise UserError(f"{self.it_dir}: no weight {key}")
+        return self._loaded.pop(key)
+
+    # --- what inspect shows
+
+    def recipe(self) -> dict | None:
+        """The megacli training recipe the run's args describe (None when its model cannot be mapped:
+        ``unmapped()`` says why)."""
+        from megacli.checkpoint.legacy_args import recipe_from_args
+
+        if self.unmapped():
+            return None
+        raw = recipe_from_args(self)
+        raw["parallel"]["distributed_optimizer"] = bool(arg(self.args, "use_distributed_optimizer", False))
+        return raw
+
+    def not_mapped(self) -> list[str]:
+        """What of the run the recipe leaves out (the tokenizer when its files are not on this machine)."""
+        out = self.unmapped()
+        tok = arg(self.args, "tokenizer_type")
+        if tok and self.tokenizer_dir() is None and self.wordpiece_vocab() is None:
+            where = arg(self.args, "tokenizer_model") or arg(self.args, "vocab_file")
+            out.append(f"tokenizer {tok}" + (f" ({where}: not found on this machine)" if where else "")
+                       + "; set tokenizer.type and tokenizer.path")
+        return out
