@@ -65,9 +65,9 @@ def write_megatron_lm(megacli_it_dir: Path, root: Path, *, spec: str, args: argp
     if spec == "local":
         meta.state_dict_metadata = {_LOCAL_NAMES.get(k, k): v for k, v in meta.state_dict_metadata.items()}
         meta.storage_data = {dataclasses.replace(i, fqn=_LOCAL_NAMES.get(i.fqn, i.fqn)): v for i, v in meta.storage_data.items()}
-    else:  # Transformer Engine's per-layer extra state, one sharded object per layer and module
+    else:  # Transformer Engine's per-layer extra state (a BytesIO), one sharded object per layer, saved in a list
         buf = io.BytesIO()
-        torch.save(io.BytesIO(), buf)
+        torch.save([io.BytesIO(b"fp8 metadata")], buf)
         data = buf.getvalue()
         (it_dir / "__9_0.distcp").write_bytes(data * 2)
         for layer in range(2):
@@ -195,3 +195,32 @@ def test_cli_inspect_print_structure_and_refusals(converted, tmp_path):
     out = _megacli("convert", str(moe), str(tmp_path / "mc_noargs"))
     assert out.returncode == 2 and "has no 'args'" in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert not (tmp_path / "mc_noargs").exists()
+
+
+def _pretrain(recipe: Path, run_dir: Path, pretrained: Path) -> tuple[subprocess.CompletedProcess, list[float]]:
+    import json
+    import os
+
+    sets = ["parallel.tensor=1", "parallel.pipeline=1", "launch.nproc=1", "train.iters=2", "train.eval_interval=null",
+            "train.log_interval=1", "model.seq_length=16", "train.global_batch_size=2", "checkpoint.resume=none",
+            f"checkpoint.pretrained={pretrained}", f"run.dir={run_dir}"]
+    env = {**os.environ, "MEGACLI_IN_PROCESS": "1"}
+    out = subprocess.run([sys.executable, "-m", "megacli", "pretrain", str(recipe), *[x for s in sets for x in ("--set", s)]],
+                         capture_output=True, text=True, timeout=900, env=env)
+    if out.returncode != 0:
+        return out, []
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return out, [r["loss"] for r in records if "loss" in r]
+
+
+def test_pretrained_weights_from_a_megatron_lm_checkpoint(converted, tmp_path):
+    """checkpoint.pretrained takes a Megatron-LM checkpoint: the same losses as starting from the
+    megacli checkpoint it holds the weights of. One with local-spec names is refused, naming the fix."""
+    root, _ = converted
+    recipe = root / "mc" / "iter_0000000" / "recipe.yaml"
+    _, want = _pretrain(recipe, tmp_path / "from_megacli", root / "mc22")
+    out, got = _pretrain(recipe, tmp_path / "from_megatron_lm", root / "mlm_te")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert len(want) == 2 and got == want
+    out, _ = _pretrain(recipe, tmp_path / "from_local", root / "mlm_local")
+    assert out.returncode == 2 and "convert it first" in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]

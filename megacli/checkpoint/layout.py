@@ -77,6 +77,8 @@ def read_recipe(ckpt: Path) -> dict:
 
 def lora_base_of(ckpt: Path) -> Path | None:
     """The base checkpoint of a LoRA run's checkpoint (which holds adapters only), else None."""
+    if not (ckpt / META).is_file():  # another writer's checkpoint (Megatron-LM's): full weights
+        return None
     base = read_meta(ckpt).get("lora", {}).get("base")
     if base is None:
         return None

@@ -224,3 +224,16 @@ class MegatronLMCheckpoint:
             out.append(f"tokenizer {tok}" + (f" ({where}: not found on this machine)" if where else "")
                        + "; set tokenizer.type and tokenizer.path")
         return out
+
+
+def weights_dir(path: Path, *, trust_pickle: bool = False) -> Path:
+    """The iteration directory of a Megatron-LM torch_dist checkpoint that megacli's engine loads
+    weights from directly (its keys are megacli's); one with local-spec norm names must be
+    converted first."""
+    src = MegatronLMCheckpoint(path, trust_pickle=trust_pickle)
+    renamed = sorted(stored for name, stored in src.weights().stored_as.items() if stored != name)
+    if renamed:
+        raise UserError(f"{path}: a Megatron-LM checkpoint with unfused (local-spec) norm names "
+                        f"({renamed[0]}, ...); convert it first: "
+                        f"`megacli convert {path} DST --to megacli`, then start from DST")
+    return src.it_dir

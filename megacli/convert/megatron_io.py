@@ -187,14 +187,14 @@ class CheckpointReader:
         self.reader = TorchDistReader(ckpt, trust_pickle=trust_pickle)
         self.all_tensors = {k: (info.shape, info.dtype) for k, info in self.reader.tensors.items()}
         self.stored = {k: v for k, v in self.all_tensors.items() if k.split(".")[0] not in _NOT_MODEL}
-        self._stored_as: dict[str, str] = {}  # canonical -> stored key, where they differ
+        self.stored_as: dict[str, str] = {}  # canonical -> stored key, when renamed
         if rename is not None:
             names, renamed = set(self.stored), {}
             for key, value in self.stored.items():
                 name = rename(key, names)
                 if name is not None:
                     renamed[name] = value
-                    self._stored_as[name] = key
+                    self.stored_as[name] = key
             self.stored = renamed
         # Layers per stack ("decoder"; T5 also has "encoder"): the leading axis of its stacked tensors.
         self.stacks: dict[str, int] = {}
@@ -247,9 +247,9 @@ class CheckpointReader:
             if meta:
                 out[name] = torch.empty(shape[1 if layer is not None else 0:], dtype=dtype, device="meta")
             elif layer is None:
-                out[name] = self.reader.read(self._stored_as.get(key, key))
+                out[name] = self.reader.read(self.stored_as.get(key, key))
             else:
-                out[name] = self.reader.read_region(self._stored_as.get(key, key), (layer,) + (0,) * (len(shape) - 1), (1, *shape[1:]))[0]
+                out[name] = self.reader.read_region(self.stored_as.get(key, key), (layer,) + (0,) * (len(shape) - 1), (1, *shape[1:]))[0]
         return out
 
 

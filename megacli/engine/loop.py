@@ -402,8 +402,14 @@ def _pretrained_source(ck):
 
     found = checkpoint.find_checkpoint(ck.pretrained)
     if found is None:
+        from pathlib import Path
+
+        from megacli.checkpoint import megatron_lm
+
+        if megatron_lm.is_megatron_lm_dir(Path(ck.pretrained)):
+            return megatron_lm.weights_dir(Path(ck.pretrained), trust_pickle=ck.trust_pickle)
         raise UserError(f"checkpoint.pretrained = {ck.pretrained!r}: no checkpoint there (convert a Hugging Face "
-                        f"model with `megacli convert`, or give a megacli checkpoint directory)")
+                        f"model with `megacli convert`, or give a megacli or Megatron-LM torch_dist checkpoint directory)")
     return found
 
 
