@@ -224,3 +224,15 @@ def test_pretrained_weights_from_a_megatron_lm_checkpoint(converted, tmp_path):
     assert len(want) == 2 and got == want
     out, _ = _pretrain(recipe, tmp_path / "from_local", root / "mlm_local")
     assert out.returncode == 2 and "convert it first" in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
+def test_generate_from_a_megatron_lm_checkpoint(converted):
+    """generate -c takes a Megatron-LM checkpoint: the model from its args (the tokenizer given)."""
+    import os
+
+    root, _ = converted
+    env = {**os.environ, "MEGACLI_IN_PROCESS": "1"}
+    out = subprocess.run([sys.executable, "-m", "megacli", "generate", "-c", str(root / "mlm_te"), "-p", "the", "-n", "3",
+                          "--set", "tokenizer.type=byte", "--set", f"run.dir={root / 'gen'}"],
+                         capture_output=True, text=True, timeout=900, env=env)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]

@@ -130,7 +130,10 @@ def structure(path: Path, *, trust_pickle: bool = False) -> Iterator[str]:
     if kind == "megatron-lm":
         from megacli.checkpoint.megatron_lm_inspect import structure_megatron_lm
 
-        yield from structure_megatron_lm(src, trust_pickle=trust_pickle)
+        header, rows = structure_megatron_lm(src, trust_pickle=trust_pickle)
+        yield header
+        for key, shape, dtype in rows:
+            yield row(key, shape, dtype)
         return
     if kind == "megacli":
         meta = read_meta(src)

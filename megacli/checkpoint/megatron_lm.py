@@ -20,12 +20,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import torch
-
-from megacli.checkpoint.layout import TRACKER, iter_name
+from megacli.checkpoint.layout import is_megatron_lm_dir, is_torch_dist_iteration, tracked_iteration
 from megacli.checkpoint.legacy_args import arg, model_section_from_args, tokenizer_dir, wordpiece_vocab
 from megacli.checkpoint.safe_pickle import COMMON, DCP_METADATA, torch_load
+from megacli.checkpoint.torch_dist import NOT_MODEL, TorchDistReader
 from megacli.errors import UserError
+
+__all__ = ["FORMAT", "MegatronLMCheckpoint", "canonical_key", "is_megatron_lm_dir", "recipe_for_weights", "weights_dir"]
 
 FORMAT = "megatron-lm torch_dist"
 
@@ -42,40 +43,6 @@ _NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
 _LOCAL_NORM = re.compile(r"(?P<head>(?:^|\.)layers\.)(?P<norm>input_layernorm|pre_mlp_layernorm)\.(?P<kind>weight|bias)\Z")
 _FUSED_INTO = {"input_layernorm": "self_attention.linear_qkv", "pre_mlp_layernorm": "mlp.linear_fc1"}
-
-
-def is_torch_dist_iteration(path: Path) -> bool:
-    """An iteration directory Megatron-LM wrote with torch_dist: DCP metadata and common.pt, and no
-    megacli.json (megacli's own checkpoints have that)."""
-    from megacli.checkpoint.layout import META
-
-    return (path / DCP_METADATA).is_file() and (path / COMMON).is_file() and not (path / META).is_file()
-
-
-def tracked_iteration(root: Path) -> Path | None:
-    """The iteration directory a tracker file names (None when ``root`` has no tracker file)."""
-    tracker = root / TRACKER
-    if not tracker.is_file():
-        return None
-    text = tracker.read_text().strip()
-    name = "release" if text == "release" else iter_name(int(text)) if text.isdigit() else None
-    if name is None or not (root / name).is_dir():
-        raise UserError(f"{tracker} says {text!r}, but there is no matching iteration directory")
-    return root / name
-
-
-def is_megatron_lm_dir(path: Path) -> bool:
-    """A Megatron-LM torch_dist checkpoint: a root whose tracker names a torch_dist iteration, or
-    such an iteration directory itself."""
-    if not path.is_dir():
-        return False
-    if (path / TRACKER).is_file():
-        try:
-            it = tracked_iteration(path)
-        except UserError:
-            return False
-        return it is not None and is_torch_dist_iteration(it)
-    return is_torch_dist_iteration(path)
 
 
 def canonical_key(key: str, stored: set[str]) -> str | None:
@@ -95,8 +62,8 @@ def canonical_key(key: str, stored: set[str]) -> str | None:
 
 
 class MegatronLMCheckpoint:
-    """A Megatron-LM torch_dist checkpoint: its run's args, iteration and model weights (as a
-    CheckpointReader with canonical keys, made by ``weights()``)."""
+    """A Megatron-LM torch_dist checkpoint: its run's args, iteration, stored entries (``reader``)
+    and the canonical names of its model weights (``model_keys``)."""
 
     def __init__(self, path: Path, *, trust_pickle: bool = False):
         self.root = Path(path)
@@ -122,22 +89,17 @@ class MegatronLMCheckpoint:
         self.tp = int(arg(self.args, "tensor_model_parallel_size", 1))
         self.pp = int(arg(self.args, "pipeline_model_parallel_size", 1))
         self.vp = int(arg(self.args, "virtual_pipeline_model_parallel_size", 1))
-        self._weights = None
-        self._loaded: dict[str, torch.Tensor] | None = None
+        self.reader = TorchDistReader(self.it_dir, trust_pickle=trust_pickle)
+        model = {k: v for k, v in self.reader.tensors.items() if k.split(".")[0] not in NOT_MODEL}
+        names = set(model)
+        # canonical name -> stored key, for every model weight
+        self.model_keys = {canonical_key(k, names): k for k in model if canonical_key(k, names) is not None}
 
     # --- what the model is
 
-    def weights(self):
-        """The model weights under canonical keys (a CheckpointReader; made once)."""
-        if self._weights is None:
-            from megacli.convert.megatron_io import CheckpointReader
-
-            self._weights = CheckpointReader(self.it_dir, trust_pickle=self.trust_pickle, rename=canonical_key)
-        return self._weights
-
     @property
     def arch(self) -> str:
-        keys = self.weights().stored
+        keys = self.model_keys
         if any(k.startswith("encoder.") for k in keys) and any(k.startswith("decoder.") for k in keys):
             raise UserError(f"{self.it_dir}: an encoder-decoder (T5) checkpoint; Megatron-LM torch_dist T5 checkpoints "
                             f"are not supported yet (GPT and BERT are)")
@@ -152,10 +114,10 @@ class MegatronLMCheckpoint:
         return out
 
     def padded_vocab_rows(self) -> int:
-        info = self.weights().stored.get("embedding.word_embeddings.weight")
+        info = self.reader.tensors.get(self.model_keys.get("embedding.word_embeddings.weight", ""))
         if info is None:
             raise UserError(f"{self.it_dir}: no embedding.word_embeddings.weight")
-        return info[0][0]
+        return info.shape[0]
 
     def vocab_size(self) -> int:
         """The real vocabulary: args.vocab_size, else the tokenizer's, else the padded rows."""
@@ -183,25 +145,6 @@ class MegatronLMCheckpoint:
             raise UserError(f"{self.it_dir}: " + "; ".join(problems))
         return model_section_from_args(self.args, self.vocab_size(), arch=self.arch)
 
-    def dtype(self) -> torch.dtype:
-        return self.weights().dtype()
-
-    # --- the weights, as the converters read them
-
-    def canonical_keys(self) -> list[str]:
-        return self.weights().canonical_keys()
-
-    def groups(self, meta: bool = False):
-        return self.weights().groups(meta=meta)
-
-    def get(self, key: str) -> torch.Tensor:
-        """One global tensor by canonical key, handed over once (the weights are read on the first call)."""
-        if self._loaded is None:
-            self._loaded = {k: t for group in self.groups() for k, t in group.items()}
-        if key not in self._loaded:
-            raise UserError(f"{self.it_dir}: no weight {key}")
-        return self._loaded.pop(key)
-
     # --- what inspect shows
 
     def recipe(self) -> dict | None:
@@ -228,12 +171,25 @@ class MegatronLMCheckpoint:
 
 def weights_dir(path: Path, *, trust_pickle: bool = False) -> Path:
     """The iteration directory of a Megatron-LM torch_dist checkpoint that megacli's engine loads
-    weights from directly (its keys are megacli's); one with local-spec norm names must be
-    converted first."""
-    src = MegatronLMCheckpoint(path, trust_pickle=trust_pickle)
-    renamed = sorted(stored for name, stored in src.weights().stored_as.items() if stored != name)
+    weights from directly (its keys are megacli's)."""
+    return _loadable(MegatronLMCheckpoint(path, trust_pickle=trust_pickle)).it_dir
+
+
+def recipe_for_weights(path: Path, *, trust_pickle: bool = False) -> tuple[Path, dict]:
+    """(iteration directory, raw recipe) for running a Megatron-LM checkpoint's weights in megacli
+    (generate): the recipe its args map to; what cannot be mapped is refused, named."""
+    src = _loadable(MegatronLMCheckpoint(path, trust_pickle=trust_pickle))
+    raw = src.recipe()
+    if raw is None:
+        raise UserError(f"{path}: " + "; ".join(src.unmapped()))
+    return src.it_dir, raw
+
+
+def _loadable(src: MegatronLMCheckpoint) -> MegatronLMCheckpoint:
+    """``src``, when the engine can load it as stored; one with local-spec norm names must be converted first."""
+    renamed = sorted(stored for name, stored in src.model_keys.items() if stored != name)
     if renamed:
-        raise UserError(f"{path}: a Megatron-LM checkpoint with unfused (local-spec) norm names "
-                        f"({renamed[0]}, ...); convert it first: "
-                        f"`megacli convert {path} DST --to megacli`, then start from DST")
-    return src.it_dir
+        raise UserError(f"{src.root}: a Megatron-LM checkpoint with unfused (local-spec) norm names "
+                        f"({renamed[0]}, ...); convert it first: `megacli convert {src.root} DST --to megacli`, "
+                        f"then start from DST")
+    return src

@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator
-
 from megacli.checkpoint.legacy_args import arg
 from megacli.checkpoint.megacli_checkpoint import describe_split
 from megacli.checkpoint.megatron_lm import FORMAT, MegatronLMCheckpoint
@@ -15,7 +13,7 @@ def inspect_megatron_lm(path: Path, *, trust_pickle: bool = False) -> dict:
     """inspect's answer (see megacli.checkpoint.inspect.inspect) plus ``not_mapped``: what of the
     run's args the recipe does not carry."""
     src = MegatronLMCheckpoint(path, trust_pickle=trust_pickle)
-    reader = src.weights().reader
+    reader = src.reader
     tensors, total = [], 0
     for key, info in reader.tensors.items():
         tensors.append({"name": key, "kind": "optimizer" if key.startswith("optimizer") else "model",
@@ -42,14 +40,11 @@ def inspect_megatron_lm(path: Path, *, trust_pickle: bool = False) -> dict:
     }
 
 
-def structure_megatron_lm(path: Path, *, trust_pickle: bool = False) -> Iterator[str]:
-    """`--print-structure` lines: a header, then each stored tensor (global shapes, layers stacked)."""
-    from megacli.checkpoint.inspect import row
-
+def structure_megatron_lm(path: Path, *, trust_pickle: bool = False) -> tuple[str, list[tuple]]:
+    """`--print-structure`: a header, and each stored tensor's (key, global shape, dtype), layers stacked."""
     src = MegatronLMCheckpoint(path, trust_pickle=trust_pickle)
     a = src.args
-    yield (f"Megatron-LM torch_dist checkpoint {src.it_dir}: iteration {src.iteration}, saved under TP={src.tp} "
-           f"PP={src.pp}; {a.num_layers} layers, hidden {a.hidden_size}, {a.num_attention_heads} heads; global shapes "
-           f"(layers stacked along the first axis)")
-    for key, info in sorted(src.weights().reader.tensors.items()):
-        yield row(key, info.shape, info.dtype)
+    header = (f"Megatron-LM torch_dist checkpoint {src.it_dir}: iteration {src.iteration}, saved under TP={src.tp} "
+              f"PP={src.pp}; {a.num_layers} layers, hidden {a.hidden_size}, {a.num_attention_heads} heads; global shapes "
+              f"(layers stacked along the first axis)")
+    return header, [(key, info.shape, info.dtype) for key, info in sorted(src.reader.tensors.items())]

@@ -51,9 +51,9 @@ def resolve_source(path: Path) -> Source:
         TRACKER,
         find_checkpoint,
         is_legacy_dir,
+        is_megatron_lm_dir,
         lora_base_of,
     )
-    from megacli.checkpoint.megatron_lm import is_megatron_lm_dir
 
     if not path.exists():
         raise UserError(f"{path}: no such file or directory")
@@ -113,9 +113,9 @@ def convert(src: str | Path, dst: str | Path, *, to: str | None = None, parallel
 
                 legacy, label = LegacyCheckpoint(src, trust_pickle=trust_pickle), "Megatron-LM legacy"
             else:
-                from megacli.checkpoint.megatron_lm import MegatronLMCheckpoint
+                from megacli.convert.megatron_io import MegatronLMWeights
 
-                legacy, label = MegatronLMCheckpoint(src, trust_pickle=trust_pickle), "Megatron-LM torch_dist"
+                legacy, label = MegatronLMWeights(src, trust_pickle=trust_pickle), "Megatron-LM torch_dist"
             if to == "hf":
                 _legacy_to_hf(legacy, work, dtype=dtype, max_shard_size=max_shard_size, say=say, label=label)
             else:
