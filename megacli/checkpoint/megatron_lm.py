@@ -26,7 +26,8 @@ from megacli.checkpoint.safe_pickle import COMMON, DCP_METADATA, torch_load
 from megacli.checkpoint.torch_dist import NOT_MODEL, TorchDistReader
 from megacli.errors import UserError
 
-__all__ = ["FORMAT", "MegatronLMCheckpoint", "canonical_key", "is_megatron_lm_dir", "recipe_for_weights", "weights_dir"]
+__all__ = ["FORMAT", "MegatronLMCheckpoint", "canonical_key", "is_megatron_lm_dir", "recipe_for_weights",
+           "resume_not_supported", "weights_dir"]
 
 FORMAT = "megatron-lm torch_dist"
 
@@ -193,3 +194,10 @@ def _loadable(src: MegatronLMCheckpoint) -> MegatronLMCheckpoint:
                         f"({renamed[0]}, ...); convert it first: `megacli convert {src.root} DST --to megacli`, "
                         f"then start from DST")
     return src
+
+
+def resume_not_supported(path) -> UserError:
+    """checkpoint.resume of a Megatron-LM checkpoint: what is missing, and what works instead."""
+    return UserError(f"checkpoint.resume = {str(path)!r}: a Megatron-LM torch_dist checkpoint; resuming its optimizer, "
+                     f"scheduler and RNG state is not supported yet. Start from its weights with "
+                     f"checkpoint.pretrained={path} (and checkpoint.resume=none)")
