@@ -42,7 +42,7 @@ _UNMAPPED_ARGS = {
 }
 _NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
-_LOCAL_NORM = re.compile(r"(?P<head>(?:^|\.)layers\.)(?P<norm>input_layernorm|pre_mlp_layernorm)\.(?P<kind>weight|bias)\Z")
+_LOCAL_NORM = re.compile(r"(?:^|\.)layers\.(?P<norm>input_layernorm|pre_mlp_layernorm)\.(?P<kind>weight|bias)\Z")
 _FUSED_INTO = {"input_layernorm": "self_attention.linear_qkv", "pre_mlp_layernorm": "mlp.linear_fc1"}
 
 
@@ -94,7 +94,7 @@ class MegatronLMCheckpoint:
         model = {k: v for k, v in self.reader.tensors.items() if k.split(".")[0] not in NOT_MODEL}
         names = set(model)
         # canonical name -> stored key, for every model weight
-        self.model_keys = {canonical_key(k, names): k for k in model if canonical_key(k, names) is not None}
+        self.model_keys = {name: k for k in model if (name := canonical_key(k, names)) is not None}
 
     # --- what the model is
 
