@@ -24,6 +24,10 @@ def inspect(path: str | Path, *, trust_pickle: bool = False) -> dict:
     src, kind = locate(path)
     if kind == "legacy":
         return _inspect_legacy(src, trust_pickle=trust_pickle)
+    if kind == "megatron-lm":
+        from megacli.checkpoint.megatron_lm_inspect import inspect_megatron_lm
+
+        return inspect_megatron_lm(src, trust_pickle=trust_pickle)
     ck = Checkpoint(src, trust_pickle=trust_pickle)
     meta = ck.meta
     tensors = []
@@ -123,6 +127,14 @@ def structure(path: Path, *, trust_pickle: bool = False) -> Iterator[str]:
     """Lines for `--print-structure`: a header, then each stored tensor's key, shape and dtype (a
     megacli checkpoint's global shapes, layers stacked; a legacy checkpoint's per rank file)."""
     src, kind = locate(path)
+    if kind == "megatron-lm":
+        from megacli.checkpoint.megatron_lm_inspect import structure_megatron_lm
+
+        header, rows = structure_megatron_lm(src, trust_pickle=trust_pickle)
+        yield header
+        for key, shape, dtype in rows:
+            yield row(key, shape, dtype)
+        return
     if kind == "megacli":
         meta = read_meta(src)
         reader = TorchDistReader(src, trust_pickle=trust_pickle)

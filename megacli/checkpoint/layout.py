@@ -4,6 +4,11 @@
     CKPT/iter_0000100/       torch_dist shards + recipe.yaml + megacli.json (iteration, data position, layout)
     CKPT/hf/                 a converted checkpoint's Hugging Face config and tokenizer files
 
+A Megatron-LM torch_dist checkpoint (its default format; see megacli.checkpoint.megatron_lm):
+
+    CKPT/latest_checkpointed_iteration.txt                   "1000" (or "release")
+    CKPT/iter_0001000/.metadata, *.distcp, common.pt
+
 A Megatron-LM legacy (``--ckpt-format torch``) checkpoint:
 
     CKPT/latest_checkpointed_iteration.txt                   "1000" (or "release")
@@ -72,6 +77,8 @@ def read_recipe(ckpt: Path) -> dict:
 
 def lora_base_of(ckpt: Path) -> Path | None:
     """The base checkpoint of a LoRA run's checkpoint (which holds adapters only), else None."""
+    if not (ckpt / META).is_file():  # another writer's checkpoint (Megatron-LM's): full weights
+        return None
     base = read_meta(ckpt).get("lora", {}).get("base")
     if base is None:
         return None
@@ -121,11 +128,48 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+# ---------------------------------------------------------------- Megatron-LM torch_dist
+
+
+def is_torch_dist_iteration(path: Path) -> bool:
+    """An iteration directory Megatron-LM wrote with torch_dist: DCP metadata and common.pt, and no
+    megacli.json (megacli's own checkpoints have that)."""
+    return (path / ".metadata").is_file() and (path / "common.pt").is_file() and not (path / META).is_file()
+
+
+def tracked_iteration(root: Path) -> Path | None:
+    """The iteration directory a tracker file names (None when ``root`` has no tracker file)."""
+    tracker = root / TRACKER
+    if not tracker.is_file():
+        return None
+    text = tracker.read_text().strip()
+    name = "release" if text == "release" else iter_name(int(text)) if text.isdigit() else None
+    if name is None or not (root / name).is_dir():
+        raise UserError(f"{tracker} says {text!r}, but there is no matching iteration directory")
+    return root / name
+
+
+def is_megatron_lm_dir(path: Path) -> bool:
+    """A Megatron-LM torch_dist checkpoint: a root whose tracker names a torch_dist iteration, or
+    such an iteration directory itself."""
+    if not path.is_dir():
+        return False
+    if (path / TRACKER).is_file():
+        try:
+            it = tracked_iteration(path)
+        except UserError:
+            return False
+        return it is not None and is_torch_dist_iteration(it)
+    return is_torch_dist_iteration(path)
+
+
 # ---------------------------------------------------------------- Megatron-LM legacy
 
 
 def is_legacy_dir(path: Path) -> bool:
     """A Megatron-LM legacy checkpoint root (its tracker file) or iteration directory (mp_rank_*)."""
+    if is_megatron_lm_dir(path):
+        return False
     return (path / TRACKER).is_file() or any(RANK_DIR.match(p.name) for p in _subdirs(path))
 
 
@@ -135,13 +179,7 @@ def _subdirs(path: Path) -> list[Path]:
 
 def iteration_dir(path: Path) -> Path:
     """The iteration directory (holding mp_rank_*) of a legacy checkpoint root or iteration dir."""
-    if (path / TRACKER).is_file():
-        text = (path / TRACKER).read_text().strip()
-        name = "release" if text == "release" else iter_name(int(text)) if text.isdigit() else None
-        if name is None or not (path / name).is_dir():
-            raise UserError(f"{path / TRACKER} says {text!r}, but there is no matching iteration directory")
-        return path / name
-    return path
+    return tracked_iteration(path) or path
 
 
 def rank_files(it_dir: Path) -> dict[tuple[int, int], Path]:
@@ -168,14 +206,18 @@ def rank_files(it_dir: Path) -> dict[tuple[int, int], Path]:
 
 
 def locate(path: str | Path) -> tuple[Path, str]:
-    """A checkpoint at ``path``: (the megacli iteration directory, "megacli") or (``path``, "legacy")."""
+    """A checkpoint at ``path``: (the megacli iteration directory, "megacli"), or (``path``,
+    "megatron-lm") for Megatron-LM's torch_dist format, or (``path``, "legacy") for its legacy one."""
     path = Path(path)
     if not path.exists():
         raise UserError(f"{path}: no such checkpoint")
     found = find_checkpoint(path)
     if found is not None:
         return found, "megacli"
+    if is_megatron_lm_dir(path):
+        return path, "megatron-lm"
     if path.is_dir() and is_legacy_dir(path):
         return path, "legacy"
     raise UserError(f"{path}: not a checkpoint (expected a directory with '{LATEST}' or '{META}', or a Megatron-LM "
-                    f"checkpoint with {TRACKER} or mp_rank_* directories)")
+                    f"checkpoint with {TRACKER}, an iter_* directory holding .metadata and common.pt, or mp_rank_* "
+                    f"directories)")

@@ -33,7 +33,7 @@ import torch
 
 from megacli.checkpoint import sharding
 from megacli.checkpoint.layout import iteration_dir, rank_files
-from megacli.checkpoint.legacy_args import arg, model_section_from_args
+from megacli.checkpoint.legacy_args import arg, model_section_from_args, tokenizer_dir, wordpiece_vocab
 from megacli.checkpoint.safe_pickle import torch_load
 from megacli.errors import UserError
 from megacli.recipe.stages import chunk_layers, split_problem, stage_of_layer
@@ -184,20 +184,10 @@ class LegacyCheckpoint:
         return self.padded_vocab_rows()
 
     def tokenizer_dir(self) -> Path | None:
-        """The run's Hugging Face tokenizer directory, when args name one that exists here."""
-        if arg(self.args, "tokenizer_type") == "HuggingFaceTokenizer":
-            p = Path(str(arg(self.args, "tokenizer_model", "")))
-            if p.is_dir() and (p / "tokenizer.json").is_file():
-                return p
-        return None
+        return tokenizer_dir(self.args)
 
     def wordpiece_vocab(self) -> Path | None:
-        """The run's BERT WordPiece vocab.txt (tokenizer_type BertWordPiece*), when it exists here."""
-        if arg(self.args, "tokenizer_type") in ("BertWordPieceLowerCase", "BertWordPieceCase"):
-            p = Path(str(arg(self.args, "vocab_file", "")))
-            if p.is_file():
-                return p
-        return None
+        return wordpiece_vocab(self.args)
 
     def model_section(self) -> dict:
         return model_section_from_args(self.args, self.vocab_size(), arch=self.arch)

@@ -3,6 +3,8 @@ megacli recipe: the model section, and the training recipe a resharded run conti
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from megacli.errors import UserError
 
 
@@ -10,6 +12,24 @@ def arg(args, name, default=None):
     """``args.name``, or ``default`` when the run did not set it (absent or None)."""
     value = getattr(args, name, default)
     return default if value is None else value
+
+
+def tokenizer_dir(args) -> Path | None:
+    """The run's Hugging Face tokenizer directory, when args name one that exists here."""
+    if arg(args, "tokenizer_type") == "HuggingFaceTokenizer":
+        p = Path(str(arg(args, "tokenizer_model", "")))
+        if p.is_dir() and (p / "tokenizer.json").is_file():
+            return p
+    return None
+
+
+def wordpiece_vocab(args) -> Path | None:
+    """The run's BERT WordPiece vocab.txt (tokenizer_type BertWordPiece*), when it exists here."""
+    if arg(args, "tokenizer_type") in ("BertWordPieceLowerCase", "BertWordPieceCase"):
+        p = Path(str(arg(args, "vocab_file", "")))
+        if p.is_file():
+            return p
+    return None
 
 
 def model_section_from_args(args, vocab_size: int, arch: str = "gpt") -> dict:

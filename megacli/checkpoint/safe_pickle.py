@@ -113,6 +113,12 @@ def _torch_load_globals(megatron: bool) -> tuple:
     return tuple(allowed)
 
 
+def allow_checked_globals():
+    """A context in which torch.load(weights_only=True) - Megatron's own loader of ``common.pt`` -
+    accepts the allow-listed globals (after check_torch_dist has checked the files with them)."""
+    return torch.serialization.safe_globals(list(_torch_load_globals(True)))
+
+
 def torch_load(source, *, trust: bool, name, mmap: bool = False):
     """``torch.load`` of a file or file object ``source`` (``name``: the file, for messages),
     restricted to tensors and the allow-listed globals unless ``trust``."""

@@ -34,6 +34,9 @@ from megacli.errors import UserError
 # A layer-stacked key (``decoder.layers.self_attention...``): its tensors have a leading layer axis.
 STACKED = re.compile(r"(?:^|\.)layers\.(?!\d)")
 
+# First key components of the checkpoint entries that are not model weights.
+NOT_MODEL = ("optimizer", "rng_state", "scheduler")
+
 BACKEND_META = "metadata.json"
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
 

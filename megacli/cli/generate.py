@@ -75,6 +75,7 @@ def build_recipe(recipe_path: Optional[Path], flags: dict, *, tensor: Optional[i
     """The checkpoint's recipe, then the RECIPE file's sections, then the flags (the ``job``
     section: generate or eval), then --set."""
     from megacli.checkpoint.layout import find_checkpoint
+    from megacli.checkpoint.megatron_lm import is_megatron_lm_dir, recipe_for_weights
     from megacli.checkpoint.safe_pickle import check_checkpoint
     from megacli.errors import UserError
     from megacli.recipe import base
@@ -87,10 +88,15 @@ def build_recipe(recipe_path: Optional[Path], flags: dict, *, tensor: Optional[i
         where = "--checkpoint DIR" if job == "generate" else "the CHECKPOINT directory"
         raise UserError(f"which model? give {where} (or {job}.checkpoint in the recipe)")
     ckpt = find_checkpoint(source)
-    if ckpt is None:
-        raise UserError(f"{source}: not a megacli checkpoint (no `latest` or megacli.json); convert a Hugging Face "
-                        f"model with `megacli convert` first")
-    raw = _merge(base.read_yaml(ckpt / "recipe.yaml"), given)
+    if ckpt is not None:
+        carried = base.read_yaml(ckpt / "recipe.yaml")
+    elif is_megatron_lm_dir(Path(source)):  # the model from its run's args
+        trust = bool((given.get("checkpoint") or {}).get("trust_pickle")) or "checkpoint.trust_pickle=true" in overrides
+        ckpt, carried = recipe_for_weights(Path(source), trust_pickle=trust)
+    else:
+        raise UserError(f"{source}: not a megacli checkpoint (no `latest` or megacli.json) nor a Megatron-LM torch_dist "
+                        f"one; convert a Hugging Face model with `megacli convert` first")
+    raw = _merge(carried, given)
     raw[job] = section
     if job != "generate":  # the inference runner loads generate.checkpoint
         raw["generate"] = {**(given.get("generate") or {}), "checkpoint": source}

@@ -27,14 +27,12 @@ from typing import Callable, Iterator
 import torch
 
 from megacli.checkpoint.sharding import is_vocab_key
-from megacli.checkpoint.torch_dist import STACKED, TorchDistReader
+from megacli.checkpoint.torch_dist import NOT_MODEL, STACKED, TorchDistReader
 from megacli.convert.mapping import fit_vocab_rows
 from megacli.errors import UserError
 
 _LAYER_IN_STATE_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _LOCAL_EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
-# Checkpoint entries that are not model weights.
-_NOT_MODEL = ("optimizer", "rng_state", "scheduler")
 
 
 @contextlib.contextmanager
@@ -178,13 +176,24 @@ def _with_data(sh, tensor: torch.Tensor):
 
 class CheckpointReader:
     """The model weights of a megacli (torch_dist) checkpoint as global tensors under canonical
-    keys, without building a model, one layer at a time."""
+    keys, without building a model, one layer at a time. ``rename(stored key, all stored keys)``
+    gives another writer's key its canonical name (None: not a weight)."""
 
-    def __init__(self, ckpt: Path, *, trust_pickle: bool = False):
+    def __init__(self, ckpt: Path, *, trust_pickle: bool = False,
+                 rename: Callable[[str, set[str]], str | None] | None = None):
         self.ckpt = ckpt
         self.reader = TorchDistReader(ckpt, trust_pickle=trust_pickle)
         self.all_tensors = {k: (info.shape, info.dtype) for k, info in self.reader.tensors.items()}
-        self.stored = {k: v for k, v in self.all_tensors.items() if k.split(".")[0] not in _NOT_MODEL}
+        self.stored = {k: v for k, v in self.all_tensors.items() if k.split(".")[0] not in NOT_MODEL}
+        self.stored_as: dict[str, str] = {}  # canonical -> stored key, when renamed
+        if rename is not None:
+            names, renamed = set(self.stored), {}
+            for key, value in self.stored.items():
+                name = rename(key, names)
+                if name is not None:
+                    renamed[name] = value
+                    self.stored_as[name] = key
+            self.stored = renamed
         # Layers per stack ("decoder"; T5 also has "encoder"): the leading axis of its stacked tensors.
         self.stacks: dict[str, int] = {}
         for key, (shape, _) in self.stored.items():
@@ -236,9 +245,9 @@ class CheckpointReader:
             if meta:
                 out[name] = torch.empty(shape[1 if layer is not None else 0:], dtype=dtype, device="meta")
             elif layer is None:
-                out[name] = self.reader.read(key)
+                out[name] = self.reader.read(self.stored_as.get(key, key))
             else:
-                out[name] = self.reader.read_region(key, (layer,) + (0,) * (len(shape) - 1), (1, *shape[1:]))[0]
+                out[name] = self.reader.read_region(self.stored_as.get(key, key), (layer,) + (0,) * (len(shape) - 1), (1, *shape[1:]))[0]
         return out
 
 
@@ -272,3 +281,35 @@ class MergedLoRA:
                 if stem + "lora_a" in adapters:
                     group[key] = merged(group[key], adapters.pop(stem + "lora_a"), adapters.pop(stem + "lora_b"), self.scale)
             yield group
+
+
+class MegatronLMWeights:
+    """A Megatron-LM torch_dist checkpoint (megacli.checkpoint.megatron_lm) with its weights read
+    as the converters read a legacy checkpoint's: canonical keys, one layer at a time."""
+
+    def __init__(self, path: Path, *, trust_pickle: bool = False):
+        from megacli.checkpoint.megatron_lm import MegatronLMCheckpoint, canonical_key
+
+        self.src = MegatronLMCheckpoint(path, trust_pickle=trust_pickle)
+        self.weights = CheckpointReader(self.src.it_dir, trust_pickle=trust_pickle, rename=canonical_key)
+        self._loaded: dict[str, torch.Tensor] | None = None
+
+    def __getattr__(self, name):  # args, iteration, layout, model section, tokenizer: the checkpoint's
+        return getattr(self.src, name)
+
+    def canonical_keys(self) -> list[str]:
+        return self.weights.canonical_keys()
+
+    def dtype(self) -> torch.dtype:
+        return self.weights.dtype()
+
+    def groups(self, meta: bool = False) -> Iterator[dict[str, torch.Tensor]]:
+        return self.weights.groups(meta=meta)
+
+    def get(self, key: str) -> torch.Tensor:
+        """One global tensor by canonical key, handed over once (all are read on the first call)."""
+        if self._loaded is None:
+            self._loaded = {k: t for group in self.groups() for k, t in group.items()}
+        if key not in self._loaded:
+            raise UserError(f"{self.src.it_dir}: no weight {key}")
+        return self._loaded.pop(key)

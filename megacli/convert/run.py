@@ -1,4 +1,4 @@
-"""The conversions: Hugging Face ⇄ megacli, Megatron-LM legacy -> Hugging Face or megacli.
+"""The conversions: Hugging Face ⇄ megacli, Megatron-LM (torch_dist or legacy) -> Hugging Face or megacli.
 
 A converted megacli checkpoint directory:
 
@@ -24,7 +24,7 @@ from megacli.errors import UserError
 from megacli.precision import DTYPES, params_dtype, precision_of
 from megacli.recipe.stages import pick_split
 
-FORMATS = ("hf", "megacli", "legacy")
+FORMATS = ("hf", "megacli", "megatron-lm", "legacy")
 PRECISIONS = tuple(DTYPES)
 _HF_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -33,7 +33,8 @@ Say = Callable[[str], None]
 
 @dataclass(frozen=True)
 class Source:
-    """What a conversion reads, resolved once: ``kind`` hf, megacli or legacy; for a megacli
+    """What a conversion reads, resolved once: ``kind`` hf, megacli, megatron-lm (torch_dist) or
+    legacy (Megatron-LM's torch format); for a megacli
     checkpoint its iteration directory, recipe and (for a LoRA run's adapters) base checkpoint."""
 
     path: Path
@@ -51,6 +52,7 @@ def resolve_source(path: Path) -> Source:
         TRACKER,
         find_checkpoint,
         is_legacy_dir,
+        is_megatron_lm_dir,
         lora_base_of,
     )
 
@@ -64,15 +66,18 @@ def resolve_source(path: Path) -> Source:
         from megacli.recipe.pretrain import TrainingRecipe
 
         return Source(path, "megacli", ckpt=ckpt, recipe=load(TrainingRecipe, ckpt / RECIPE), lora_base=lora_base_of(ckpt))
+    if is_megatron_lm_dir(path):
+        return Source(path, "megatron-lm")
     if is_legacy_dir(path):
         return Source(path, "legacy")
     raise UserError(f"{path}: not a Hugging Face model directory (config.json), a megacli checkpoint ({META} or {LATEST}) "
-                    f"or a Megatron-LM legacy checkpoint ({TRACKER} or mp_rank_* directories)")
+                    f"or a Megatron-LM checkpoint ({TRACKER}, an iter_* directory with .metadata and common.pt, or "
+                    f"mp_rank_* directories)")
 
 
 def convert(src: str | Path, dst: str | Path, *, to: str | None = None, parallel=None, dtype: str | None = None,
             max_shard_size: str | int = "2GB", trust_pickle: bool = False, say: Say = print) -> Path:
-    """Convert ``src`` (format detected) to ``to`` (default: megacli for HF and legacy sources, hf
+    """Convert ``src`` (format detected) to ``to`` (default: megacli for HF and Megatron-LM sources, hf
     for megacli checkpoints) under ``dst``. ``parallel`` (a ParallelSection) is the layout a megacli
     checkpoint is prepared for. Returns ``dst``."""
     from megacli.recipe.sections import ParallelSection
@@ -104,13 +109,18 @@ def convert(src: str | Path, dst: str | Path, *, to: str | None = None, parallel
         elif fmt == "megacli":
             _megacli_to_hf(source, work, dtype=dtype, max_shard_size=max_shard_size, trust_pickle=trust_pickle, say=say)
         else:
-            from megacli.checkpoint.legacy import LegacyCheckpoint
+            if fmt == "legacy":
+                from megacli.checkpoint.legacy import LegacyCheckpoint
 
-            legacy = LegacyCheckpoint(src, trust_pickle=trust_pickle)
-            if to == "hf":
-                _legacy_to_hf(legacy, work, dtype=dtype, max_shard_size=max_shard_size, say=say)
+                legacy, label = LegacyCheckpoint(src, trust_pickle=trust_pickle), "Megatron-LM legacy"
             else:
-                _legacy_to_megacli(legacy, work, final, parallel=parallel, dtype=dtype, say=say)
+                from megacli.convert.megatron_io import MegatronLMWeights
+
+                legacy, label = MegatronLMWeights(src, trust_pickle=trust_pickle), "Megatron-LM torch_dist"
+            if to == "hf":
+                _legacy_to_hf(legacy, work, dtype=dtype, max_shard_size=max_shard_size, say=say, label=label)
+            else:
+                _legacy_to_megacli(legacy, work, final, parallel=parallel, dtype=dtype, say=say, label=label)
         if dst.exists():
             dst.rmdir()
         work.replace(final)
@@ -222,7 +232,8 @@ def _hf_to_megacli(src: Path, work: Path, final: Path, *, parallel, dtype: str |
     say(f"tokenizer: {tokenizer['type']}" + (f" ({', '.join(copied)})" if copied else " (the source has no tokenizer files)"))
 
 
-def _legacy_to_megacli(legacy, work: Path, final: Path, *, parallel, dtype: str | None, say: Say) -> None:
+def _legacy_to_megacli(legacy, work: Path, final: Path, *, parallel, dtype: str | None, say: Say, label: str) -> None:
+    """A Megatron-LM checkpoint (``legacy``: a LegacyCheckpoint or MegatronLMCheckpoint) -> megacli."""
     from megacli.convert.megatron_io import write_checkpoint
 
     model = legacy.model_section()
@@ -247,10 +258,10 @@ def _legacy_to_megacli(legacy, work: Path, final: Path, *, parallel, dtype: str 
 
     ckpt = write_checkpoint(recipe=recipe, dst=work, iteration=legacy.iteration, vocab_size=model["vocab_size"],
                             fetch=lambda key: legacy.get(key).to(target), check_keys=check_keys,
-                            extra_meta={"converted_from": {"format": "megatron-lm legacy", "path": str(legacy.root.resolve()),
+                            extra_meta={"converted_from": {"format": label.lower(), "path": str(legacy.root.resolve()),
                                                            "layout": {"tensor": legacy.tp, "pipeline": legacy.pp,
                                                                       "virtual_pipeline": legacy.vp}}})
-    say(f"Megatron-LM legacy {model['arch'].upper()} checkpoint (TP={legacy.tp} PP={legacy.pp}, iteration "
+    say(f"{label} {model['arch'].upper()} checkpoint (TP={legacy.tp} PP={legacy.pp}, iteration "
         f"{legacy.iteration}) -> megacli checkpoint {final / ckpt.name} ({precision}; tokenizer: {tokenizer['type']})")
     say(pipeline_split(recipe, asked=parallel))
 
@@ -344,7 +355,7 @@ def _tokenizer_source(recipe) -> Path | None:
     return None
 
 
-def _legacy_to_hf(legacy, work: Path, *, dtype: str | None, max_shard_size, say: Say) -> None:
+def _legacy_to_hf(legacy, work: Path, *, dtype: str | None, max_shard_size, say: Say, label: str) -> None:
     from megacli.data.tokenizers import load_tokenizer
     from megacli.recipe.model import ModelSection
 
@@ -357,7 +368,7 @@ def _legacy_to_hf(legacy, work: Path, *, dtype: str | None, max_shard_size, say:
         tokenizer = load_tokenizer(type="wordpiece", path=str(wordpiece))
     _export_hf(legacy, model, work, vocab=model.vocab_size, carried=None, tokenizer=tokenizer, tokenizer_src=tok_dir,
                dtype=dtype, max_shard_size=max_shard_size, say=say,
-               what=f"Megatron-LM legacy {model.arch.upper()} checkpoint {legacy.it_dir} (TP={legacy.tp} PP={legacy.pp})")
+               what=f"{label} {model.arch.upper()} checkpoint {legacy.it_dir} (TP={legacy.tp} PP={legacy.pp})")
     if wordpiece is not None:  # Hugging Face's tokenizer files for the run's BERT vocabulary
         lower = legacy.args.tokenizer_type == "BertWordPieceLowerCase"
         hf_io.save_wordpiece_tokenizer(wordpiece, work, lower_case=lower)

@@ -25,7 +25,7 @@ import torch
 
 from megacli.checkpoint import manifest, space
 from megacli.checkpoint.layout import LATEST, META, find_checkpoint, iter_name, lora_base_of, read_meta, read_recipe
-from megacli.checkpoint.safe_pickle import check_torch_dist
+from megacli.checkpoint.safe_pickle import allow_checked_globals, check_torch_dist
 from megacli.errors import UserError
 
 __all__ = ["LATEST", "META", "find_checkpoint", "iter_name", "lora_base_of", "read_meta", "load", "save"]
@@ -319,7 +319,8 @@ def _load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool, kee
     check_torch_dist(ckpt, trust=trust_pickle)  # Megatron and torch unpickle these files unrestricted
     if verify:
         _check_manifest(ckpt)
-    meta = read_meta(ckpt)
+    # Another writer's checkpoint (Megatron-LM's, as checkpoint.pretrained) is loaded for its weights only.
+    meta = read_meta(ckpt) if (ckpt / META).is_file() else {"has_optimizer": False, "has_rng_state": False}
     restore_rng = meta.get("layout") == _layout(chunks) and meta.get("has_rng_state", True)
     has_optimizer = load_optimizer and meta.get("has_optimizer", True)
     if has_optimizer:
@@ -328,7 +329,8 @@ def _load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool, kee
     state = _sharded_state(chunks, optimizer, scheduler, loading=True, with_optimizer=has_optimizer, with_rng=restore_rng,
                            keep=keep)
     try:
-        loaded = dist_checkpointing.load(state, str(ckpt))
+        with allow_checked_globals():  # a Megatron-LM common.pt holds its run's args (a Namespace)
+            loaded = dist_checkpointing.load(state, str(ckpt))
     except Exception as exc:
         raise UserError(f"cannot load checkpoint {ckpt}: {exc}") from exc
     from megacli.engine.models.common import unwrap

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+from megacli.checkpoint.megatron_lm import is_megatron_lm_dir, resume_not_supported, weights_dir
 from megacli.engine import checkpoint, distributed, nonfinite
 from megacli.engine.metrics import MetricsLog, Stopwatch, loss_metrics, perplexity
 from megacli.engine.stop import StopRequests
@@ -427,9 +429,11 @@ def _pretrained_source(ck):
     from megacli.errors import UserError
 
     found = checkpoint.find_checkpoint(ck.pretrained)
+    if found is None and is_megatron_lm_dir(Path(ck.pretrained)):
+        return weights_dir(Path(ck.pretrained), trust_pickle=ck.trust_pickle)
     if found is None:
         raise UserError(f"checkpoint.pretrained = {ck.pretrained!r}: no checkpoint there (convert a Hugging Face "
-                        f"model with `megacli convert`, or give a megacli checkpoint directory)")
+                        f"model with `megacli convert`, or give a megacli or Megatron-LM torch_dist checkpoint directory)")
     return found
 
 
@@ -462,6 +466,8 @@ def _resume_source(ck):
         return complete[-1], (f"{Path(ck.dir) / checkpoint.LATEST} is missing: resuming from the newest complete "
                               f"checkpoint, {complete[-1].name}")
     found = checkpoint.find_checkpoint(ck.resume)
+    if found is None and is_megatron_lm_dir(Path(ck.resume)):
+        raise resume_not_supported(ck.resume)
     if found is None:
         raise UserError(f"checkpoint.resume = {ck.resume!r}: no checkpoint there (expected a directory with "
                         f"'{checkpoint.LATEST}' or '{checkpoint.META}')")

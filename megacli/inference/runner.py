@@ -24,6 +24,9 @@ from megacli.errors import UserError
 def load_for_decoding(recipe, runtime, *, vocab_size: int):
     """(net, config, checkpoint): the recipe's model with the weights of generate.checkpoint on this
     rank, bare (no wrappers) and in eval mode, and its TransformerConfig."""
+    from pathlib import Path
+
+    from megacli.checkpoint import megatron_lm
     from megacli.engine import checkpoint
     from megacli.engine.models import build_model
     from megacli.engine.models.common import unwrap
@@ -31,6 +34,8 @@ def load_for_decoding(recipe, runtime, *, vocab_size: int):
 
     source = recipe.generate.checkpoint
     ckpt = checkpoint.find_checkpoint(source) if source else None
+    if ckpt is None and source and megatron_lm.is_megatron_lm_dir(Path(source)):
+        ckpt = megatron_lm.weights_dir(Path(source), trust_pickle=recipe.checkpoint.trust_pickle)
     if ckpt is None:
         raise UserError(f"generate.checkpoint = {source!r}: no checkpoint there (a directory with `latest` "
                         f"or an iter_* directory)")

@@ -86,7 +86,11 @@ class VerifyReport:
 
 def find_source(path: str | Path) -> Path:
     """The iteration directory of a megacli checkpoint, or a Megatron-LM legacy checkpoint's path."""
-    return locate(path)[0]
+    found, kind = locate(path)
+    if kind == "megatron-lm":
+        raise UserError(f"{path}: a Megatron-LM torch_dist checkpoint; resharding it directly is not supported yet: "
+                        f"`megacli convert {path} DST --to megacli` (weights), then reshard DST")
+    return found
 
 
 def _check_output(output: Path, source: Path, overwrite: bool) -> None:

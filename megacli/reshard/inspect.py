@@ -71,9 +71,21 @@ def render(info: dict, console) -> None:
                       ", ".join(states.get(r["name"], [])) or ("-" if r["kind"] == "model" else "(optimizer)"),
                       _size(r["bytes"] + opt_size))
     console.print(table)
+    if "not_mapped" in info:  # a Megatron-LM checkpoint: the recipe its args map to, and what they do not
+        _render_args_recipe(info, console)
     other = info["objects"]["other"]
     if other:
         console.print(f"{len(other)} other sharded object(s) (per-layer extra state), copied as stored", highlight=False)
+
+
+def _render_args_recipe(info: dict, console) -> None:
+    import yaml
+
+    if info["recipe"] is not None:
+        console.print("recipe (from the run's args):", highlight=False)
+        console.print(yaml.safe_dump(info["recipe"], sort_keys=False).rstrip(), highlight=False, markup=False)
+    for item in info["not_mapped"]:
+        console.print(f"not mapped: {item}", highlight=False, markup=False)
 
 
 def _layout_text(layout: dict) -> str:

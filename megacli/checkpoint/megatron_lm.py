@@ -1,0 +1,203 @@
+"""Megatron-LM's own torch_dist checkpoints (``--ckpt-format torch_dist``, its default), read.
+
+    CKPT/latest_checkpointed_iteration.txt     "1000" (or "release")
+    CKPT/iter_0001000/.metadata, __R_F.distcp  the sharded state: model (global shapes, layers stacked),
+                                               optimizer, RNG state (sharded objects)
+    CKPT/iter_0001000/common.pt                the state every rank shares: args (the run's argparse
+                                               Namespace), checkpoint_version, iteration,
+                                               opt_param_scheduler, ...
+    CKPT/iter_0001000/metadata.json            {"sharded_backend": "torch_dist", ...}
+
+The model's sharded keys are megacli's canonical ones: Megatron-Core's Transformer Engine spec
+fuses the layer norms into ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``
+and its local spec maps its norms to those names on save. A local-spec model saved without that
+map (``input_layernorm.weight``, ``pre_mlp_layernorm.weight``) is renamed on read; Transformer
+Engine's ``_extra_state`` entries are not weights and are skipped.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from megacli.checkpoint.layout import is_megatron_lm_dir, is_torch_dist_iteration, tracked_iteration
+from megacli.checkpoint.legacy_args import arg, model_section_from_args, tokenizer_dir, wordpiece_vocab
+from megacli.checkpoint.safe_pickle import COMMON, DCP_METADATA, torch_load
+from megacli.checkpoint.torch_dist import NOT_MODEL, TorchDistReader
+from megacli.errors import UserError
+
+__all__ = ["FORMAT", "MegatronLMCheckpoint", "canonical_key", "is_megatron_lm_dir", "recipe_for_weights",
+           "resume_not_supported", "weights_dir"]
+
+FORMAT = "megatron-lm torch_dist"
+
+# Arguments that change the model in ways megacli's model section does not express (name: why).
+_UNMAPPED_ARGS = {
+    "num_experts": "mixture-of-experts Megatron-LM torch_dist checkpoints are not supported yet",
+    "apply_layernorm_1p": "zero-centred norm gains (apply_layernorm_1p) are not expressed by megacli's model",
+    "use_rope_scaling": "RoPE frequency scaling (use_rope_scaling) is not mapped",
+    "multi_latent_attention": "multi-latent attention is not supported",
+    "mtp_num_layers": "multi-token prediction layers are not supported",
+    "window_size": "sliding-window attention (window_size) is not supported",
+}
+_NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+
+_LOCAL_NORM = re.compile(r"(?:^|\.)layers\.(?P<norm>input_layernorm|pre_mlp_layernorm)\.(?P<kind>weight|bias)\Z")
+_FUSED_INTO = {"input_layernorm": "self_attention.linear_qkv", "pre_mlp_layernorm": "mlp.linear_fc1"}
+
+
+def canonical_key(key: str, stored: set[str]) -> str | None:
+    """The megacli (canonical) name of a stored model key; None for entries that are not weights.
+    A local-spec norm is renamed to the fused spelling only where the layer has that fused linear
+    (a MoE layer's pre-MLP norm stays separate)."""
+    if key.endswith("_extra_state") or "._extra_state/" in key:
+        return None
+    m = _LOCAL_NORM.search(key)
+    if m is None:
+        return key
+    stem = key[: m.start("norm")]
+    fused = _FUSED_INTO[m.group("norm")]
+    if f"{stem}{fused}.weight" not in stored:
+        return key
+    return f"{stem}{fused}.layer_norm_{m.group('kind')}"
+
+
+class MegatronLMCheckpoint:
+    """A Megatron-LM torch_dist checkpoint: its run's args, iteration, stored entries (``reader``)
+    and the canonical names of its model weights (``model_keys``)."""
+
+    def __init__(self, path: Path, *, trust_pickle: bool = False):
+        self.root = Path(path)
+        self.trust_pickle = trust_pickle
+        self.it_dir = tracked_iteration(self.root) or self.root
+        if not is_torch_dist_iteration(self.it_dir):
+            raise UserError(f"{self.it_dir}: not a Megatron-LM torch_dist iteration directory (needs {DCP_METADATA} "
+                            f"and {COMMON})")
+        common_path = self.it_dir / COMMON
+        self.common = torch_load(common_path, trust=trust_pickle, name=common_path)
+        if not isinstance(self.common, dict):
+            raise UserError(f"{common_path}: holds a {type(self.common).__name__}, not Megatron-LM's common state dict")
+        version = self.common.get("checkpoint_version", 0) or 0
+        if version < 3.0:
+            raise UserError(f"{common_path}: checkpoint_version {version}; only version 3.0 is supported")
+        self.args = self.common.get("args")
+        if self.args is None:
+            raise UserError(f"{common_path} has no 'args' (needed to know the model)")
+        for name in ("num_layers", "hidden_size", "num_attention_heads"):
+            if getattr(self.args, name, None) is None:
+                raise UserError(f"{common_path}: args has no {name}")
+        self.iteration = int(self.common.get("iteration", 0) or 0)
+        self.tp = int(arg(self.args, "tensor_model_parallel_size", 1))
+        self.pp = int(arg(self.args, "pipeline_model_parallel_size", 1))
+        self.vp = int(arg(self.args, "virtual_pipeline_model_parallel_size", 1))
+        self.reader = TorchDistReader(self.it_dir, trust_pickle=trust_pickle)
+        model = {k: v for k, v in self.reader.tensors.items() if k.split(".")[0] not in NOT_MODEL}
+        names = set(model)
+        # canonical name -> stored key, for every model weight
+        self.model_keys = {name: k for k in model if (name := canonical_key(k, names)) is not None}
+
+    # --- what the model is
+
+    @property
+    def arch(self) -> str:
+        keys = self.model_keys
+        if any(k.startswith("encoder.") for k in keys) and any(k.startswith("decoder.") for k in keys):
+            raise UserError(f"{self.it_dir}: an encoder-decoder (T5) checkpoint; Megatron-LM torch_dist T5 checkpoints "
+                            f"are not supported yet (GPT and BERT are)")
+        return "bert" if any(k.startswith("lm_head.") for k in keys) else "gpt"
+
+    def unmapped(self) -> list[str]:
+        """Why this run's model cannot be expressed as a megacli model section (empty when it can)."""
+        out = [why for name, why in _UNMAPPED_ARGS.items() if arg(self.args, name)]
+        norm = arg(self.args, "normalization", "LayerNorm")
+        if norm not in _NORMALIZATIONS:
+            out.append(f"normalization {norm!r} is not supported (LayerNorm and RMSNorm are)")
+        return out
+
+    def padded_vocab_rows(self) -> int:
+        info = self.reader.tensors.get(self.model_keys.get("embedding.word_embeddings.weight", ""))
+        if info is None:
+            raise UserError(f"{self.it_dir}: no embedding.word_embeddings.weight")
+        return info.shape[0]
+
+    def vocab_size(self) -> int:
+        """The real vocabulary: args.vocab_size, else the tokenizer's, else the padded rows."""
+        given = arg(self.args, "vocab_size")
+        if given:
+            return int(given)
+        from megacli.data.tokenizers import load_tokenizer
+
+        tok, vocab = self.tokenizer_dir(), self.wordpiece_vocab()
+        if tok is not None:
+            return load_tokenizer(type="huggingface", path=str(tok)).vocab_size
+        if vocab is not None:
+            return load_tokenizer(type="wordpiece", path=str(vocab)).vocab_size
+        return self.padded_vocab_rows()
+
+    def tokenizer_dir(self) -> Path | None:
+        return tokenizer_dir(self.args)
+
+    def wordpiece_vocab(self) -> Path | None:
+        return wordpiece_vocab(self.args)
+
+    def model_section(self) -> dict:
+        problems = self.unmapped()
+        if problems:
+            raise UserError(f"{self.it_dir}: " + "; ".join(problems))
+        return model_section_from_args(self.args, self.vocab_size(), arch=self.arch)
+
+    # --- what inspect shows
+
+    def recipe(self) -> dict | None:
+        """The megacli training recipe the run's args describe (None when its model cannot be mapped:
+        ``unmapped()`` says why)."""
+        from megacli.checkpoint.legacy_args import recipe_from_args
+
+        if self.unmapped():
+            return None
+        raw = recipe_from_args(self)
+        raw["parallel"]["distributed_optimizer"] = bool(arg(self.args, "use_distributed_optimizer", False))
+        return raw
+
+    def not_mapped(self) -> list[str]:
+        """What of the run the recipe leaves out (the tokenizer when its files are not on this machine)."""
+        out = self.unmapped()
+        tok = arg(self.args, "tokenizer_type")
+        if tok and self.tokenizer_dir() is None and self.wordpiece_vocab() is None:
+            where = arg(self.args, "tokenizer_model") or arg(self.args, "vocab_file")
+            out.append(f"tokenizer {tok}" + (f" ({where}: not found on this machine)" if where else "")
+                       + "; set tokenizer.type and tokenizer.path")
+        return out
+
+
+def weights_dir(path: Path, *, trust_pickle: bool = False) -> Path:
+    """The iteration directory of a Megatron-LM torch_dist checkpoint that megacli's engine loads
+    weights from directly (its keys are megacli's)."""
+    return _loadable(MegatronLMCheckpoint(path, trust_pickle=trust_pickle)).it_dir
+
+
+def recipe_for_weights(path: Path, *, trust_pickle: bool = False) -> tuple[Path, dict]:
+    """(iteration directory, raw recipe) for running a Megatron-LM checkpoint's weights in megacli
+    (generate): the recipe its args map to; what cannot be mapped is refused, named."""
+    src = _loadable(MegatronLMCheckpoint(path, trust_pickle=trust_pickle))
+    raw = src.recipe()
+    if raw is None:
+        raise UserError(f"{path}: " + "; ".join(src.unmapped()))
+    return src.it_dir, raw
+
+
+def _loadable(src: MegatronLMCheckpoint) -> MegatronLMCheckpoint:
+    """``src``, when the engine can load it as stored; one with local-spec norm names must be converted first."""
+    renamed = sorted(stored for name, stored in src.model_keys.items() if stored != name)
+    if renamed:
+        raise UserError(f"{src.root}: a Megatron-LM checkpoint with unfused (local-spec) norm names "
+                        f"({renamed[0]}, ...); convert it first: `megacli convert {src.root} DST --to megacli`, "
+                        f"then start from DST")
+    return src
+
+
+def resume_not_supported(path) -> UserError:
+    """checkpoint.resume of a Megatron-LM checkpoint: what is missing, and what works instead."""
+    return UserError(f"checkpoint.resume = {str(path)!r}: a Megatron-LM torch_dist checkpoint; resuming its optimizer, "
+                     f"scheduler and RNG state is not supported yet. Start from its weights with "
+                     f"checkpoint.pretrained={path} (and checkpoint.resume=none)")

@@ -1,0 +1,244 @@
+"""Megatron-LM's own torch_dist checkpoints (issue 18, reading): detected everywhere a checkpoint is
+taken, its args mapped to a recipe, both layer-spec spellings read, converted to HF (same logits)
+and to megacli (same tensors).
+
+The test checkpoints are megacli's own torch_dist save of a tiny Llama-shaped GPT (SwiGLU, GQA,
+RoPE, untied), resharded to TP=2 × PP=2 chunks, then laid out as Megatron-LM's
+megatron/training/checkpointing.py writes it: the tracker file, ``common.pt`` with the run's
+``args`` Namespace, ``checkpoint_version`` 3.0, ``iteration`` and ``opt_param_scheduler``, no
+megacli files; the Transformer Engine variant with ``_extra_state`` objects, the local one with
+unfused norm names (a local-spec model saved without Megatron-Core's key map)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megacli.checkpoint.layout import TRACKER, iter_name
+from megacli.checkpoint.megatron_lm import canonical_key
+
+TOL = 1e-4
+ITERATION = 10
+_LOCAL_NAMES = {"decoder.layers.self_attention.linear_qkv.layer_norm_weight": "decoder.layers.input_layernorm.weight",
+                "decoder.layers.mlp.linear_fc1.layer_norm_weight": "decoder.layers.pre_mlp_layernorm.weight"}
+
+
+def llama_args(**changes) -> argparse.Namespace:
+    """The model-defining fields Megatron-LM's parse_args sets, for tests/_convert_models' llama_untied_gqa."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    fields = dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, group_query_attention=True,
+                  num_query_groups=2, kv_channels=16, max_position_embeddings=64, seq_length=64,
+                  position_embedding_type="rope", rotary_base=5000, rotary_percent=1.0, normalization="RMSNorm",
+                  norm_epsilon=1e-5, swiglu=True, add_bias_linear=False, add_qkv_bias=False,
+                  untie_embeddings_and_output_weights=True, vocab_size=300, padded_vocab_size=512,
+                  make_vocab_size_divisible_by=128, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                  virtual_pipeline_model_parallel_size=None, tokenizer_type="HuggingFaceTokenizer",
+                  tokenizer_model="/nonexistent/llama-tokenizer", bf16=False, fp16=False, params_dtype=torch.float32,
+                  micro_batch_size=1, global_batch_size=8, train_iters=100, lr=3e-4, min_lr=3e-5,
+                  lr_decay_style="cosine", use_distributed_optimizer=False, hidden_dropout=0.0, attention_dropout=0.0,
+                  attention_backend=AttnBackend.auto, num_experts=None, data_parallel_size=1, world_size=4)
+    fields.update(changes)
+    return argparse.Namespace(**fields)
+
+
+def write_megatron_lm(megacli_it_dir: Path, root: Path, *, spec: str, args: argparse.Namespace) -> Path:
+    """``megacli_it_dir``'s shards laid out as a Megatron-LM torch_dist checkpoint under ``root``."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    it_dir = root / iter_name(ITERATION)
+    shutil.copytree(megacli_it_dir, it_dir)
+    for name in ("megacli.json", "recipe.yaml", "manifest.json"):
+        (it_dir / name).unlink(missing_ok=True)
+    with open(it_dir / ".metadata", "rb") as f:
+        meta = pickle.load(f)
+    if spec == "local":
+        meta.state_dict_metadata = {_LOCAL_NAMES.get(k, k): v for k, v in meta.state_dict_metadata.items()}
+        meta.storage_data = {dataclasses.replace(i, fqn=_LOCAL_NAMES.get(i.fqn, i.fqn)): v for i, v in meta.storage_data.items()}
+    else:  # Transformer Engine's per-layer extra state (a BytesIO), one sharded object per layer, saved in a list
+        buf = io.BytesIO()
+        torch.save([io.BytesIO(b"fp8 metadata")], buf)
+        data = buf.getvalue()
+        (it_dir / "__9_0.distcp").write_bytes(data * 2)
+        for layer in range(2):
+            key = f"decoder.layers.self_attention.linear_qkv._extra_state/shard_{layer}_2"
+            meta.state_dict_metadata[key] = BytesStorageMetadata()
+            meta.storage_data[MetadataIndex(key)] = _StorageInfo("__9_0.distcp", layer * len(data), len(data))
+    with open(it_dir / ".metadata", "wb") as f:
+        pickle.dump(meta, f)
+    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": ITERATION, "num_floating_point_operations_so_far": 0,
+                "opt_param_scheduler": {"num_steps": ITERATION * 8, "max_lr": 3e-4}}, it_dir / "common.pt")
+    (root / TRACKER).write_text(str(ITERATION))
+    return root
+
+
+def test_key_names_of_both_specs():
+    stored = {"decoder.layers.input_layernorm.weight", "decoder.layers.self_attention.linear_qkv.weight",
+              "decoder.layers.pre_mlp_layernorm.weight", "decoder.layers.mlp.linear_fc1.weight"}
+    assert canonical_key("decoder.layers.input_layernorm.weight", stored) == "decoder.layers.self_attention.linear_qkv.layer_norm_weight"
+    assert canonical_key("decoder.layers.pre_mlp_layernorm.weight", stored) == "decoder.layers.mlp.linear_fc1.layer_norm_weight"
+    assert canonical_key("decoder.layers.self_attention.linear_qkv.layer_norm_weight", stored) == \
+        "decoder.layers.self_attention.linear_qkv.layer_norm_weight"
+    moe = {"decoder.layers.pre_mlp_layernorm.weight", "decoder.layers.mlp.experts.linear_fc1.weight"}
+    assert canonical_key("decoder.layers.pre_mlp_layernorm.weight", moe) == "decoder.layers.pre_mlp_layernorm.weight"
+    assert canonical_key("decoder.layers.self_attention.linear_qkv._extra_state", stored) is None
+    assert canonical_key("decoder.layers.self_attention.linear_qkv._extra_state/shard_0_2", stored) is None
+
+
+def _prepare(rank, world, root: str):
+    """HF Llama -> megacli -> TP2×PP2 reshard -> Megatron-LM layouts (te, local) -> HF and megacli."""
+    from megacli.checkpoint.inspect import inspect
+    from megacli.checkpoint.layout import find_checkpoint, is_legacy_dir, locate
+    from megacli.convert import convert
+    from megacli.convert.megatron_io import CheckpointReader
+    from megacli.recipe.reshard import ReshardSection
+    from megacli.recipe.sections import ParallelSection
+    from megacli.reshard.core import reshard
+    from tests import _convert_models as cm
+
+    root = Path(root)
+    toks = cm.tokens()
+    ref = cm.hf_logits(cm.build_hf("llama_untied_gqa", root / "hf"), toks)
+    say = lambda *_: None  # noqa: E731
+    convert(root / "hf", root / "mc", parallel=ParallelSection(tensor=2, pipeline=2), say=say)
+    reshard(ReshardSection(source=str(root / "mc"), output=str(root / "mc22"), tensor=2, pipeline=2))
+    mc22 = find_checkpoint(root / "mc22")
+    original = {k: t for g in CheckpointReader(mc22).groups() for k, t in g.items()}
+    out = {}
+    for spec in ("te", "local"):
+        src = write_megatron_lm(mc22, root / f"mlm_{spec}", spec=spec, args=llama_args())
+        r = out[spec] = {"locate": [locate(src)[1], locate(src / iter_name(ITERATION))[1]], "legacy": is_legacy_dir(src)}
+        convert(src, root / f"hf_{spec}", to="hf", say=say)
+        r["hf_logits"] = cm.max_diff(cm.hf_logits(cm.load_hf(root / f"hf_{spec}"), toks), ref)
+        convert(src, root / f"mc_{spec}", to="megacli", say=say)
+        back = {k: t for g in CheckpointReader(find_checkpoint(root / f"mc_{spec}")).groups() for k, t in g.items()}
+        r["same_keys"] = sorted(back) == sorted(original)
+        # Vocabulary rows are padded for each checkpoint's own layout: the real 300 rows compared.
+        r["bitwise"] = [k for k in original if k in back and not torch.equal(back[k][:300], original[k][:300])]
+        info = inspect(src)
+        r["recipe"], r["not_mapped"], r["format"] = info["recipe"], info["not_mapped"], info["format"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    from tests._dist import spawn
+
+    root = tmp_path_factory.mktemp("megatron_lm")
+    return root, spawn(_prepare, 1, str(root), timeout=1800)[0]
+
+
+@pytest.mark.parametrize("spec", ["te", "local"])
+def test_detected_and_converted_to_hf_with_the_same_logits(converted, spec):
+    _, out = converted
+    r = out[spec]
+    assert r["locate"] == ["megatron-lm", "megatron-lm"] and not r["legacy"]
+    assert r["format"] == "megatron-lm torch_dist"
+    assert r["hf_logits"] < TOL, r
+
+
+@pytest.mark.parametrize("spec", ["te", "local"])
+def test_converted_to_megacli_bitwise(converted, spec):
+    _, out = converted
+    assert out[spec]["same_keys"] and out[spec]["bitwise"] == []
+
+
+def test_args_become_the_recipe(converted):
+    _, out = converted
+    recipe, not_mapped = out["te"]["recipe"], out["te"]["not_mapped"]
+    m = recipe["model"]
+    assert (m["num_layers"], m["hidden_size"], m["num_attention_heads"], m["num_query_groups"], m["kv_channels"],
+            m["ffn_hidden_size"]) == (2, 32, 4, 2, 16, 64)
+    assert (m["activation"], m["normalization"], m["position_embedding"], m["rotary_base"], m["untie_embeddings"],
+            m["vocab_size"]) == ("swiglu", "rmsnorm", "rope", 5000.0, True, 300)
+    assert (recipe["parallel"]["tensor"], recipe["parallel"]["pipeline"]) == (2, 2)
+    assert recipe["tokenizer"]["type"] == "none"
+    assert any("HuggingFaceTokenizer" in x and "/nonexistent/llama-tokenizer" in x for x in not_mapped), not_mapped
+
+
+def _megacli(*args):
+    return subprocess.run([sys.executable, "-m", "megacli", *args], capture_output=True, text=True, timeout=900)
+
+
+def test_cli_inspect_print_structure_and_refusals(converted, tmp_path):
+    root, _ = converted
+    src = root / "mlm_te"
+    out = _megacli("reshard", "inspect", str(src))
+    assert out.returncode == 0, out.stderr
+    assert "megatron-lm torch_dist" in out.stdout and "recipe (from the run's args):" in out.stdout
+    assert "num_query_groups: 2" in out.stdout and "not mapped: tokenizer HuggingFaceTokenizer" in out.stdout
+    out = _megacli("convert", str(src), "--print-structure")
+    assert out.returncode == 0, out.stderr
+    assert "Megatron-LM torch_dist checkpoint" in out.stdout
+    assert "decoder.layers.self_attention.linear_qkv.weight  [2, 128, 32]  float32" in out.stdout
+
+    out = _megacli("reshard", str(src), str(tmp_path / "resharded"), "--tensor", "1")
+    assert out.returncode == 2 and "--to megacli" in out.stderr and not (tmp_path / "resharded").exists(), out.stderr
+
+    # A run whose model megacli cannot express is named, not guessed; nothing is written.
+    moe = tmp_path / "moe"
+    shutil.copytree(src, moe)
+    torch.save({"args": llama_args(num_experts=4), "checkpoint_version": 3.0, "iteration": ITERATION},
+               moe / iter_name(ITERATION) / "common.pt")
+    out = _megacli("convert", str(moe), str(tmp_path / "hf_moe"), "--to", "hf")
+    assert out.returncode == 2 and "mixture-of-experts" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert not (tmp_path / "hf_moe").exists()
+    # common.pt without args.
+    torch.save({"checkpoint_version": 3.0, "iteration": ITERATION}, moe / iter_name(ITERATION) / "common.pt")
+    out = _megacli("convert", str(moe), str(tmp_path / "mc_noargs"))
+    assert out.returncode == 2 and "has no 'args'" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert not (tmp_path / "mc_noargs").exists()
+
+
+def _pretrain(recipe: Path, run_dir: Path, pretrained: Path, resume: str = "none") -> tuple[subprocess.CompletedProcess, list[float]]:
+    import json
+    import os
+
+    sets = ["parallel.tensor=1", "parallel.pipeline=1", "launch.nproc=1", "train.iters=2", "train.eval_interval=null",
+            "train.log_interval=1", "model.seq_length=16", "train.global_batch_size=2", f"checkpoint.resume={resume}",
+            f"checkpoint.pretrained={pretrained}", f"run.dir={run_dir}"]
+    env = {**os.environ, "MEGACLI_IN_PROCESS": "1"}
+    out = subprocess.run([sys.executable, "-m", "megacli", "pretrain", str(recipe), *[x for s in sets for x in ("--set", s)]],
+                         capture_output=True, text=True, timeout=900, env=env)
+    if out.returncode != 0:
+        return out, []
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return out, [r["loss"] for r in records if "loss" in r]
+
+
+def test_pretrained_weights_from_a_megatron_lm_checkpoint(converted, tmp_path):
+    """checkpoint.pretrained takes a Megatron-LM checkpoint: the same losses as starting from the
+    megacli checkpoint it holds the weights of. One with local-spec names is refused, naming the fix."""
+    root, _ = converted
+    recipe = root / "mc" / "iter_0000000" / "recipe.yaml"
+    _, want = _pretrain(recipe, tmp_path / "from_megacli", root / "mc22")
+    out, got = _pretrain(recipe, tmp_path / "from_megatron_lm", root / "mlm_te")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert len(want) == 2 and got == want
+    out, _ = _pretrain(recipe, tmp_path / "from_local", root / "mlm_local")
+    assert out.returncode == 2 and "convert it first" in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+    # Resuming (optimizer, scheduler, RNG) is not there yet: said so, with what works instead.
+    out, _ = _pretrain(recipe, tmp_path / "resume", root / "mc22", resume=str(root / "mlm_te"))
+    assert out.returncode == 2 and "not supported yet" in out.stderr and "checkpoint.pretrained=" in out.stderr, out.stderr[-2000:]
+
+
+def test_generate_from_a_megatron_lm_checkpoint(converted):
+    """generate -c takes a Megatron-LM checkpoint: the model from its args (the tokenizer given)."""
+    import os
+
+    root, _ = converted
+    env = {**os.environ, "MEGACLI_IN_PROCESS": "1"}
+    out = subprocess.run([sys.executable, "-m", "megacli", "generate", "-c", str(root / "mlm_te"), "-p", "the", "-n", "3",
+                          "--set", "tokenizer.type=byte", "--set", f"run.dir={root / 'gen'}"],
+                         capture_output=True, text=True, timeout=900, env=env)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
