@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from megacli.checkpoint.megatron_lm import is_megatron_lm_dir, resume_not_supported, weights_dir
 from megacli.engine import checkpoint, distributed, nonfinite
+from megacli.engine.starting_point import pretrained_source, resume_source
 from megacli.engine.metrics import MetricsLog, Stopwatch, loss_metrics, perplexity
 from megacli.engine.stop import StopRequests
 
@@ -232,8 +231,8 @@ def _train(recipe, runtime) -> None:
     t, ck = recipe.train, recipe.checkpoint
     trainer, tokenizer = build_trainer(recipe, runtime)
     start_iter, consumed, run_id = 0, 0, None
-    source, resume_note = _resume_source(ck)
-    pretrained = _pretrained_source(ck) if source is None else None
+    source, resume_note = resume_source(ck)
+    pretrained = pretrained_source(ck) if source is None else None
     if source is not None:
         from megacli.engine.compat import check_resumable
 
@@ -271,7 +270,7 @@ def _train(recipe, runtime) -> None:
     if recipe.lora is not None:
         from megacli.engine.models.lora import adapter_params
 
-        lora_base = (checkpoint.lora_base_of(source) if source is not None else None) or _pretrained_source(ck)
+        lora_base = (checkpoint.lora_base_of(source) if source is not None else None) or pretrained_source(ck)
         lo = recipe.lora
         n_lora = adapter_params(m, lo)
         log.say(f"LoRA rank {lo.rank}, alpha {lo.alpha:g}, dropout {lo.dropout:g} on {', '.join(lo.targets)}: "
@@ -421,54 +420,3 @@ def _expert_stats(recipe, trainer, runtime):
     return ExpertStats(trainer.chunks, num_layers=m.num_layers, num_experts=m.moe.num_experts,
                        aux_loss=m.moe.aux_loss_coeff > 0, data_parallel=recipe.data_parallel_size,
                        microbatches=recipe.num_microbatches, device=runtime.device)
-
-
-def _pretrained_source(ck):
-    if not ck.pretrained:
-        return None
-    from megacli.errors import UserError
-
-    found = checkpoint.find_checkpoint(ck.pretrained)
-    if found is None and is_megatron_lm_dir(Path(ck.pretrained)):
-        return weights_dir(Path(ck.pretrained), trust_pickle=ck.trust_pickle)
-    if found is None:
-        raise UserError(f"checkpoint.pretrained = {ck.pretrained!r}: no checkpoint there (convert a Hugging Face "
-                        f"model with `megacli convert`, or give a megacli or Megatron-LM torch_dist checkpoint directory)")
-    return found
-
-
-def _resume_source(ck):
-    """The checkpoint to start from (or None) and a note to print. resume: auto uses ck.dir's latest,
-    or, with `latest` gone, its newest complete iteration; resume: none refuses a directory that
-    already holds checkpoints unless checkpoint.overwrite is set."""
-    from pathlib import Path
-
-    from megacli.errors import UserError
-
-    saved = checkpoint.saved_iterations(ck.dir) if ck.dir else []
-    has_pointer = bool(ck.dir) and (Path(ck.dir) / checkpoint.LATEST).is_file()
-    if ck.resume == "none":
-        if (saved or has_pointer) and not ck.overwrite:
-            held = ("..., " if len(saved) > 3 else "") + (", ".join(p.name for p in saved[-3:]) or checkpoint.LATEST)
-            raise UserError(f"checkpoint.dir {ck.dir} already holds checkpoints ({held}) and checkpoint.resume = none: "
-                            f"set checkpoint.resume: auto "
-                            f"to continue them, checkpoint.overwrite: true to save over them, or another checkpoint.dir")
-        return None, None
-    if ck.resume == "auto":
-        found = checkpoint.find_checkpoint(ck.dir) if ck.dir and Path(ck.dir).exists() else None
-        if found is not None or not saved:
-            return found, None
-        complete = [p for p in saved if (p / checkpoint.META).is_file()]
-        if not complete:
-            raise UserError(f"checkpoint.dir {ck.dir} has no '{checkpoint.LATEST}' and none of its iterations "
-                            f"({', '.join(p.name for p in saved)}) is complete (no {checkpoint.META}): nothing to resume. "
-                            f"Remove them, or set checkpoint.resume: none with checkpoint.overwrite: true to start over")
-        return complete[-1], (f"{Path(ck.dir) / checkpoint.LATEST} is missing: resuming from the newest complete "
-                              f"checkpoint, {complete[-1].name}")
-    found = checkpoint.find_checkpoint(ck.resume)
-    if found is None and is_megatron_lm_dir(Path(ck.resume)):
-        raise resume_not_supported(ck.resume)
-    if found is None:
-        raise UserError(f"checkpoint.resume = {ck.resume!r}: no checkpoint there (expected a directory with "
-                        f"'{checkpoint.LATEST}' or '{checkpoint.META}')")
-    return found, None
