@@ -1,11 +1,13 @@
-"""Fill-in-the-middle on token samples, as Megatron-LM's FIM dataset rewrites them.
+"""Fill-in-the-middle on token samples, token for token as Megatron-LM's FIM dataset rewrites them.
 
-Each document of a sample (the stretches between EOD tokens) is, with probability ``rate``, decoded,
-cut at two random character positions into prefix / middle / suffix, re-encoded and written as
-PSM: <prefix> prefix <suffix> suffix <middle> middle, or, with probability ``spm_rate``,
-SPM: <prefix> <suffix> suffix <middle> prefix middle. A rewritten document keeps its token count
-(the suffix is cut or padded with <pad>); with ``split_sample`` a document is first cut at that
-token into fragments, each rewritten with probability ``fragment_rate``.
+The sample is cut at EOD tokens into documents; each document (with ``split_sample``: each fragment
+between split tokens, after one ``rate`` draw for the whole document) is, with probability ``rate``
+(``fragment_rate``), decoded, cut at two random character positions into prefix / middle / suffix,
+re-encoded and written as PSM: <prefix> prefix <suffix> suffix <middle> middle, or, with probability
+``spm_rate``, SPM: <prefix> <suffix> suffix <middle> prefix middle. As in Megatron-LM, an EOD (split
+token) that closes an empty stretch is dropped, the stretch after the last one is always drawn for
+(even when empty), and only the whole sample is brought back to its length: cut at its end or padded
+there with <pad>.
 """
 
 from __future__ import annotations
@@ -40,23 +42,17 @@ def fim_ids(tokenizer, fim) -> FIMIds:
     return FIMIds(eod=tokenizer.eod, split=ids.get(fim.split_sample), **{k: ids[v] for k, v in names.items() if k != "split"})
 
 
-def permute(tokens: np.ndarray, rng: np.random.RandomState, *, rate: float, spm_rate: float, tokenizer,
-            ids: FIMIds) -> np.ndarray:
-    """One document (or fragment) rewritten, with probability ``rate``, keeping its length."""
+def permute(tokens: np.ndarray, rng: np.random.RandomState, *, rate: float, fim, tokenizer, ids: FIMIds) -> np.ndarray:
+    """One document (or fragment) rewritten with probability ``rate``; its length may change."""
     if not rng.binomial(1, rate):
         return tokens
     contents = tokenizer.decode(tokens.tolist())
+    if fim.no_prefix is not None and contents.startswith(fim.no_prefix):
+        return tokens
     lo, hi = sorted(rng.randint(low=0, high=len(contents) + 1, size=2))
     prefix, middle, suffix = (np.asarray(tokenizer.encode(part), dtype=np.int64)
                               for part in (contents[:lo], contents[lo:hi], contents[hi:]))
-    diff = len(prefix) + len(middle) + len(suffix) + 3 - len(tokens)
-    if diff > 0:
-        if len(suffix) <= diff:  # no room to keep the length: leave the document as it is
-            return tokens
-        suffix = suffix[:len(suffix) - diff]
-    elif diff < 0:
-        suffix = np.concatenate([suffix, np.full(-diff, ids.pad, dtype=np.int64)])
-    if rng.binomial(1, spm_rate):
+    if rng.binomial(1, fim.spm_rate):
         parts = [[ids.prefix, ids.suffix], suffix, [ids.middle], prefix, middle]
     else:
         parts = [[ids.prefix], prefix, [ids.suffix], suffix, [ids.middle], middle]
@@ -64,7 +60,7 @@ def permute(tokens: np.ndarray, rng: np.random.RandomState, *, rate: float, spm_
 
 
 def _split_and_permute(tokens: np.ndarray, rng, *, fim, tokenizer, ids: FIMIds) -> np.ndarray:
-    rewrite = dict(spm_rate=fim.spm_rate, tokenizer=tokenizer, ids=ids)
+    rewrite = dict(fim=fim, tokenizer=tokenizer, ids=ids)
     if ids.split is None or not (tokens == ids.split).any():
         return permute(tokens, rng, rate=fim.rate, **rewrite)
     if not rng.binomial(1, fim.rate):
@@ -73,19 +69,19 @@ def _split_and_permute(tokens: np.ndarray, rng, *, fim, tokenizer, ids: FIMIds) 
 
 
 def _each_segment(tokens: np.ndarray, separator: int, rewrite) -> np.ndarray:
-    """The stretches between separators rewritten (empty ones skipped), separators kept."""
+    """The stretches between separators rewritten; a separator closing an empty stretch is dropped
+    and the stretch after the last separator is rewritten even when empty (Megatron-LM's draws)."""
     out, start = [], 0
     for loc in np.flatnonzero(tokens == separator):
         if loc > start:
-            out.append(rewrite(tokens[start:loc]))
-        out.append(np.asarray([separator], dtype=np.int64))
+            out += [rewrite(tokens[start:loc]), np.asarray([separator], dtype=np.int64)]
         start = loc + 1
-    out.append(rewrite(tokens[start:]) if start < len(tokens) else tokens[start:])
+    out.append(rewrite(tokens[start:]))
     return np.concatenate(out)
 
 
 def fim_sample(sample: np.ndarray, rng: np.random.RandomState, *, fim, tokenizer, ids: FIMIds) -> np.ndarray:
-    """A packed sample with its documents rewritten, cut or padded (<pad>) back to its length."""
+    """A packed sample with its documents rewritten, cut or padded (<pad>) at its end back to its length."""
     rewritten = _each_segment(sample.astype(np.int64), ids.eod,
                               lambda doc: _split_and_permute(doc, rng, fim=fim, tokenizer=tokenizer, ids=ids))
     if len(rewritten) >= len(sample):

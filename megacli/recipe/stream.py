@@ -59,7 +59,7 @@ class FIMSection(Section):
     random character positions into prefix, middle and suffix and rewritten as
     <fim_prefix> prefix <fim_suffix> suffix <fim_middle> middle (PSM) or
     <fim_prefix> <fim_suffix> suffix <fim_middle> prefix middle (SPM); the sample keeps its length
-    (the suffix is cut or <fim_pad> padded)."""
+    (cut at its end, or <fim_pad> padded there)."""
 
     rate: float = Field(0.5, ge=0, le=1)
     """Probability that a document of a sample is rewritten."""
@@ -68,7 +68,9 @@ class FIMSection(Section):
     split_sample: Optional[str] = None
     """A token (e.g. a file separator) at which documents are cut into fragments, each rewritten on its own."""
     fragment_rate: float = Field(0.5, ge=0, le=1)
-    """With split_sample: probability that a fragment is rewritten."""
+    """With split_sample: probability that a fragment is rewritten (once rate chose its document)."""
+    no_prefix: Optional[str] = None
+    """Documents (fragments) whose text starts with this string are never rewritten (Megatron-LM's fim_no_prefix)."""
     prefix_token: str = "<fim_prefix>"
     """The tokenizer's token that opens the prefix."""
     middle_token: str = "<fim_middle>"
@@ -76,4 +78,4 @@ class FIMSection(Section):
     suffix_token: str = "<fim_suffix>"
     """The tokenizer's token that opens the suffix."""
     pad_token: str = "<fim_pad>"
-    """The tokenizer's token that pads a rewritten document to its old length."""
+    """The tokenizer's token that pads a rewritten sample to its old length."""
