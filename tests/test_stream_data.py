@@ -131,36 +131,82 @@ def fim_sections(**kw):
     return DataSection(source="jsonl", files=["x.jsonl"], fim=kw).fim
 
 
-@pytest.mark.parametrize("spm", [False, True])
-def test_fim_samples_decode_to_prefix_suffix_middle(spm):
+class ScriptedDraws:
+    """Stands in for the RandomState: hands out the given rate/spm_rate bits and cut pairs in order."""
+
+    def __init__(self, bits, cuts=()):
+        self.bits, self.cuts = list(bits), list(cuts)
+
+    def binomial(self, n, p):
+        return self.bits.pop(0)
+
+    def randint(self, low, high, size):
+        cut = self.cuts.pop(0)
+        assert low == 0 and all(c < high for c in cut) and size == 2
+        return np.asarray(cut)
+
+    def used_up(self):
+        return not self.bits and not self.cuts
+
+
+P, M, S, PAD, FILE = "<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>", "<|file|>"
+
+
+def fim_tokens(tok, pieces):
+    """Token ids of a list of characters and special-token names."""
+    ids = {t: i for i, t in tok.vocabulary().items()}
+    return [ids[p] if len(p) > 1 else ord(p) for p in pieces]
+
+
+# (data.fim fields, sample, rate/spm bits in draw order, cuts, expected tokens), all as Megatron-LM writes them
+FIM_LAYOUTS = {
+    # PSM; the whole sample (not the suffix) is cut at its end; the empty stretch after the last EOD is drawn for
+    "psm": ({}, [*"abcdef", "<eod>"], [1, 0, 0], [(2, 4)], [P, *"ab", S, *"ef", M]),
+    # SPM: <prefix> <suffix> suffix <middle> prefix middle; the cut pair is sorted
+    "spm": ({}, [*"abcdef"], [1, 1], [(4, 1)], [P, S, *"ef", M, *"a"]),
+    # EODs closing empty stretches are dropped, the sample is padded at its end
+    "eod_dropped_padded": ({}, ["<eod>", "<eod>", *"ab"], [0], [], [*"ab", PAD, PAD]),
+    # the empty stretch after the last EOD is rewritten too when its draw says so
+    "empty_tail": ({}, ["<eod>", "<eod>", "<eod>", *"ab", "<eod>"], [0, 1, 0], [(0, 0)],
+                   [*"ab", "<eod>", P, S, M]),
+    # split_sample: one rate draw for the document, then fragment_rate draws; a split token closing an empty
+    # fragment is dropped
+    "split": ({"split_sample": FILE}, [*"ab", FILE, FILE, *"cdef", "<eod>", *"gh", "<eod>"],
+              [1, 0, 1, 0, 0, 0], [(1, 3)], [*"ab", FILE, P, *"c", S, *"f", M, *"de", "<eod>", "g"]),
+    # a document not chosen by the rate draw keeps its split tokens, empty fragments and all
+    "split_not_chosen": ({"split_sample": FILE}, [*"ab", FILE, FILE, *"cd"], [0], [], [*"ab", FILE, FILE, *"cd"]),
+    # no_prefix: the rate draw is made, the cut and order draws are not
+    "no_prefix": ({"no_prefix": "ab"}, [*"abc", "<eod>", *"xy"], [1, 1, 0], [(1, 1)], [*"abc", "<eod>", P, "x"]),
+}
+
+
+@pytest.mark.parametrize("case", FIM_LAYOUTS)
+def test_fim_layout_as_megatron_lm_writes_it(case):
+    from megacli.data.fim import fim_ids, fim_sample
+
+    fields, sample, bits, cuts, expected = FIM_LAYOUTS[case]
+    tok = CharTokenizer()
+    fim = fim_sections(rate=0.5, spm_rate=0.5, fragment_rate=0.5, **fields)
+    draws = ScriptedDraws(bits, cuts)
+    out = fim_sample(np.asarray(fim_tokens(tok, sample)), draws, fim=fim, tokenizer=tok, ids=fim_ids(tok, fim))
+    assert out.tolist() == fim_tokens(tok, expected)
+    assert draws.used_up()
+
+
+def test_fim_samples_decode_to_prefix_suffix_middle():
     from megacli.data.fim import fim_ids, fim_sample
 
     tok = CharTokenizer()
-    fim = fim_sections(rate=1.0, spm_rate=1.0 if spm else 0.0)
-    ids = fim_ids(tok, fim)
-    docs = ["def f(x): return x + 1", "print('hello world')"]
-    sample = np.asarray([t for d in docs for t in tok.encode(d) + [tok.eod]])
-    rewritten = 0
+    fim = fim_sections(rate=1.0, spm_rate=0.0)
+    doc = "def f(x): return x + 1"
+    sample = np.asarray(tok.encode(doc) + [tok.eod] + tok.encode("pad"))
     for seed in range(20):
-        out = fim_sample(sample, np.random.RandomState(seed), fim=fim, tokenizer=tok, ids=ids)
+        out = fim_sample(sample, np.random.RandomState(seed), fim=fim, tokenizer=tok, ids=fim_ids(tok, fim))
         assert len(out) == len(sample)
-        parts = tok.decode(out.tolist()).split("<eod>")
-        assert len(parts) == 3 and parts[2] == ""
-        for doc, text in zip(docs, parts):
-            if text == doc:  # Megatron-LM leaves a document whose suffix cannot give up the 3 FIM tokens
-                continue
-            rewritten += 1
-            # The three FIM tokens keep the length: the suffix gives up its last 3 tokens.
-            if spm:
-                assert text.startswith("<fim_prefix><fim_suffix>")
-                suffix, prefix_middle = text[len("<fim_prefix><fim_suffix>"):].split("<fim_middle>")
-                assert prefix_middle + suffix == doc[:-3]
-            else:
-                assert text.startswith("<fim_prefix>")
-                prefix, rest = text[len("<fim_prefix>"):].split("<fim_suffix>")
-                suffix, middle = rest.split("<fim_middle>")
-                assert prefix + middle + suffix == doc[:-3]
-    assert rewritten >= 20
+        text = tok.decode(out.tolist()).split("<eod>")[0]
+        prefix, rest = text[len("<fim_prefix>"):].split("<fim_suffix>")
+        suffix, middle = rest.split("<fim_middle>")
+        assert text.startswith("<fim_prefix>") and prefix + middle + suffix == doc
 
 
 def test_fim_rate_zero_leaves_samples_and_split_sample_rewrites_fragments():
