@@ -50,7 +50,8 @@ class CharTokenizer:
 
 def megatron_fim(checkout: str, tok: CharTokenizer, fim: FIMSection):
     """A function (tokens, RandomState) -> tokens running Megatron-LM's GPTFIMDataset sample code."""
-    sys.path.append(checkout)  # `megatron` is a namespace package: core stays the installed one
+    if checkout not in sys.path:
+        sys.path.append(checkout)  # `megatron` is a namespace package: core stays the installed one
     from megatron.training.datasets.fim_dataset import GPTFIMDataset
 
     ids = fim_ids(tok, fim)
