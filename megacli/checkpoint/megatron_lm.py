@@ -90,6 +90,8 @@ class MegatronLMCheckpoint:
         self.tp = int(arg(self.args, "tensor_model_parallel_size", 1))
         self.pp = int(arg(self.args, "pipeline_model_parallel_size", 1))
         self.vp = int(arg(self.args, "virtual_pipeline_model_parallel_size", 1))
+        self.first_stage_layers = arg(self.args, "decoder_first_pipeline_num_layers") or None  # uneven stages
+        self.last_stage_layers = arg(self.args, "decoder_last_pipeline_num_layers") or None
         self.reader = TorchDistReader(self.it_dir, trust_pickle=trust_pickle)
         model = {k: v for k, v in self.reader.tensors.items() if k.split(".")[0] not in NOT_MODEL}
         names = set(model)
