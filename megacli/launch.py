@@ -17,6 +17,7 @@ import socket
 import sys
 import time
 import uuid
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -29,6 +30,23 @@ _LAUNCHED_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_POR
 
 def inside_torchrun() -> bool:
     return all(v in os.environ for v in _LAUNCHED_VARS)
+
+
+@contextmanager
+def as_single_worker():
+    """This process as the one worker of a one-process job: the env:// variables torchrun would
+    set, restored afterwards (a later job started from this process must not think it is a worker)."""
+    saved = {k: os.environ.get(k) for k in (*_LAUNCHED_VARS, "LOCAL_WORLD_SIZE")}
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def inside_srun_per_process() -> bool:

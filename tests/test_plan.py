@@ -5,6 +5,7 @@ reference is the real Megatron-Core model, built on CPU in one process."""
 
 from __future__ import annotations
 
+import os
 import re
 
 TINY = ["data.mock=false", "data.path=x", "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
@@ -158,6 +159,9 @@ def test_dry_run_recipe_is_whole_block_yaml_when_not_on_a_terminal():
     assert printed.startswith("model:\n  arch: gpt\n") and f"  name: {name}\n" in printed
 
 
+WORKER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def test_first_step_line_states_measured_peak_memory_and_intervals_of_0_mean_never(tmp_path, monkeypatch):
     """A one-process run on CPU: the memory line follows the first step line; eval_interval 0 never
     evaluates, save_interval 0 saves only at the end."""
@@ -174,6 +178,7 @@ def test_first_step_line_states_measured_peak_memory_and_intervals_of_0_mean_nev
             "parallel.tensor=1", "parallel.pipeline=1", "launch.device=cpu", "train.iters=2", "train.micro_batch_size=2",
             "train.global_batch_size=2", "train.log_interval=1", "train.precision=fp32", "train.eval_interval=0",
             "checkpoint.save_interval=0", f"checkpoint.dir={tmp_path / 'ck'}", f"run.dir={tmp_path / 'run'}"]
+    env_before = {k: os.environ.get(k) for k in WORKER_VARS}
     out = CliRunner().invoke(app, ["pretrain", *[x for s in sets for x in ("--set", s)]])
     assert out.exit_code == 0, out.output
     text = " ".join(out.output.split())  # the console wraps long lines at 80 columns here
@@ -183,6 +188,9 @@ def test_first_step_line_states_measured_peak_memory_and_intervals_of_0_mean_nev
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert not any("val_loss" in r for r in records)
     assert sorted(p.name for p in (tmp_path / "ck").glob("iter_*")) == ["iter_0000002"]
+    # The in-process worker's env:// variables are restored: a job started next (a subprocess
+    # inheriting this environment) must not take itself for a worker of this one.
+    assert {k: os.environ.get(k) for k in WORKER_VARS} == env_before
 
 
 def test_dry_run_says_what_auto_and_warmup_fraction_resolve_to():

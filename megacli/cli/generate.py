@@ -162,11 +162,10 @@ def launch_job(job, name: str = "generate") -> None:
         return
     recipe_file = rundir.prepare(job, job.run.dir)
     if job.world_size == 1:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(launch.free_port()))
         from megacli.worker import run_job
 
-        run_job(name, job)
+        with launch.as_single_worker():
+            run_job(name, job)
         return
     launch.launch_workers(name, recipe_file, run_dir=job.run.dir, nproc=job.world_size, nnodes=1, node_rank=0,
                           rdzv_endpoint=None, job_id=launch.job_id(given=None, rdzv_endpoint=None),
@@ -179,9 +178,8 @@ def _interactive(job) -> None:
     from megacli.engine import distributed
     from megacli.inference.generator import build_generator
 
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(launch.free_port()))
-    with distributed.running(parallel=job.parallel, launch=job.launch, seed=job.generate.seed) as runtime:
+    with launch.as_single_worker(), distributed.running(parallel=job.parallel, launch=job.launch,
+                                                          seed=job.generate.seed) as runtime:
         gen = build_generator(job, runtime)
         print("type a prompt and Enter (Ctrl-D to quit)", flush=True)
         while True:

@@ -48,11 +48,10 @@ def _run(job: str, recipe, job_id: str) -> None:
     ln = recipe.launch
     if ln.nproc * ln.nnodes == 1 and os.environ.get("MEGACLI_IN_PROCESS"):
         # Tests: run the single worker in this process (same code path, no subprocess).
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(launch.free_port()))
         from megacli.worker import run_job
 
-        run_job(job, recipe)
+        with launch.as_single_worker():
+            run_job(job, recipe)
         return
     launch.launch_workers(job, recipe_file, run_dir=recipe.run.dir, nproc=ln.nproc, nnodes=ln.nnodes,
                           node_rank=ln.node_rank, rdzv_endpoint=ln.rdzv_endpoint, job_id=job_id,
