@@ -23,7 +23,7 @@ def test_resumed_run_replaces_the_records_after_its_checkpoint(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"iteration": i, "loss": 1.0}) + "\n" for i in (1, 2, 3, 4)) + '{"itera')
     log = MetricsLog(run_dir=str(tmp_path), enabled=True, total_iters=6, start_iter=2, tokens_per_step=1,
-                     flops_per_step=1.0, world_size=1, device=torch.device("cpu"), tensorboard=False)
+                     flops_per_step=1.0, world_size=1, device=torch.device("cpu"), loggers=[])
     log.close()
     assert [json.loads(line)["iteration"] for line in path.read_text().splitlines()] == [1, 2]
 
