@@ -33,7 +33,7 @@ import torch
 
 from megacli.checkpoint import sharding
 from megacli.checkpoint.layout import iteration_dir, rank_files
-from megacli.checkpoint.legacy_args import arg, model_section_from_args, tokenizer_dir, wordpiece_vocab
+from megacli.checkpoint.legacy_args import ArgsDescribed, arg, model_section_from_args
 from megacli.checkpoint.safe_pickle import torch_load
 from megacli.errors import UserError
 from megacli.recipe.stages import chunk_layers, split_problem, stage_of_layer
@@ -93,7 +93,7 @@ def canonical_name(key: str) -> str | None:
     return key
 
 
-class LegacyCheckpoint:
+class LegacyCheckpoint(ArgsDescribed):
     """A Megatron-LM legacy checkpoint as canonical global tensors (and, with ``optimizer``, their
     optimizer state), one pipeline stage's files (all its tensor-parallel ranks, memory-mapped)
     open at a time."""
@@ -167,27 +167,6 @@ class LegacyCheckpoint:
         if emb is None:
             raise UserError(f"{self.files[(0, 0)]}: no word embeddings in the first pipeline stage")
         return sum(t.shape[0] for t in emb)
-
-    def vocab_size(self) -> int:
-        """The real vocabulary: args.vocab_size, else the tokenizer's, else the padded rows."""
-        given = arg(self.args, "vocab_size")
-        if given:
-            return int(given)
-        from megacli.data.tokenizers import load_tokenizer
-
-        tok = self.tokenizer_dir()
-        if tok is not None:
-            return load_tokenizer(type="huggingface", path=str(tok)).vocab_size
-        vocab = self.wordpiece_vocab()
-        if vocab is not None:  # with the [BOS]/[EOS] Megatron's WordPiece tokenizer appends
-            return load_tokenizer(type="wordpiece", path=str(vocab)).vocab_size
-        return self.padded_vocab_rows()
-
-    def tokenizer_dir(self) -> Path | None:
-        return tokenizer_dir(self.args)
-
-    def wordpiece_vocab(self) -> Path | None:
-        return wordpiece_vocab(self.args)
 
     def model_section(self) -> dict:
         return model_section_from_args(self.args, self.vocab_size(), arch=self.arch)

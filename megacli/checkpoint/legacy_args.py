@@ -134,3 +134,29 @@ def recipe_from_args(src) -> dict:
                   "clip_grad": float(arg(a, "clip_grad", 1.0)), "adam_beta1": float(arg(a, "adam_beta1", 0.9)),
                   "adam_beta2": float(arg(a, "adam_beta2", 0.999)), "adam_eps": float(arg(a, "adam_eps", 1e-8))},
     }
+
+
+class ArgsDescribed:
+    """What a checkpoint described by Megatron-LM's run arguments (``self.args``; legacy or torch_dist)
+    says about its tokenizer and vocabulary. Subclasses give ``padded_vocab_rows()``."""
+
+    def vocab_size(self) -> int:
+        """The real vocabulary: args.vocab_size, else the tokenizer's, else the padded rows."""
+        given = arg(self.args, "vocab_size")
+        if given:
+            return int(given)
+        from megacli.data.tokenizers import load_tokenizer
+
+        tok = self.tokenizer_dir()
+        if tok is not None:
+            return load_tokenizer(type="huggingface", path=str(tok)).vocab_size
+        vocab = self.wordpiece_vocab()
+        if vocab is not None:  # with the [BOS]/[EOS] Megatron's WordPiece tokenizer appends
+            return load_tokenizer(type="wordpiece", path=str(vocab)).vocab_size
+        return self.padded_vocab_rows()
+
+    def tokenizer_dir(self) -> Path | None:
+        return tokenizer_dir(self.args)
+
+    def wordpiece_vocab(self) -> Path | None:
+        return wordpiece_vocab(self.args)

@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 
 from megacli.checkpoint.layout import is_megatron_lm_dir, is_torch_dist_iteration, tracked_iteration
-from megacli.checkpoint.legacy_args import arg, model_section_from_args, tokenizer_dir, wordpiece_vocab
+from megacli.checkpoint.legacy_args import ArgsDescribed, arg, model_section_from_args
 from megacli.checkpoint.safe_pickle import COMMON, DCP_METADATA, torch_load
 from megacli.checkpoint.torch_dist import NOT_MODEL, TorchDistReader
 from megacli.errors import UserError
@@ -62,7 +62,7 @@ def canonical_key(key: str, stored: set[str]) -> str | None:
     return f"{stem}{fused}.layer_norm_{m.group('kind')}"
 
 
-class MegatronLMCheckpoint:
+class MegatronLMCheckpoint(ArgsDescribed):
     """A Megatron-LM torch_dist checkpoint: its run's args, iteration, stored entries (``reader``)
     and the canonical names of its model weights (``model_keys``)."""
 
@@ -121,26 +121,6 @@ class MegatronLMCheckpoint:
         if info is None:
             raise UserError(f"{self.it_dir}: no embedding.word_embeddings.weight")
         return info.shape[0]
-
-    def vocab_size(self) -> int:
-        """The real vocabulary: args.vocab_size, else the tokenizer's, else the padded rows."""
-        given = arg(self.args, "vocab_size")
-        if given:
-            return int(given)
-        from megacli.data.tokenizers import load_tokenizer
-
-        tok, vocab = self.tokenizer_dir(), self.wordpiece_vocab()
-        if tok is not None:
-            return load_tokenizer(type="huggingface", path=str(tok)).vocab_size
-        if vocab is not None:
-            return load_tokenizer(type="wordpiece", path=str(vocab)).vocab_size
-        return self.padded_vocab_rows()
-
-    def tokenizer_dir(self) -> Path | None:
-        return tokenizer_dir(self.args)
-
-    def wordpiece_vocab(self) -> Path | None:
-        return wordpiece_vocab(self.args)
 
     def model_section(self) -> dict:
         problems = self.unmapped()
