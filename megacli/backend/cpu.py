@@ -57,6 +57,10 @@ What ``enable()`` changes, and why (one line each):
   within GPU RNG context": with one generator that is true by construction for every fork that
   draws numbers, and it would be logged on every dropout call.
 
+* Megatron-Core imported with ``torch.compile`` as the identity (when ``enable()`` is the first to
+  import it): its fusion modules call ``torch.compile`` at import, which loads torch._dynamo (about
+  2 CPU-seconds a process) for kernels a CPU run never compiles; the fused functions run eagerly.
+
 Left alone on purpose: ``torch.cuda.is_available()`` stays False (nothing on the CPU training
 path needs True, and False keeps Megatron off TE, CUDA graphs, NCCL-only and straggler-detector
 code); ``torch.cuda.device_count()`` stays 0; ``torch.cuda.memory_*`` already answer 0 on a CPU
@@ -113,6 +117,7 @@ def enable() -> None:
             return
         import torch
 
+        _import_megatron_without_compile(torch)
         mode_cls = _make_mode_class(torch)
         _patch_torch_cuda(torch)
         _patch_autograd_engine(torch, mode_cls)
@@ -281,6 +286,29 @@ def _patch_autograd_engine(torch, mode_cls) -> None:
 
     graph._engine_run_backward = _engine_run_backward
     torch.autograd._engine_run_backward = _engine_run_backward
+
+
+def _import_megatron_without_compile(torch) -> None:
+    """Import Megatron-Core with ``torch.compile`` as the identity. Its fusions are decorated with
+    ``jit_fuser`` (``torch.compile``) when their modules are imported, and each decoration loads
+    torch._dynamo: about 2 CPU-seconds in every process, for kernels a CPU run never compiles
+    (the fused functions then run as plain eager code, the same maths)."""
+    import sys
+
+    if "megatron.core" in sys.modules:
+        return
+    compile_ = torch.compile
+
+    def identity(model=None, **kwargs):
+        return model if model is not None else (lambda fn: fn)
+
+    torch.compile = identity
+    try:
+        import megatron.core.models.gpt  # noqa: F401 - the modules that decorate fusions
+    except ImportError:  # Megatron absent: nothing to import
+        pass
+    finally:
+        torch.compile = compile_
 
 
 def _patch_megatron_random() -> None:
