@@ -8,7 +8,6 @@ Checkpoints without a manifest (older ones, other tools') load unchecked."""
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -20,16 +19,19 @@ from megacli.errors import UserError
 
 MANIFEST = "manifest.json"
 ALGORITHM = "xxh3_64"
+_CHUNK = 8 << 20
 _SHARD = re.compile(r"__(\d+)_\d+\.distcp$")  # torch_dist shards: __<writing rank>_<n>.distcp
 
 
 def checksum(path: Path) -> str:
-    """xxh3-64 of a file, hashed straight from its (memory-mapped) pages: no copy."""
+    """xxh3-64 of a file, read in chunks into one buffer: memory-mapping it instead would add the
+    whole file to this process's resident set while it is hashed."""
     h = xxhash.xxh3_64()
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size:
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as pages:
-                h.update(pages)
+    buffer = bytearray(_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            h.update(view[:n])
     return h.hexdigest()
 
 

@@ -44,12 +44,12 @@ def megatron_process():
 
     quiet_megatron_imports()
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
     if not torch.cuda.is_available():
         from megacli.backend import cpu
 
         cpu.enable()  # dist_checkpointing synchronizes CUDA; on a CPU-only build that must be a no-op
+    from megatron.core import parallel_state as ps
     owns_group = not dist.is_initialized()
     if owns_group:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -132,7 +132,8 @@ def write_checkpoint(*, recipe, dst: Path, iteration: int, fetch: Callable[[str]
     with megatron_process():
         config = transformer_config(model=m, parallel=single.parallel, precision=recipe.train.precision, on_cuda=False,
                                     use_cpu_initialization=True, perform_initialization=False)
-        chunks = build_model(recipe=single, config=config, vocab_size=padded)
+        with torch.device("meta"):  # only the keys, shapes and sharding metadata; every tensor comes from fetch
+            chunks = build_model(recipe=single, config=config, vocab_size=padded)
         state = chunks[0].sharded_state_dict()
         entries = _entries(state)
         if check_keys:
