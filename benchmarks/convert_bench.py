@@ -173,6 +173,12 @@ def main() -> None:
         print(f"{'step':<38}{'seconds':>9}{'peak RSS GiB':>14}{'peak PSS GiB (with helpers)':>29}")
         for label, r in rows:
             print(f"{label:<38}{r['seconds']:>9.1f}{r['peak_rss_gib']:>14.2f}{r['peak_tree_pss_gib']:>29.2f}")
+        size = _size(work / "hf")
+        plain, imported, exported = rows[1][1], rows[2][1], rows[3][1]
+        print(f"HF -> megacli time / (from_pretrained + save_pretrained): {imported['seconds'] / plain['seconds']:.2f}x (goal <= 2x); "
+              f"megacli -> HF: {exported['seconds'] / plain['seconds']:.2f}x")
+        print(f"HF -> megacli peak RSS / model size: {imported['peak_rss_gib'] / size:.2f}x, with helpers' PSS "
+              f"{imported['peak_tree_pss_gib'] / size:.2f}x (goal <= 1.2x); megacli -> HF: {exported['peak_rss_gib'] / size:.2f}x")
         check = run_step("verify", work, a.layers)
         print(f"round trip bitwise identical over {check['tensors']} tensors: {check['bitwise_round_trip']}")
     finally:

@@ -57,9 +57,10 @@ What ``enable()`` changes, and why (one line each):
   within GPU RNG context": with one generator that is true by construction for every fork that
   draws numbers, and it would be logged on every dropout call.
 
-* Megatron-Core imported with ``torch.compile`` as the identity (when ``enable()`` is the first to
-  import it): its fusion modules call ``torch.compile`` at import, which loads torch._dynamo (about
-  2 CPU-seconds a process) for kernels a CPU run never compiles; the fused functions run eagerly.
+* Megatron-Core imported with ``torch.compile`` as the identity and wandb hidden (when
+  ``enable()`` is the first to import it): its fusion modules call ``torch.compile`` at import,
+  which loads torch._dynamo (about 2 CPU-seconds a process) for kernels a CPU run never compiles
+  (the fused functions run eagerly), and its inference context imports wandb (0.8 CPU-s) to log.
 
 Left alone on purpose: ``torch.cuda.is_available()`` stays False (nothing on the CPU training
 path needs True, and False keeps Megatron off TE, CUDA graphs, NCCL-only and straggler-detector
@@ -289,26 +290,33 @@ def _patch_autograd_engine(torch, mode_cls) -> None:
 
 
 def _import_megatron_without_compile(torch) -> None:
-    """Import Megatron-Core with ``torch.compile`` as the identity. Its fusions are decorated with
-    ``jit_fuser`` (``torch.compile``) when their modules are imported, and each decoration loads
-    torch._dynamo: about 2 CPU-seconds in every process, for kernels a CPU run never compiles
-    (the fused functions then run as plain eager code, the same maths)."""
+    """Import Megatron-Core with ``torch.compile`` as the identity and without wandb. Its fusions
+    are decorated with ``jit_fuser`` (``torch.compile``) when their modules are imported, and each
+    decoration loads torch._dynamo: about 2 CPU-seconds in every process, for kernels a CPU run
+    never compiles (the fused functions then run as plain eager code, the same maths). Its
+    dynamic-inference context imports wandb when installed (0.8 CPU-s) for logging megacli never
+    asks of it; wandb stays importable afterwards for megacli's own tracker."""
     import sys
 
     if "megatron.core" in sys.modules:
         return
     compile_ = torch.compile
+    hide_wandb = "wandb" not in sys.modules
 
     def identity(model=None, **kwargs):
         return model if model is not None else (lambda fn: fn)
 
     torch.compile = identity
+    if hide_wandb:
+        sys.modules["wandb"] = None  # an import of it raises ImportError
     try:
         import megatron.core.models.gpt  # noqa: F401 - the modules that decorate fusions
     except ImportError:  # Megatron absent: nothing to import
         pass
     finally:
         torch.compile = compile_
+        if hide_wandb:
+            del sys.modules["wandb"]
 
 
 def _patch_megatron_random() -> None:
