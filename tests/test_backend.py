@@ -496,3 +496,21 @@ def test_norm_matches_torch_norms():
                     if norm.bias is not None:
                         norm.bias.copy_(beta)
                 torch.testing.assert_close(norm(x), ref(x), rtol=1e-6, atol=1e-6)
+
+
+def test_enable_imports_megatron_without_dynamo_or_wandb_and_both_still_work():
+    """enable() imports Megatron-Core with torch.compile as the identity and wandb hidden (import
+    cost only, on CPU); afterwards torch.compile compiles again and wandb imports."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "from megacli.backend import cpu\n"
+            "cpu.enable()\n"
+            "import megatron.core.fusions.fused_bias_gelu as f\n"
+            "assert 'torch._dynamo' not in sys.modules and 'wandb' not in sys.modules, sorted(sys.modules)\n"
+            "assert not hasattr(f.bias_gelu, '_torchdynamo_orig_callable')\n"
+            "import wandb\n"
+            "assert hasattr(torch.compile(lambda x: x), '_torchdynamo_orig_callable')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
