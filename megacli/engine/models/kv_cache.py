@@ -5,7 +5,9 @@ Megatron's static KV cache stores keys before RoPE and rotates the whole cached 
 every step (O(length) per layer per token); ``CachedRotarySelfAttention`` rotates each new key
 once, at its own positions, before it is cached, and the query with it. The cosines and sines of
 a step are computed by the first layer and shared by the others (``DecodeContext``). The GPT layer
-spec uses it in training too, where it is Megatron's SelfAttention unchanged.
+spec uses it in training too, where it is Megatron's SelfAttention unchanged, except that with
+``local_rope`` its sliding-window layers rotate by a local RoPE table of the same length (Gemma 3's
+rope_local_base_freq; ``rope.install`` gives them its RotaryEmbedding as ``local_rotary``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.transformer.attention import SelfAttention, _yarn_get_concentration_factor_from_config
+from megatron.core.transformer.utils import is_layer_window_attention
 
 
 class DecodeContext(StaticInferenceContext):
@@ -22,17 +25,17 @@ class DecodeContext(StaticInferenceContext):
 
     def __init__(self, max_batch_size: int, max_sequence_length: int):
         super().__init__(max_batch_size, max_sequence_length)
-        self.rotary_cos_sin = None  # (positions, rotary table, cos, sin) of the current step
+        self.rotary_cos_sin = {}  # id(rotary table) -> (positions, table, cos, sin) of the current step
 
 
 def _cos_sin(context, freqs: torch.Tensor, start: int, end: int, dtype):
     if not isinstance(context, DecodeContext):
         part = freqs[start:end]
         return part.cos().to(dtype), part.sin().to(dtype)
-    cached = context.rotary_cos_sin
+    cached = context.rotary_cos_sin.get(id(freqs))
     if cached is None or cached[0] != (start, end) or cached[1] is not freqs:
         part = freqs[start:end]
-        context.rotary_cos_sin = cached = ((start, end), freqs, part.cos().to(dtype), part.sin().to(dtype))
+        context.rotary_cos_sin[id(freqs)] = cached = ((start, end), freqs, part.cos().to(dtype), part.sin().to(dtype))
     return cached[2], cached[3]
 
 
@@ -47,7 +50,19 @@ def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class CachedRotarySelfAttention(SelfAttention):
-    """Megatron-Core's SelfAttention whose static KV cache holds keys already rotated."""
+    """Megatron-Core's SelfAttention whose static KV cache holds keys already rotated; with
+    ``local_rope``, a sliding-window layer rotates by the chunk's local RoPE table."""
+
+    def __init__(self, *args, local_rope: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        c = self.config
+        self.local_rope = local_rope and is_layer_window_attention(c.window_size, c.window_attn_skip_freq, self.layer_number)
+
+    def forward(self, hidden_states, *args, rotary_pos_emb=None, **kwargs):
+        if self.local_rope and rotary_pos_emb is not None:
+            # the chunk's table covers positions 0..n-1 (no context parallelism with a window)
+            rotary_pos_emb = self.local_rotary(rotary_pos_emb.size(0))
+        return super().forward(hidden_states, *args, rotary_pos_emb=rotary_pos_emb, **kwargs)
 
     def _adjust_key_value_for_inference(self, inference_context, query, key, value, rotary_pos_emb, rotary_pos_cos=None,
                                         rotary_pos_sin=None, rotary_pos_cos_sin=None, sequence_len_offset=None, **kwargs):

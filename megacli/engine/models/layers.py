@@ -88,6 +88,25 @@ class PostNormAdd(torch.nn.Module):
         return lambda output_with_bias, residual, prob: self.norm(add(output_with_bias, residual, prob))
 
 
+class NormedOutputAdd(torch.nn.Module):
+    """The residual step of a sandwich-norm layer (Gemma 2/3), residual + dropout(norm(output +
+    bias)), in the bias-dropout-add slot of Megatron's TransformerLayer. Its norm is stored as
+    ``<layer>.self_attn_bda.norm.*`` / ``<layer>.mlp_bda.norm.*``."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.norm = Norm(config, config.hidden_size, eps=config.layernorm_epsilon)
+
+    def forward(self, training: bool, fused: bool):
+        add = get_bias_dropout_add(training, fused)
+
+        def normed_add(output_with_bias, residual, prob):
+            out, bias = output_with_bias
+            return add((self.norm(out if bias is None else out + bias), None), residual, prob)
+
+        return normed_add
+
+
 def layer_spec(*, model, self_attn_mask: AttnMaskType, cross_attention: bool, config=None) -> ModuleSpec:
     """A transformer layer: self-attention, optionally cross-attention (T5 decoder), MLP. Pre-LN,
     or post-LN for ``model.norm_position: post`` (then ``config``, the TransformerConfig, builds
