@@ -139,7 +139,8 @@ class CoreAttention(MegatronModule):
         if packed_seq_params is not None:
             raise NotImplementedError("CoreAttention does not support packed sequences (THD) yet")
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
-        causal = mask_type in _CAUSAL_TYPES
+        # A windowed layer is causal self-attention; decoding calls it with no_mask (one query, last)
+        causal = mask_type in _CAUSAL_TYPES or self.window is not None
         dropout_p = self.dropout_p if self.training else 0.0
         with self._dropout_rng(dropout_p):
             if self.cp_group is None:

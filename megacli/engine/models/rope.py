@@ -94,7 +94,7 @@ def install(chunk, *, model) -> None:
         rotary.inv_freq = inverse_frequencies(model=model).to(rotary.inv_freq.device)
     if model.rotary_base_local is None:
         return
-    local = copy.deepcopy(rotary)
+    local = copy.copy(rotary)  # inv_freq is a plain attribute (no buffer): the copy gets its own
     dim = int(model.head_dim * model.rotary_percent)
     local.inv_freq = _plain(base=float(model.rotary_base_local), dim=dim).to(rotary.inv_freq.device)
     for module in chunk.modules():

@@ -1,0 +1,210 @@
+"""Sliding-window attention (Mistral, Qwen2 with max_window_layers) and the Gemma 2 / Gemma 3 text
+families against Hugging Face on tiny random models whose features are all on (windows of 5 over
+16-token sequences, alternating local/global layers, soft-caps, sandwich norms, scaled embeddings,
+q/k norms, a local RoPE base): logits at TP=1 and at TP=2 x PP=2 over 3 layers (uneven stages),
+greedy generation through the KV cache past the window, HF -> megacli -> HF bitwise. Plus the
+recipe rules and the masks' definition."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megacli.recipe.base import RecipeError
+from megacli.recipe.model import ModelSection
+from tests import _convert_models as cm
+
+TOL = 1e-4
+NAMES = list(cm.WINDOW_MODELS)
+NEW = 12
+
+
+def _prompts():
+    """Two random 9-token prompts: with 12 new tokens decoding runs well past the window (5)."""
+    import torch
+
+    return [torch.randint(1, cm.VOCAB, (9,), generator=torch.Generator().manual_seed(s)).tolist() for s in (5, 6)]
+
+
+def _hf_greedy(model, prompts):
+    import torch
+
+    ids = torch.tensor(prompts)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW,
+                             eos_token_id=None, pad_token_id=0)
+    return out[:, len(prompts[0]):].tolist()
+
+
+def _without_window(model):
+    """The same weights attending to the whole prefix (so the tests can tell the window is there)."""
+    import copy
+
+    import transformers
+
+    config = copy.deepcopy(model.config)
+    config.sliding_window = 4096  # longer than any test sequence
+    plain = transformers.AutoModelForCausalLM.from_config(config)
+    plain.load_state_dict(model.state_dict())
+    plain.config._attn_implementation = "eager"
+    return plain.eval()
+
+
+def _greedy(ckpt: Path, runtime, *, use_cache: bool):
+    from megacli.data.tokenizers import load_tokenizer
+    from megacli.inference.generator import Generator
+    from megacli.inference.runner import Model
+    from megacli.recipe import base
+    from megacli.recipe.generate import GenerateRecipe
+
+    raw = base.read_yaml(ckpt / "iter_0000000" / "recipe.yaml")
+    raw["launch"].update(nproc=1, device="cpu")
+    raw["train"]["global_batch_size"] = raw["train"]["micro_batch_size"]
+    recipe = base.validate(GenerateRecipe, {**raw, "generate": {"checkpoint": str(ckpt), "max_new_tokens": NEW,
+                                                                 "stop_at_eod": False, "use_cache": use_cache}}, "test")
+    tok = load_tokenizer(type=recipe.tokenizer.type, path=recipe.tokenizer.path)
+    gen = Generator(Model(recipe, runtime, vocab_size=recipe.model.vocab_size), tok, recipe.generate)
+    return [list(t) for t in gen._sample(_prompts(), None).tokens]
+
+
+def _prepare(rank, world, root: str):
+    import torch
+
+    from megacli.engine import distributed
+    from megacli.recipe.sections import LaunchSection, ParallelSection
+
+    root = Path(root)
+    toks = cm.tokens()
+    out = {}
+    for name in NAMES:
+        d = root / name
+        model = cm.build_hf(name, d / "hf", with_tokenizer=True)
+        torch.save(cm.hf_logits(model, toks), d / "hf_logits.pt")
+        out[name] = {**cm.round_trip(d, parallel=ParallelSection(), say=lambda *_: None),
+                     "hf_greedy": _hf_greedy(model, _prompts()),
+                     "full_logits": cm.max_diff(cm.hf_logits(_without_window(model), toks), cm.hf_logits(model, toks))}
+    runtime = distributed.setup(parallel=ParallelSection(), launch=LaunchSection(device="cpu"), seed=0)
+    for name in NAMES:
+        out[name]["tp1_logits"] = cm.max_diff(cm.megacli_logits(root / name / "mc", toks), torch.load(root / name / "hf_logits.pt"))
+        out[name]["greedy"] = _greedy(root / name / "mc", runtime, use_cache=True)
+        out[name]["greedy_no_cache"] = _greedy(root / name / "mc", runtime, use_cache=False)
+    distributed.teardown()
+    return out
+
+
+def _logits_tp2_pp2(rank, world, root: str):
+    import torch
+
+    from megacli.engine import distributed
+    from megacli.recipe.sections import LaunchSection, ParallelSection
+
+    distributed.setup(parallel=ParallelSection(tensor=2, pipeline=2, first_stage_layers=1),
+                      launch=LaunchSection(nproc=4, device="cpu"), seed=0)
+    out = {}
+    for name in NAMES:
+        got = cm.megacli_logits(Path(root) / name / "mc", cm.tokens(), overrides=("parallel.first_stage_layers=1",))
+        out[name] = None if got is None else cm.max_diff(got, torch.load(Path(root) / name / "hf_logits.pt"))
+    distributed.teardown()
+    return out
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    from tests._dist import spawn
+
+    root = tmp_path_factory.mktemp("window")
+    return root, spawn(_prepare, 1, str(root), timeout=1200)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_round_trip_is_bitwise_with_the_same_config(converted, name):
+    r = converted[1][name]
+    assert r["same_keys"] and r["bitwise"]
+    src, back = r["config"]
+    assert src == back and src["architectures"] == [cm.ARCHITECTURES[cm.WINDOW_MODELS[name][0]]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_logits_equal_hugging_face_at_tp1(converted, name):
+    r = converted[1][name]
+    assert r["tp1_logits"] < TOL
+    assert r["full_logits"] > 100 * TOL, "the window changes the logits of these sequences"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_generation_past_the_window_equals_hugging_face(converted, name):
+    r = converted[1][name]
+    assert r["greedy"] == r["hf_greedy"]
+    assert r["greedy_no_cache"] == r["hf_greedy"]
+
+
+@pytest.mark.slow
+def test_logits_equal_hugging_face_at_tp2_pp2(converted):
+    from tests._dist import spawn
+
+    results = [r for r in spawn(_logits_tp2_pp2, 4, str(converted[0]), timeout=900) if r is not None]
+    assert len(results) == 1
+    assert all(d < TOL for d in results[0].values()), results[0]
+
+
+def test_the_window_is_hugging_faces():
+    """Query i sees keys i - w + 1 .. i (transformers' sliding_window_overlay and causal mask), for a
+    square (training) and a bottom-right (decoding) block, and the keys no query sees are dropped."""
+    import torch
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    from megacli.engine.models.attention import _sdpa_mask
+
+    w, n = 3, 8
+    ref = sliding_window_causal_mask_function(w)
+    t = torch.tensor
+    want = torch.tensor([[bool(ref(t(0), t(0), t(i), t(j))) for j in range(n)] for i in range(n)])
+    got, is_causal = _sdpa_mask(n, n, True, None, None, torch.float32, "cpu", window=w - 1)
+    assert not is_causal and torch.equal(got, want)
+    last, _ = _sdpa_mask(2, n, True, None, None, torch.float32, "cpu", window=w - 1)
+    assert torch.equal(last, want[-2:])
+
+
+def test_window_attention_drops_the_keys_no_query_sees():
+    """Decoding one token against a long cache equals attending over the last w keys only, with
+    and without a soft-cap; without the window the answer differs."""
+    from types import SimpleNamespace
+
+    import torch
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megacli.engine.models.attention import CoreAttention
+
+    group = SimpleNamespace(size=lambda: 1, rank=lambda: 0)
+
+    def core(window, softcap=None):
+        config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=8,
+                                   window_size=window, attention_dropout=0.0)
+        return CoreAttention(config, 1, AttnMaskType.causal, "self", pg_collection=SimpleNamespace(tp=group, cp=group),
+                             softcap=softcap)
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(s, 1, h, 8, generator=g) for s, h in ((1, 4), (10, 2), (10, 2)))
+    for cap in (None, 0.5):
+        windowed, full = core((3, 0), cap), core(None, cap)
+        assert torch.allclose(windowed(q, k, v, None), full(q, k[-4:], v[-4:], None), atol=1e-6)
+        assert not torch.allclose(windowed(q, k, v, None), full(q, k, v, None), atol=1e-3)
+
+
+def test_recipe_rules():
+    with pytest.raises(RecipeError, match="model.sliding_window_layers.*needs model.sliding_window"):
+        ModelSection(position_embedding="rope", sliding_window_layers=2)
+    with pytest.raises(RecipeError, match="model.sliding_window_layers.*3 entries for model.num_layers = 2"):
+        ModelSection(num_layers=2, sliding_window=4, sliding_window_layers=[1, 0, 1])
+    with pytest.raises(RecipeError, match="model.rotary_base_local.*needs model.sliding_window"):
+        ModelSection(position_embedding="rope", rotary_base_local=10000.0)
+    with pytest.raises(RecipeError, match="model.final_logit_softcap.*gpt models, not bert"):
+        ModelSection(arch="bert", final_logit_softcap=30.0)
+    m = ModelSection(num_layers=6, sliding_window=4, sliding_window_layers=3)
+    assert m.window_layers() == [1, 1, 0, 1, 1, 0]
+    assert ModelSection(num_layers=2, sliding_window=4).window_layers() == [1, 1]
