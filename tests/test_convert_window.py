@@ -241,3 +241,28 @@ def test_context_parallelism_with_a_window_is_refused():
                      "seq_length": 32, "sliding_window": 8}}
     with pytest.raises(RecipeErrors, match="recipe.yaml: model.sliding_window = 8: has no context-parallel ring"):
         validate(TrainingRecipe, raw, "recipe.yaml")
+
+
+def test_families_refuse_what_megatron_cannot_express():
+    from megacli.convert.families import gemma, llama
+    from megacli.errors import UserError
+
+    base = dict(architectures=["Gemma2ForCausalLM"], hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
+                intermediate_size=64, max_position_embeddings=64, vocab_size=100, head_dim=16)
+    assert gemma.model_section({**base, "sliding_window": 8})["sliding_window_layers"] == 2  # Gemma 2: every other layer
+    with pytest.raises(UserError, match="attention_bias = true cannot be expressed"):
+        gemma.model_section({**base, "attention_bias": True})
+    with pytest.raises(UserError, match="hidden_activation 'gelu' is not supported"):
+        gemma.model_section({**base, "hidden_activation": "gelu"})
+    with pytest.raises(UserError, match="use_bidirectional_attention"):
+        gemma.model_section({**base, "architectures": ["Gemma3ForCausalLM"], "use_bidirectional_attention": True})
+    with pytest.raises(UserError, match="layer_types \\['chunked_attention'\\] are not supported"):
+        gemma.model_section({**base, "layer_types": ["chunked_attention", "full_attention"]})
+    # Qwen2 windows a suffix of its layers (max_window_layers); another pattern has no HF family
+    qwen2 = {**base, "architectures": ["Qwen2ForCausalLM"], "head_dim": None}
+    m = ModelSection(**{**llama.model_section(qwen2),
+                        "sliding_window": 4, "sliding_window_layers": [1, 0]})
+    assert llama.architecture_for(m) is None and gemma.architecture_for(m) is None
+    m = m.model_copy(update={"sliding_window_layers": [0, 1]})
+    assert llama.architecture_for(m) == "Qwen2ForCausalLM"
+    assert llama.hf_config(m, architecture="Qwen2ForCausalLM", vocab_size=100, base=None)["max_window_layers"] == 1
