@@ -53,6 +53,7 @@ def _without_window(model):
 
 def _greedy(ckpt: Path, runtime, *, use_cache: bool):
     from megacli.data.tokenizers import load_tokenizer
+    from megacli.inference import sampling
     from megacli.inference.generator import Generator
     from megacli.inference.runner import Model
     from megacli.recipe import base
@@ -65,7 +66,15 @@ def _greedy(ckpt: Path, runtime, *, use_cache: bool):
                                                                  "stop_at_eod": False, "use_cache": use_cache}}, "test")
     tok = load_tokenizer(type=recipe.tokenizer.type, path=recipe.tokenizer.path)
     gen = Generator(Model(recipe, runtime, vocab_size=recipe.model.vocab_size), tok, recipe.generate)
-    return [list(t) for t in gen._sample(_prompts(), None).tokens]
+    contexts = []
+    make = sampling.kv_cache
+    sampling.kv_cache = lambda *a, **k: contexts.append(make(*a, **k)) or contexts[-1]
+    try:
+        tokens = [list(t) for t in gen._sample(_prompts(), None).tokens]
+    finally:
+        sampling.kv_cache = make
+    rows = {n: kv[0].size(0) for n, kv in contexts[0].key_value_memory_dict.items()} if use_cache else None
+    return tokens, rows
 
 
 def _prepare(rank, world, root: str):
@@ -87,8 +96,8 @@ def _prepare(rank, world, root: str):
     runtime = distributed.setup(parallel=ParallelSection(), launch=LaunchSection(device="cpu"), seed=0)
     for name in NAMES:
         out[name]["tp1_logits"] = cm.max_diff(cm.megacli_logits(root / name / "mc", toks), torch.load(root / name / "hf_logits.pt"))
-        out[name]["greedy"] = _greedy(root / name / "mc", runtime, use_cache=True)
-        out[name]["greedy_no_cache"] = _greedy(root / name / "mc", runtime, use_cache=False)
+        out[name]["greedy"], out[name]["cache_rows"] = _greedy(root / name / "mc", runtime, use_cache=True)
+        out[name]["greedy_no_cache"] = _greedy(root / name / "mc", runtime, use_cache=False)[0]
     distributed.teardown()
     return out
 
@@ -140,6 +149,16 @@ def test_greedy_generation_past_the_window_equals_hugging_face(converted, name):
     r = converted[1][name]
     assert r["greedy"] == r["hf_greedy"]
     assert r["greedy_no_cache"] == r["hf_greedy"]
+    # the windowed layers' caches hold the last sliding_window - 1 keys, the global ones every position
+    m = ModelSection(**_recipe_model(converted[0] / name / "mc"))
+    want = {i + 1: m.sliding_window - 1 if w else 9 + NEW for i, w in enumerate(m.window_layers())}
+    assert r["cache_rows"] == want
+
+
+def _recipe_model(ckpt: Path) -> dict:
+    import yaml
+
+    return yaml.safe_load((ckpt / "iter_0000000" / "recipe.yaml").read_text())["model"]
 
 
 @pytest.mark.slow

@@ -50,13 +50,16 @@ def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class CachedRotarySelfAttention(SelfAttention):
-    """Megatron-Core's SelfAttention whose static KV cache holds keys already rotated; with
-    ``local_rope``, a sliding-window layer rotates by the chunk's local RoPE table."""
+    """Megatron-Core's SelfAttention whose static KV cache holds keys already rotated (a sliding-window
+    layer's holds only the window); with ``local_rope``, a sliding-window layer rotates by the
+    chunk's local RoPE table."""
 
     def __init__(self, *args, local_rope: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         c = self.config
-        self.local_rope = local_rope and is_layer_window_attention(c.window_size, c.window_attn_skip_freq, self.layer_number)
+        windowed = is_layer_window_attention(c.window_size, c.window_attn_skip_freq, self.layer_number)
+        self.window = c.window_size[0] if windowed else None  # keys before query i - window are never seen
+        self.local_rope = local_rope and windowed
 
     def forward(self, hidden_states, *args, rotary_pos_emb=None, **kwargs):
         if self.local_rope and rotary_pos_emb is not None:
@@ -69,19 +72,40 @@ class CachedRotarySelfAttention(SelfAttention):
         c = self.config
         plain_rope = not (c.flash_decode or c.rotary_interleaved or c.apply_rope_fusion
                           or _yarn_get_concentration_factor_from_config(c) != 1.0)
-        if inference_context is None or not inference_context.is_static_batching() or rotary_pos_emb is None or not plain_rope:
+        static = inference_context is not None and inference_context.is_static_batching()
+        if not static or (rotary_pos_emb is not None and not plain_rope):
             return super()._adjust_key_value_for_inference(inference_context, query, key, value, rotary_pos_emb,
                                                            rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin,
                                                            sequence_len_offset, **kwargs)
-        q_pos, k_pos = rotary_pos_emb
-        start = inference_context.sequence_len_offset
-        end = start + key.size(0)
-        cos, sin = _cos_sin(inference_context, k_pos, start, end, key.dtype)
-        key = _rotate(key, cos, sin)
-        if q_pos is k_pos:
-            query = _rotate(query, cos, sin)
-        else:
-            query = apply_rotary_pos_emb(query, q_pos[start:end], config=c, cp_group=self.pg_collection.cp)
+        if rotary_pos_emb is not None:
+            q_pos, k_pos = rotary_pos_emb
+            start = inference_context.sequence_len_offset
+            end = start + key.size(0)
+            cos, sin = _cos_sin(inference_context, k_pos, start, end, key.dtype)
+            key = _rotate(key, cos, sin)
+            if q_pos is k_pos:
+                query = _rotate(query, cos, sin)
+            else:
+                query = apply_rotary_pos_emb(query, q_pos[start:end], config=c, cp_group=self.pg_collection.cp)
         # Both rotated: Megatron's forward then applies no rotary embedding (None).
+        if self.window is not None and inference_context.batch_size_offset == 0 \
+                and key.size(1) == inference_context.max_batch_size:
+            return self._windowed(inference_context, query, key, value)
         return super()._adjust_key_value_for_inference(inference_context, query, key, value, None, rotary_pos_cos,
                                                        rotary_pos_sin, rotary_pos_cos_sin, sequence_len_offset, **kwargs)
+
+    def _windowed(self, context, query, key, value):
+        """A sliding-window layer's cache: only the last ``window`` keys and values, which are all the
+        next query can see (it sees itself and the window before it). Kept in the context's
+        key_value_memory_dict, so beam search reorders it with the others ([s, b, ...])."""
+        from megatron.core.transformer.enums import AttnMaskType
+
+        start = context.sequence_len_offset
+        if start == 0 or self.layer_number not in context.key_value_memory_dict:
+            keys, values = key, value
+        else:
+            past_k, past_v = context.key_value_memory_dict[self.layer_number]
+            keys, values = torch.cat((past_k, key)), torch.cat((past_v, value))
+        keep = keys.size(0) - min(self.window, keys.size(0))
+        context.key_value_memory_dict[self.layer_number] = (keys[keep:], values[keep:])
+        return query, keys, values, None, self.attn_mask_type if start == 0 else AttnMaskType.no_mask, None
