@@ -63,6 +63,9 @@ class Norm(torch.nn.Module):
                 self.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.zero_centered_gamma and self.normalization == "RMSNorm":
+            # in fp32, 1 + weight included, then cast (Gemma's RMSNorm: 1 + w in bf16 would round)
+            return F.rms_norm(x.float(), (self.hidden_size,), self.weight.float() + 1, self.eps).to(x.dtype)
         weight = self.weight + 1 if self.zero_centered_gamma else self.weight
         if self.normalization == "LayerNorm":
             return F.layer_norm(x, (self.hidden_size,), weight, self.bias, self.eps)
