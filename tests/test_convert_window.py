@@ -250,16 +250,18 @@ def test_a_gemma_model_trains(tmp_path):
     assert got[6] < got[1] - 0.3, got
 
 
-def test_context_parallelism_with_a_window_is_refused():
+def test_context_parallelism_with_a_soft_cap_is_refused():
     from megacli.recipe.base import RecipeErrors, validate
     from megacli.recipe.pretrain import TrainingRecipe
 
     raw = {"data": {"mock": True}, "tokenizer": {"type": "byte"}, "launch": {"nproc": 2},
            "parallel": {"context": 2}, "train": {"global_batch_size": 8, "micro_batch_size": 4},
            "model": {"position_embedding": "rope", "num_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
-                     "seq_length": 32, "sliding_window": 8}}
-    with pytest.raises(RecipeErrors, match="recipe.yaml: model.sliding_window = 8: has no context-parallel ring"):
+                     "seq_length": 32, "sliding_window": 8, "attention_softcap": 50.0}}
+    with pytest.raises(RecipeErrors, match="recipe.yaml: model.attention_softcap = 50.0: has no context-parallel ring"):
         validate(TrainingRecipe, raw, "recipe.yaml")
+    del raw["model"]["attention_softcap"]
+    assert validate(TrainingRecipe, raw, "recipe.yaml").model.sliding_window == 8  # the ring takes a window
 
 
 def test_families_refuse_what_megatron_cannot_express():

@@ -101,8 +101,8 @@ class CoreAttention(MegatronModule):
                 raise NotImplementedError(f"CoreAttention's sliding window is causal self-attention with window_size "
                                           f"(w, 0), not {config.window_size} on {attention_type} {attn_mask_type}")
             self.window = left
-        if self.cp_group is not None and (self.window is not None or softcap is not None):
-            raise NotImplementedError("sliding-window and soft-capped attention have no context-parallel ring yet")
+        if self.cp_group is not None and softcap is not None:
+            raise NotImplementedError("soft-capped attention has no context-parallel ring yet")
 
         tp_size = self.tp_group.size()
         self.hidden_size_per_attention_head = config.kv_channels
@@ -217,7 +217,7 @@ class CoreAttention(MegatronModule):
         q = query.permute(1, 2, 0, 3).reshape(b, ng, np_ // ng, s, hn)
         k, v = (t.permute(1, 2, 0, 3).unsqueeze(2) for t in (key, value))  # [b, ng, 1, sk, hn]
         slopes = self._slopes((ng, np_ // ng, 1, 1), query.device)
-        out = ring_attention(q, k, v, self.cp_group, causal=causal, scale=self.effective_scale,
+        out = ring_attention(q, k, v, self.cp_group, causal=causal, scale=self.effective_scale, window=self.window,
                              slopes=slopes, mask=attention_mask, dropout_p=dropout_p)
         return out.reshape(b, np_, s, hn).permute(2, 0, 1, 3).reshape(s, b, np_ * hn)
 
@@ -277,19 +277,20 @@ def _capped_attention(q, k, v, attn_mask, *, scale: float, cap: float, dropout_p
 # Ring attention (context parallelism)
 
 
-def ring_attention(q, k, v, group, *, causal: bool, scale: float, slopes=None, mask=None,
+def ring_attention(q, k, v, group, *, causal: bool, scale: float, slopes=None, mask=None, window: int | None = None,
                    dropout_p: float = 0.0):
     """Exact attention of this rank's queries over the keys/values of the whole ring ``group``.
 
     q [b, ng, r, sq, hn] (r query heads per key/value group), k/v [b, ng, 1, sk, hn], all in
     Megatron's load-balanced context-parallel layout (see ``_Ring.positions``); slopes: ALiBi
     slopes shaped [ng, r, 1, 1] or None; mask: boolean [b|1, 1, sq|1, sk * cp], True = masked,
-    local queries by global keys (as ``get_batch_on_this_cp_rank`` cuts it). ``group=None`` is a
+    local queries by global keys (as ``get_batch_on_this_cp_rank`` cuts it); window: causal
+    queries see keys down to position - window (None: all). ``group=None`` is a
     ring of one. Returns [b, ng, r, sq, hn] in q's dtype; block maths runs in fp32 (or fp64).
     """
     if mask is not None and mask.dim() != 4:
         raise ValueError(f"ring attention wants a [b, 1, sq, sk] mask, got shape {tuple(mask.shape)}")
-    return _RingAttention.apply(q, k, v, group, causal, scale, slopes, mask, dropout_p)
+    return _RingAttention.apply(q, k, v, group, causal, scale, slopes, mask, dropout_p, window)
 
 
 class _Ring:
@@ -349,7 +350,7 @@ class _Ring:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, slopes, mask, dropout_p):
+    def forward(ctx, q, k, v, group, causal, scale, slopes, mask, dropout_p, window):
         ring = _Ring(group)
         sq, sk = q.size(-2), k.size(-2)
         _check_ring_shapes(ring, causal, sq, sk, mask)
@@ -361,7 +362,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             next_kv = ring.shift(kv, tag=1) if step < ring.size - 1 else None
             src, rows, cols, block_causal = ring.block(step, causal, sq, sk)
-            bias = _block_bias(ring, src, rows, cols, block_causal, slopes, mask, sq, sk, q.device)
+            bias = _block_bias(ring, src, rows, cols, block_causal, slopes, mask, sq, sk, q.device, window)
             block_out, block_lse = _block_forward(q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :],
                                                   scale, bias, dropout_p)
             _merge(out, lse, rows, block_out, block_lse)
@@ -369,7 +370,7 @@ class _RingAttention(torch.autograd.Function):
                 kv = next_kv()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, slopes, mask)
-        ctx.group, ctx.causal, ctx.scale = group, causal, scale
+        ctx.group, ctx.causal, ctx.scale, ctx.window = group, causal, scale, window
         ctx.dropout_p, ctx.rng_state = dropout_p, rng_state
         return out
 
@@ -388,7 +389,7 @@ class _RingAttention(torch.autograd.Function):
             for step in range(ring.size):
                 next_kv = ring.shift(kv, tag=1) if step < ring.size - 1 else None
                 src, rows, cols, block_causal = ring.block(step, ctx.causal, sq, sk)
-                bias = _block_bias(ring, src, rows, cols, block_causal, slopes, mask, sq, sk, q.device)
+                bias = _block_bias(ring, src, rows, cols, block_causal, slopes, mask, sq, sk, q.device, ctx.window)
                 dq_b, dk_b, dv_b = _block_backward(
                     q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], dout[..., rows, :],
                     delta[..., rows], lse[..., rows], ctx.scale, bias, ctx.dropout_p)
@@ -399,7 +400,7 @@ class _RingAttention(torch.autograd.Function):
                     dkv = ring.shift(dkv, tag=2)()
                 if next_kv is not None:
                     kv = next_kv()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None
 
 
 def _check_ring_shapes(ring, causal, sq, sk, mask) -> None:
@@ -411,12 +412,16 @@ def _check_ring_shapes(ring, causal, sq, sk, mask) -> None:
         raise ValueError(f"mask has {mask.size(-1)} keys, expected the global {sk * ring.size}")
 
 
-def _block_bias(ring, src, rows, cols, causal, slopes, mask, sq, sk, device):
-    """Additive fp32 bias (ALiBi, -inf where masked) of one block, from global positions, or None."""
+def _block_bias(ring, src, rows, cols, causal, slopes, mask, sq, sk, device, window=None):
+    """Additive fp32 bias (ALiBi, -inf where masked) of one block, from global positions, or None.
+    ``window``: keys before query position - window are masked too (sliding-window attention)."""
     qpos = ring.positions(ring.rank, sq, device)[rows]
     kpos = ring.positions(src, sk, device)[cols]
     bias = None if slopes is None else alibi_bias(slopes, qpos, kpos)
     masked = kpos[None, :] > qpos[:, None] if causal else None
+    if window is not None:
+        far = kpos[None, :] < qpos[:, None] - window
+        masked = far if masked is None else masked | far
     if mask is not None:
         block_mask = mask[..., rows, :] if mask.size(-2) > 1 else mask
         block_mask = block_mask.index_select(-1, kpos).unsqueeze(2)  # [b, 1, 1, sq, sk] over (ng, r)

@@ -63,8 +63,10 @@ class CachedRotarySelfAttention(SelfAttention):
 
     def forward(self, hidden_states, *args, rotary_pos_emb=None, **kwargs):
         if self.local_rope and rotary_pos_emb is not None:
-            # the chunk's table covers positions 0..n-1 (no context parallelism with a window)
-            rotary_pos_emb = self.local_rotary(rotary_pos_emb.size(0))
+            # the chunk's table is this context-parallel rank's share of the whole sequence's; the
+            # local table is cut the same way (it is a copy of the chunk's RotaryEmbedding)
+            cp = self.pg_collection.cp.size() if self.pg_collection.cp is not None else 1
+            rotary_pos_emb = self.local_rotary(rotary_pos_emb.size(0) * cp)
         return super().forward(hidden_states, *args, rotary_pos_emb=rotary_pos_emb, **kwargs)
 
     def _adjust_key_value_for_inference(self, inference_context, query, key, value, rotary_pos_emb, rotary_pos_cos=None,
