@@ -225,6 +225,8 @@ def test_recipe_rules():
         ModelSection(position_embedding="rope", rotary_base_local=10000.0)
     with pytest.raises(RecipeError, match="model.final_logit_softcap.*gpt models, not bert"):
         ModelSection(arch="bert", final_logit_softcap=30.0)
+    with pytest.raises(RecipeError, match="model.sliding_window_layers = 1: leaves no layer windowed"):
+        ModelSection(num_layers=2, sliding_window=4, sliding_window_layers=1)
     m = ModelSection(num_layers=6, sliding_window=4, sliding_window_layers=3)
     assert m.window_layers() == [1, 1, 0, 1, 1, 0]
     assert ModelSection(num_layers=2, sliding_window=4).window_layers() == [1, 1]

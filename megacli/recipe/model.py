@@ -253,6 +253,9 @@ class ModelSection(Section):
             if len(self.sliding_window_layers) != self.num_layers:
                 raise RecipeError("model.sliding_window_layers", self.sliding_window_layers,
                                   f"has {len(self.sliding_window_layers)} entries for model.num_layers = {self.num_layers}")
+        if self.sliding_window is not None and not any(self.window_layers()):
+            raise RecipeError("model.sliding_window_layers", self.sliding_window_layers,
+                              "leaves no layer windowed (set model.sliding_window: null for global attention everywhere)")
         if self.rotary_base_local is not None:
             if self.sliding_window is None or self.position_embedding != "rope":
                 raise RecipeError("model.rotary_base_local", self.rotary_base_local,
