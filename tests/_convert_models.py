@@ -54,7 +54,25 @@ ROPE_MODELS = {
 QWEN3_MODELS = {"qwen3": ("Qwen3Config", dict(COMMON_LLAMA, head_dim=16, tie_word_embeddings=False))}
 # Layers that do not split evenly over PP=2 (uneven pipeline stages).
 ODD_LAYER_MODELS = {"llama_3_layers": ("LlamaConfig", dict(COMMON_LLAMA, num_hidden_layers=3, tie_word_embeddings=False))}
-ARCHITECTURES = {"Qwen3Config": "Qwen3ForCausalLM", "MixtralConfig": "MixtralForCausalLM", "Qwen2MoeConfig": "Qwen2MoeForCausalLM", "GPT2Config": "GPT2LMHeadModel", "LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralForCausalLM",
+# Sliding windows (5) shorter than the 16-token test sequences; Qwen2 windows its layers from
+# max_window_layers = 1 on. Gemma 2: alternating local/global layers, small soft-caps (so they bind),
+# query_pre_attn_scalar != head_dim. Gemma 3: local, local, global layers, q/k norms, a local RoPE
+# base, linear RoPE scaling on the global layers. Three layers: uneven PP=2 stages.
+_WINDOW_COMMON = dict(COMMON_LLAMA, num_hidden_layers=3, tie_word_embeddings=False)
+_GEMMA_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-6, sliding_window=5,
+                     query_pre_attn_scalar=12, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+WINDOW_MODELS = {
+    "mistral_window": ("MistralConfig", dict(_WINDOW_COMMON, sliding_window=5)),
+    "qwen2_window": ("Qwen2Config", dict(_WINDOW_COMMON, use_sliding_window=True, sliding_window=5, max_window_layers=1)),
+    "gemma2": ("Gemma2Config", dict(_GEMMA_COMMON, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 1000.0})),
+    "gemma3": ("Gemma3TextConfig", dict(_GEMMA_COMMON, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                                         "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                            "rope_theta": 1000000.0}})),
+}
+ARCHITECTURES = {"Gemma2Config": "Gemma2ForCausalLM", "Gemma3TextConfig": "Gemma3ForCausalLM", "Qwen3Config": "Qwen3ForCausalLM", "MixtralConfig": "MixtralForCausalLM", "Qwen2MoeConfig": "Qwen2MoeForCausalLM", "GPT2Config": "GPT2LMHeadModel", "LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralForCausalLM",
                  "Qwen2Config": "Qwen2ForCausalLM"}
 
 
@@ -85,7 +103,7 @@ def build_hf(name: str, path: Path, *, with_tokenizer: bool = False):
     import torch
     import transformers
 
-    cls_name, kwargs = {**MODELS, **MOE_MODELS, **ROPE_MODELS, **QWEN3_MODELS, **ODD_LAYER_MODELS}[name]
+    cls_name, kwargs = {**MODELS, **MOE_MODELS, **ROPE_MODELS, **QWEN3_MODELS, **ODD_LAYER_MODELS, **WINDOW_MODELS}[name]
     config = getattr(transformers, cls_name)(**kwargs, architectures=[ARCHITECTURES[cls_name]])
     config._attn_implementation = "eager"
     torch.manual_seed(zlib.crc32(name.encode()) % 1000)  # the same weights in every process

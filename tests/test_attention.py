@@ -231,15 +231,17 @@ def test_alibi_bidirectional_is_symmetric():
 # Ring context parallelism: CP=2 and CP=4 against CP=1 on the same batch
 
 SEQ, BATCH = 32, 2
-CP_CASES = {  # name: (mask type, heads, query groups, ALiBi, padding lengths or None)
+CP_CASES = {  # name: (mask type, heads, query groups, ALiBi, padding lengths or None[, sliding window])
     "causal_gqa": ("causal", 8, 2, False, None),
+    # a window (6) shorter than a CP=4 chunk (4 tokens) and than a CP=2 chunk (8): whole blocks masked
+    "window_gqa_padding": ("padding_causal", 8, 2, False, [32, 19], 5),
     "causal_alibi": ("causal", 6, 3, True, None),
     "padding_causal_mqa": ("padding_causal", 4, 1, False, [32, 19]),
     "padding_alibi": ("padding", 4, 4, True, [23, 5]),  # bidirectional; fully masked query rows
 }
 
 
-def _cp_case(group, rank, mask_type, heads, groups, alibi, lengths):
+def _cp_case(group, rank, mask_type, heads, groups, alibi, lengths, window=None):
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.utils import get_batch_on_this_cp_rank
 
@@ -247,7 +249,7 @@ def _cp_case(group, rank, mask_type, heads, groups, alibi, lengths):
     q, k, v = _qkv(SEQ, BATCH, heads, groups)
     grad = torch.randn(SEQ, BATCH, heads * 16)
     mask = None if lengths is None else _padding_mask(SEQ, lengths)
-    config = _config(heads, groups, context_parallel_size=1)
+    config = _config(heads, groups, context_parallel_size=1, window_size=None if window is None else (window, 0))
     kwargs = dict(position_bias="alibi" if alibi else "none")
     mask_type = AttnMaskType[mask_type]
     reference = _run(_core(config, mask_type, **kwargs), q, k, v, mask, grad) if rank == 0 else None

@@ -68,7 +68,8 @@ def build_trainer(recipe, runtime) -> tuple[Trainer, object]:
     config = transformer_config(model=m, parallel=p, precision=t.precision, on_cuda=runtime.is_cuda,
                                 deterministic_mode=t.deterministic)  # e.g. embeddings by indexing, not F.embedding
     chunks = build_model(recipe=recipe, config=config, vocab_size=vocab)
-    init_weights(chunks, seed=t.seed, std=m.init_method_std, num_layers=config.num_layers, gated=config.gated_linear_unit)
+    init_weights(chunks, seed=t.seed, std=m.init_method_std, num_layers=config.num_layers, gated=config.gated_linear_unit,
+                 zero_centered_gamma=config.layernorm_zero_centered_gamma)
     if recipe.lora is not None:
         from megacli.engine.models.lora import freeze_base
 

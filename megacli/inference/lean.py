@@ -67,5 +67,6 @@ def lean_layers(net) -> None:
 
     for layer in net.modules():
         if (isinstance(layer, TransformerLayer) and type(layer.mlp) is MLP and isinstance(layer.cross_attention, IdentityOp)
-                and not layer.config.apply_residual_connection_post_layernorm and not layer.config.fp32_residual_connection):
+                and not layer.config.apply_residual_connection_post_layernorm and not layer.config.fp32_residual_connection
+                and not isinstance(layer.self_attn_bda, torch.nn.Module)):  # a module: a norm in the residual step
             layer.forward = functools.partial(_decode_layer, layer)

@@ -205,6 +205,32 @@ class ModelSection(Section):
     with its tied head; T5 v1.1 and flan-T5 do not)."""
     moe: Optional[MoESection] = None
     """Mixture of experts: replace the MLP of some layers by routed experts; null = dense model."""
+    sliding_window: Optional[PositiveInt] = None
+    """gpt only: sliding-window attention, as Hugging Face defines it (Mistral, Qwen2, Gemma): the
+    token at position i attends to positions i - sliding_window + 1 .. i (itself included); null =
+    the whole causal prefix. Megatron's window_size is (sliding_window - 1, 0)."""
+    sliding_window_layers: Union[PositiveInt, list[Literal[0, 1]], None] = None
+    """With sliding_window: which layers are windowed. null = all; N = every N-th layer (N, 2N, ...)
+    attends to the whole prefix and the others are windowed (Gemma 2: 2, Gemma 3: 6; Megatron's
+    window_attn_skip_freq); or one 0/1 per layer, 1 = windowed (Qwen2's max_window_layers)."""
+    rotary_base_local: Optional[PositiveFloat] = None
+    """gpt with rope and sliding_window: RoPE base of the windowed layers, which then use plain RoPE
+    (Gemma 3's rope_local_base_freq, 10000); null = rotary_base (and rope_scaling) everywhere."""
+    attention_softcap: Optional[PositiveFloat] = None
+    """gpt only: soft-cap the scaled attention scores to cap * tanh(score / cap) before the mask and
+    softmax (Gemma 2: 50); null = off. Runs as explicit matmuls instead of fused SDPA kernels."""
+    final_logit_softcap: Optional[PositiveFloat] = None
+    """gpt only: soft-cap the output logits to cap * tanh(logit / cap) (Gemma 2: 30); null = off."""
+    scale_embeddings: bool = False
+    """gpt only: multiply the input embeddings by sqrt(hidden_size), the factor rounded to the
+    parameter dtype first (Gemma)."""
+    norm_zero_centered_gamma: bool = False
+    """Every norm's gain is stored as gamma - 1 (initialised to 0) and applied as 1 + weight (Gemma's
+    RMSNorm; Megatron's layernorm_zero_centered_gamma)."""
+    sandwich_norm: bool = False
+    """gpt only: also normalise the attention and MLP outputs before they join the residual stream
+    (Gemma 2/3's post_attention_layernorm and post_feedforward_layernorm; norms stored as
+    self_attn_bda.norm and mlp_bda.norm)."""
 
     @model_validator(mode="after")
     def _rope_scaling_needs_gpt_rope(self):
@@ -212,6 +238,43 @@ class ModelSection(Section):
             raise RecipeError("model.rope_scaling", self.rope_scaling.type,
                               f"needs model.arch = gpt and model.position_embedding = rope (got {self.arch}, {self.position_embedding})")
         return self
+
+    @model_validator(mode="after")
+    def _gpt_attention_features(self):
+        gpt_only = {"sliding_window": self.sliding_window, "attention_softcap": self.attention_softcap,
+                    "final_logit_softcap": self.final_logit_softcap, "scale_embeddings": self.scale_embeddings,
+                    "sandwich_norm": self.sandwich_norm}
+        for name, value in gpt_only.items():
+            if value and self.arch != "gpt":
+                raise RecipeError(f"model.{name}", value, f"is for gpt models, not {self.arch}")
+        if self.sliding_window_layers is not None and self.sliding_window is None:
+            raise RecipeError("model.sliding_window_layers", self.sliding_window_layers, "needs model.sliding_window")
+        if isinstance(self.sliding_window_layers, list):
+            if len(self.sliding_window_layers) != self.num_layers:
+                raise RecipeError("model.sliding_window_layers", self.sliding_window_layers,
+                                  f"has {len(self.sliding_window_layers)} entries for model.num_layers = {self.num_layers}")
+        if self.sliding_window is not None and not any(self.window_layers()):
+            raise RecipeError("model.sliding_window_layers", self.sliding_window_layers,
+                              "leaves no layer windowed (set model.sliding_window: null for global attention everywhere)")
+        if self.rotary_base_local is not None:
+            if self.sliding_window is None or self.position_embedding != "rope":
+                raise RecipeError("model.rotary_base_local", self.rotary_base_local,
+                                  "needs model.sliding_window and model.position_embedding = rope")
+            if self.rope_scaling is not None and self.rope_scaling.type == "yarn":
+                raise RecipeError("model.rotary_base_local", self.rotary_base_local,
+                                  "cannot be combined with yarn scaling (its attention factor applies to every layer)")
+        return self
+
+    def window_layers(self) -> list[int]:
+        """1 for each sliding-window layer, 0 for each global one (all 0 without a window)."""
+        if self.sliding_window is None:
+            return [0] * self.num_layers
+        pattern = self.sliding_window_layers
+        if pattern is None:
+            return [1] * self.num_layers
+        if isinstance(pattern, int):
+            return [int((i + 1) % pattern != 0) for i in range(self.num_layers)]
+        return list(pattern)
 
     @property
     def gated(self) -> bool:

@@ -125,6 +125,9 @@ class TrainingRecipe(Section):
             raise RecipeError("train.global_batch_size", t.global_batch_size,
                               f"the interleaved schedule needs micro-batches per step ({self.num_microbatches}) "
                               f"to be a multiple of parallel.pipeline = {p.pipeline}")
+        if p.context > 1 and m.attention_softcap is not None:
+            raise RecipeError("model.attention_softcap", m.attention_softcap, f"has no context-parallel ring attention "
+                              f"yet: use parallel.context: 1 (got {p.context})")
         if p.sequence_parallel is True and tp == 1:
             raise RecipeError("parallel.sequence_parallel", True, "needs parallel.tensor > 1")
         if p.context > 1 and m.seq_length % (2 * p.context):

@@ -3,6 +3,10 @@ Qwen2ForCausalLM, Qwen3ForCausalLM). RoPE (optionally scaled), grouped-query att
 RMSNorm, tied or untied embeddings; Qwen2 adds a bias to the q/k/v projections only
 (``add_qkv_bias``); Qwen3 normalises queries and keys per head before RoPE (``qk_layernorm``).
 
+Sliding windows: Mistral's ``sliding_window`` applies to every layer; Qwen2/Qwen3's (with
+``use_sliding_window``) to the layers from ``max_window_layers`` on (``layer_types`` in transformers
+5). Both are ``model.sliding_window`` (+ ``model.sliding_window_layers``), with HF's definition.
+
 RoPE convention: HF rotates halves (``rotate_half``, non-interleaved), which is Megatron's default
 ``rotary_interleaved=False``; the inverse frequencies are computed the same way from rope_theta.
 """
@@ -81,12 +85,58 @@ def _biases(c: dict, architecture: str) -> tuple[bool, bool]:
     return attn, False
 
 
-def _check_window(c: dict, architecture: str, positions: int) -> None:
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def window_pattern(flags: list[int]):
+    """model.sliding_window_layers for per-layer flags (1 = windowed): None when all are, N when
+    every N-th layer is global (Megatron's window_attn_skip_freq), else the list."""
+    if all(flags):
+        return None
+    for n in range(2, len(flags) + 1):
+        if flags == [int((i + 1) % n != 0) for i in range(len(flags))]:
+            return n
+    return list(flags)
+
+
+def window_flags(layer_types: list[str], where: str) -> list[int]:
+    """Per-layer flags (1 = windowed) of an HF ``layer_types`` list."""
+    unknown = sorted(set(layer_types) - {SLIDING, FULL})
+    if unknown:
+        raise UserError(f"{where} layer_types {unknown} are not supported; {SLIDING} and {FULL} convert")
+    return [int(t == SLIDING) for t in layer_types]
+
+
+def layer_types(m) -> list[str]:
+    """The HF ``layer_types`` of a recipe model."""
+    return [SLIDING if w else FULL for w in m.window_layers()]
+
+
+def _window(c: dict, architecture: str, layers: int) -> dict:
+    """model.sliding_window (+ sliding_window_layers) of a Mistral / Qwen2 / Qwen3 config."""
     window = c.get("sliding_window")
-    in_use = c.get("use_sliding_window", architecture == "MistralForCausalLM")
-    if in_use and window is not None and window < positions:
-        raise UserError(f"sliding_window = {window} (< max_position_embeddings = {positions}) is not supported: the "
-                        f"Megatron model attends to the whole sequence")
+    if architecture == "MistralForCausalLM":
+        if c.get("layer_types") and set(c["layer_types"]) != {FULL}:
+            raise UserError("MistralForCausalLM with layer_types: Mistral windows every layer (Ministral's "
+                            "alternating layers are another architecture)")
+        return {"sliding_window": window}
+    if architecture == "LlamaForCausalLM" or not c.get("use_sliding_window") or window is None:
+        return {}
+    if c.get("layer_types"):
+        flags = window_flags(c["layer_types"], architecture)
+    else:
+        flags = [int(i >= c.get("max_window_layers", 28)) for i in range(layers)]
+    if not any(flags):
+        return {}
+    return {"sliding_window": window, "sliding_window_layers": window_pattern(flags)}
+
+
+def _qwen_windows(m) -> int | None:
+    """Qwen2/Qwen3's max_window_layers for a recipe model (the windowed layers must be a suffix),
+    None when it cannot say which layers are windowed."""
+    flags = m.window_layers()
+    first = flags.index(1) if 1 in flags else len(flags)
+    return first if flags == [0] * first + [1] * (len(flags) - first) else None
 
 
 def model_section(c: dict) -> dict:
@@ -99,7 +149,6 @@ def model_section(c: dict) -> dict:
     hidden = require(c, "hidden_size")
     heads = require(c, "num_attention_heads")
     positions = require(c, "max_position_embeddings")
-    _check_window(c, architecture, positions)
     bias_linear, qkv_bias = _biases(c, architecture)
     return dict(
         arch="gpt",
@@ -125,21 +174,25 @@ def model_section(c: dict) -> dict:
         init_method_std=c.get("initializer_range", 0.02),
         dropout=0.0,
         attention_dropout=c.get("attention_dropout", 0.0),
+        **_window(c, architecture, require(c, "num_hidden_layers")),
     )
 
 
 def architecture_for(m, preferred: str | None = None) -> str | None:
     if not (m.arch == "gpt" and m.position_embedding == "rope" and m.normalization == "rmsnorm"
-            and m.activation == "swiglu" and m.rotary_percent == 1.0 and m.moe is None):
+            and m.activation == "swiglu" and m.rotary_percent == 1.0 and m.moe is None and not _gemma_features(m)):
         return None
+    qwen_windows = m.sliding_window is None or _qwen_windows(m) is not None
     if m.qk_layernorm:
-        return "Qwen3ForCausalLM" if not m.add_qkv_bias and not m.add_bias_linear else None
+        return "Qwen3ForCausalLM" if not m.add_qkv_bias and not m.add_bias_linear and qwen_windows else None
     standard_head = m.head_dim * m.num_attention_heads == m.hidden_size
     expressible = {
-        "LlamaForCausalLM": not m.add_qkv_bias or m.add_bias_linear,
-        "MistralForCausalLM": not m.add_qkv_bias and not m.add_bias_linear,
-        "Qwen2ForCausalLM": m.add_qkv_bias and not m.add_bias_linear and standard_head,
+        "LlamaForCausalLM": (not m.add_qkv_bias or m.add_bias_linear) and m.sliding_window is None,
+        "MistralForCausalLM": not m.add_qkv_bias and not m.add_bias_linear and all(m.window_layers()),
+        "Qwen2ForCausalLM": m.add_qkv_bias and not m.add_bias_linear and standard_head and qwen_windows,
     }
+    if m.sliding_window is not None and not expressible["Qwen2ForCausalLM"] and preferred != "MistralForCausalLM":
+        return "MistralForCausalLM" if expressible["MistralForCausalLM"] else None
     if preferred is not None and expressible.get(preferred):
         return preferred
     if expressible["Qwen2ForCausalLM"]:
@@ -171,7 +224,21 @@ def hf_config(m, *, architecture: str, vocab_size: int, base: dict | None) -> di
         derived["attention_bias"] = derived["mlp_bias"] = m.add_bias_linear
     if architecture == "Qwen3ForCausalLM":
         derived["attention_bias"] = False
+    if architecture == "MistralForCausalLM":
+        derived["sliding_window"] = m.sliding_window
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        derived["use_sliding_window"] = m.sliding_window is not None
+        if m.sliding_window is not None:
+            derived.update(sliding_window=m.sliding_window, max_window_layers=_qwen_windows(m))
+        if "layer_types" in base or not base:
+            derived["layer_types"] = layer_types(m)
     return {**base, **derived, **_hf_rope(m, base)}
+
+
+def _gemma_features(m) -> bool:
+    """Features of the Gemma family (gemma.py) that these architectures lack."""
+    return bool(m.norm_zero_centered_gamma or m.sandwich_norm or m.scale_embeddings or m.attention_softcap
+                or m.final_logit_softcap or m.rotary_base_local)
 
 
 def table(m) -> MappingTable:

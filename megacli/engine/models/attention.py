@@ -7,6 +7,11 @@ spec params as keyword arguments).
 
 * Context-parallel size 1: ``torch.nn.functional.scaled_dot_product_attention`` (flash / cuDNN /
   memory-efficient kernels on CUDA), with ``is_causal`` when no explicit mask or bias is needed.
+* Sliding-window attention (Megatron's ``window_size`` = (w, 0) on the layers
+  ``window_attn_skip_freq`` selects): query i sees keys i - w .. i, a banded causal mask; keys no
+  query can see (a long KV cache while decoding) are dropped before the kernel runs.
+* ``softcap``: scores capped to softcap * tanh(score / softcap) before the mask (Gemma 2), as
+  explicit matmuls (no SDPA kernel takes a cap).
 * Context-parallel size > 1: exact ring attention over the CP group. Keys/values travel around the
   ring by point-to-point sends; partial results are merged with their log-sum-exp; the backward is
   a second ring pass that recomputes each block (flash-style) and sends key/value gradients home.
@@ -72,9 +77,10 @@ class CoreAttention(MegatronModule):
         cp_comm_type: str | None = None,
         pg_collection: ProcessGroupCollection | None = None,
         position_bias: str = "none",
+        softcap: float | None = None,
     ):
         super().__init__(config=config)
-        _check_supported(config, layer_number, attention_type, cp_comm_type, position_bias)
+        _check_supported(config, attention_type, cp_comm_type, position_bias)
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
@@ -86,6 +92,17 @@ class CoreAttention(MegatronModule):
         self.tp_group = pg_collection.tp
         cp_group = getattr(pg_collection, "cp", None)
         self.cp_group = cp_group if cp_group is not None and cp_group.size() > 1 else None
+        self.softcap = softcap
+        # keys before i - window are hidden from query i (None: the whole prefix)
+        self.window = None
+        if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, self.layer_number):
+            left, right = config.window_size
+            if right != 0 or left < 0 or attention_type != "self" or attn_mask_type not in _CAUSAL_TYPES:
+                raise NotImplementedError(f"CoreAttention's sliding window is causal self-attention with window_size "
+                                          f"(w, 0), not {config.window_size} on {attention_type} {attn_mask_type}")
+            self.window = left
+        if self.cp_group is not None and softcap is not None:
+            raise NotImplementedError("soft-capped attention has no context-parallel ring yet")
 
         tp_size = self.tp_group.size()
         self.hidden_size_per_attention_head = config.kv_channels
@@ -122,7 +139,8 @@ class CoreAttention(MegatronModule):
         if packed_seq_params is not None:
             raise NotImplementedError("CoreAttention does not support packed sequences (THD) yet")
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
-        causal = mask_type in _CAUSAL_TYPES
+        # A windowed layer is causal self-attention; decoding calls it with no_mask (one query, last)
+        causal = mask_type in _CAUSAL_TYPES or self.window is not None
         dropout_p = self.dropout_p if self.training else 0.0
         with self._dropout_rng(dropout_p):
             if self.cp_group is None:
@@ -145,7 +163,19 @@ class CoreAttention(MegatronModule):
 
     def _attend_local(self, query, key, value, attention_mask, causal, attention_bias, dropout_p):
         sq, b, np_, hn = query.shape
+        window = self.window if causal else None
+        if attention_mask is not None and attention_mask.size(-1) > key.size(0):
+            attention_mask = attention_mask[..., -key.size(0):]  # a windowed KV cache holds the last keys only
+        drop = 0 if window is None else key.size(0) - sq - window
+        if drop > 0:  # keys no query sees (queries are the last sq positions)
+            key, value = key[drop:], value[drop:]
+            if attention_mask is not None and attention_mask.size(-1) > 1:
+                attention_mask = attention_mask[..., drop:]
+            if attention_bias is not None and attention_bias.size(-1) > 1:
+                attention_bias = attention_bias[..., drop:]
         sk, ng = key.size(0), key.size(2)
+        if window is not None and window >= sk - 1:
+            window = None  # every key is inside it
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
         bias = attention_bias
         slopes = self._slopes((np_, 1, 1), query.device)
@@ -153,7 +183,13 @@ class CoreAttention(MegatronModule):
             positions = torch.arange(sk, device=query.device)
             alibi = alibi_bias(slopes, positions[sk - sq :], positions)
             bias = alibi if bias is None else bias + alibi
-        attn_mask, is_causal = _sdpa_mask(sq, sk, causal and sq > 1, attention_mask, bias, q.dtype, q.device)
+        attn_mask, is_causal = _sdpa_mask(sq, sk, causal and sq > 1, attention_mask, bias, q.dtype, q.device, window)
+        if self.softcap is not None:
+            if is_causal:
+                attn_mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril()
+            out = _capped_attention(q, k, v, attn_mask, scale=self.effective_scale, cap=self.softcap,
+                                    dropout_p=dropout_p)
+            return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
         # Native GQA is a flash-kernel feature; the kernels that take a mask need as many key heads
         # as query heads: either a query group's heads become rows of one head (a boolean mask
         # shared by all heads), or keys and values are repeated (a per-head bias).
@@ -181,12 +217,12 @@ class CoreAttention(MegatronModule):
         q = query.permute(1, 2, 0, 3).reshape(b, ng, np_ // ng, s, hn)
         k, v = (t.permute(1, 2, 0, 3).unsqueeze(2) for t in (key, value))  # [b, ng, 1, sk, hn]
         slopes = self._slopes((ng, np_ // ng, 1, 1), query.device)
-        out = ring_attention(q, k, v, self.cp_group, causal=causal, scale=self.effective_scale,
+        out = ring_attention(q, k, v, self.cp_group, causal=causal, scale=self.effective_scale, window=self.window,
                              slopes=slopes, mask=attention_mask, dropout_p=dropout_p)
         return out.reshape(b, np_, s, hn).permute(2, 0, 1, 3).reshape(s, b, np_ * hn)
 
 
-def _check_supported(config, layer_number, attention_type, cp_comm_type, position_bias) -> None:
+def _check_supported(config, attention_type, cp_comm_type, position_bias) -> None:
     if position_bias not in _POSITION_BIASES:
         raise ValueError(f"position_bias must be one of {_POSITION_BIASES}, got {position_bias!r}")
     if position_bias == "alibi" and attention_type != "self":
@@ -195,18 +231,19 @@ def _check_supported(config, layer_number, attention_type, cp_comm_type, positio
         raise NotImplementedError(f"CoreAttention's context parallelism is a p2p ring, not {cp_comm_type!r}")
     if config.softmax_type != "vanilla":
         raise NotImplementedError(f"CoreAttention has the vanilla softmax only, not {config.softmax_type!r}")
-    if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
-        raise NotImplementedError("CoreAttention does not support sliding-window attention yet")
 
 
-def _sdpa_mask(sq, sk, causal, attention_mask, bias, dtype, device):
+def _sdpa_mask(sq, sk, causal, attention_mask, bias, dtype, device, window=None):
     """SDPA's (attn_mask, is_causal) from Megatron's convention (boolean, True = masked) plus an
-    optional additive bias. SDPA wants True = attend, or a float mask in the query dtype."""
-    if causal and attention_mask is None and bias is None and sq == sk:
+    optional additive bias. SDPA wants True = attend, or a float mask in the query dtype. With
+    ``window`` (causal only), query i (bottom-right aligned) sees keys i - window .. i."""
+    if causal and attention_mask is None and bias is None and sq == sk and window is None:
         return None, True
     allowed = None if attention_mask is None else ~attention_mask
     if causal:
         below = torch.ones(sq, sk, dtype=torch.bool, device=device).tril(diagonal=sk - sq)
+        if window is not None:
+            below = below.triu(diagonal=sk - sq - window)
         allowed = below if allowed is None else allowed & below
     if bias is None:
         return allowed, False
@@ -214,23 +251,46 @@ def _sdpa_mask(sq, sk, causal, attention_mask, bias, dtype, device):
     return (bias if allowed is None else torch.where(allowed, bias, float("-inf"))), False
 
 
+def _capped_attention(q, k, v, attn_mask, *, scale: float, cap: float, dropout_p: float):
+    """Attention with soft-capped scores (as Hugging Face's Gemma 2 eager attention): softmax over
+    cap * tanh(scale * q.k / cap) plus the mask, in fp32. q [b, np, sq, hn], k/v [b, ng, sk, hn];
+    attn_mask: boolean (True = attend) or additive, broadcastable to [b, np, sq, sk], or None.
+    Rows with nothing to attend to give zeros. Returns [b, np, sq, hn]."""
+    np_, ng = q.size(1), k.size(1)
+    if np_ != ng:
+        k, v = (t.repeat_interleave(np_ // ng, dim=1) for t in (k, v))
+    acc = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask.to(acc)
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    if dropout_p > 0:
+        probs = F.dropout(probs, p=dropout_p)
+    return torch.matmul(probs.to(v.dtype), v)
+
+
 # ---------------------------------------------------------------------------------------------
 # Ring attention (context parallelism)
 
 
-def ring_attention(q, k, v, group, *, causal: bool, scale: float, slopes=None, mask=None,
+def ring_attention(q, k, v, group, *, causal: bool, scale: float, slopes=None, mask=None, window: int | None = None,
                    dropout_p: float = 0.0):
     """Exact attention of this rank's queries over the keys/values of the whole ring ``group``.
 
     q [b, ng, r, sq, hn] (r query heads per key/value group), k/v [b, ng, 1, sk, hn], all in
     Megatron's load-balanced context-parallel layout (see ``_Ring.positions``); slopes: ALiBi
     slopes shaped [ng, r, 1, 1] or None; mask: boolean [b|1, 1, sq|1, sk * cp], True = masked,
-    local queries by global keys (as ``get_batch_on_this_cp_rank`` cuts it). ``group=None`` is a
+    local queries by global keys (as ``get_batch_on_this_cp_rank`` cuts it); window: causal
+    queries see keys down to position - window (None: all). ``group=None`` is a
     ring of one. Returns [b, ng, r, sq, hn] in q's dtype; block maths runs in fp32 (or fp64).
     """
     if mask is not None and mask.dim() != 4:
         raise ValueError(f"ring attention wants a [b, 1, sq, sk] mask, got shape {tuple(mask.shape)}")
-    return _RingAttention.apply(q, k, v, group, causal, scale, slopes, mask, dropout_p)
+    return _RingAttention.apply(q, k, v, group, causal, scale, slopes, mask, dropout_p, window)
 
 
 class _Ring:
@@ -290,7 +350,7 @@ class _Ring:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, slopes, mask, dropout_p):
+    def forward(ctx, q, k, v, group, causal, scale, slopes, mask, dropout_p, window):
         ring = _Ring(group)
         sq, sk = q.size(-2), k.size(-2)
         _check_ring_shapes(ring, causal, sq, sk, mask)
@@ -302,7 +362,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             next_kv = ring.shift(kv, tag=1) if step < ring.size - 1 else None
             src, rows, cols, block_causal = ring.block(step, causal, sq, sk)
-            bias = _block_bias(ring, src, rows, cols, block_causal, slopes, mask, sq, sk, q.device)
+            bias = _block_bias(ring, src, rows, cols, block_causal, slopes, mask, sq, sk, q.device, window)
             block_out, block_lse = _block_forward(q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :],
                                                   scale, bias, dropout_p)
             _merge(out, lse, rows, block_out, block_lse)
@@ -310,7 +370,7 @@ class _RingAttention(torch.autograd.Function):
                 kv = next_kv()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, slopes, mask)
-        ctx.group, ctx.causal, ctx.scale = group, causal, scale
+        ctx.group, ctx.causal, ctx.scale, ctx.window = group, causal, scale, window
         ctx.dropout_p, ctx.rng_state = dropout_p, rng_state
         return out
 
@@ -329,7 +389,7 @@ class _RingAttention(torch.autograd.Function):
             for step in range(ring.size):
                 next_kv = ring.shift(kv, tag=1) if step < ring.size - 1 else None
                 src, rows, cols, block_causal = ring.block(step, ctx.causal, sq, sk)
-                bias = _block_bias(ring, src, rows, cols, block_causal, slopes, mask, sq, sk, q.device)
+                bias = _block_bias(ring, src, rows, cols, block_causal, slopes, mask, sq, sk, q.device, ctx.window)
                 dq_b, dk_b, dv_b = _block_backward(
                     q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], dout[..., rows, :],
                     delta[..., rows], lse[..., rows], ctx.scale, bias, ctx.dropout_p)
@@ -340,7 +400,7 @@ class _RingAttention(torch.autograd.Function):
                     dkv = ring.shift(dkv, tag=2)()
                 if next_kv is not None:
                     kv = next_kv()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None
 
 
 def _check_ring_shapes(ring, causal, sq, sk, mask) -> None:
@@ -352,12 +412,16 @@ def _check_ring_shapes(ring, causal, sq, sk, mask) -> None:
         raise ValueError(f"mask has {mask.size(-1)} keys, expected the global {sk * ring.size}")
 
 
-def _block_bias(ring, src, rows, cols, causal, slopes, mask, sq, sk, device):
-    """Additive fp32 bias (ALiBi, -inf where masked) of one block, from global positions, or None."""
+def _block_bias(ring, src, rows, cols, causal, slopes, mask, sq, sk, device, window=None):
+    """Additive fp32 bias (ALiBi, -inf where masked) of one block, from global positions, or None.
+    ``window``: keys before query position - window are masked too (sliding-window attention)."""
     qpos = ring.positions(ring.rank, sq, device)[rows]
     kpos = ring.positions(src, sk, device)[cols]
     bias = None if slopes is None else alibi_bias(slopes, qpos, kpos)
     masked = kpos[None, :] > qpos[:, None] if causal else None
+    if window is not None:
+        far = kpos[None, :] < qpos[:, None] - window
+        masked = far if masked is None else masked | far
     if mask is not None:
         block_mask = mask[..., rows, :] if mask.size(-2) > 1 else mask
         block_mask = block_mask.index_select(-1, kpos).unsqueeze(2)  # [b, 1, 1, sq, sk] over (ng, r)

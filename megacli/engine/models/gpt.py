@@ -28,11 +28,37 @@ def build_gpt(*, recipe, config, padded_vocab: int, vocab_size: int) -> list:
         )
         chunk.model_type = ModelType.encoder_or_decoder
         rope.install(chunk, model=m)
+        if chunk.pre_process and m.scale_embeddings:
+            scale_embeddings(chunk.embedding.word_embeddings, factor=m.hidden_size ** 0.5)
         if chunk.post_process:
+            if m.final_logit_softcap is not None:  # before the padded rows are masked to the lowest value
+                softcap_logits(chunk.output_layer, cap=m.final_logit_softcap)
             mask_padded_vocab(chunk.output_layer, vocab_size=vocab_size)
         return chunk
 
     return build_chunks(build_chunk, virtual_pipeline=recipe.parallel.virtual_pipeline)
+
+
+def scale_embeddings(embedding, *, factor: float) -> None:
+    """Multiply the word embeddings by ``factor`` rounded to their dtype first (Gemma's
+    sqrt(hidden_size), as Hugging Face's scaled word embedding does)."""
+    import torch
+
+    def hook(_module, _inputs, output):
+        return output * torch.tensor(factor, dtype=output.dtype, device=output.device)
+
+    embedding.register_forward_hook(hook)
+
+
+def softcap_logits(output_layer, *, cap: float) -> None:
+    """Output logits soft-capped to cap * tanh(logits / cap) (Gemma 2's final_logit_softcapping)."""
+    import torch
+
+    def hook(_module, _inputs, output):
+        logits, bias = output
+        return torch.tanh(logits / cap) * cap, bias
+
+    output_layer.register_forward_hook(hook)
 
 
 def gpt_block_spec(*, model, config, vp_stage, lora=None):
@@ -46,17 +72,20 @@ def gpt_block_spec(*, model, config, vp_stage, lora=None):
     layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     pattern = model.moe_layers()[offset:offset + layers]
-    specs = {kind: gpt_layer_spec(model=model, moe_config=config if kind else None, lora=lora) for kind in set(pattern)}
+    specs = {kind: gpt_layer_spec(model=model, moe_config=config if kind else None, lora=lora, config=config)
+             for kind in set(pattern)}
     return ModuleSpec(module=TransformerBlock,
                       submodules=TransformerBlockSubmodules(layer_specs=[specs[kind] for kind in pattern], layer_norm=Norm))
 
 
-def gpt_layer_spec(*, model, moe_config=None, lora=None):
+def gpt_layer_spec(*, model, moe_config=None, lora=None, config=None):
     """Megatron-Core's local GPT layer with our pieces: a norm that works under sequence
     parallelism, SDPA core attention (ALiBi, ring context parallelism) and, with a lora section,
     adapters on the targeted linear layers. Checkpoint keys stay those of Megatron's TE layout
     (norms fused into the following linear's key names). With ``moe_config`` (a MoE model's
-    TransformerConfig), the MLP is a mixture of experts (models.moe)."""
+    TransformerConfig), the MLP is a mixture of experts (models.moe). ``model.sandwich_norm`` adds
+    a norm on each sublayer's output (its bias-dropout-add, built from ``config``); the sliding
+    window comes from ``config.window_size`` in the core attention, per layer number."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.attention import SelfAttentionSubmodules
@@ -68,10 +97,15 @@ def gpt_layer_spec(*, model, moe_config=None, lora=None):
 
     from megacli.engine.models.attention import CoreAttention
     from megacli.engine.models.kv_cache import CachedRotarySelfAttention
-    from megacli.engine.models.layers import Norm
+    from megacli.engine.models.layers import Norm, NormedOutputAdd
     from megacli.engine.models.lora import linear_spec
 
     bias = "alibi" if model.position_embedding == "alibi" else "none"
+    residual = get_bias_dropout_add
+    if model.sandwich_norm:
+        if config is None:
+            raise ValueError("a sandwich-norm layer spec needs the TransformerConfig (config=)")
+        residual = ModuleSpec(module=NormedOutputAdd, params={"config": config})
     qk_norm = Norm if model.qk_layernorm else IdentityOp
     keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
     if moe_config is None:
@@ -89,19 +123,20 @@ def gpt_layer_spec(*, model, moe_config=None, lora=None):
             input_layernorm=Norm,
             self_attention=ModuleSpec(
                 module=CachedRotarySelfAttention,  # Megatron's, with a KV cache of rotated keys
-                params={"attn_mask_type": AttnMaskType.causal},
+                params={"attn_mask_type": AttnMaskType.causal, "local_rope": model.rotary_base_local is not None},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=linear_spec(ColumnParallelLinear, "linear_qkv", lora),
-                    core_attention=ModuleSpec(module=CoreAttention, params={"position_bias": bias}),
+                    core_attention=ModuleSpec(module=CoreAttention, params={"position_bias": bias,
+                                                                            "softcap": model.attention_softcap}),
                     linear_proj=linear_spec(RowParallelLinear, "linear_proj", lora),
                     q_layernorm=qk_norm,
                     k_layernorm=qk_norm,
                 ),
             ),
-            self_attn_bda=get_bias_dropout_add,
+            self_attn_bda=residual,
             pre_mlp_layernorm=Norm,
             mlp=mlp,
-            mlp_bda=get_bias_dropout_add,
+            mlp_bda=residual,
             sharded_state_dict_keys_map=keys_map,
         ),
     )

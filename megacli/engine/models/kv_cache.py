@@ -5,7 +5,9 @@ Megatron's static KV cache stores keys before RoPE and rotates the whole cached 
 every step (O(length) per layer per token); ``CachedRotarySelfAttention`` rotates each new key
 once, at its own positions, before it is cached, and the query with it. The cosines and sines of
 a step are computed by the first layer and shared by the others (``DecodeContext``). The GPT layer
-spec uses it in training too, where it is Megatron's SelfAttention unchanged.
+spec uses it in training too, where it is Megatron's SelfAttention unchanged, except that with
+``local_rope`` its sliding-window layers rotate by a local RoPE table of the same length (Gemma 3's
+rope_local_base_freq; ``rope.install`` gives them its RotaryEmbedding as ``local_rotary``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.transformer.attention import SelfAttention, _yarn_get_concentration_factor_from_config
+from megatron.core.transformer.utils import is_layer_window_attention
 
 
 class DecodeContext(StaticInferenceContext):
@@ -22,17 +25,17 @@ class DecodeContext(StaticInferenceContext):
 
     def __init__(self, max_batch_size: int, max_sequence_length: int):
         super().__init__(max_batch_size, max_sequence_length)
-        self.rotary_cos_sin = None  # (positions, rotary table, cos, sin) of the current step
+        self.rotary_cos_sin = {}  # id(rotary table) -> (positions, table, cos, sin) of the current step
 
 
 def _cos_sin(context, freqs: torch.Tensor, start: int, end: int, dtype):
     if not isinstance(context, DecodeContext):
         part = freqs[start:end]
         return part.cos().to(dtype), part.sin().to(dtype)
-    cached = context.rotary_cos_sin
+    cached = context.rotary_cos_sin.get(id(freqs))
     if cached is None or cached[0] != (start, end) or cached[1] is not freqs:
         part = freqs[start:end]
-        context.rotary_cos_sin = cached = ((start, end), freqs, part.cos().to(dtype), part.sin().to(dtype))
+        context.rotary_cos_sin[id(freqs)] = cached = ((start, end), freqs, part.cos().to(dtype), part.sin().to(dtype))
     return cached[2], cached[3]
 
 
@@ -47,26 +50,64 @@ def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class CachedRotarySelfAttention(SelfAttention):
-    """Megatron-Core's SelfAttention whose static KV cache holds keys already rotated."""
+    """Megatron-Core's SelfAttention whose static KV cache holds keys already rotated (a sliding-window
+    layer's holds only the window); with ``local_rope``, a sliding-window layer rotates by the
+    chunk's local RoPE table."""
+
+    def __init__(self, *args, local_rope: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        c = self.config
+        windowed = is_layer_window_attention(c.window_size, c.window_attn_skip_freq, self.layer_number)
+        self.window = c.window_size[0] if windowed else None  # keys before query i - window are never seen
+        self.local_rope = local_rope and windowed
+
+    def forward(self, hidden_states, *args, rotary_pos_emb=None, **kwargs):
+        if self.local_rope and rotary_pos_emb is not None:
+            # the chunk's table is this context-parallel rank's share of the whole sequence's; the
+            # local table is cut the same way (it is a copy of the chunk's RotaryEmbedding)
+            cp = self.pg_collection.cp.size() if self.pg_collection.cp is not None else 1
+            rotary_pos_emb = self.local_rotary(rotary_pos_emb.size(0) * cp)
+        return super().forward(hidden_states, *args, rotary_pos_emb=rotary_pos_emb, **kwargs)
 
     def _adjust_key_value_for_inference(self, inference_context, query, key, value, rotary_pos_emb, rotary_pos_cos=None,
                                         rotary_pos_sin=None, rotary_pos_cos_sin=None, sequence_len_offset=None, **kwargs):
         c = self.config
         plain_rope = not (c.flash_decode or c.rotary_interleaved or c.apply_rope_fusion
                           or _yarn_get_concentration_factor_from_config(c) != 1.0)
-        if inference_context is None or not inference_context.is_static_batching() or rotary_pos_emb is None or not plain_rope:
+        static = inference_context is not None and inference_context.is_static_batching()
+        if not static or (rotary_pos_emb is not None and not plain_rope):
             return super()._adjust_key_value_for_inference(inference_context, query, key, value, rotary_pos_emb,
                                                            rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin,
                                                            sequence_len_offset, **kwargs)
-        q_pos, k_pos = rotary_pos_emb
-        start = inference_context.sequence_len_offset
-        end = start + key.size(0)
-        cos, sin = _cos_sin(inference_context, k_pos, start, end, key.dtype)
-        key = _rotate(key, cos, sin)
-        if q_pos is k_pos:
-            query = _rotate(query, cos, sin)
-        else:
-            query = apply_rotary_pos_emb(query, q_pos[start:end], config=c, cp_group=self.pg_collection.cp)
+        if rotary_pos_emb is not None:
+            q_pos, k_pos = rotary_pos_emb
+            start = inference_context.sequence_len_offset
+            end = start + key.size(0)
+            cos, sin = _cos_sin(inference_context, k_pos, start, end, key.dtype)
+            key = _rotate(key, cos, sin)
+            if q_pos is k_pos:
+                query = _rotate(query, cos, sin)
+            else:
+                query = apply_rotary_pos_emb(query, q_pos[start:end], config=c, cp_group=self.pg_collection.cp)
         # Both rotated: Megatron's forward then applies no rotary embedding (None).
+        if self.window is not None and inference_context.batch_size_offset == 0 \
+                and key.size(1) == inference_context.max_batch_size:
+            return self._windowed(inference_context, query, key, value)
         return super()._adjust_key_value_for_inference(inference_context, query, key, value, None, rotary_pos_cos,
                                                        rotary_pos_sin, rotary_pos_cos_sin, sequence_len_offset, **kwargs)
+
+    def _windowed(self, context, query, key, value):
+        """A sliding-window layer's cache: only the last ``window`` keys and values, which are all the
+        next query can see (it sees itself and the window before it). Kept in the context's
+        key_value_memory_dict, so beam search reorders it with the others ([s, b, ...])."""
+        from megatron.core.transformer.enums import AttnMaskType
+
+        start = context.sequence_len_offset
+        if start == 0 or self.layer_number not in context.key_value_memory_dict:
+            keys, values = key, value
+        else:
+            past_k, past_v = context.key_value_memory_dict[self.layer_number]
+            keys, values = torch.cat((past_k, key)), torch.cat((past_v, value))
+        keep = keys.size(0) - min(self.window, keys.size(0))
+        context.key_value_memory_dict[self.layer_number] = (keys[keep:], values[keep:])
+        return query, keys, values, None, self.attn_mask_type if start == 0 else AttnMaskType.no_mask, None

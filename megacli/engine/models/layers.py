@@ -63,6 +63,9 @@ class Norm(torch.nn.Module):
                 self.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.zero_centered_gamma and self.normalization == "RMSNorm":
+            # in fp32, 1 + weight included, then cast (Gemma's RMSNorm: 1 + w in bf16 would round)
+            return F.rms_norm(x.float(), (self.hidden_size,), self.weight.float() + 1, self.eps).to(x.dtype)
         weight = self.weight + 1 if self.zero_centered_gamma else self.weight
         if self.normalization == "LayerNorm":
             return F.layer_norm(x, (self.hidden_size,), weight, self.bias, self.eps)
@@ -86,6 +89,25 @@ class PostNormAdd(torch.nn.Module):
     def forward(self, training: bool, fused: bool):
         add = get_bias_dropout_add(training, fused)
         return lambda output_with_bias, residual, prob: self.norm(add(output_with_bias, residual, prob))
+
+
+class NormedOutputAdd(torch.nn.Module):
+    """The residual step of a sandwich-norm layer (Gemma 2/3), residual + dropout(norm(output +
+    bias)), in the bias-dropout-add slot of Megatron's TransformerLayer. Its norm is stored as
+    ``<layer>.self_attn_bda.norm.*`` / ``<layer>.mlp_bda.norm.*``."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.norm = Norm(config, config.hidden_size, eps=config.layernorm_epsilon)
+
+    def forward(self, training: bool, fused: bool):
+        add = get_bias_dropout_add(training, fused)
+
+        def normed_add(output_with_bias, residual, prob):
+            out, bias = output_with_bias
+            return add((self.norm(out if bias is None else out + bias), None), residual, prob)
+
+        return normed_add
 
 
 def layer_spec(*, model, self_attn_mask: AttnMaskType, cross_attention: bool, config=None) -> ModuleSpec:

@@ -82,8 +82,21 @@ def softmax_scale_factor(scaling) -> float:
 
 
 def install(chunk, *, model) -> None:
-    """Give a built chunk's rotary embedding the recipe's scaled inverse frequencies."""
+    """Give a built chunk's rotary embedding the recipe's scaled inverse frequencies and, with
+    model.rotary_base_local, give its sliding-window layers' attention (``local_rope``) a second,
+    plain table at that base."""
+    import copy
+
     rotary = getattr(chunk, "rotary_pos_emb", None)
-    if rotary is None or model.rope_scaling is None:
+    if rotary is None:
         return
-    rotary.inv_freq = inverse_frequencies(model=model).to(rotary.inv_freq.device)
+    if model.rope_scaling is not None:
+        rotary.inv_freq = inverse_frequencies(model=model).to(rotary.inv_freq.device)
+    if model.rotary_base_local is None:
+        return
+    local = copy.copy(rotary)  # inv_freq is a plain attribute (no buffer): the copy gets its own
+    dim = int(model.head_dim * model.rotary_percent)
+    local.inv_freq = _plain(base=float(model.rotary_base_local), dim=dim).to(rotary.inv_freq.device)
+    for module in chunk.modules():
+        if getattr(module, "local_rope", False):
+            module.__dict__["local_rotary"] = local  # shared, not a submodule (it holds no weights)
