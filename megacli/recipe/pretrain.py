@@ -139,6 +139,9 @@ class TrainingRecipe(Section):
         if m.position_embedding == "learned" and m.max_positions < m.seq_length:
             raise RecipeError("model.max_position_embeddings", m.max_position_embeddings,
                               f"is smaller than model.seq_length = {m.seq_length}")
+        if m.mla is not None and p.context > 1:
+            raise RecipeError("parallel.context", p.context, "multi-latent attention (model.mla) runs without context "
+                              "parallelism (its ring attention needs keys and values of one head width)")
         if m.arch == "gpt" and m.position_embedding == "relative":
             raise RecipeError("model.position_embedding", "relative", "is for t5; gpt uses learned, rope, alibi or none")
         if self.tokenizer.type == "none" and m.vocab_size is None:

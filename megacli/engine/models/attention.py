@@ -72,6 +72,8 @@ class CoreAttention(MegatronModule):
         cp_comm_type: str | None = None,
         pg_collection: ProcessGroupCollection | None = None,
         position_bias: str = "none",
+        k_channels: int | None = None,
+        v_channels: int | None = None,
     ):
         super().__init__(config=config)
         _check_supported(config, layer_number, attention_type, cp_comm_type, position_bias)
@@ -88,6 +90,9 @@ class CoreAttention(MegatronModule):
         self.cp_group = cp_group if cp_group is not None and cp_group.size() > 1 else None
 
         tp_size = self.tp_group.size()
+        # Multi-latent attention passes its query/key (k_channels) and value (v_channels) head widths.
+        if v_channels is not None and v_channels != (k_channels or config.kv_channels) and self.cp_group is not None:
+            raise NotImplementedError("ring attention needs keys and values of one head width")
         self.hidden_size_per_attention_head = config.kv_channels
         self.hidden_size_per_partition = divide(config.kv_channels * config.num_attention_heads, tp_size)
         self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp_size)
@@ -172,7 +177,8 @@ class CoreAttention(MegatronModule):
             q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
             scale=self.effective_scale, enable_gqa=gqa,
         )
-        return out.reshape(b, np_, sq, hn).permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+        hv = value.size(-1)
+        return out.reshape(b, np_, sq, hv).permute(2, 0, 1, 3).reshape(sq, b, np_ * hv)
 
     def _attend_ring(self, query, key, value, attention_mask, causal, dropout_p):
         s, b, np_, hn = query.shape

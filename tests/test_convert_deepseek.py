@@ -1,0 +1,202 @@
+"""`megacli convert` for DeepSeek-V3 and DeepSeek-V2-Lite (multi-latent attention, MoE with shared
+experts after a dense layer, V3's sigmoid group-limited routing with its expert bias, V2's greedy
+softmax routing, yarn RoPE), tiny random models built from config dicts. Checked against Hugging
+Face in fp32 on CPU: logits at TP=1, greedy generation (with and without the KV cache), HF ->
+megacli -> HF bitwise with the same config.json, and multi-token-prediction layers dropped on import
+with a note. Plus the configs that cannot convert."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from megacli.errors import UserError
+from tests import _convert_models as cm
+
+TOL = 1e-4
+NAMES = list(cm.DEEPSEEK_MODELS)
+NEW = 8
+
+
+def _tokens():
+    import torch
+
+    return torch.randint(0, cm.VOCAB, (2, 32), generator=torch.Generator().manual_seed(4))
+
+
+def _prompts():
+    import torch
+
+    return [torch.randint(0, cm.VOCAB, (20,), generator=torch.Generator().manual_seed(s)).tolist() for s in (5, 6)]
+
+
+def _hf_greedy(model, prompts):
+    import torch
+
+    ids = torch.tensor(prompts)
+    with torch.no_grad():  # an explicit mask: token 0 in a prompt is not padding
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW,
+                             eos_token_id=None, pad_token_id=0)
+    return out[:, len(prompts[0]):].tolist()
+
+
+def _greedy(ckpt: Path, runtime, *, use_cache: bool):
+    from megacli.data.tokenizers import load_tokenizer
+    from megacli.inference.generator import Generator
+    from megacli.inference.runner import Model
+    from megacli.recipe import base
+    from megacli.recipe.generate import GenerateRecipe
+
+    raw = base.read_yaml(ckpt / "iter_0000000" / "recipe.yaml")
+    raw["launch"].update(nproc=1, device="cpu")
+    raw["train"]["global_batch_size"] = raw["train"]["micro_batch_size"]
+    recipe = base.validate(GenerateRecipe, {**raw, "generate": {"checkpoint": str(ckpt), "max_new_tokens": NEW,
+                                                                 "stop_at_eod": False, "use_cache": use_cache}}, "test")
+    tok = load_tokenizer(type=recipe.tokenizer.type, path=recipe.tokenizer.path)
+    gen = Generator(Model(recipe, runtime, vocab_size=recipe.model.vocab_size), tok, recipe.generate)
+    return [list(t) for t in gen._sample(_prompts(), None).tokens]  # token prompts: no text round trip
+
+
+def _add_mtp_layer(src: Path, dst: Path) -> list[str]:
+    """A copy of a V3 directory with one multi-token-prediction layer (layer 2, as DeepSeek-V3 stores
+    its layer 61) in its weights and config; returns the added tensor names."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = load_file(dst / "model.safetensors")
+    added = {}
+    for key, t in weights.items():
+        if key.startswith("model.layers.1."):
+            added[key.replace("model.layers.1.", "model.layers.2.")] = t.clone()
+    for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"):
+        added[f"model.layers.2.{name}"] = torch.ones(4)
+    save_file({**weights, **added}, dst / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 1
+    (dst / "config.json").write_text(json.dumps(config))
+    return sorted(added)
+
+
+def _prepare(rank, world, root: str):
+    import torch
+    from safetensors.torch import load_file
+
+    from megacli.convert import convert
+    from megacli.engine import distributed
+    from megacli.recipe.sections import LaunchSection, ParallelSection
+
+    root = Path(root)
+    toks = _tokens()
+    out = {}
+    for name in NAMES:
+        d = root / name
+        model = cm.build_hf(name, d / "hf", with_tokenizer=True)
+        torch.save(cm.hf_logits(model, toks), d / "hf_logits.pt")
+        out[name] = {**cm.round_trip(d, parallel=ParallelSection()), "hf_greedy": _hf_greedy(model, _prompts())}
+    # Multi-token prediction: dropped on import, with a note; the rest converts as before.
+    d = root / "deepseek_v3"
+    added = _add_mtp_layer(d / "hf", d / "hf_mtp")
+    said = []
+    convert(d / "hf_mtp", d / "mc_mtp", say=said.append)
+    convert(d / "mc_mtp", d / "hf_mtp2", say=lambda *_: None)
+    a, b = load_file(d / "hf_mtp" / "model.safetensors"), load_file(d / "hf_mtp2" / "model.safetensors")
+    out["mtp"] = {"said": said, "added": added, "kept": sorted(set(a) - set(b)) == added and set(b) < set(a),
+                  "bitwise": all(torch.equal(a[k], b[k]) for k in b),
+                  "config": json.loads((d / "hf_mtp2" / "config.json").read_text())}
+    runtime = distributed.setup(parallel=ParallelSection(), launch=LaunchSection(device="cpu"), seed=0)
+    for name in NAMES:
+        ref = torch.load(root / name / "hf_logits.pt")
+        out[name]["tp1_logits"] = cm.max_diff(cm.megacli_logits(root / name / "mc", toks), ref)
+        out[name]["greedy"] = _greedy(root / name / "mc", runtime, use_cache=True)
+        out[name]["greedy_no_cache"] = _greedy(root / name / "mc", runtime, use_cache=False)
+    distributed.teardown()
+    return out
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    from tests._dist import spawn
+
+    root = tmp_path_factory.mktemp("deepseek")
+    return root, spawn(_prepare, 1, str(root), timeout=1800)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_logits_equal_hugging_face_at_tp1(converted, name):
+    _, out = converted
+    assert out[name]["tp1_logits"] < TOL, out[name]["tp1_logits"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_round_trip_is_bitwise_with_the_same_config(converted, name):
+    _, out = converted
+    r = out[name]
+    assert r["same_keys"] and r["bitwise"]
+    src, back = r["config"]
+    assert src == back
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_generation_equals_hugging_face(converted, name):
+    _, out = converted
+    r = out[name]
+    assert r["greedy"] == r["hf_greedy"]
+    assert r["greedy_no_cache"] == r["hf_greedy"]
+
+
+@pytest.mark.slow
+def test_multi_token_prediction_layers_are_dropped_with_a_note(converted):
+    _, out = converted
+    r = out["mtp"]
+    assert any("dropped 1 multi-token-prediction layer" in s and "model.layers.2" in s for s in r["said"]), r["said"]
+    assert r["kept"] and r["bitwise"], r["added"]
+    assert r["config"]["num_nextn_predict_layers"] == 0  # the export holds no such layer
+
+
+def _config(name: str, **changes) -> dict:
+    cls_name, kwargs = cm.DEEPSEEK_MODELS[name]
+    return {**kwargs, "architectures": [cm.ARCHITECTURES[cls_name]], **changes}
+
+
+@pytest.mark.parametrize("name, changes, message", [
+    ("deepseek_v3", {"norm_topk_prob": False}, "norm_topk_prob = false"),
+    ("deepseek_v3", {"topk_group": 1}, "topk_group = 1"),
+    ("deepseek_v3", {"rope_interleave": False}, "rope_interleave"),
+    ("deepseek_v3", {"rms_norm_eps": 1e-5}, "rms_norm_eps"),
+    ("deepseek_v3", {"num_key_value_heads": 2}, "num_key_value_heads"),
+    ("deepseek_v2_lite", {"topk_method": "noaux_tc"}, "topk_method"),
+    ("deepseek_v2_lite", {"attention_bias": True}, "attention_bias"),
+])
+def test_configs_megatron_cannot_express_are_refused(name, changes, message):
+    from megacli.convert.families import deepseek
+
+    with pytest.raises(UserError, match=message):
+        deepseek.model_section(_config(name, **changes))
+
+
+def test_recipe_refusals():
+    from megacli.recipe.base import RecipeError
+    from megacli.recipe.model import ModelSection
+
+    from megacli.convert.families import deepseek
+
+    section = deepseek.model_section(_config("deepseek_v3"))
+    ModelSection(**section)  # valid as imported
+    for changes, field in [({"num_query_groups": 2}, "model.num_query_groups"), ({"qk_layernorm": True}, "model.qk_layernorm"),
+                           ({"position_embedding": "learned", "rope_scaling": None}, "model.mla"), ({"softmax_scale": 0.5}, "model.softmax_scale")]:
+        with pytest.raises(RecipeError, match=field):
+            ModelSection(**{**section, **changes})
+    moe = section["moe"]
+    for changes, field in [({"router_score_function": "softmax"}, "router_expert_bias"),
+                           ({"router_group_topk": None}, "router_num_groups"),
+                           ({"router_num_groups": 3}, "router_num_groups"),
+                           ({"router_group_topk": 1, "router_topk": 4}, "router_group_topk")]:
+        with pytest.raises(RecipeError, match=field):
+            ModelSection(**{**section, "moe": {**moe, **changes}})
