@@ -81,6 +81,21 @@ def _add_mtp_layer(src: Path, dst: Path) -> list[str]:
     return sorted(added)
 
 
+def _params(ckpt: Path) -> tuple[int, int]:
+    """(parameters of the built model, the dry-run's count) for a converted checkpoint's recipe."""
+    from megacli.engine.models import build_model
+    from megacli.engine.models.config import transformer_config
+    from megacli.plan import count_params
+    from megacli.recipe.base import load
+    from megacli.recipe.pretrain import TrainingRecipe
+
+    recipe = load(TrainingRecipe, ckpt / "iter_0000000" / "recipe.yaml", ["launch.nproc=1", "train.global_batch_size=8"])
+    config = transformer_config(model=recipe.model, parallel=recipe.parallel, precision="fp32", on_cuda=False)
+    chunks = build_model(recipe=recipe, config=config, vocab_size=recipe.model.vocab_size)
+    built = sum(p.numel() for c in chunks for p in c.parameters())
+    return built, count_params(recipe, recipe.model.vocab_size).total
+
+
 def _prepare(rank, world, root: str):
     import torch
     from safetensors.torch import load_file
@@ -109,6 +124,7 @@ def _prepare(rank, world, root: str):
                   "config": json.loads((d / "hf_mtp2" / "config.json").read_text())}
     runtime = distributed.setup(parallel=ParallelSection(), launch=LaunchSection(device="cpu"), seed=0)
     for name in NAMES:
+        out[name]["params"] = _params(root / name / "mc")
         ref = torch.load(root / name / "hf_logits.pt")
         out[name]["tp1_logits"] = cm.max_diff(cm.megacli_logits(root / name / "mc", toks), ref)
         out[name]["greedy"] = _greedy(root / name / "mc", runtime, use_cache=True)
@@ -130,6 +146,14 @@ def converted(tmp_path_factory):
 def test_logits_equal_hugging_face_at_tp1(converted, name):
     _, out = converted
     assert out[name]["tp1_logits"] < TOL, out[name]["tp1_logits"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_dry_run_counts_the_parameters_megatron_builds(converted, name):
+    _, out = converted
+    built, counted = out[name]["params"]
+    assert built == counted
 
 
 @pytest.mark.slow
