@@ -112,6 +112,13 @@ def _prepare(rank, world, root: str):
         model = cm.build_hf(name, d / "hf", with_tokenizer=True)
         torch.save(cm.hf_logits(model, toks), d / "hf_logits.pt")
         out[name] = {**cm.round_trip(d, parallel=ParallelSection()), "hf_greedy": _hf_greedy(model, _prompts())}
+    for name in NAMES:  # as if trained from scratch: no Hugging Face config to carry
+        d = root / name
+        shutil.copytree(d / "mc", d / "mc_bare")
+        shutil.rmtree(d / "mc_bare" / "hf")
+        convert(d / "mc_bare", d / "hf3", say=lambda *_: None)
+        out[name]["bare_export_logits"] = cm.max_diff(cm.hf_logits(cm.load_hf(d / "hf3"), toks),
+                                                      torch.load(d / "hf_logits.pt"))
     # Multi-token prediction: dropped on import, with a note; the rest converts as before.
     d = root / "deepseek_v3"
     added = _add_mtp_layer(d / "hf", d / "hf_mtp")
@@ -164,6 +171,7 @@ def test_round_trip_is_bitwise_with_the_same_config(converted, name):
     assert r["same_keys"] and r["bitwise"]
     src, back = r["config"]
     assert src == back
+    assert r["bare_export_logits"] < TOL, r["bare_export_logits"]
 
 
 @pytest.mark.slow
@@ -195,6 +203,7 @@ def _config(name: str, **changes) -> dict:
     ("deepseek_v3", {"rope_interleave": False}, "rope_interleave"),
     ("deepseek_v3", {"rms_norm_eps": 1e-5}, "rms_norm_eps"),
     ("deepseek_v3", {"num_key_value_heads": 2}, "num_key_value_heads"),
+    ("deepseek_v3", {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}}, "dequantize it"),
     ("deepseek_v2_lite", {"topk_method": "noaux_tc"}, "topk_method"),
     ("deepseek_v2_lite", {"attention_bias": True}, "attention_bias"),
 ])
@@ -262,3 +271,48 @@ def test_logits_equal_hugging_face_at_tp2_pp2_and_at_ep2(converted):
         assert cm.max_diff(reported[2], ref) < TOL, name
         for r in results:  # every rank holds the whole output
             assert cm.max_diff(r[(name, "ep2")], ref) < TOL, name
+
+
+# DeepSeek-V3's config.json as published (transformers 4 style: rope_scaling, scoring_func,
+# topk_method; its fp8 quantization_config left out) and DeepSeek-V2-Lite's.
+DEEPSEEK_V3_CONFIG = dict(
+    architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=129280, hidden_size=7168,
+    intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61, num_nextn_predict_layers=1,
+    num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256, ep_size=1,
+    routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128,
+    qk_nope_head_dim=128, topk_method="noaux_tc", n_group=8, topk_group=4, num_experts_per_tok=8, moe_layer_freq=1,
+    first_k_dense_replace=3, norm_topk_prob=True, scoring_func="sigmoid", hidden_act="silu", max_position_embeddings=163840,
+    initializer_range=0.02, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000,
+    rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                  "original_max_position_embeddings": 4096, "type": "yarn"},
+    attention_bias=False, attention_dropout=0.0)
+DEEPSEEK_V2_LITE_CONFIG = dict(
+    architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", vocab_size=102400, hidden_size=2048,
+    intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
+    num_key_value_heads=16, n_shared_experts=2, n_routed_experts=64, routed_scaling_factor=1.0, kv_lora_rank=512,
+    q_lora_rank=None, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, topk_method="greedy", n_group=1,
+    topk_group=1, num_experts_per_tok=6, first_k_dense_replace=1, norm_topk_prob=False, scoring_func="softmax",
+    aux_loss_alpha=0.001, hidden_act="silu", max_position_embeddings=163840, rms_norm_eps=1e-6, rope_theta=10000,
+    rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                  "original_max_position_embeddings": 4096, "type": "yarn"},
+    tie_word_embeddings=False, attention_bias=False, attention_dropout=0.0)
+
+
+@pytest.mark.parametrize("config, total, active", [(DEEPSEEK_V3_CONFIG, 671.0, 36.6), (DEEPSEEK_V2_LITE_CONFIG, 15.7, 2.5)])
+def test_published_configs_map_and_count_as_published(config, total, active):
+    """The published configs give recipes whose dry-run counts are DeepSeek's figures: billions of
+    parameters in all (V3: 671B, its multi-token-prediction layer left out; V2-Lite: "16B", 15.7B
+    by the weights) and per token without the input embedding (V3: "37B", 36.6B; V2-Lite: "2.4B", 2.45B)."""
+    from megacli.convert.families import deepseek
+    from megacli.plan import count_params
+    from megacli.recipe.base import validate
+    from megacli.recipe.pretrain import TrainingRecipe
+
+    section = deepseek.model_section(config)
+    recipe = validate(TrainingRecipe, {"model": section, "tokenizer": {"type": "none"}, "data": {"mock": True}}, "test")
+    counts = count_params(recipe, config["vocab_size"])
+    embedding = counts.embedding
+    assert (round(counts.total / 1e9, 1), round((counts.active - embedding) / 1e9, 1)) == (total, active)
+    assert deepseek.import_notes(config) == ([] if "num_nextn_predict_layers" not in config else [
+        "dropped 1 multi-token-prediction layer(s) (num_nextn_predict_layers; model.layers.61.*): Hugging Face's "
+        "DeepSeek models do not use them either"])

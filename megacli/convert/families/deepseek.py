@@ -57,6 +57,11 @@ def _check(c: dict, architecture: str) -> None:
     def refuse(field, why):
         raise UserError(f"{architecture}: {field} = {c.get(field)!r} is not supported: {why}")
 
+    quant = c.get("quantization_config")
+    if quant:
+        raise UserError(f"{architecture}: the checkpoint is quantized ({quant.get('quant_method', 'quantization_config')}"
+                        f"{', ' + str(quant.get('fmt')) if quant.get('fmt') else ''}); dequantize it to bf16 first (DeepSeek's "
+                        f"inference/fp8_cast_bf16.py for DeepSeek-V3's fp8 weights)")
     if c.get("hidden_act", "silu") != "silu":
         refuse("hidden_act", "only silu (SwiGLU) converts")
     if c.get("attention_bias"):
