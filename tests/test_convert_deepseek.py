@@ -319,3 +319,23 @@ def test_published_configs_map_and_count_as_published(config, total, active):
     assert deepseek.import_notes(config) == ([] if "num_nextn_predict_layers" not in config else [
         "dropped 1 multi-token-prediction layer(s) (num_nextn_predict_layers; model.layers.61.*): Hugging Face's "
         "DeepSeek models do not use them either"])
+
+
+@pytest.mark.slow
+def test_quantized_checkpoint_is_refused_by_the_cli(converted, tmp_path):
+    """Exit code 2 and one message naming the cause; nothing written."""
+    import subprocess
+    import sys
+
+    root, _ = converted
+    src = tmp_path / "fp8"
+    shutil.copytree(root / "deepseek_v3" / "hf", src)
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+    (src / "config.json").write_text(json.dumps(config))
+    done = subprocess.run([sys.executable, "-m", "megacli", "convert", str(src), str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=600)
+    message = " ".join((done.stdout + done.stderr).split())
+    assert done.returncode == 2 and "Traceback" not in message, message
+    assert "the checkpoint is quantized (fp8, e4m3); dequantize it to bf16 first" in message, message
+    assert not (tmp_path / "out").exists()
