@@ -234,6 +234,14 @@ def test_recipe_refusals():
         with pytest.raises(RecipeError, match=field):
             ModelSection(**{**section, "moe": {**moe, **changes}})
 
+    from megacli.recipe.base import RecipeErrors, validate
+    from megacli.recipe.pretrain import TrainingRecipe
+
+    raw = {"model": section, "tokenizer": {"type": "none"}, "data": {"mock": True}, "checkpoint": {"pretrained": "/ckpt"}}
+    with pytest.raises(RecipeErrors, match="lora.targets .* has no linear_qkv"):
+        validate(TrainingRecipe, {**raw, "lora": {"rank": 4, "targets": ["linear_qkv", "linear_proj"]}}, "test")
+    validate(TrainingRecipe, {**raw, "lora": {"rank": 4, "targets": ["linear_proj"]}}, "test")
+
 
 def _logits_tp2_pp2_ep2(rank, world, root: str) -> dict:
     """On two processes, one layout after the other: TP=2 (with the sequence parallelism Megatron's

@@ -246,6 +246,9 @@ class TrainingRecipe(Section):
         if self.model.moe is not None and mlp:
             raise RecipeError("lora.targets", self.lora.targets, f"the MLP of a mixture-of-experts model has no "
                               f"{' or '.join(mlp)} to adapt; target the attention (linear_qkv, linear_proj)")
+        if self.model.mla is not None and "linear_qkv" in self.lora.targets:
+            raise RecipeError("lora.targets", self.lora.targets, "multi-latent attention (model.mla) has no linear_qkv; "
+                              "of its projections only linear_proj takes an adapter")
 
     def check_trainable(self) -> None:
         """What only training needs, checked by pretrain and finetune (also under --dry-run) but not by
