@@ -67,6 +67,16 @@ class ParamCounts:
                 + self.per_decoder_layer * self.decoder_layers + self.final_norm + self.output_layer + self.heads)
 
 
+def _mla_attention_params(m) -> int:
+    """Multi-latent attention: query (direct, or down-projection, its norm and up-projection),
+    key/value down-projection (latent + shared rotated key), latent norm, up-projection, output."""
+    a, heads, h = m.mla, m.num_attention_heads, m.hidden_size
+    qk = a.qk_head_dim + a.qk_pos_emb_head_dim
+    q = h * heads * qk if a.q_lora_rank is None else h * a.q_lora_rank + a.q_lora_rank + a.q_lora_rank * heads * qk
+    kv = h * (a.kv_lora_rank + a.qk_pos_emb_head_dim) + a.kv_lora_rank + a.kv_lora_rank * heads * (a.qk_head_dim + a.v_head_dim)
+    return q + kv + heads * a.v_head_dim * h + h * int(m.add_bias_linear)
+
+
 def count_params(recipe: TrainingRecipe, vocab_size: int) -> ParamCounts:
     """Parameters of the unsharded model, as Megatron-Core builds GPT, BERT and T5 (engine.models)."""
     m = recipe.model
@@ -76,6 +86,8 @@ def count_params(recipe: TrainingRecipe, vocab_size: int) -> ParamCounts:
     norm = h if m.normalization == "rmsnorm" else 2 * h
     attn = h * (q_width + 2 * kv_width) + q_width * h
     attn += (q_width + 2 * kv_width) * int(bias or m.add_qkv_bias) + h * bias
+    if m.mla is not None:
+        attn = _mla_attention_params(m)
     glu = 2 if m.gated else 1
 
     def mlp_params(ffn: int) -> int:

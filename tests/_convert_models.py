@@ -72,7 +72,28 @@ WINDOW_MODELS = {
                                                          "full_attention": {"rope_type": "linear", "factor": 8.0,
                                                                             "rope_theta": 1000000.0}})),
 }
-ARCHITECTURES = {"Gemma2Config": "Gemma2ForCausalLM", "Gemma3TextConfig": "Gemma3ForCausalLM", "Qwen3Config": "Qwen3ForCausalLM", "MixtralConfig": "MixtralForCausalLM", "Qwen2MoeConfig": "Qwen2MoeForCausalLM", "GPT2Config": "GPT2LMHeadModel", "LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralForCausalLM",
+# DeepSeek (multi-latent attention + MoE with a shared expert after one dense layer, yarn RoPE).
+# V3: compressed queries (q_lora_rank), sigmoid scores with a (random) expert bias, 4 groups of 2
+# experts of which 2 are picked, top 4, scaled by 2.5; yarn's mscale != mscale_all_dim, so both the
+# cos/sin factor and the softmax-scale factor differ from 1. V2-Lite style: queries projected
+# directly, softmax over all experts, greedy top 2, two shared experts, yarn with mscale = mscale_all_dim.
+DEEPSEEK_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=12,
+                       qk_nope_head_dim=8, first_k_dense_replace=1, max_position_embeddings=256, rms_norm_eps=1e-6,
+                       tie_word_embeddings=False)
+DEEPSEEK_MODELS = {
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        DEEPSEEK_COMMON, q_lora_rank=24, n_shared_experts=1, n_routed_experts=8, routed_scaling_factor=2.5, n_group=4,
+        topk_group=2, num_experts_per_tok=4, norm_topk_prob=True, num_nextn_predict_layers=0,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+                         "mscale": 0.9, "mscale_all_dim": 0.7, "beta_fast": 32.0, "beta_slow": 1.0})),
+    "deepseek_v2_lite": ("DeepseekV2Config", dict(
+        DEEPSEEK_COMMON, q_lora_rank=None, n_shared_experts=2, n_routed_experts=6, routed_scaling_factor=1.0,
+        num_experts_per_tok=2, topk_method="greedy", n_group=1, topk_group=1,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+                         "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32.0, "beta_slow": 1.0})),
+}
+ARCHITECTURES = {"Gemma2Config": "Gemma2ForCausalLM", "Gemma3TextConfig": "Gemma3ForCausalLM", "DeepseekV3Config": "DeepseekV3ForCausalLM", "DeepseekV2Config": "DeepseekV2ForCausalLM", "Qwen3Config": "Qwen3ForCausalLM", "MixtralConfig": "MixtralForCausalLM", "Qwen2MoeConfig": "Qwen2MoeForCausalLM", "GPT2Config": "GPT2LMHeadModel", "LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralForCausalLM",
                  "Qwen2Config": "Qwen2ForCausalLM"}
 
 
@@ -103,7 +124,7 @@ def build_hf(name: str, path: Path, *, with_tokenizer: bool = False):
     import torch
     import transformers
 
-    cls_name, kwargs = {**MODELS, **MOE_MODELS, **ROPE_MODELS, **QWEN3_MODELS, **ODD_LAYER_MODELS, **WINDOW_MODELS}[name]
+    cls_name, kwargs = {**MODELS, **MOE_MODELS, **ROPE_MODELS, **QWEN3_MODELS, **ODD_LAYER_MODELS, **WINDOW_MODELS, **DEEPSEEK_MODELS}[name]
     config = getattr(transformers, cls_name)(**kwargs, architectures=[ARCHITECTURES[cls_name]])
     config._attn_implementation = "eager"
     torch.manual_seed(zlib.crc32(name.encode()) % 1000)  # the same weights in every process
@@ -114,6 +135,9 @@ def build_hf(name: str, path: Path, *, with_tokenizer: bool = False):
                 p.copy_(1.0 + 0.1 * torch.randn_like(p)) if pname.endswith("weight") else p.normal_(0, 0.1)
             else:
                 p.normal_(0, 0.1)
+        for bname, b in model.named_buffers():
+            if bname.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias
+                b.normal_(0, 0.1)
     model.eval()
     model.save_pretrained(path)
     if with_tokenizer:

@@ -13,7 +13,10 @@ import torch
 from megacli.errors import UserError
 
 COLUMN = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias", "linear_qkv.weight",
-          "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias")
+          "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias",
+          # multi-latent attention (its down-projections are column-parallel too, gathered after)
+          "linear_q_proj.weight", "linear_q_down_proj.weight", "linear_q_up_proj.weight", "linear_kv_down_proj.weight",
+          "linear_kv_up_proj.weight")
 ROW = ("linear_proj.weight", "linear_fc2.weight")
 GATED = ("linear_fc1.weight", "linear_fc1.bias")
 # Matched as suffixes: BERT's and T5's heads (``lm_head.output_layer.*``) are vocabulary-sized too.

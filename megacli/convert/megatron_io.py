@@ -132,8 +132,7 @@ def write_checkpoint(*, recipe, dst: Path, iteration: int, fetch: Callable[[str]
     with megatron_process():
         config = transformer_config(model=m, parallel=single.parallel, precision=recipe.train.precision, on_cuda=False,
                                     use_cpu_initialization=True, perform_initialization=False)
-        with torch.device("meta"):  # only the keys, shapes and sharding metadata; every tensor comes from fetch
-            chunks = build_model(recipe=single, config=config, vocab_size=padded)
+        chunks = build_model(recipe=single, config=config, vocab_size=padded)
         state = chunks[0].sharded_state_dict()
         entries = _entries(state)
         if check_keys:

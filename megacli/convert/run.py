@@ -193,6 +193,8 @@ def _hf_to_megacli(src: Path, work: Path, final: Path, *, parallel, dtype: str |
     config = hf_io.read_json(src / hf_io.CONFIG)
     family, arch = families.for_hf_config(config)
     model = family.model_section(config)
+    for note in getattr(family, "import_notes", lambda _config: [])(config):
+        say(f"note: {note}")
     weights = hf_io.HFWeights(src, trust_pickle=trust_pickle)
     precision = dtype or precision_of(weights.dtype())
     target = params_dtype(precision)

@@ -47,6 +47,23 @@ class MoESection(Section):
     grouped_gemm: bool = True
     """On CUDA, run all local experts as one grouped GEMM when the grouped_gemm package is installed
     (Megatron's GroupedMLP); sequential per-expert GEMMs otherwise (and always on CPU)."""
+    router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    """softmax (Mixtral, DeepSeek-V2) or sigmoid (DeepSeek-V3: a sigmoid score per expert, the top-k
+    scores renormalised to sum to 1 when router_topk > 1)."""
+    router_expert_bias: bool = False
+    """sigmoid only: a per-expert bias added to the scores when choosing the top k (not to the
+    weights), nudged towards balance during training (DeepSeek-V3's auxiliary-loss-free balancing;
+    Hugging Face's e_score_correction_bias)."""
+    router_bias_update_rate: float = Field(1e-3, ge=0)
+    """With router_expert_bias: how far each training step moves the bias towards balance."""
+    router_num_groups: Optional[PositiveInt] = None
+    """Group-limited routing (DeepSeek): experts form this many equal groups; each token first picks
+    router_group_topk groups (by the sum of each group's top router_topk / router_group_topk scores),
+    then its router_topk experts among them. null = no groups."""
+    router_group_topk: Optional[PositiveInt] = None
+    """Group-limited routing: the groups each token picks (Hugging Face's topk_group)."""
+    router_topk_scaling_factor: Optional[PositiveFloat] = None
+    """Factor on the routing weights after the top-k (Hugging Face's routed_scaling_factor); null = 1."""
 
     def layer_pattern(self, num_layers: int) -> list[int]:
         """1 for each MoE layer, 0 for each dense one."""
@@ -66,7 +83,31 @@ class MoESection(Section):
                               "needs a shared expert: set model.moe.shared_expert_ffn_hidden_size")
         if isinstance(self.layer_freq, list) and not any(self.layer_freq):
             raise RecipeError("model.moe.layer_freq", self.layer_freq, "marks no layer as MoE (use model.moe: null for a dense model)")
+        if self.router_expert_bias and self.router_score_function != "sigmoid":
+            raise RecipeError("model.moe.router_expert_bias", True, "needs model.moe.router_score_function = sigmoid "
+                              "(Megatron-Core's expert bias is for sigmoid scores)")
+        if self.router_pre_softmax and self.router_score_function != "softmax":
+            raise RecipeError("model.moe.router_pre_softmax", True, "is a softmax option; sigmoid scores are always "
+                              "taken over all experts")
+        self._check_groups()
         return self
+
+    def _check_groups(self) -> None:
+        groups, picked = self.router_num_groups, self.router_group_topk
+        if (groups is None) != (picked is None):
+            raise RecipeError("model.moe.router_group_topk" if groups is not None else "model.moe.router_num_groups", None,
+                              "group-limited routing needs both model.moe.router_num_groups and model.moe.router_group_topk")
+        if groups is None:
+            return
+        if self.num_experts % groups:
+            raise RecipeError("model.moe.router_num_groups", groups,
+                              f"must divide model.moe.num_experts = {self.num_experts}")
+        if picked > groups:
+            raise RecipeError("model.moe.router_group_topk", picked, f"exceeds model.moe.router_num_groups = {groups}")
+        if self.router_topk < picked or picked * (self.num_experts // groups) < self.router_topk:
+            raise RecipeError("model.moe.router_group_topk", picked,
+                              f"with {groups} groups of {self.num_experts // groups} experts cannot give each token "
+                              f"model.moe.router_topk = {self.router_topk} experts (at least one per picked group)")
 
 
 # Fields of model.rope_scaling each scaling type uses (the others must stay unset).
@@ -129,6 +170,33 @@ class RopeScalingSection(Section):
             if self.high_freq_factor <= self.low_freq_factor:
                 raise RecipeError("model.rope_scaling.high_freq_factor", self.high_freq_factor,
                                   f"must be greater than low_freq_factor = {self.low_freq_factor}")
+        return self
+
+
+class MLASection(Section):
+    """Multi-latent attention (DeepSeek-V2/V3; Megatron-Core's MLASelfAttention): keys and values
+    come from one compressed latent per token (kv_lora_rank wide, RMS-normalised), and each head's
+    query and key are a part without position (qk_head_dim) plus a RoPE-rotated part
+    (qk_pos_emb_head_dim) whose key is shared by all heads. Needs model.position_embedding = rope;
+    model.rope_scaling applies to the rotated part, and with yarn the attention scale is multiplied
+    by (0.1 mscale_all_dim ln factor + 1)^2 (DeepSeek's rule)."""
+
+    q_lora_rank: Optional[PositiveInt] = None
+    """Width of the compressed (RMS-normalised) query; null = queries projected directly from the
+    hidden state (DeepSeek-V2-Lite)."""
+    kv_lora_rank: PositiveInt
+    """Width of the compressed key/value latent."""
+    qk_head_dim: PositiveInt
+    """Per-head query/key dimensions without position embedding (Hugging Face's qk_nope_head_dim)."""
+    qk_pos_emb_head_dim: PositiveInt
+    """Per-head query/key dimensions RoPE rotates (Hugging Face's qk_rope_head_dim); even."""
+    v_head_dim: PositiveInt
+    """Per-head value dimensions."""
+
+    @model_validator(mode="after")
+    def _even_rope(self):
+        if self.qk_pos_emb_head_dim % 2:
+            raise RecipeError("model.mla.qk_pos_emb_head_dim", self.qk_pos_emb_head_dim, "must be even (RoPE rotates pairs)")
         return self
 
 
@@ -231,6 +299,8 @@ class ModelSection(Section):
     """gpt only: also normalise the attention and MLP outputs before they join the residual stream
     (Gemma 2/3's post_attention_layernorm and post_feedforward_layernorm; norms stored as
     self_attn_bda.norm and mlp_bda.norm)."""
+    mla: Optional[MLASection] = None
+    """gpt only: multi-latent attention (DeepSeek) instead of multi-head attention; null = standard attention."""
 
     @model_validator(mode="after")
     def _rope_scaling_needs_gpt_rope(self):
@@ -275,6 +345,30 @@ class ModelSection(Section):
         if isinstance(pattern, int):
             return [int((i + 1) % pattern != 0) for i in range(self.num_layers)]
         return list(pattern)
+
+    @model_validator(mode="after")
+    def _mla_fits(self):
+        if self.mla is None:
+            return self
+        if self.arch != "gpt" or self.position_embedding != "rope":
+            raise RecipeError("model.mla", "set", f"needs model.arch = gpt and model.position_embedding = rope "
+                              f"(got {self.arch}, {self.position_embedding}): Megatron-Core's MLA rotates part of each head")
+        refused = {
+            "rotary_percent": (self.rotary_percent != 1.0, "MLA rotates exactly model.mla.qk_pos_emb_head_dim dimensions"),
+            "num_query_groups": (self.query_groups != self.num_attention_heads,
+                                 "MLA has one key/value head per query head (its latent is what is shared)"),
+            "kv_channels": (self.kv_channels is not None, "MLA's head dimensions are set in model.mla"),
+            "qk_layernorm": (self.qk_layernorm, "MLA always normalises its compressed query and key/value"),
+            "add_qkv_bias": (self.add_qkv_bias, "MLA's projections have no QKV bias"),
+            "attention_softcap": (self.attention_softcap is not None, "MLA's core attention has no soft-cap"),
+            "rotary_base_local": (self.rotary_base_local is not None, "MLA builds one RoPE for every layer"),
+            "softmax_scale": (self.softmax_scale is not None,
+                              "MLA's scale is 1/sqrt(qk_head_dim + qk_pos_emb_head_dim), times yarn's mscale_all_dim factor"),
+        }
+        for name, (bad, why) in refused.items():
+            if bad:
+                raise RecipeError(f"model.{name}", getattr(self, name), f"is not supported with model.mla: {why}")
+        return self
 
     @property
     def gated(self) -> bool:

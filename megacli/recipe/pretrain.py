@@ -142,6 +142,9 @@ class TrainingRecipe(Section):
         if m.position_embedding == "learned" and m.max_positions < m.seq_length:
             raise RecipeError("model.max_position_embeddings", m.max_position_embeddings,
                               f"is smaller than model.seq_length = {m.seq_length}")
+        if m.mla is not None and p.context > 1:
+            raise RecipeError("parallel.context", p.context, "multi-latent attention (model.mla) runs without context "
+                              "parallelism (its ring attention needs keys and values of one head width)")
         if m.arch == "gpt" and m.position_embedding == "relative":
             raise RecipeError("model.position_embedding", "relative", "is for t5; gpt uses learned, rope, alibi or none")
         if self.tokenizer.type == "none" and m.vocab_size is None:
@@ -246,6 +249,9 @@ class TrainingRecipe(Section):
         if self.model.moe is not None and mlp:
             raise RecipeError("lora.targets", self.lora.targets, f"the MLP of a mixture-of-experts model has no "
                               f"{' or '.join(mlp)} to adapt; target the attention (linear_qkv, linear_proj)")
+        if self.model.mla is not None and "linear_qkv" in self.lora.targets:
+            raise RecipeError("lora.targets", self.lora.targets, "multi-latent attention (model.mla) has no linear_qkv; "
+                              "of its projections only linear_proj takes an adapter")
 
     def check_trainable(self) -> None:
         """What only training needs, checked by pretrain and finetune (also under --dry-run) but not by

@@ -15,6 +15,8 @@ A family is one module here with:
                       when the checkpoint carries it, whose other fields are kept)
     table(model) -> MappingTable
                       the weight mapping for that model
+    import_notes(hf_config: dict) -> list[str]
+                      optional: what an import leaves out, printed by the conversion
 
 Adding a family is one module plus its name in FAMILY_MODULES.
 """
@@ -26,7 +28,7 @@ from types import ModuleType
 
 from megacli.errors import UserError
 
-FAMILY_MODULES = ("gpt2", "llama", "gemma", "moe", "bert", "t5")
+FAMILY_MODULES = ("gpt2", "llama", "gemma", "moe", "deepseek", "bert", "t5")
 
 
 def _load(name: str) -> ModuleType:

@@ -180,7 +180,8 @@ def model_section(c: dict) -> dict:
 
 def architecture_for(m, preferred: str | None = None) -> str | None:
     if not (m.arch == "gpt" and m.position_embedding == "rope" and m.normalization == "rmsnorm"
-            and m.activation == "swiglu" and m.rotary_percent == 1.0 and m.moe is None and not _gemma_features(m)):
+            and m.activation == "swiglu" and m.rotary_percent == 1.0 and m.moe is None and m.mla is None
+            and not _gemma_features(m)):
         return None
     qwen_windows = m.sliding_window is None or _qwen_windows(m) is not None
     if m.qk_layernorm:

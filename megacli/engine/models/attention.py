@@ -78,6 +78,8 @@ class CoreAttention(MegatronModule):
         pg_collection: ProcessGroupCollection | None = None,
         position_bias: str = "none",
         softcap: float | None = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
     ):
         super().__init__(config=config)
         _check_supported(config, attention_type, cp_comm_type, position_bias)
@@ -105,6 +107,9 @@ class CoreAttention(MegatronModule):
             raise NotImplementedError("soft-capped attention has no context-parallel ring yet")
 
         tp_size = self.tp_group.size()
+        # Multi-latent attention passes its query/key (k_channels) and value (v_channels) head widths.
+        if v_channels is not None and v_channels != (k_channels or config.kv_channels) and self.cp_group is not None:
+            raise NotImplementedError("ring attention needs keys and values of one head width")
         self.hidden_size_per_attention_head = config.kv_channels
         self.hidden_size_per_partition = divide(config.kv_channels * config.num_attention_heads, tp_size)
         self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp_size)
@@ -189,7 +194,7 @@ class CoreAttention(MegatronModule):
                 attn_mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril()
             out = _capped_attention(q, k, v, attn_mask, scale=self.effective_scale, cap=self.softcap,
                                     dropout_p=dropout_p)
-            return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+            return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * value.size(-1))
         # Native GQA is a flash-kernel feature; the kernels that take a mask need as many key heads
         # as query heads: either a query group's heads become rows of one head (a boolean mask
         # shared by all heads), or keys and values are repeated (a per-head bias).
@@ -208,7 +213,8 @@ class CoreAttention(MegatronModule):
             q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
             scale=self.effective_scale, enable_gqa=gqa,
         )
-        return out.reshape(b, np_, sq, hn).permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+        hv = value.size(-1)
+        return out.reshape(b, np_, sq, hv).permute(2, 0, 1, 3).reshape(sq, b, np_ * hv)
 
     def _attend_ring(self, query, key, value, attention_mask, causal, dropout_p):
         s, b, np_, hn = query.shape

@@ -40,6 +40,9 @@ def _softmax_scale(model) -> float | None:
 def transformer_config(*, model, parallel, precision: str, on_cuda: bool, **overrides):
     """The TransformerConfig for a recipe. Fusions that need CUDA kernels are on only on CUDA."""
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from megacli.engine.models import mla
 
     activation, gated = _activation(model.activation)
     dtype = params_dtype(precision)
@@ -114,5 +117,6 @@ def transformer_config(*, model, parallel, precision: str, on_cuda: bool, **over
         kwargs["calculate_per_token_loss"] = False
     if model.moe is not None:
         kwargs.update(moe.config_kwargs(model=model, parallel=parallel, on_cuda=on_cuda))
+    kwargs.update(mla.config_kwargs(model=model))
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    return (MLATransformerConfig if model.mla is not None else TransformerConfig)(**kwargs)

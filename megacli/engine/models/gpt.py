@@ -107,7 +107,25 @@ def gpt_layer_spec(*, model, moe_config=None, lora=None, config=None):
             raise ValueError("a sandwich-norm layer spec needs the TransformerConfig (config=)")
         residual = ModuleSpec(module=NormedOutputAdd, params={"config": config})
     qk_norm = Norm if model.qk_layernorm else IdentityOp
-    keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
+    if model.mla is None:
+        keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
+        self_attention = ModuleSpec(
+            module=CachedRotarySelfAttention,  # Megatron's, with a KV cache of rotated keys
+            params={"attn_mask_type": AttnMaskType.causal, "local_rope": model.rotary_base_local is not None},
+            submodules=SelfAttentionSubmodules(
+                linear_qkv=linear_spec(ColumnParallelLinear, "linear_qkv", lora),
+                core_attention=ModuleSpec(module=CoreAttention, params={"position_bias": bias,
+                                                                        "softcap": model.attention_softcap}),
+                linear_proj=linear_spec(RowParallelLinear, "linear_proj", lora),
+                q_layernorm=qk_norm,
+                k_layernorm=qk_norm,
+            ),
+        )
+    else:  # multi-latent attention: its input norm is not fused into a linear layer (its keys: mla.KEYS_MAP)
+        from megacli.engine.models import mla
+
+        keys_map = dict(mla.KEYS_MAP)
+        self_attention = mla.attention_spec(model=model, lora=lora)
     if moe_config is None:
         mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(
             linear_fc1=linear_spec(ColumnParallelLinear, "linear_fc1", lora, swiglu=model.gated),
@@ -121,18 +139,7 @@ def gpt_layer_spec(*, model, moe_config=None, lora=None, config=None):
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=Norm,
-            self_attention=ModuleSpec(
-                module=CachedRotarySelfAttention,  # Megatron's, with a KV cache of rotated keys
-                params={"attn_mask_type": AttnMaskType.causal, "local_rope": model.rotary_base_local is not None},
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=linear_spec(ColumnParallelLinear, "linear_qkv", lora),
-                    core_attention=ModuleSpec(module=CoreAttention, params={"position_bias": bias,
-                                                                            "softcap": model.attention_softcap}),
-                    linear_proj=linear_spec(RowParallelLinear, "linear_proj", lora),
-                    q_layernorm=qk_norm,
-                    k_layernorm=qk_norm,
-                ),
-            ),
+            self_attention=self_attention,
             self_attn_bda=residual,
             pre_mlp_layernorm=Norm,
             mlp=mlp,

@@ -51,6 +51,12 @@ def config_kwargs(*, model, parallel, on_cuda: bool) -> dict:
         moe_grouped_gemm=grouped,
         moe_use_legacy_grouped_gemm=grouped,  # GroupedMLP (grouped_gemm package), not TE's
         expert_tensor_parallel_size=parallel.expert_tensor or parallel.tensor,
+        moe_router_score_function=moe.router_score_function,
+        moe_router_enable_expert_bias=moe.router_expert_bias,
+        moe_router_bias_update_rate=moe.router_bias_update_rate,
+        moe_router_num_groups=moe.router_num_groups,
+        moe_router_group_topk=moe.router_group_topk,
+        moe_router_topk_scaling_factor=moe.router_topk_scaling_factor,
     )
 
 

@@ -49,8 +49,9 @@ def _yarn(*, base: float, dim: int, s, max_positions: int) -> torch.Tensor:
 
 
 def inverse_frequencies(*, model) -> torch.Tensor:
-    """The fp32 inverse frequencies of a recipe's model section (its rotated dimensions only)."""
-    dim = int(model.head_dim * model.rotary_percent)
+    """The fp32 inverse frequencies of a recipe's model section (its rotated dimensions only: with
+    multi-latent attention, model.mla.qk_pos_emb_head_dim)."""
+    dim = model.mla.qk_pos_emb_head_dim if model.mla is not None else int(model.head_dim * model.rotary_percent)
     base, s = float(model.rotary_base), model.rope_scaling
     if s is not None and s.type == "yarn":
         return _yarn(base=base, dim=dim, s=s, max_positions=model.max_positions)
