@@ -1,0 +1,114 @@
+"""By hand, beside the project: Megatron-LM's own loader reads a checkpoint megacli wrote.
+
+    python benchmarks/megatron_lm_load_check.py MEGATRON_LM_CHECKOUT CKPT HF_DIR [--no-load-rng] [--no-load-optim]
+
+CKPT is a Megatron-LM torch_dist checkpoint written by `megacli convert SRC CKPT --to megatron
+--spec local` (or `reshard --format megatron`), HF_DIR the same weights as a Hugging Face model
+(`megacli convert SRC HF_DIR --to hf`). In one process on CPU (gloo, megacli's CPU backend),
+the script parses Megatron-LM's arguments from the checkpoint (``--use-checkpoint-args``), builds
+the model, DDP, optimizer and scheduler as Megatron-LM's training does
+(``setup_model_and_optimizer`` with pretrain_gpt.py's ``model_provider`` + ``gpt_builder``, which
+calls ``load_checkpoint``), runs a forward and prints the largest difference to the HF model's
+logits. Transformer Engine is not available on CPU, so the model is the local spec.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+
+
+def main() -> None:
+    checkout, ckpt, hf_dir = sys.argv[1:4]
+    extra = sys.argv[4:]
+    sys.path.insert(0, checkout)
+    # Megatron-LM's initialize module imports triton kernels (batch-invariant mode) that a CPU-only
+    # torch cannot import; they are never used here.
+    stub = types.ModuleType("megatron.core.transformer.custom_layers.batch_invariant_kernels")
+    stub.enable_batch_invariant_mode = lambda *a, **k: None
+    sys.modules[stub.__name__] = stub
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29531")
+
+    import torch
+
+    from megacli.backend import cpu
+
+    cpu.enable()
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    common = torch.load(os.path.join(ckpt, _iter_dir(ckpt), "common.pt"), weights_only=False)
+    saved = common["args"]
+    sys.argv = ["pretrain_gpt.py", "--load", ckpt, "--ckpt-format", "torch_dist", "--use-checkpoint-args",
+                "--use-mp-args-from-checkpoint-args", "--transformer-impl", "local", "--distributed-backend", "gloo",
+                "--micro-batch-size", str(saved.micro_batch_size), "--global-batch-size", str(saved.global_batch_size),
+                "--tokenizer-type", "NullTokenizer",
+                "--vocab-size", str(saved.vocab_size), "--mock-data", "--no-gradient-accumulation-fusion",
+                "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion",
+                "--no-rope-fusion", "--no-persist-layer-norm", "--use-cpu-initialization",
+                # the run's training schedule, as the checkpoint's args record it (Megatron-LM checks it on load)
+                *[x for name in _SCHEDULE if getattr(saved, name) is not None
+                  for x in ("--" + name.replace("_", "-"), str(getattr(saved, name)))], *extra]
+    from megatron.core.enums import ModelType
+    from megatron.training import get_args
+    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.checkpointing import load_args_from_checkpoint
+    from megatron.training.global_vars import set_global_variables
+    from megatron.core import parallel_state as mpu, tensor_parallel
+
+    args = parse_args()
+    load_args_from_checkpoint(args)
+    validate_args(args, {})
+    set_global_variables(args, build_tokenizer=False)
+    args = get_args()
+    args.padded_vocab_size = saved.padded_vocab_size
+    mpu.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+
+    from functools import partial
+
+    from gpt_builders import gpt_builder
+    from model_provider import model_provider
+    from megatron.training.training import setup_model_and_optimizer
+
+    model, optimizer, scheduler = setup_model_and_optimizer(partial(model_provider, gpt_builder),
+                                                            ModelType.encoder_or_decoder)
+    print(f"loaded: iteration {args.iteration}, scheduler num_steps {scheduler.num_steps}, "
+          f"optimizer step {_step(optimizer)}")
+
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, saved.vocab_size, (1, 12))
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(tokens).logits[0]
+        net = model[0]
+        net.eval()
+        pos = torch.arange(tokens.shape[1]).unsqueeze(0)
+        out = net(tokens, pos, None)
+    got = out[0, :, : saved.vocab_size]
+    print(f"max |Megatron-LM logits - HF logits| = {(got - ref).abs().max().item():.3g} over {tuple(got.shape)}")
+
+
+_SCHEDULE = ("train_iters", "lr", "min_lr", "lr_decay_style", "lr_decay_iters", "lr_warmup_iters", "weight_decay",
+             "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "seed")
+
+
+def _iter_dir(ckpt: str) -> str:
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
+        return f"iter_{int(f.read().strip()):07d}"
+
+
+def _step(optimizer):
+    try:
+        inner = optimizer.chained_optimizers[0].optimizer
+        state = next(iter(inner.state.values()))
+        return float(state["step"])
+    except Exception as exc:  # noqa: BLE001 - only for the printout
+        return f"? ({type(exc).__name__})"
+
+
+if __name__ == "__main__":
+    main()
