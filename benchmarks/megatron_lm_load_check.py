@@ -72,6 +72,20 @@ def main() -> None:
     from model_provider import model_provider
     from megatron.training.training import setup_model_and_optimizer
 
+    import megatron.training.training as training
+
+    if args.use_distributed_optimizer:
+        # Megatron-Core 0.16's DistributedOptimizer cannot build its load-time state dict with torch's
+        # Adam (no Apex / Transformer Engine, as on CPU): the workaround megacli's engine applies.
+        from megacli.engine.checkpoint import _prepare_distributed_optimizer_load
+
+        original = training.load_checkpoint
+
+        def load_checkpoint(model, optimizer, *a, **k):
+            _prepare_distributed_optimizer_load(optimizer)
+            return original(model, optimizer, *a, **k)
+
+        training.load_checkpoint = load_checkpoint
     model, optimizer, scheduler = setup_model_and_optimizer(partial(model_provider, gpt_builder),
                                                             ModelType.encoder_or_decoder)
     print(f"loaded: iteration {args.iteration}, scheduler num_steps {scheduler.num_steps}, "
