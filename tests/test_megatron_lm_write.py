@@ -177,11 +177,41 @@ def _export(rank, world, root: str):
         convert(root / f"mlm_{spec}", root / f"hf_{spec}", to="hf", say=say)
         out[spec]["logits"] = cm.max_diff(cm.hf_logits(cm.load_hf(root / f"hf_{spec}"), toks), ref)
 
+    # The command line: HF -> Megatron-LM (weights only, through a staging megacli checkpoint); a
+    # refused option writes nothing.
+    from typer.testing import CliRunner
+
+    from megacli.cli import _register, app
+
+    _register()
+    run = CliRunner().invoke(app, ["convert", str(root / "hf_src"), str(root / "from_hf"), "--to", "megatron"])
+    out["cli"] = [run.exit_code, run.output, sorted(p.name for p in root.iterdir() if p.name.startswith("."))]
+    if run.exit_code == 0:
+        common = torch_load(root / "from_hf" / "iter_0000000" / "common.pt", trust=False, name="common.pt")
+        out["cli"].append(sorted(common))
+        hf = {k: t for g in CheckpointReader(root / "from_hf" / "iter_0000000",
+                                              rename=lambda k, _: None if "_extra_state" in k else k).groups()
+              for k, t in g.items()}
+        # HF holds the real vocabulary rows only (the padding rows are new zeros)
+        rows = lambda k, t: t[:VOCAB] if k.startswith(("embedding.", "output_layer.")) else t  # noqa: E731
+        out["cli"].append([k for k in original if not torch.equal(rows(k, hf[k]), rows(k, original[k]))])
+    bad = CliRunner().invoke(app, ["convert", str(src.parent), str(root / "bad"), "--to", "megatron", "--dtype", "bf16"])
+    out["cli_refused"] = [bad.exit_code, bad.output, (root / "bad").exists()]
+
     # The legacy export carries the same full argument set (one shared function).
     reshard(ReshardSection(source=str(src), output=str(root / "legacy"), format="legacy", progress=False))
     legacy = torch_load(root / "legacy" / iter_name(ITERATION) / "mp_rank_00" / "model_optim_rng.pt", trust=False,
                         name="legacy")
     out["legacy_args"] = sorted(vars(legacy["args"]))
+    # ... and megacli's legacy import reads it back: the same model section and weights.
+    reshard(ReshardSection(source=str(root / "legacy"), output=str(root / "legacy_back"), progress=False))
+    from megacli.checkpoint.layout import read_recipe
+
+    back_dir = find_checkpoint(root / "legacy_back")
+    out["legacy_model"] = (read_recipe(back_dir)["model"], read_recipe(src)["model"])
+    again = TorchDistReader(back_dir)
+    out["legacy_differ"] = [k for k in source.tensors if not k.startswith("optimizer.")
+                            and not torch.equal(again.read(k), source.read(k))]
     return out
 
 
@@ -200,8 +230,6 @@ def exported(tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["te", "local", "te22"])
 def test_written_as_megatron_lm_lays_it_out(exported, name):
-    from megacli.checkpoint.megatron_lm_args import DERIVED, DROPPED_BY_VALIDATION, PARSE_ARGS_DEFAULTS
-
     _, out = exported
     r = out[name]
     assert r["tracker"] == str(ITERATION)
@@ -230,7 +258,6 @@ def test_written_as_megatron_lm_lays_it_out(exported, name):
     assert (m["num_layers"], m["hidden_size"], m["num_query_groups"], m["activation"], m["normalization"],
             m["position_embedding"], m["untie_embeddings"], m["vocab_size"]) == (2, 32, 2, "swiglu", "rmsnorm", "rope",
                                                                                   True, VOCAB)
-    assert set(out["legacy_args"]) == (set(PARSE_ARGS_DEFAULTS) - set(DROPPED_BY_VALIDATION)) | set(DERIVED)
 
 
 @pytest.mark.parametrize("name", ["te", "local"])
@@ -241,3 +268,27 @@ def test_weights_and_optimizer_bitwise_and_the_same_logits(exported, name):
     assert r["rng_torch_kept"]
     assert r["back_keys"] and r["back_differ"] == []  # megatron -> megacli
     assert r["logits"] == 0.0, r["logits"]
+
+
+def test_the_legacy_export_carries_the_full_args_and_imports_back(exported):
+    from megacli.checkpoint.megatron_lm_args import DERIVED, DROPPED_BY_VALIDATION, PARSE_ARGS_DEFAULTS
+
+    _, out = exported
+    assert set(out["legacy_args"]) == (set(PARSE_ARGS_DEFAULTS) - set(DROPPED_BY_VALIDATION)) | set(DERIVED)
+    got, want = out["legacy_model"]
+    fields = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "seq_length",
+              "position_embedding", "normalization", "activation", "add_bias_linear", "untie_embeddings",
+              "make_vocab_size_divisible_by")
+    assert {f: got.get(f) for f in fields} == {f: want.get(f) for f in fields}
+    assert out["legacy_differ"] == []
+
+
+def test_convert_to_megatron_from_the_command_line(exported):
+    _, out = exported
+    code, text, hidden, keys, differ = out["cli"]
+    assert code == 0, text
+    assert "weights only" in text and "--load" in text and hidden == []  # no staging directory left
+    assert keys == ["args", "checkpoint_version", "content_metadata", "iteration", "num_floating_point_operations_so_far"]
+    assert differ == []  # HF -> megacli -> Megatron-LM keeps the weights bitwise
+    code, text, exists = out["cli_refused"]
+    assert code == 2 and "--dtype" in text and not exists, text
