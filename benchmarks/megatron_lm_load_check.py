@@ -9,7 +9,9 @@ the script parses Megatron-LM's arguments from the checkpoint (``--use-checkpoin
 the model, DDP, optimizer and scheduler as Megatron-LM's training does
 (``setup_model_and_optimizer`` with pretrain_gpt.py's ``model_provider`` + ``gpt_builder``, which
 calls ``load_checkpoint``), runs a forward and prints the largest difference to the HF model's
-logits. Transformer Engine is not available on CPU, so the model is the local spec.
+logits. Transformer Engine is not available on CPU, so the model is the local spec. The run is
+one process (TP = PP = 1) whatever layout the checkpoint was written for: torch_dist loads under
+any layout (Megatron-LM then skips the RNG state, which is per rank).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def main() -> None:
     common = torch.load(os.path.join(ckpt, _iter_dir(ckpt), "common.pt"), weights_only=False)
     saved = common["args"]
     sys.argv = ["pretrain_gpt.py", "--load", ckpt, "--ckpt-format", "torch_dist", "--use-checkpoint-args",
-                "--use-mp-args-from-checkpoint-args", "--transformer-impl", "local", "--distributed-backend", "gloo",
+                "--transformer-impl", "local", "--distributed-backend", "gloo",
                 "--micro-batch-size", str(saved.micro_batch_size), "--global-batch-size", str(saved.global_batch_size),
                 "--tokenizer-type", "NullTokenizer",
                 "--vocab-size", str(saved.vocab_size), "--mock-data", "--no-gradient-accumulation-fusion",
@@ -88,8 +90,12 @@ def main() -> None:
         training.load_checkpoint = load_checkpoint
     model, optimizer, scheduler = setup_model_and_optimizer(partial(model_provider, gpt_builder),
                                                             ModelType.encoder_or_decoder)
+    import random
+
+    restored = random.getstate()
     print(f"loaded: iteration {args.iteration}, scheduler num_steps {scheduler.num_steps}, "
-          f"optimizer step {_step(optimizer)}")
+          f"optimizer step {_step(optimizer)}, Python RNG state equal to the checkpoint's: "
+          f"{restored == _saved_rng(ckpt)['random_rng_state']}")
 
     from transformers import AutoModelForCausalLM
 
@@ -113,6 +119,22 @@ _SCHEDULE = ("train_iters", "lr", "min_lr", "lr_decay_style", "lr_decay_iters", 
 def _iter_dir(ckpt: str) -> str:
     with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
         return f"iter_{int(f.read().strip()):07d}"
+
+
+def _saved_rng(ckpt: str) -> dict:
+    from torch.distributed.checkpoint import FileSystemReader
+    import io as _io
+
+    import torch
+
+    it_dir = os.path.join(ckpt, _iter_dir(ckpt))
+    meta = FileSystemReader(it_dir).read_metadata()
+    for index, info in meta.storage_data.items():
+        if index.fqn.startswith("rng_state/shard_0.0_"):
+            with open(os.path.join(it_dir, info.relative_path), "rb") as f:
+                f.seek(info.offset)
+                return torch.load(_io.BytesIO(f.read(info.length)), weights_only=False)[0][0]
+    raise SystemExit("no rng_state object")
 
 
 def _step(optimizer):
