@@ -104,7 +104,11 @@ def main() -> None:
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
     with torch.no_grad():
         ref = hf(tokens).logits[0]
-        net = model[0]
+        from megatron.training.utils import unwrap_model
+
+        # The loaded weights in fp32 (a bf16/fp16 run's weights are exact in fp32), so the
+        # comparison is of the weights, not of half-precision arithmetic.
+        net = unwrap_model(model[0]).float()
         net.eval()
         pos = torch.arange(tokens.shape[1]).unsqueeze(0)
         out = net(tokens, pos, None)
