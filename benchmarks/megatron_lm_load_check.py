@@ -3,7 +3,8 @@
     python benchmarks/megatron_lm_load_check.py MEGATRON_LM_CHECKOUT CKPT HF_DIR [--no-load-rng] [--no-load-optim]
 
 CKPT is a Megatron-LM torch_dist checkpoint written by `megacli convert SRC CKPT --to megatron
---spec local` (or `reshard --format megatron`), HF_DIR the same weights as a Hugging Face model
+--spec local` (or `reshard --format megatron`; a legacy one from `reshard --format legacy` is read
+with --ckpt-format torch), HF_DIR the same weights as a Hugging Face model
 (`megacli convert SRC HF_DIR --to hf`). In one process on CPU (gloo, megacli's CPU backend),
 the script parses Megatron-LM's arguments from the checkpoint (``--use-checkpoint-args``), builds
 the model, DDP, optimizer and scheduler as Megatron-LM's training does
@@ -40,9 +41,13 @@ def main() -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=0, world_size=1)
-    common = torch.load(os.path.join(ckpt, _iter_dir(ckpt), "common.pt"), weights_only=False)
+    it_dir = os.path.join(ckpt, _iter_dir(ckpt))
+    legacy = not os.path.exists(os.path.join(it_dir, "common.pt"))  # --ckpt-format torch: mp_rank_* files
+    common = torch.load(os.path.join(it_dir, "mp_rank_00", "model_optim_rng.pt") if legacy
+                        else os.path.join(it_dir, "common.pt"), weights_only=False)
     saved = common["args"]
-    sys.argv = ["pretrain_gpt.py", "--load", ckpt, "--ckpt-format", "torch_dist", "--use-checkpoint-args",
+    sys.argv = ["pretrain_gpt.py", "--load", ckpt, "--ckpt-format", "torch" if legacy else "torch_dist",
+                "--use-checkpoint-args",
                 "--transformer-impl", "local", "--distributed-backend", "gloo",
                 "--micro-batch-size", str(saved.micro_batch_size), "--global-batch-size", str(saved.global_batch_size),
                 "--tokenizer-type", "NullTokenizer",
@@ -132,6 +137,9 @@ def _saved_rng(ckpt: str) -> dict:
     import torch
 
     it_dir = os.path.join(ckpt, _iter_dir(ckpt))
+    legacy = os.path.join(it_dir, "mp_rank_00", "model_optim_rng.pt")
+    if os.path.exists(legacy):
+        return torch.load(legacy, weights_only=False)["rng_state"][0]
     meta = FileSystemReader(it_dir).read_metadata()
     for index, info in meta.storage_data.items():
         if index.fqn.startswith("rng_state/shard_0.0_"):

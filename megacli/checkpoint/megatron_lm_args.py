@@ -846,7 +846,7 @@ def megatron_args(recipe, *, ckpt_format: str = "torch_dist", iteration: int = 0
     ``iteration`` steps of training this (validated) recipe: every field it defines, the recipe's
     values where it implies them, the defaults elsewhere. ``transformer_impl``: the layer spec the
     weights are named for (transformer_engine or local); ``vocab_size``: the real vocabulary when
-    model.vocab_size leaves it to the tokenizer."""
+    model.vocab_size leaves it to the tokenizer (default: the recipe tokenizer's, when it loads)."""
     import torch
 
     from megatron.core.enums import ModelType
@@ -861,7 +861,7 @@ def megatron_args(recipe, *, ckpt_format: str = "torch_dist", iteration: int = 0
     for flag in FLAGS:
         fields[flag.arg] = flag.value(recipe)
     if fields["vocab_size"] is None:
-        fields["vocab_size"] = vocab_size
+        fields["vocab_size"] = vocab_size if vocab_size is not None else _tokenizer_vocab(recipe)
     p, m, t = recipe.parallel, recipe.model, recipe.train
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     for name in _DTYPE_FIELDS:
@@ -884,6 +884,15 @@ def megatron_args(recipe, *, ckpt_format: str = "torch_dist", iteration: int = 0
         do_train=True, do_valid=t.eval_interval is not None, do_test=False,
     )
     return argparse.Namespace(**fields)
+
+
+def _tokenizer_vocab(recipe) -> int | None:
+    from megacli.data.tokenizers import load_tokenizer
+
+    try:
+        return load_tokenizer(type=recipe.tokenizer.type, path=recipe.tokenizer.path).vocab_size
+    except Exception:  # noqa: BLE001 - args.vocab_size stays unset, as for a run that never named it
+        return None
 
 
 def flag_table() -> list[tuple[str, str]]:

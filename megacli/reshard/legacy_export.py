@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from megacli.checkpoint.layout import FILE, TRACKER, iter_name
+from megacli.checkpoint.megatron_lm_write import rng_for_megatron_lm
 from megacli.checkpoint.sharding import shard
 from megacli.errors import UserError
 from megacli.reshard.legacy import EXTRA_STATE_MODULES, scale_scheduler
@@ -135,8 +136,7 @@ def export(it_dir: Path, out: Path, *, trust_pickle: bool = False, progress=None
             rank_rng = None
             if rng:
                 s = reader.read_object(rng[(p, r)])[0]
-                rank_rng = [{"random_rng_state": s["random"], "np_rng_state": s["numpy"], "torch_rng_state": s["torch"],
-                             "cuda_rng_state": s["cuda"], "rng_tracker_states": s["tracker"]}]
+                rank_rng = [rng_for_megatron_lm(s)]
             payload = {"args": args, "checkpoint_version": 3.0, "iteration": ck.iteration, **model_chunks,
                        "num_floating_point_operations_so_far": 0}
             if optimizer is not None:

@@ -31,7 +31,7 @@ def export(plan, root: Path, *, spec: str = "te", trust_pickle: bool = False, pr
     emb = next((t for t in plan.tensors if t.key == "embedding.word_embeddings.weight"), None)
     args = megatron_args(recipe, ckpt_format="torch_dist", iteration=iteration, consumed_samples=consumed,
                          padded_vocab_size=emb.shape[0] if emb is not None else None,
-                         transformer_impl=mlw.TRANSFORMER_IMPL[spec], vocab_size=_vocab_size(recipe))
+                         transformer_impl=mlw.TRANSFORMER_IMPL[spec])
     sched = plan.common.get("scheduler")
     if sched is not None:  # megacli counts scheduler steps in iterations, Megatron-LM in samples
         sched = scale_scheduler(sched, gbs, str(plan.source.path))
@@ -51,14 +51,3 @@ def export(plan, root: Path, *, spec: str = "te", trust_pickle: bool = False, pr
     return notes
 
 
-
-def _vocab_size(recipe) -> int | None:
-    """The real vocabulary: model.vocab_size, else the recipe tokenizer's (None when it cannot be loaded)."""
-    if recipe.model.vocab_size:
-        return recipe.model.vocab_size
-    from megacli.data.tokenizers import load_tokenizer
-
-    try:
-        return load_tokenizer(type=recipe.tokenizer.type, path=recipe.tokenizer.path).vocab_size
-    except Exception:  # noqa: BLE001 - args.vocab_size stays unset, as for a run that never named it
-        return None
