@@ -38,6 +38,11 @@ def main() -> None:
     from megacli.backend import cpu
 
     cpu.enable()
+    # A checkpoint trained on the CPU backend saves no CUDA generator state (None); on CPU the one
+    # generator is restored from torch_rng_state, so there is nothing more to set. (On CUDA,
+    # Megatron-LM loads such a checkpoint with --no-load-rng.)
+    set_device_rng = torch.cuda.set_rng_state
+    torch.cuda.set_rng_state = lambda state, *a, **k: None if state is None else set_device_rng(state, *a, **k)
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=0, world_size=1)

@@ -59,16 +59,13 @@ def extra_state_value(spec: str):
 
 
 def rng_for_megatron_lm(state: dict) -> dict:
-    """One rank's RNG state (megacli's field names) with Megatron-LM's names. A run on the CPU
-    backend has no CUDA generator: the device generator there is the CPU one, so it stands in
-    (Megatron-LM on CPU restores it; on CUDA such a checkpoint needs --no-load-rng)."""
+    """One rank's RNG state (megacli's field names) with Megatron-LM's names, values as saved (a
+    run on the CPU backend has no CUDA generator state: Megatron-LM loads such a checkpoint with
+    --no-load-rng, and megacli reads it back exactly)."""
     missing = [k for k in RNG_FIELDS if k not in state]
     if missing:
         raise UserError(f"RNG state without {missing} (not a megacli RNG state)")
-    out = {RNG_FIELDS[k]: state[k] for k in RNG_FIELDS}
-    if out["cuda_rng_state"] is None:
-        out["cuda_rng_state"] = state["torch"]
-    return out
+    return {RNG_FIELDS[k]: state[k] for k in RNG_FIELDS}
 
 
 def megatron_objects(objects: Iterable[ObjectEntry], *, spec: str, num_layers: int, qk_layernorm: bool,
