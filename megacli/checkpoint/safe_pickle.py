@@ -22,6 +22,7 @@ import functools
 import io
 import pickle
 import re
+import signal
 import warnings
 from pathlib import Path
 
@@ -87,12 +88,13 @@ def load_metadata(path: Path, *, trust: bool):
 @functools.cache
 def _torch_load_globals(megatron: bool) -> tuple:
     """Globals beyond torch's weights-only set that checkpoints hold as plain data: the run's
-    argparse Namespace (legacy args), NumPy RNG state (arrays, dtypes, scalars), Transformer
-    Engine's BytesIO extra state and, with ``megatron``, Megatron's enums (importing Megatron is
+    argparse Namespace (legacy args) and the signal enum in it, NumPy RNG state (arrays, dtypes,
+    scalars), Transformer Engine's BytesIO extra state and, with ``megatron``, Megatron's enums (importing Megatron is
     slow, so only for files that name them)."""
     import numpy as np
 
-    allowed: list = [argparse.Namespace, io.BytesIO, bytes, np.ndarray, np.dtype]
+    # signal.Signals: Megatron-LM's args hold exit_signal (SIGTERM by default).
+    allowed: list = [argparse.Namespace, io.BytesIO, bytes, np.ndarray, np.dtype, signal.Signals]
     for mod_name in ("numpy._core.multiarray", "numpy.core.multiarray"):
         try:
             allowed += [__import__(mod_name, fromlist=["_reconstruct"])._reconstruct,

@@ -17,12 +17,16 @@ PathsArg = Annotated[Optional[List[str]], typer.Argument(metavar="[RECIPE | SRC 
 
 
 @app.command(help="Convert checkpoints: Hugging Face ⇄ megacli (GPT-2, Llama, Mistral, Qwen2) at any TP/PP, "
-                  "Megatron-LM legacy -> either; --print-structure lists any checkpoint's tensors.")
+                  "Megatron-LM (legacy, torch_dist) -> either, HF or megacli -> Megatron-LM torch_dist (--to megatron); "
+                  "--print-structure lists any checkpoint's tensors.")
 @guarded
 def convert(
     paths: PathsArg = None,
-    to: Annotated[Optional[str], typer.Option("--to", help="Target format: hf or megacli (default: megacli from HF and "
-                                                           "legacy sources, hf from megacli).", show_default=False)] = None,
+    to: Annotated[Optional[str], typer.Option("--to", help="Target format: hf, megacli or megatron (Megatron-LM torch_dist; "
+                                                           "default: megacli from HF and Megatron-LM sources, hf from "
+                                                           "megacli).", show_default=False)] = None,
+    spec: Annotated[Optional[str], typer.Option("--spec", help="--to megatron: Megatron-LM layer spec, te (default) or "
+                                                               "local.", show_default=False)] = None,
     tensor: Annotated[Optional[int], typer.Option("--tensor", help="Tensor-parallel size a megacli result is prepared for "
                                                                    "(vocabulary padding, recipe.yaml).", show_default=False)] = None,
     pipeline: Annotated[Optional[int], typer.Option("--pipeline", help="Pipeline-parallel size (recipe.yaml).", show_default=False)] = None,
@@ -46,15 +50,19 @@ def convert(
         for line in structure(Path(paths[0]), trust_pickle=trust_pickle):
             typer.echo(line)
         return
-    flags = {"convert.to": to, "convert.dtype": dtype, "convert.max_shard_size": max_shard_size,
+    flags = {"convert.to": to, "convert.spec": spec, "convert.dtype": dtype, "convert.max_shard_size": max_shard_size,
              "parallel.tensor": tensor, "parallel.pipeline": pipeline, "parallel.virtual_pipeline": virtual_pipeline}
     overrides = [f"{k}={v}" for k, v in flags.items() if v is not None]
     if trust_pickle:
         overrides.append("convert.trust_pickle=true")
     recipe = _load_recipe(paths, overrides + list(set_ or []))
+    c = recipe.convert
+    if c.to == "megatron":
+        dst = _to_megatron(c, tensor=tensor, pipeline=pipeline, virtual_pipeline=virtual_pipeline)
+        typer.echo(f"wrote {dst}")
+        return
     from megacli.convert import convert as run
 
-    c = recipe.convert
     dst = run(c.source, c.destination, to=c.to, parallel=recipe.parallel, dtype=c.dtype, max_shard_size=c.max_shard_size,
               trust_pickle=c.trust_pickle, say=typer.echo)
     typer.echo(f"wrote {dst}")
@@ -72,3 +80,44 @@ def _load_recipe(paths: list[str], overrides: list[str]):
         return base.validate(ConvertRecipe, raw, f"convert {paths[0]} {paths[1]}")
     raise UserError("usage: megacli convert RECIPE.yaml | megacli convert SRC DST [options] | "
                     "megacli convert PATH --print-structure")
+
+
+def _to_megatron(c, *, tensor, pipeline, virtual_pipeline) -> Path:
+    """A Megatron-LM torch_dist checkpoint from a megacli or Megatron-LM legacy checkpoint (through
+    reshard, with its optimizer state), or from an HF model (converted to megacli weights first, in a
+    staging directory beside DST)."""
+    import shutil
+
+    from megacli.checkpoint.layout import tmp_sibling
+    from megacli.convert.hf_io import is_hf_dir
+    from megacli.errors import UserError
+    from megacli.recipe.reshard import ReshardSection
+    from megacli.recipe.sections import ParallelSection
+    from megacli.reshard import reshard
+    from megacli.reshard.view import print_result
+    from rich.console import Console
+
+    src, dst = Path(c.source).expanduser(), Path(c.destination).expanduser()
+    if c.dtype is not None:
+        raise UserError("--dtype with --to megatron: a Megatron-LM checkpoint keeps the source's precision (its "
+                        "optimizer state belongs to it); convert to megacli with --dtype first")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise UserError(f"{dst} exists and is not empty; choose a new or empty directory")
+    staging = None
+    try:
+        if is_hf_dir(src):
+            from megacli.convert import convert as run
+
+            staging = tmp_sibling(dst.resolve(), "megacli")
+            shutil.rmtree(staging, ignore_errors=True)
+            layout = ParallelSection(tensor=tensor or 1, pipeline=pipeline or 1, virtual_pipeline=virtual_pipeline)
+            src = run(src, staging, to="megacli", parallel=layout, trust_pickle=c.trust_pickle, say=typer.echo)
+        job = ReshardSection(source=str(src), output=str(dst), tensor=tensor, pipeline=pipeline,
+                             virtual_pipeline=virtual_pipeline, format="megatron", spec=c.spec,
+                             trust_pickle=c.trust_pickle, progress=False, overwrite=dst.exists())
+        result = reshard(job)
+    finally:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+    print_result(result, Console(highlight=False))
+    return dst

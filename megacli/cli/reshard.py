@@ -36,7 +36,8 @@ def run_command(
     data_parallel: Annotated[Optional[int], typer.Option("--data-parallel", "-d", min=1, help="Data-parallel size (sets launch.nproc).", rich_help_panel=_TARGET, show_default=False)] = None,
     distributed_optimizer: Annotated[Optional[bool], typer.Option("--distributed-optimizer/--no-distributed-optimizer", help="Optimizer state for the distributed (ZeRO-1) or the standard optimizer.", rich_help_panel=_TARGET, show_default=False)] = None,
     sequence_parallel: Annotated[Optional[bool], typer.Option("--sequence-parallel/--no-sequence-parallel", help="parallel.sequence_parallel of the written recipe.", rich_help_panel=_TARGET, show_default=False)] = None,
-    output_format: Annotated[Optional[str], typer.Option("--format", help="torch_dist (megacli) or legacy (Megatron-LM --ckpt-format torch).", show_default=False)] = None,
+    output_format: Annotated[Optional[str], typer.Option("--format", help="torch_dist (megacli), legacy (Megatron-LM --ckpt-format torch) or megatron (Megatron-LM --ckpt-format torch_dist).", show_default=False)] = None,
+    spec: Annotated[Optional[str], typer.Option("--spec", help="--format megatron: the Megatron-LM layer spec, te (default) or local.", show_default=False)] = None,
     overwrite: Annotated[Optional[bool], typer.Option("--overwrite", help="Replace an existing DST once the new checkpoint is complete.", show_default=False)] = None,
     verify: Annotated[Optional[bool], typer.Option("--verify", help="Compare every reassembled global tensor with the source before publishing.", show_default=False)] = None,
     progress: Annotated[Optional[bool], typer.Option("--progress/--no-progress", help="Show the progress bar.", show_default=False)] = None,
@@ -63,7 +64,7 @@ def run_command(
     section = dict(raw.get("reshard") or {})
     given = {"tensor": tensor, "pipeline": pipeline, "virtual_pipeline": virtual_pipeline, "data_parallel": data_parallel,
              "distributed_optimizer": distributed_optimizer, "sequence_parallel": sequence_parallel,
-             "format": output_format, "overwrite": overwrite, "verify": verify, "progress": progress,
+             "format": output_format, "spec": spec, "overwrite": overwrite, "verify": verify, "progress": progress,
              "trust_pickle": trust_pickle}
     section.update({k: v for k, v in given.items() if v is not None})
     raw["reshard"] = section

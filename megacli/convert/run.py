@@ -87,7 +87,8 @@ def convert(src: str | Path, dst: str | Path, *, to: str | None = None, parallel
     fmt = source.kind
     to = to or ("hf" if fmt == "megacli" else "megacli")
     if to not in ("hf", "megacli"):
-        raise UserError(f"--to {to!r}: expected hf or megacli")
+        raise UserError(f"--to {to!r}: expected hf or megacli (Megatron-LM checkpoints are written through reshard: "
+                        f"`megacli convert SRC DST --to megatron`)")
     if to == fmt and source.lora_base is None:
         hint = " (to change a megacli checkpoint's layout, just load it under the new one)" if fmt == "megacli" else ""
         raise UserError(f"{src} is already a {fmt} checkpoint{hint}")

@@ -40,8 +40,13 @@ class ConvertSection(Section):
     iteration directory) or a Megatron-LM legacy checkpoint; the format is detected."""
     destination: str
     """Directory to create (must be new or empty)."""
-    to: Optional[Literal["hf", "megacli"]] = None
-    """Target format; default megacli for HF and legacy sources, hf for megacli checkpoints."""
+    to: Optional[Literal["hf", "megacli", "megatron"]] = None
+    """Target format; default megacli for HF and legacy sources, hf for megacli checkpoints.
+    megatron: a Megatron-LM torch_dist checkpoint (``--load DST --ckpt-format torch_dist``) with
+    the source's optimizer, scheduler and RNG state when it has them."""
+    spec: Literal["te", "local"] = "te"
+    """to megatron: the Megatron-LM layer spec the checkpoint is for: te (--transformer-impl
+    transformer_engine, what Megatron-LM trains with on GPUs) or local (--transformer-impl local)."""
     dtype: Optional[Literal["fp32", "bf16", "fp16"]] = None
     """Weights dtype of the result (and train.precision of a megacli result); default: the source's."""
     max_shard_size: str = "2GB"

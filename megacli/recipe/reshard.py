@@ -41,9 +41,13 @@ class ReshardSection(Section):
     null = as the source."""
     sequence_parallel: Optional[bool] = None
     """parallel.sequence_parallel of the written recipe; null = the source's (off at TP 1)."""
-    format: Literal["torch_dist", "legacy"] = "torch_dist"
-    """Output format: torch_dist (megacli's) or legacy (Megatron-LM's --ckpt-format torch:
-    iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt)."""
+    format: Literal["torch_dist", "legacy", "megatron"] = "torch_dist"
+    """Output format: torch_dist (megacli's), legacy (Megatron-LM's --ckpt-format torch:
+    iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt) or megatron (Megatron-LM's --ckpt-format
+    torch_dist: latest_checkpointed_iteration.txt, iter_NNNNNNN/ with its common.pt and args)."""
+    spec: Literal["te", "local"] = "te"
+    """format megatron: the Megatron-LM layer spec the checkpoint is for (te: --transformer-impl
+    transformer_engine, Transformer Engine's extra state; local: --transformer-impl local)."""
     target_set: list[str] = []
     """Edits to the written recipe.yaml, as --set dotted.key=value (for example
     train.micro_batch_size=2 when the new data-parallel size needs it)."""

@@ -147,6 +147,9 @@ def _reshard(job, progress) -> Result:
             raise UserError("the legacy format holds the standard optimizer's state; drop --distributed-optimizer "
                             "(Megatron-LM can still train the result with --use-distributed-optimizer after a torch_dist save)")
         distributed_optimizer = False
+    if job.format == "megatron" and job.verify:
+        raise UserError("--verify compares megacli checkpoints; for --format megatron, convert the result back "
+                        "(`megacli convert DST BACK --to megacli`) and compare that")
     original = src_dir
     if is_legacy_dir(src_dir):
         src_dir = legacy.import_to_staging(src_dir, where=output.resolve().parent, trust_pickle=job.trust_pickle,
@@ -161,6 +164,10 @@ def _reshard(job, progress) -> Result:
                                 overrides=tuple(job.target_set), num_layers=_num_layers(src))
         plan = build_plan(src, target)
         _check_precision(src, plan)
+        if job.format == "megatron":
+            from megacli.reshard.megatron_export import check_exportable
+
+            check_exportable(plan.recipe, src_dir)
         if original != src_dir:  # imported from Megatron-LM: name the legacy checkpoint, not the staging copy
             plan.meta["resharded_from"].update(path=str(original.resolve()), format="megatron-lm torch")
 
@@ -190,6 +197,14 @@ def _write_output(job, plan: Plan, output: Path, it_name: str, progress) -> Veri
         if stale.exists():
             shutil.rmtree(stale)
     try:
+        if job.format == "megatron":
+            from megacli.reshard.megatron_export import export
+
+            tmp.mkdir(parents=True)
+            plan.notes.extend(export(plan, tmp, spec=job.spec, trust_pickle=job.trust_pickle, progress=progress))
+            fsync_dir(tmp)
+            _replace(tmp, output)
+            return None
         it_dir = tmp / it_name
         it_dir.mkdir(parents=True)
         write_plan(plan, it_dir, progress)

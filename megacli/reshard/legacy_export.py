@@ -12,9 +12,9 @@ from typing import Optional
 import torch
 
 from megacli.checkpoint.layout import FILE, TRACKER, iter_name
+from megacli.checkpoint.megatron_lm_write import rng_for_megatron_lm
 from megacli.checkpoint.sharding import shard
 from megacli.errors import UserError
-from megacli.precision import params_dtype
 from megacli.reshard.legacy import EXTRA_STATE_MODULES, scale_scheduler
 
 # Parameter order of a Megatron-Core GPT layer with the Transformer Engine spec (module creation
@@ -136,8 +136,7 @@ def export(it_dir: Path, out: Path, *, trust_pickle: bool = False, progress=None
             rank_rng = None
             if rng:
                 s = reader.read_object(rng[(p, r)])[0]
-                rank_rng = [{"random_rng_state": s["random"], "np_rng_state": s["numpy"], "torch_rng_state": s["torch"],
-                             "cuda_rng_state": s["cuda"], "rng_tracker_states": s["tracker"]}]
+                rank_rng = [rng_for_megatron_lm(s)]
             payload = {"args": args, "checkpoint_version": 3.0, "iteration": ck.iteration, **model_chunks,
                        "num_floating_point_operations_so_far": 0}
             if optimizer is not None:
@@ -213,42 +212,12 @@ def _piece(reader, key: str, layer: Optional[int], cache: dict) -> torch.Tensor:
 
 
 def _args_from_recipe(recipe, ck, reader) -> argparse.Namespace:
-    """The Megatron-LM arguments a legacy checkpoint carries (what Megatron-LM checks on load, and
-    what megacli.convert reads back)."""
-    m, p, t, o = recipe.model, recipe.parallel, recipe.train, recipe.optim
+    """The Megatron-LM arguments a legacy checkpoint carries: the full set parse_args defines, with
+    this recipe's values (megacli.checkpoint.megatron_lm_args)."""
+    from megacli.checkpoint.megatron_lm_args import megatron_args
+
     emb = reader.tensors.get("embedding.word_embeddings.weight")
-    padded = emb.shape[0] if emb is not None else None
-    tok = recipe.tokenizer
-    gbs = t.global_batch_size
-    return argparse.Namespace(
-        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
-        group_query_attention=m.query_groups != m.num_attention_heads, num_query_groups=m.query_groups,
-        kv_channels=m.head_dim, ffn_hidden_size=m.ffn_size, seq_length=m.seq_length,
-        max_position_embeddings=m.max_positions,
-        position_embedding_type={"learned": "learned_absolute", "rope": "rope"}.get(m.position_embedding, "none"),
-        add_position_embedding=m.position_embedding == "learned",
-        rotary_base=int(m.rotary_base), rotary_percent=m.rotary_percent,
-        normalization="RMSNorm" if m.normalization == "rmsnorm" else "LayerNorm", norm_epsilon=m.norm_epsilon,
-        swiglu=m.activation == "swiglu", squared_relu=m.activation == "squared_relu", openai_gelu=m.activation == "gelu_tanh",
-        add_bias_linear=m.add_bias_linear, add_qkv_bias=m.add_qkv_bias, qk_layernorm=m.qk_layernorm,
-        untie_embeddings_and_output_weights=m.untie_embeddings, hidden_dropout=m.dropout,
-        attention_dropout=m.attention_dropout, init_method_std=m.init_method_std,
-        make_vocab_size_divisible_by=m.make_vocab_size_divisible_by, padded_vocab_size=padded,
-        vocab_size=m.vocab_size,
-        tokenizer_type="HuggingFaceTokenizer" if tok.type == "huggingface" else "NullTokenizer",
-        tokenizer_model=tok.path,
-        tensor_model_parallel_size=p.tensor, pipeline_model_parallel_size=p.pipeline,
-        virtual_pipeline_model_parallel_size=p.virtual_pipeline, sequence_parallel=p.sp_enabled,
-        decoder_first_pipeline_num_layers=p.first_stage_layers, decoder_last_pipeline_num_layers=p.last_stage_layers,
-        context_parallel_size=p.context, data_parallel_size=recipe.data_parallel_size, world_size=recipe.world_size,
-        use_distributed_optimizer=False, ckpt_format="torch", data_parallel_random_init=False,
-        global_batch_size=gbs, micro_batch_size=t.micro_batch_size, train_iters=t.iters, seed=t.seed,
-        bf16=t.precision == "bf16", fp16=t.precision == "fp16",
-        params_dtype=params_dtype(t.precision),
-        optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, lr_decay_style={"wsd": "WSD"}.get(o.decay_style, o.decay_style),
-        lr_decay_iters=o.decay_horizon(t.iters), lr_warmup_iters=o.warmup_steps(t.iters), weight_decay=o.weight_decay,
-        clip_grad=o.clip_grad, adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
-        iteration=ck.iteration, consumed_train_samples=int(ck.meta.get("consumed_samples", ck.iteration * gbs)),
-        consumed_valid_samples=0, skipped_train_samples=0,
-        data_path=[recipe.data.path] if recipe.data.path and not recipe.data.mock else None,
-    )
+    gbs = recipe.train.global_batch_size
+    return megatron_args(recipe, ckpt_format="torch", iteration=ck.iteration,
+                         consumed_samples=int(ck.meta.get("consumed_samples", ck.iteration * gbs)),
+                         padded_vocab_size=emb.shape[0] if emb is not None else None)

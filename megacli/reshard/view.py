@@ -58,6 +58,9 @@ def print_result(result, console) -> None:
     if result.format == "legacy":
         console.print(f"Megatron-LM: --load {result.output} --ckpt-format torch (with the layout's --tensor/--pipeline-model-parallel-size)",
                       markup=False, soft_wrap=True)
+    elif result.format == "megatron":
+        console.print(f"Megatron-LM: --load {result.output} --ckpt-format torch_dist (a megacli run resumes it with "
+                      f"checkpoint.resume={result.output})", markup=False, soft_wrap=True)
     else:
         console.print(f"resume with: megacli pretrain {result.iteration_dir / 'recipe.yaml'} --set checkpoint.resume={result.output}",
                       markup=False, soft_wrap=True)

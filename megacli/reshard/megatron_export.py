@@ -1,0 +1,53 @@
+"""Export a reshard plan (a megacli checkpoint under its target layout) as a Megatron-LM torch_dist
+checkpoint (megacli.checkpoint.megatron_lm_write): the plan's tensors as they are, its objects and
+common state in Megatron-LM's form, its recipe as Megatron-LM's full ``args``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megacli.checkpoint import megatron_lm_write as mlw
+from megacli.checkpoint.megatron_lm_args import megatron_args, unsupported
+from megacli.errors import UserError
+from megacli.reshard.legacy import scale_scheduler
+
+
+def check_exportable(recipe, where) -> None:
+    """Refuse, before anything is written, a model Megatron-LM's GPT arguments cannot describe."""
+    problems = unsupported(recipe)
+    if problems:
+        raise UserError(f"{where}: cannot write a Megatron-LM checkpoint: " + "; ".join(problems))
+
+
+def export(plan, root: Path, *, spec: str = "te", trust_pickle: bool = False, progress=None) -> list[str]:
+    """Write ``plan`` under ``root`` (an existing empty directory) as a Megatron-LM checkpoint with the ``spec`` layer names (te or local). Returns notes for the user."""
+    recipe = plan.recipe
+    check_exportable(recipe, plan.source.path)
+    if spec not in mlw.SPECS:
+        raise UserError(f"--spec {spec!r}: expected one of {', '.join(mlw.SPECS)}")
+    iteration = int(plan.meta.get("iteration", 0))
+    gbs = recipe.train.global_batch_size
+    consumed = int(plan.meta.get("consumed_samples", iteration * gbs))
+    emb = next((t for t in plan.tensors if t.key == "embedding.word_embeddings.weight"), None)
+    args = megatron_args(recipe, ckpt_format="torch_dist", iteration=iteration, consumed_samples=consumed,
+                         padded_vocab_size=emb.shape[0] if emb is not None else None,
+                         transformer_impl=mlw.TRANSFORMER_IMPL[spec])
+    sched = plan.common.get("scheduler")
+    if sched is not None:  # megacli counts scheduler steps in iterations, Megatron-LM in samples
+        sched = scale_scheduler(sched, gbs, str(plan.source.path))
+    common = mlw.common_state(args=args, iteration=iteration, optimizer=plan.common.get("optimizer"),
+                              opt_param_scheduler=sched, distributed_optimizer=recipe.parallel.distributed_optimizer)
+    objects = mlw.megatron_objects(plan.objects, spec=spec, num_layers=recipe.model.num_layers,
+                                   qk_layernorm=recipe.model.qk_layernorm, trust_pickle=trust_pickle)
+    notes = [f"Megatron-LM torch_dist checkpoint for the {spec} layer spec (--transformer-impl {mlw.TRANSFORMER_IMPL[spec]})"]
+    if "optimizer" not in plan.common:
+        notes.append("weights only (the source has no optimizer state): load with --finetune or --no-load-optim "
+                     "--no-load-rng")
+    rng = plan.source.rng_objects
+    if rng and plan.source.reader.read_object(next(iter(rng.values())))[0].get("cuda") is None:
+        notes.append("RNG state is the CPU backend's (CPU generator states): in Megatron-LM on CUDA, load with "
+                     "--no-load-rng")
+    mlw.write(root, iteration=iteration, tensors=plan.tensors, objects=objects, common=common, progress=progress)
+    return notes
+
+

@@ -1,0 +1,294 @@
+"""Megatron-LM torch_dist checkpoints written by megacli (issue 18, writing; issue 17 item 20).
+
+One real megacli run (2 steps of a tiny Llama-shaped GPT, in one process) gives a checkpoint with
+optimizer, scheduler and RNG state; one spawned process then exports it as Megatron-LM
+checkpoints (TE and local spec; TP2 x PP2), reads them back and converts them. What Megatron-LM
+core_v0.16.1's own ``load_checkpoint`` does with them was checked by hand
+(benchmarks/megatron_lm_load_check.py); here the layout it needs is asserted field by field.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ITERATION, GBS, VOCAB = 2, 2, 262  # megacli's byte tokenizer: 256 bytes and its special tokens
+RUN = [
+    "data.mock=true", "tokenizer.type=byte", "model.num_layers=2", "model.hidden_size=32",
+    "model.num_attention_heads=4", "model.num_query_groups=2", "model.ffn_hidden_size=64", "model.seq_length=16",
+    "model.activation=swiglu", "model.normalization=rmsnorm", "model.position_embedding=rope",
+    "model.untie_embeddings=true", "model.add_bias_linear=false", "model.make_vocab_size_divisible_by=64",
+    f"train.iters={ITERATION}", "train.micro_batch_size=1", f"train.global_batch_size={GBS}", "train.eval_interval=null",
+    "train.precision=fp32", f"checkpoint.save_interval={ITERATION}", "launch.nproc=1", "parallel.tensor=1",
+    "parallel.pipeline=1",
+]
+
+
+def recipe(**model):
+    """A validated training recipe (Llama-shaped unless ``model`` says otherwise)."""
+    from megacli.recipe.base import apply_overrides, validate
+    from megacli.recipe.pretrain import TrainingRecipe
+
+    raw = apply_overrides({}, [s for s in RUN if not s.startswith(("launch.", "checkpoint."))]
+                          + [f"model.{k}={v}" for k, v in model.items()])
+    return validate(TrainingRecipe, raw, "test recipe")
+
+
+# ---------------------------------------------------------------- args (single process)
+
+
+def test_args_hold_every_field_parse_args_defines_with_the_recipes_values():
+    import torch
+
+    from megacli.checkpoint.megatron_lm_args import DERIVED, DROPPED_BY_VALIDATION, PARSE_ARGS_DEFAULTS, megatron_args
+
+    args = vars(megatron_args(recipe(), iteration=7, consumed_samples=14, padded_vocab_size=320, vocab_size=VOCAB,
+                              transformer_impl="local"))
+    assert set(args) == (set(PARSE_ARGS_DEFAULTS) - set(DROPPED_BY_VALIDATION)) | set(DERIVED)
+    assert len(args) > 650
+    # what Megatron-LM's loaders and checkpoint converters read
+    want = dict(num_layers=2, hidden_size=32, num_attention_heads=4, group_query_attention=True, num_query_groups=2,
+                kv_channels=8, ffn_hidden_size=64, seq_length=16, max_position_embeddings=16,
+                position_embedding_type="rope", add_position_embedding=True, normalization="RMSNorm", swiglu=True,
+                squared_relu=False, openai_gelu=False, add_bias_linear=False, add_qkv_bias=False, bias_gelu_fusion=False,
+                untie_embeddings_and_output_weights=True, make_vocab_size_divisible_by=64, padded_vocab_size=320,
+                vocab_size=VOCAB, tensor_model_parallel_size=1, pipeline_model_parallel_size=1, data_parallel_size=1,
+                use_distributed_optimizer=False, ckpt_format="torch_dist", use_dist_ckpt=True, bf16=False, fp16=False,
+                params_dtype=torch.float32, iteration=7, consumed_train_samples=14, transformer_impl="local",
+                micro_batch_size=1, global_batch_size=GBS, apply_residual_connection_post_layernorm=False,
+                rotary_interleaved=False, layernorm_zero_centered_gamma=False, num_experts=None, use_legacy_models=False)
+    assert {k: args[k] for k in want} == want
+    gpt2 = vars(megatron_args(recipe(activation="gelu", normalization="layernorm", position_embedding="learned",
+                                     add_bias_linear="true", untie_embeddings="false", num_query_groups="null")))
+    assert (gpt2["bias_gelu_fusion"], gpt2["add_qkv_bias"], gpt2["swiglu"], gpt2["group_query_attention"],
+            gpt2["position_embedding_type"], gpt2["normalization"]) == (True, True, False, False, "learned_absolute",
+                                                                        "LayerNorm")
+    assert gpt2["apply_rope_fusion"] is False and args["apply_rope_fusion"] is True
+
+
+@pytest.mark.parametrize("changes", [{}, dict(activation="gelu", normalization="layernorm", position_embedding="learned",
+                                              add_bias_linear="true", untie_embeddings="false", num_query_groups="null",
+                                              rotary_base=10000)])
+def test_args_map_back_to_the_recipe(changes):
+    """recipe -> args (megatron_lm_args) -> model section (legacy_args, the reader's mapping): the same model."""
+    from megacli.checkpoint.legacy_args import model_section_from_args
+    from megacli.checkpoint.megatron_lm_args import megatron_args
+    from megacli.recipe.model import ModelSection
+
+    r = recipe(**changes)
+    back = ModelSection(**model_section_from_args(megatron_args(r, vocab_size=VOCAB), VOCAB))
+    same = ("num_layers", "hidden_size", "num_attention_heads", "query_groups", "head_dim", "ffn_size", "seq_length",
+            "max_positions", "position_embedding", "rotary_base", "rotary_percent", "normalization", "norm_epsilon",
+            "activation", "add_bias_linear", "qk_layernorm", "untie_embeddings", "dropout", "attention_dropout",
+            "init_method_std", "make_vocab_size_divisible_by")
+    assert {f: getattr(back, f) for f in same} == {f: getattr(r.model, f) for f in same}
+    # a qkv bias either way: Megatron-LM's validate_args sets add_qkv_bias with add_bias_linear
+    assert (back.add_qkv_bias or back.add_bias_linear) == (r.model.add_qkv_bias or r.model.add_bias_linear)
+    assert back.vocab_size == VOCAB
+
+
+def test_readme_flag_table_is_the_mapping():
+    from megacli.checkpoint.megatron_lm_args import flag_table
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text.split("## Coming from Megatron-LM", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(--[a-z0-9-]+)` \| `([a-z0-9_.]+)` \|", section, flags=re.M)
+    assert rows == flag_table()
+
+
+def test_models_megatron_lm_args_cannot_describe_are_refused():
+    from megacli.checkpoint.megatron_lm_args import megatron_args
+    from megacli.errors import UserError
+
+    with pytest.raises(UserError, match="model.activation geglu"):
+        megatron_args(recipe(activation="geglu"))
+    with pytest.raises(UserError, match="model.rope_scaling"):
+        megatron_args(recipe(**{"rope_scaling.type": "linear", "rope_scaling.factor": 2.0}))
+
+
+# ---------------------------------------------------------------- export (one run, one spawned process)
+
+
+def _export(rank, world, root: str):
+    """The run's checkpoint -> Megatron-LM (te, local, TP2xPP2 te; legacy) -> read back and converted."""
+    import torch
+
+    from megacli.checkpoint.layout import TRACKER, find_checkpoint, iter_name
+    from megacli.checkpoint.megatron_lm import MegatronLMCheckpoint
+    from megacli.checkpoint.safe_pickle import torch_load
+    from megacli.checkpoint.torch_dist import TorchDistReader
+    from megacli.convert import convert
+    from megacli.convert.megatron_io import CheckpointReader
+    from megacli.recipe.reshard import ReshardSection
+    from megacli.reshard import reshard
+    from tests import _convert_models as cm
+
+    root = Path(root)
+    src = find_checkpoint(root / "run" / "checkpoints")
+    source = TorchDistReader(src)
+    out: dict = {}
+    for name, spec, tp, pp in (("te", "te", 1, 1), ("local", "local", 1, 1), ("te22", "te", 2, 2)):
+        dst = root / f"mlm_{name}"
+        reshard(ReshardSection(source=str(src), output=str(dst), format="megatron", spec=spec, tensor=tp, pipeline=pp,
+                               progress=False))
+        it_dir = dst / iter_name(ITERATION)
+        r = out[name] = {"tracker": (dst / TRACKER).read_text(), "files": sorted(p.name for p in it_dir.iterdir()),
+                         "root": sorted(p.name for p in dst.iterdir())}
+        written = TorchDistReader(it_dir)
+        common = torch_load(it_dir / "common.pt", trust=False, name="common.pt")  # megacli's restricted unpickler
+        args = common["args"]
+        r["common"] = {k: v for k, v in common.items() if k not in ("args", "optimizer")}
+        r["args"] = {k: getattr(args, k) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                                   "transformer_impl", "iteration", "consumed_train_samples",
+                                                   "padded_vocab_size", "vocab_size", "ckpt_format")}
+        r["optimizer_common"] = common["optimizer"] == source.common()["optimizer"]
+        r["same_tensors"] = sorted(written.tensors) == sorted(source.tensors)
+        r["differ"] = [k for k in source.tensors if not torch.equal(written.read(k), source.read(k))]
+        extra = [k for k in written.objects if "_extra_state" in k]
+        r["extra_keys"] = sorted(extra)
+        r["extra_values"] = {repr(written.read_object(k)) for k in extra}
+        rng = [k for k in written.objects if k.startswith("rng_state")]
+        r["rng_keys"] = sorted(rng)
+        state = written.read_object(rng[0])
+        r["rng_layout"] = [type(state).__name__, len(state), type(state[0]).__name__, len(state[0]),
+                           sorted(state[0][0])]
+        ours = source.read_object("rng_state/shard_0.0_1.1")[0]
+        r["rng_torch_kept"] = torch.equal(state[0][0]["torch_rng_state"], ours["torch"])
+        # megacli's Megatron-LM reader: the run's model back from the args
+        r["recipe_model"] = MegatronLMCheckpoint(dst).recipe()["model"]
+
+    say = lambda *_: None  # noqa: E731
+    original = {k: t for g in CheckpointReader(src).groups() for k, t in g.items()}
+    for spec in ("te", "local"):
+        convert(root / f"mlm_{spec}", root / f"back_{spec}", to="megacli", say=say)
+        back = {k: t for g in CheckpointReader(find_checkpoint(root / f"back_{spec}")).groups() for k, t in g.items()}
+        out[spec]["back_keys"] = sorted(back) == sorted(original)
+        out[spec]["back_differ"] = [k for k in original if not torch.equal(back[k], original[k])]
+    toks = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    convert(src.parent, root / "hf_src", to="hf", say=say)
+    ref = cm.hf_logits(cm.load_hf(root / "hf_src"), toks)
+    for spec in ("te", "local"):
+        convert(root / f"mlm_{spec}", root / f"hf_{spec}", to="hf", say=say)
+        out[spec]["logits"] = cm.max_diff(cm.hf_logits(cm.load_hf(root / f"hf_{spec}"), toks), ref)
+
+    # The command line: HF -> Megatron-LM (weights only, through a staging megacli checkpoint); a
+    # refused option writes nothing.
+    from typer.testing import CliRunner
+
+    from megacli.cli import _register, app
+
+    _register()
+    run = CliRunner().invoke(app, ["convert", str(root / "hf_src"), str(root / "from_hf"), "--to", "megatron"])
+    out["cli"] = [run.exit_code, run.output, sorted(p.name for p in root.iterdir() if p.name.startswith("."))]
+    if run.exit_code == 0:
+        common = torch_load(root / "from_hf" / "iter_0000000" / "common.pt", trust=False, name="common.pt")
+        out["cli"].append(sorted(common))
+        hf = {k: t for g in CheckpointReader(root / "from_hf" / "iter_0000000",
+                                              rename=lambda k, _: None if "_extra_state" in k else k).groups()
+              for k, t in g.items()}
+        # HF holds the real vocabulary rows only (the padding rows are new zeros)
+        rows = lambda k, t: t[:VOCAB] if k.startswith(("embedding.", "output_layer.")) else t  # noqa: E731
+        out["cli"].append([k for k in original if not torch.equal(rows(k, hf[k]), rows(k, original[k]))])
+    bad = CliRunner().invoke(app, ["convert", str(src.parent), str(root / "bad"), "--to", "megatron", "--dtype", "bf16"])
+    out["cli_refused"] = [bad.exit_code, bad.output, (root / "bad").exists()]
+
+    # The legacy export carries the same full argument set (one shared function).
+    reshard(ReshardSection(source=str(src), output=str(root / "legacy"), format="legacy", progress=False))
+    legacy = torch_load(root / "legacy" / iter_name(ITERATION) / "mp_rank_00" / "model_optim_rng.pt", trust=False,
+                        name="legacy")
+    out["legacy_args"] = sorted(vars(legacy["args"]))
+    # ... and megacli's legacy import reads it back: the same model section and weights.
+    reshard(ReshardSection(source=str(root / "legacy"), output=str(root / "legacy_back"), progress=False))
+    from megacli.checkpoint.layout import read_recipe
+
+    back_dir = find_checkpoint(root / "legacy_back")
+    out["legacy_model"] = (read_recipe(back_dir)["model"], read_recipe(src)["model"])
+    again = TorchDistReader(back_dir)
+    out["legacy_differ"] = [k for k in source.tensors if not k.startswith("optimizer.")
+                            and not torch.equal(again.read(k), source.read(k))]
+    return out
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    from tests._dist import spawn
+
+    root = tmp_path_factory.mktemp("megatron_lm_write")
+    env = {**os.environ, "MEGACLI_IN_PROCESS": "1"}
+    sets = [*RUN, f"run.dir={root / 'run'}", f"checkpoint.dir={root / 'run' / 'checkpoints'}"]
+    run = subprocess.run([sys.executable, "-m", "megacli", "pretrain", *[x for s in sets for x in ("--set", s)]],
+                         capture_output=True, text=True, timeout=900, env=env)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    return root, spawn(_export, 1, str(root), timeout=1800)[0]
+
+
+@pytest.mark.parametrize("name", ["te", "local", "te22"])
+def test_written_as_megatron_lm_lays_it_out(exported, name):
+    _, out = exported
+    r = out[name]
+    assert r["tracker"] == str(ITERATION)
+    assert r["root"] == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    assert r["files"] == [".metadata", "__0_0.distcp", "common.pt", "metadata.json"]
+    common = r["common"]
+    assert (common["checkpoint_version"], common["iteration"], common["num_floating_point_operations_so_far"]) == (3.0, 2, 0)
+    assert common["opt_param_scheduler"]["num_steps"] == ITERATION * GBS  # Megatron-LM counts samples
+    assert common["content_metadata"] == {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    tp = 2 if name == "te22" else 1
+    assert r["args"] == {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": tp,
+                         "transformer_impl": "local" if name == "local" else "transformer_engine", "iteration": 2,
+                         "consumed_train_samples": ITERATION * GBS, "padded_vocab_size": 64 * tp * -(-VOCAB // (64 * tp)),
+                         "vocab_size": VOCAB, "ckpt_format": "torch_dist"}
+    assert r["optimizer_common"]
+    assert r["rng_keys"] == [f"rng_state/shard_{p}.{t}_{tp}.{tp}" for p in range(tp) for t in range(tp)]
+    assert r["rng_layout"] == ["list", 1, "list", 1, ["cuda_rng_state", "np_rng_state", "random_rng_state",
+                                                      "rng_tracker_states", "torch_rng_state"]]
+    modules = ["mlp.linear_fc1", "mlp.linear_fc2", "self_attention.linear_proj", "self_attention.linear_qkv"]
+    extra = sorted(f"decoder.layers.{m}._extra_state/shard_{i}_2" for m in modules for i in range(2))
+    if name != "local":
+        extra = sorted(extra + ["decoder.final_layernorm._extra_state/shard_0_1"])
+    assert r["extra_keys"] == extra
+    assert r["extra_values"] == ({"[None]"} if name == "local" else {"[tensor([], dtype=torch.uint8)]"})
+    m = r["recipe_model"]
+    assert (m["num_layers"], m["hidden_size"], m["num_query_groups"], m["activation"], m["normalization"],
+            m["position_embedding"], m["untie_embeddings"], m["vocab_size"]) == (2, 32, 2, "swiglu", "rmsnorm", "rope",
+                                                                                  True, VOCAB)
+
+
+@pytest.mark.parametrize("name", ["te", "local"])
+def test_weights_and_optimizer_bitwise_and_the_same_logits(exported, name):
+    _, out = exported
+    r = out[name]
+    assert r["same_tensors"] and r["differ"] == []  # model and optimizer state, every tensor
+    assert r["rng_torch_kept"]
+    assert r["back_keys"] and r["back_differ"] == []  # megatron -> megacli
+    assert r["logits"] == 0.0, r["logits"]
+
+
+def test_the_legacy_export_carries_the_full_args_and_imports_back(exported):
+    from megacli.checkpoint.megatron_lm_args import DERIVED, DROPPED_BY_VALIDATION, PARSE_ARGS_DEFAULTS
+
+    _, out = exported
+    assert set(out["legacy_args"]) == (set(PARSE_ARGS_DEFAULTS) - set(DROPPED_BY_VALIDATION)) | set(DERIVED)
+    got, want = out["legacy_model"]
+    fields = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "seq_length",
+              "position_embedding", "normalization", "activation", "add_bias_linear", "untie_embeddings",
+              "make_vocab_size_divisible_by")
+    assert {f: got.get(f) for f in fields} == {f: want.get(f) for f in fields}
+    assert out["legacy_differ"] == []
+
+
+def test_convert_to_megatron_from_the_command_line(exported):
+    _, out = exported
+    code, text, hidden, keys, differ = out["cli"]
+    assert code == 0, text
+    assert "weights only" in text and "--load" in text and hidden == []  # no staging directory left
+    assert keys == ["args", "checkpoint_version", "content_metadata", "iteration", "num_floating_point_operations_so_far"]
+    assert differ == []  # HF -> megacli -> Megatron-LM keeps the weights bitwise
+    code, text, exists = out["cli_refused"]
+    assert code == 2 and "--dtype" in text and not exists, text
