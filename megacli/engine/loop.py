@@ -33,10 +33,13 @@ class Trainer:
         return self.recipe.num_microbatches
 
 
-def train(recipe) -> None:
+def train(recipe, *, harness=None) -> None:
+    """``harness``: for recipe.eval, a factory ``harness(recipe, trainer, tokenizer)`` of the
+    callable that runs the harness tasks at an evaluation (``fn(iteration)`` on every rank, giving
+    the eval/<task>/<metric> values); the inference package provides it, the loop only calls it."""
     with distributed.running(parallel=recipe.parallel, launch=recipe.launch, seed=recipe.train.seed,
                              deterministic=recipe.train.deterministic) as runtime:
-        _train(recipe, runtime)
+        _train(recipe, runtime, harness=harness)
 
 
 def is_reporting_rank() -> bool:
@@ -224,7 +227,7 @@ def describe_kernels(runtime) -> str:
     return "CPU backend: Megatron-Core on gloo, torch SDPA attention, torch norms"
 
 
-def _train(recipe, runtime) -> None:
+def _train(recipe, runtime, *, harness=None) -> None:
     from megacli.plan import count_params, flops_per_token
     from megacli.recipe.base import dump
 
@@ -286,6 +289,7 @@ def _train(recipe, runtime) -> None:
                     f"(raise train.iters, or set checkpoint.resume: none to start over)")
 
     recipe_yaml = dump(recipe)
+    run_tasks = harness(recipe, trainer, tokenizer) if harness is not None and recipe.eval is not None else None
     iterators = data_iterators(trainer, trainer.train_data, start_sample=consumed)
     watch = Stopwatch(runtime.device)
     window_losses, window_steps, window_time = {}, 0, 0.0
@@ -333,7 +337,8 @@ def _train(recipe, runtime) -> None:
             if t.eval_interval and (iteration % t.eval_interval == 0 or iteration == t.iters):
                 val = evaluate(trainer, trainer.valid_data, batches=t.eval_iters)
                 named = {name: evaluate(trainer, ds, batches=ds.batches) for name, ds in trainer.named_valid.items()}
-                log.evaluation(iteration=iteration, val=val, named=named)
+                tasks = run_tasks(iteration) if run_tasks is not None else None
+                log.evaluation(iteration=iteration, val=val, named=named, tasks=tasks)
                 last_val = val if val is not None else last_val
                 watch.lap()
             stopped = stops.reason()
