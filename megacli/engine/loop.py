@@ -77,12 +77,16 @@ def build_trainer(recipe, runtime) -> tuple[Trainer, object]:
 
         freeze_base(chunks)
     chunks = [c.to(runtime.device) for c in chunks]
+    if t.compile:
+        from megacli.engine.kernels import compile_layers
+
+        compile_layers(chunks)
     if t.precision != "fp32":
         from megatron.core.transformer.module import Float16Module
 
         chunks = [Float16Module(config, c) for c in chunks]
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=t.precision != "fp32",
+        grad_reduce_in_fp32=t.precision != "fp32" and not t.grad_reduce_in_bf16,
         overlap_grad_reduce=p.overlap_grad_reduce,
         overlap_param_gather=p.overlap_param_gather,
         use_distributed_optimizer=p.distributed_optimizer,
@@ -231,7 +235,10 @@ def _train(recipe, runtime, *, harness=None) -> None:
     from megacli.plan import count_params, flops_per_token
     from megacli.recipe.base import dump
 
+    from megacli.engine.kernels import choose_attention, describe_attention
+
     t, ck = recipe.train, recipe.checkpoint
+    choose_attention(t.attention_backend, runtime.device)
     trainer, tokenizer = build_trainer(recipe, runtime)
     start_iter, consumed, run_id = 0, 0, None
     source, resume_note = resume_source(ck)
@@ -264,6 +271,11 @@ def _train(recipe, runtime, *, harness=None) -> None:
     log.say(f"megacli {recipe.model.arch} | {n_params / 1e6:.2f}M params{experts} | TP {p.tensor} × PP {p.pipeline} × "
             f"CP {p.context} × DP {recipe.data_parallel_size} on {runtime.world_size} {runtime.device.type} processes | "
             f"{recipe.num_microbatches} micro-batches/step | {describe_kernels(runtime)}")
+    log.say(describe_attention(recipe, runtime.device))
+    if t.compile:
+        log.say("train.compile: each transformer layer runs through torch.compile (the first steps include compiling)")
+    if t.grad_reduce_in_bf16:
+        log.say("train.grad_reduce_in_bf16: gradients are accumulated and all-reduced in bf16")
     expert_stats = _expert_stats(recipe, trainer, runtime)
     for line in getattr(trainer.train_data, "summary", []) + [ds.summary for ds in trainer.named_valid.values()]:
         log.say(line)
