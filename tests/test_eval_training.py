@@ -2,7 +2,8 @@
 writes eval/<task>/<metric> at each train.eval_interval, and each value equals `megacli eval` on
 the checkpoint saved at that step (log-likelihood metrics to 1e-4, accuracies and exact matches
 exactly). The tasks are test_eval's local JSONL tasks; the harness runs on rank 0 (the first
-stage), the record is written by the last stage. Plus the recipe refusals."""
+stage), the record is written by the last stage. Plus the recipe refusals (and `megacli eval`'s
+refusal of T5)."""
 
 from __future__ import annotations
 
@@ -100,6 +101,15 @@ def test_training_eval_refusals(tmp_path):
         with pytest.raises(Exception, match=message.replace(".", r"\.")):
             load_job_recipe("pretrain", None, [*base, *extra])
     load_job_recipe("pretrain", None, [*base, "eval.tasks=[tiny_lambada]"])
+    # `megacli eval` refuses T5 with the reason.
+    from megacli.recipe import base as recipe_base
+    from megacli.recipe.eval import EvalRecipe
+
+    t5 = {"model": {"arch": "t5", "num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "ffn_hidden_size": 64,
+                    "seq_length": 32, "position_embedding": "relative"}, "tokenizer": {"type": "byte"},
+          "eval": {"tasks": ["tiny_generate"]}, "generate": {"checkpoint": str(tmp_path)}, "launch": {"nproc": 1}}
+    with pytest.raises(Exception, match="for T5 the harness's log-likelihood tasks need target scoring"):
+        recipe_base.validate(EvalRecipe, t5, "test")
     # Before any worker starts: the harness's own task check, as `megacli eval` runs it.
     res = _megacli("pretrain", *_sets([*base, "eval.tasks=[no_such_task]"]), env=dict(os.environ, MEGACLI_IN_PROCESS="1"))
     assert res.returncode == 2 and "unknown lm-evaluation-harness task(s) no_such_task" in res.stderr, res.stderr[-2000:]

@@ -10,8 +10,7 @@ from megacli.errors import UserError
 
 # train.attention_backend -> the torch.backends.cuda switch of that kernel (they also steer CPU SDPA).
 _SWITCHES = {"flash": "enable_flash_sdp", "efficient": "enable_mem_efficient_sdp", "cudnn": "enable_cudnn_sdp"}
-_NAMES = {"MATH": "math", "FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTION": "efficient (memory-efficient)",
-          "CUDNN_ATTENTION": "cuDNN"}
+_NAMES = {"MATH": "math", "FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTION": "efficient", "CUDNN_ATTENTION": "cuDNN"}
 
 
 def choose_attention(choice: str, device: torch.device) -> None:

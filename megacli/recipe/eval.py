@@ -35,6 +35,13 @@ class EvalRecipe(GenerateRecipe):
 
     @model_validator(mode="after")
     def _check_eval_layout(self):
+        if self.model.arch == "t5":
+            raise RecipeError("model.arch", "t5", "megacli eval runs GPT-family (decoder-only) checkpoints; for T5 "
+                              "the harness's log-likelihood tasks need target scoring under an encoder input, which "
+                              "the T5 decoder here does not provide, and its generate_until tasks need its seq2seq "
+                              "prompt handling (EOS-ended encoder inputs, the decoder start token) reproduced: use "
+                              "`megacli generate` for T5 text, or `megacli convert` to Hugging Face and the harness's "
+                              "hf backend")
         if self.model.arch != "gpt":
             raise RecipeError("model.arch", self.model.arch, "megacli eval runs GPT-family (decoder-only) checkpoints")
         return self
