@@ -110,7 +110,9 @@ def test_training_eval_refusals(tmp_path):
           "eval": {"tasks": ["tiny_generate"]}, "generate": {"checkpoint": str(tmp_path)}, "launch": {"nproc": 1}}
     with pytest.raises(Exception, match="for T5 the harness's log-likelihood tasks need target scoring"):
         recipe_base.validate(EvalRecipe, t5, "test")
-    # Before any worker starts: the harness's own task check, as `megacli eval` runs it.
-    res = _megacli("pretrain", *_sets([*base, "eval.tasks=[no_such_task]"]), env=dict(os.environ, MEGACLI_IN_PROCESS="1"))
-    assert res.returncode == 2 and "unknown lm-evaluation-harness task(s) no_such_task" in res.stderr, res.stderr[-2000:]
+    # Before any worker starts: the harness's own task check, as `megacli eval` runs it (its
+    # unknown-task and missing-data messages are test_eval's; this one needs no task index).
+    res = _megacli("pretrain", *_sets([*base, "eval.tasks=[tiny_lambada]", f"eval.include_path={tmp_path / 'nowhere'}"]),
+                   env=dict(os.environ, MEGACLI_IN_PROCESS="1"))
+    assert res.returncode == 2 and "eval.include_path" in res.stderr and "no such directory" in res.stderr, res.stderr[-2000:]
     assert "Traceback" not in res.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()
