@@ -88,6 +88,7 @@ def _two_runs(rank, world, root: str, port2: int):
         train(load_job_recipe("pretrain", None, sets))
 
 
+@pytest.mark.slow
 def test_bf16_gradient_reduce_is_close_to_fp32_reduce(tmp_path):
     from megacli import plan
     from megacli.recipe.jobs import load_job_recipe
