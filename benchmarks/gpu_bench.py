@@ -11,6 +11,7 @@
 
     python benchmarks/gpu_bench.py [--sizes 124m,350m,1.3b] [--steps 10] [--warmup 3] [--json out.json]
     python benchmarks/gpu_bench.py --tiny --device cpu --steps 2 --warmup 1      # a smoke test on CPU
+    python benchmarks/gpu_bench.py --megacli-set train.compile=true              # megacli with an option
 
 Every size at sequence length 2048, bf16 (fp32 with --tiny). Each side runs in a process of its
 own; each number is the median over --steps timed optimizer steps after --warmup untimed ones (the
@@ -83,7 +84,7 @@ def summary(step_times: list[float], peak_bytes: float, recipe, peak_tflops: flo
 
 def megacli_side(args, size: str, workdir: Path) -> dict:
     run_dir = workdir / f"megacli_{size}"
-    sets = [*recipe_overrides(args, size), f"run.dir={run_dir}"]
+    sets = [*recipe_overrides(args, size), *args.megacli_set, f"run.dir={run_dir}"]
     cmd = [sys.executable, "-m", "megacli", "pretrain", str(ROOT / "recipes" / f"gpt2_{size}.yaml"),
            *[x for s in sets for x in ("--set", s)]]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
@@ -340,6 +341,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     ap.add_argument("--profile", action="store_true",
                     help="raw Megatron-Core and PyTorch sides: one more step under torch.profiler; top kernels in the JSON")
+    ap.add_argument("--megacli-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="megacli side: one more recipe override (repeatable), e.g. train.compile=true, "
+                         "train.attention_backend=cudnn, train.grad_reduce_in_bf16=true")
     ap.add_argument("--side", choices=SIDES[1:], help=argparse.SUPPRESS)
     ap.add_argument("--size", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -367,6 +371,7 @@ def main(argv=None) -> int:
             results[size] = sides
     report = {"device": device_name(args.device), "sequence_length": 64 if args.tiny else 2048, "tiny": args.tiny,
               "steps": args.steps, "warmup": args.warmup, "accum": args.accum, "peak_tflops": args.peak_tflops,
+              "megacli_sets": args.megacli_set,
               "flops_formula": "6*N + 12*L*h*s per token (megacli.plan.flops_per_token)", "results": results}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -143,12 +143,13 @@ class RankMemory:
         return self.weights_gib + self.grads_gib + self.optimizer_gib + self.activations_gib + self.logits_gib
 
 
-def bytes_per_param(precision: str) -> tuple[int, int, int]:
+def bytes_per_param(precision: str, *, bf16_grads: bool = False) -> tuple[int, int, int]:
     """(weights, gradients, optimizer state incl. fp32 master copy) bytes per parameter with Adam.
-    Mixed precision keeps fp32 gradients (grad_reduce_in_fp32) and an fp32 master copy."""
+    Mixed precision keeps fp32 gradients (grad_reduce_in_fp32) and an fp32 master copy;
+    ``bf16_grads`` (train.grad_reduce_in_bf16): bf16 gradients."""
     if precision == "fp32":
         return 4, 4, 8
-    return 2, 4, 12
+    return 2, 2 if bf16_grads else 4, 12
 
 
 ATTENTION_KERNELS = {
@@ -156,6 +157,7 @@ ATTENTION_KERNELS = {
     "memory-efficient": "SDPA memory-efficient kernel: keeps only the softmax statistics, not the s×s scores",
     "ring": "ring attention (context parallelism): flash-style blocks, recomputed in the backward",
     "math": "SDPA math kernel: stores the s×s scores, softmax and dropout mask (the 5as/h term)",
+    "cudnn": "SDPA cuDNN kernel: keeps only the softmax statistics, not the s×s scores",
 }
 
 
@@ -168,6 +170,16 @@ def attention_kernel(recipe: TrainingRecipe, *, device: str) -> str:
     m, t = recipe.model, recipe.train
     if recipe.parallel.context > 1:
         return "ring"
+    auto = _auto_attention_kernel(recipe, device=device)
+    # train.attention_backend: the chosen kernel where torch would run it, else the math kernel.
+    chosen = {"auto": auto, "math": "math", "flash": "flash" if auto == "flash" else "math",
+              "efficient": "memory-efficient" if device == "cuda" and m.head_dim % 8 == 0 else "math",
+              "cudnn": "cudnn" if device == "cuda" and auto == "flash" else "math"}
+    return chosen[t.attention_backend]
+
+
+def _auto_attention_kernel(recipe: TrainingRecipe, *, device: str) -> str:
+    m, t = recipe.model, recipe.train
     if device == "cpu":
         return "math" if m.attention_dropout > 0 else "flash"
     if m.head_dim % 8:
@@ -234,7 +246,7 @@ def _stage_memory(recipe: TrainingRecipe, counts: ParamCounts, vocab_size: int, 
     # Routed experts are split over expert parallel × expert tensor parallel, the rest over TP.
     expert_params = counts.moe_experts * moe_layers // (p.expert * recipe.expert_tensor_size)
     rank_params = stage_params // p.tensor + expert_params
-    w, g, o = bytes_per_param(recipe.train.precision)
+    w, g, o = bytes_per_param(recipe.train.precision, bf16_grads=recipe.train.grad_reduce_in_bf16)
     dp, edp = recipe.data_parallel_size, recipe.expert_data_parallel_size
     # The distributed optimizer shards expert state over the expert data-parallel group.
     sharded = o * (rank_params - expert_params) / dp + o * expert_params / edp

@@ -16,7 +16,10 @@ def run_job(job: str, recipe) -> None:
     if job in ("pretrain", "finetune"):
         from megacli.engine.loop import train
 
-        train(recipe)
+        harness = None
+        if recipe.eval is not None:
+            from megacli.inference.evaluate import InTraining as harness
+        train(recipe, harness=harness)
     elif job == "generate":
         from megacli.inference.job import run
 

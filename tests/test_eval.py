@@ -6,7 +6,9 @@ choice, a rolling perplexity over texts longer than the model's context, a short
 generate_until); one spawned process builds the models and runs the `hf` backend on them; the
 `megacli eval` command line then runs the same tasks at TP=1 (both models) and at TP=2 × PP=2
 (Llama, four gloo processes, all tasks in one run). Log-likelihood metrics must agree to 1e-4,
-accuracies and the generated texts exactly. Plus the errors a user sees before any model loads."""
+accuracies and the generated texts exactly. The same at TP=1 for a mixture-of-experts model
+(Mixtral-style) and for eval.add_bos against the hf backend's add_bos_token. Plus the errors a
+user sees before any model loads."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import pytest
 pytest.importorskip("lm_eval")
 
 NAMES = ["gpt2", "llama_tied_gqa"]
+MOE = "mixtral"  # a mixture-of-experts GPT: 4 experts, top-2
 TASKS = ["tiny_lambada", "tiny_choice", "tiny_rolling", "tiny_generate"]
 LIMIT = 4
 WORDS = "the quick brown fox jumps over the lazy dog".split()
@@ -112,7 +115,7 @@ def _prepare(rank, world, root: str):
     root = Path(root)
     tasks = write_tasks(root)
     refs = {}
-    for name in NAMES:
+    for name in [*NAMES, MOE]:
         hf = root / name / "hf"
         cm.build_hf(name, hf, with_tokenizer=True)
         # The model's end-of-text id is its tokenizer's (the harness's hf backend stops at the config's).
@@ -125,6 +128,12 @@ def _prepare(rank, world, root: str):
                                           batch_size=1, limit=LIMIT, task_manager=TaskManager(include_path=str(tasks)),
                                           log_samples=True, bootstrap_iters=0, device="cpu")
         refs[name] = json.loads(json.dumps(summary(results), default=str))
+    # The harness's hf backend with a BOS token in front of every context (its add_bos_token).
+    hf = root / "gpt2" / "hf"
+    results = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={hf},dtype=float32,add_bos_token=True",
+                                      tasks=TASKS, batch_size=1, limit=LIMIT, task_manager=TaskManager(include_path=str(tasks)),
+                                      log_samples=True, bootstrap_iters=0, device="cpu")
+    refs["gpt2+bos"] = json.loads(json.dumps(summary(results), default=str))
     return refs
 
 
@@ -142,6 +151,7 @@ def _megacli_eval(*args, timeout=900):
 
 
 def _run_ours(root: Path, name: str, out: Path, *layout: str) -> dict:
+    """``layout``: more command-line arguments (--tensor, --pipeline, --set)."""
     res = _megacli_eval(root / name / "mc", "--tasks", ",".join(TASKS), "--include-path", root / "tasks",
                         "--limit", LIMIT, "--batch-size", 3, "-o", out, *layout, "--set", "eval.log_samples=true",
                         "--set", "eval.bootstrap_iters=0", "--set", f"run.dir={out.parent / 'run'}")
@@ -178,7 +188,7 @@ def _assert_same(ours: dict, ref: dict) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [*NAMES, MOE])
 def test_tp1_equals_the_harness_hf_backend(prepared, name, tmp_path):
     root, refs = prepared
     ours = _run_ours(root, name, tmp_path / "results.json")
@@ -191,6 +201,17 @@ def test_tp2_pp2_equals_the_harness_hf_backend(prepared, tmp_path):
     root, refs = prepared
     ours = _run_ours(root, "llama_tied_gqa", tmp_path / "results.json", "--tensor", 2, "--pipeline", 2)
     _assert_same(ours, refs["llama_tied_gqa"])
+
+
+@pytest.mark.slow
+def test_add_bos_equals_the_hf_backend_with_add_bos_token(prepared, tmp_path):
+    """eval.add_bos puts the BOS token first in every context as the hf backend's add_bos_token
+    does; the two references differ, so a run that ignored add_bos would fail here."""
+    root, refs = prepared
+    with_bos, without = refs["gpt2+bos"], refs["gpt2"]
+    assert all(with_bos[t]["answers"] != without[t]["answers"] for t in TASKS), "BOS changes every task's answers"
+    ours = _run_ours(root, "gpt2", tmp_path / "results.json", "--set", "eval.add_bos=true")
+    _assert_same(ours, with_bos)
 
 
 @pytest.mark.slow

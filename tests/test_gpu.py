@@ -71,6 +71,31 @@ def test_resume_reproduces_uninterrupted_run(bf16, tmp_path):
     assert_close(resumed, bf16, range(1, 21), rel=1e-6)
 
 
+# ------------------------------------------------------------------ kernel options (issue 20's faster layer path)
+
+
+KERNEL_NAMES = {"flash": "flash", "cudnn": "cuDNN", "efficient": "efficient"}
+
+
+@pytest.mark.parametrize("option", ["train.compile=true", "train.grad_reduce_in_bf16=true", "train.attention_backend=flash",
+                                    "train.attention_backend=cudnn", "train.attention_backend=efficient"])
+def test_kernel_options_stay_on_the_plain_curve(option, bf16, tmp_path):
+    """Each option trains the plain run's curve: bf16 rounding differs (a fused kernel rounds once
+    where the eager ops round after each op; bf16 gradient sums round each micro-batch's sum), by
+    about 2^-8 relative per rounding, so 1e-2 on the loss; an attention backend is the kernel the
+    start line names (the SDPA kernels need non-deterministic mode)."""
+    kernel = option.startswith("train.attention_backend")
+    run_dir = tmp_path / "opt"
+    out = pretrain(run_dir, [*TINY_GPT, *on_device("cuda", "bf16", deterministic=not kernel), option])
+    if kernel:
+        choice = option.split("=")[1]
+        assert f"attention: SDPA {KERNEL_NAMES[choice]} kernel on CUDA (train.attention_backend = {choice})" in " ".join(
+            out.stdout.split()), out.stdout[-3000:]
+    ours = steps(run_dir)
+    assert_close(ours, bf16, range(1, 21), rel=1e-2)
+    assert_loss_falls(ours, by=0.3)
+
+
 # ------------------------------------------------------------------ mixture of experts, BERT, T5
 
 

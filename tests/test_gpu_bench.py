@@ -16,11 +16,13 @@ ROOT = Path(__file__).parent.parent
 def test_tiny_benchmark_reports_every_side(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_bench.py"), "--tiny", "--device", "cpu", "--sizes", "124m",
-           "--steps", "2", "--warmup", "1", "--accum", "1", "--compile", "none", "--json", str(out)]
+           "--steps", "2", "--warmup", "1", "--accum", "1", "--compile", "none", "--json", str(out),
+           "--megacli-set", "train.attention_backend=math"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["tiny"] and report["steps"] == 2 and report["peak_tflops"] == 989.4
+    assert report["megacli_sets"] == ["train.attention_backend=math"]
     sides = report["results"]["124m"]
     params = {sides[s]["params"] for s in ("megacli", "megatron", "pytorch")}
     assert len(params) == 1, "the three sides train the same model"

@@ -92,7 +92,7 @@ def print_plan(recipe) -> None:
     layout.add_row("training FLOPs per step", f"{plan.flops_per_token(recipe, counts.active) * recipe.tokens_per_step:.3e}")
     console.print(layout)
 
-    w, g, o = plan.bytes_per_param(t.precision)
+    w, g, o = plan.bytes_per_param(t.precision, bf16_grads=t.grad_reduce_in_bf16)
     memory = Table(title=f"memory per rank (pipeline stage {mem.stage} of {p.pipeline}, the busiest; {t.precision})")
     memory.add_column("what")
     memory.add_column("GiB", justify="right")

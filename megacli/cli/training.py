@@ -84,6 +84,10 @@ def check_inputs(recipe) -> None:
     if ck.pretrained and not Path(ck.pretrained).exists():
         raise UserError(f"checkpoint.pretrained {ck.pretrained!r} does not exist")
     _check_pickles(ck)
+    if recipe.eval is not None:
+        from megacli.inference.evaluate import check_tasks
+
+        check_tasks(recipe.eval)  # the harness is installed, the tasks are known and their data loads
     tok = recipe.tokenizer
     if tok.type in ("huggingface", "sentencepiece", "wordpiece") and not Path(tok.path).exists():
         raise UserError(f"tokenizer.path {tok.path!r} does not exist")

@@ -33,10 +33,13 @@ class Trainer:
         return self.recipe.num_microbatches
 
 
-def train(recipe) -> None:
+def train(recipe, *, harness=None) -> None:
+    """``harness``: for recipe.eval, a factory ``harness(recipe, trainer, tokenizer)`` of the
+    callable that runs the harness tasks at an evaluation (``fn(iteration)`` on every rank, giving
+    the eval/<task>/<metric> values); the inference package provides it, the loop only calls it."""
     with distributed.running(parallel=recipe.parallel, launch=recipe.launch, seed=recipe.train.seed,
                              deterministic=recipe.train.deterministic) as runtime:
-        _train(recipe, runtime)
+        _train(recipe, runtime, harness=harness)
 
 
 def is_reporting_rank() -> bool:
@@ -75,12 +78,16 @@ def build_trainer(recipe, runtime) -> tuple[Trainer, object]:
 
         freeze_base(chunks)
     chunks = [c.to(runtime.device) for c in chunks]
+    if t.compile:
+        from megacli.engine.kernels import compile_layers
+
+        compile_layers(chunks)
     if t.precision != "fp32":
         from megatron.core.transformer.module import Float16Module
 
         chunks = [Float16Module(config, c) for c in chunks]
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=t.precision != "fp32",
+        grad_reduce_in_fp32=t.precision != "fp32" and not t.grad_reduce_in_bf16,
         overlap_grad_reduce=p.overlap_grad_reduce,
         overlap_param_gather=p.overlap_param_gather,
         use_distributed_optimizer=p.distributed_optimizer,
@@ -225,11 +232,14 @@ def describe_kernels(runtime) -> str:
     return "CPU backend: Megatron-Core on gloo, torch SDPA attention, torch norms"
 
 
-def _train(recipe, runtime) -> None:
+def _train(recipe, runtime, *, harness=None) -> None:
     from megacli.plan import count_params, flops_per_token
     from megacli.recipe.base import dump
 
+    from megacli.engine.kernels import choose_attention, describe_attention
+
     t, ck = recipe.train, recipe.checkpoint
+    choose_attention(t.attention_backend, runtime.device)
     trainer, tokenizer = build_trainer(recipe, runtime)
     start_iter, consumed, run_id = 0, 0, None
     source, resume_note = resume_source(ck)
@@ -262,6 +272,11 @@ def _train(recipe, runtime) -> None:
     log.say(f"megacli {recipe.model.arch} | {n_params / 1e6:.2f}M params{experts} | TP {p.tensor} × PP {p.pipeline} × "
             f"CP {p.context} × DP {recipe.data_parallel_size} on {runtime.world_size} {runtime.device.type} processes | "
             f"{recipe.num_microbatches} micro-batches/step | {describe_kernels(runtime)}")
+    log.say(describe_attention(recipe, runtime.device))
+    if t.compile:
+        log.say("train.compile: each transformer layer runs through torch.compile (the first steps include compiling)")
+    if t.grad_reduce_in_bf16:
+        log.say("train.grad_reduce_in_bf16: gradients are accumulated and all-reduced in bf16")
     expert_stats = _expert_stats(recipe, trainer, runtime)
     for line in getattr(trainer.train_data, "summary", []) + [ds.summary for ds in trainer.named_valid.values()]:
         log.say(line)
@@ -287,6 +302,7 @@ def _train(recipe, runtime) -> None:
                     f"(raise train.iters, or set checkpoint.resume: none to start over)")
 
     recipe_yaml = dump(recipe)
+    run_tasks = harness(recipe, trainer, tokenizer) if harness is not None and recipe.eval is not None else None
     iterators = data_iterators(trainer, trainer.train_data, start_sample=consumed)
     watch = Stopwatch(runtime.device)
     window_losses, window_steps, window_time = {}, 0, 0.0
@@ -334,7 +350,8 @@ def _train(recipe, runtime) -> None:
             if t.eval_interval and (iteration % t.eval_interval == 0 or iteration == t.iters):
                 val = evaluate(trainer, trainer.valid_data, batches=t.eval_iters)
                 named = {name: evaluate(trainer, ds, batches=ds.batches) for name, ds in trainer.named_valid.items()}
-                log.evaluation(iteration=iteration, val=val, named=named)
+                tasks = run_tasks(iteration) if run_tasks is not None else None
+                log.evaluation(iteration=iteration, val=val, named=named, tasks=tasks)
                 last_val = val if val is not None else last_val
                 watch.lap()
             stopped = stops.reason()

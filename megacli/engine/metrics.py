@@ -173,12 +173,14 @@ class MetricsLog:
         if self.enabled:
             self.progress.update(self.task, completed=iteration)
 
-    def evaluation(self, *, iteration: int, val: dict | None, named: dict[str, dict | None] | None = None) -> None:
+    def evaluation(self, *, iteration: int, val: dict | None, named: dict[str, dict | None] | None = None,
+                   tasks: dict[str, float] | None = None) -> None:
         """One evaluation record: ``val``, the split-based validation losses (see loss_metrics; None
         without a validation split), as val_loss, val_<term> and val_ppl; ``named``, each named
-        validation set's losses, as val_loss/<name> and val_ppl/<name>."""
+        validation set's losses, as val_loss/<name> and val_ppl/<name>; ``tasks``, the harness
+        metrics by their keys (eval/<task>/<metric>)."""
         named = {k: v for k, v in (named or {}).items() if v is not None}
-        if not self.enabled or (val is None and not named):
+        if not self.enabled or (val is None and not named and not tasks):
             return
         record, parts = {"iteration": iteration}, []
         if val is not None:
@@ -189,6 +191,9 @@ class MetricsLog:
         for name, losses in named.items():
             record[f"val_loss/{name}"], record[f"val_ppl/{name}"] = losses["loss"], perplexity(losses)
             parts.append(f"{name}: loss {losses['loss']:.4f}, perplexity {perplexity(losses):.2f}")
+        for key, value in (tasks or {}).items():
+            record[key] = value
+            parts.append(f"{key.removeprefix('eval/')} {value:.4g}")
         self._write(record)
         self.console.print(f"[bold]validation[/] iter {iteration} | " + " | ".join(parts))
 

@@ -25,6 +25,18 @@ def task_manager(ev):
 
     if ev.include_path and not Path(ev.include_path).is_dir():
         raise UserError(f"eval.include_path = {ev.include_path!r}: no such directory")
+    if ev.include_path:
+        # Indexing the harness's own ~15k task YAMLs takes half a minute: skip it when the
+        # include path alone defines (and loads) every task asked for.
+        local = TaskManager(include_path=ev.include_path, include_defaults=False)
+        if all(t in local.all_tasks for t in ev.tasks):
+            if all(local.task_index[t].kind.name in ("TASK", "PY_TASK") for t in ev.tasks):
+                return local  # plain tasks: whether their data loads is check_tasks' question
+            try:
+                local.load_task_or_group(list(ev.tasks))
+                return local
+            except Exception:  # e.g. a local group of built-in tasks: index everything
+                pass
     return TaskManager(include_path=ev.include_path)
 
 
@@ -88,14 +100,76 @@ def _run(recipe, runtime) -> None:
     report(results, lm.timing.report(), output=ev.output)
 
 
-def evaluate(lm, ev) -> dict:
-    """The harness's simple_evaluate on ``lm``."""
+def evaluate(lm, ev, *, manager=None, log_samples: bool | None = None, bootstrap_iters: int | None = None) -> dict:
+    """The harness's simple_evaluate on ``lm`` (log_samples and bootstrap_iters: the eval
+    section's unless given)."""
     from lm_eval import simple_evaluate
 
     return simple_evaluate(model=lm, tasks=list(ev.tasks), num_fewshot=ev.num_fewshot, limit=ev.limit,
-                           task_manager=task_manager(ev), log_samples=ev.log_samples, random_seed=ev.seed,
+                           task_manager=manager or task_manager(ev),
+                           log_samples=ev.log_samples if log_samples is None else log_samples, random_seed=ev.seed,
                            numpy_random_seed=ev.seed, torch_random_seed=ev.seed, fewshot_random_seed=ev.seed,
-                           bootstrap_iters=ev.bootstrap_iters)
+                           bootstrap_iters=ev.bootstrap_iters if bootstrap_iters is None else bootstrap_iters)
+
+
+def metrics(results: dict) -> dict[str, float]:
+    """The harness's numeric metrics as eval/<task>/<metric> (a filter other than `none` as
+    <metric>,<filter>), standard errors left out."""
+    out = {}
+    for task, values in results["results"].items():
+        for key, value in values.items():
+            metric, _, filt = key.partition(",")
+            if not filt or metric.endswith("_stderr") or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            out[f"eval/{task}/{metric if filt == 'none' else key}"] = float(value)
+    return out
+
+
+class InTraining:
+    """``recipe.eval`` during training: at each call, the harness tasks on the training model's
+    chunk, in eval mode, in its own layout (rank 0 drives the harness, every rank runs the model);
+    returns the metrics (see ``metrics``) on every rank."""
+
+    def __init__(self, recipe, trainer, tokenizer):
+        from megacli.engine.models.common import unwrap
+
+        import_harness()
+        self.recipe, self.trainer, self.tok = recipe, trainer, tokenizer
+        self.manager = task_manager(recipe.eval) if trainer.runtime.rank == 0 else None
+        self.net = unwrap(trainer.chunks[0])
+
+    def __call__(self, iteration: int) -> dict[str, float]:
+        import torch.distributed as dist
+
+        from megacli.inference.lm_eval_backend import Lockstep, MegacliLM, Work
+        from megacli.inference.runner import Model
+
+        ev, runtime = self.recipe.eval, self.trainer.runtime
+        rng = _RandomState()  # the harness seeds the global generators on rank 0: training's own go on after
+        for chunk in self.trainer.chunks:
+            chunk.eval()
+        try:
+            model = Model(self.recipe, runtime, vocab_size=self.trainer.vocab_size, net=self.net)
+            lockstep = Lockstep(Work(model, self.tok, seed=ev.seed), world_size=runtime.world_size)
+            scores = None
+            if runtime.rank == 0:
+                lm = MegacliLM(lockstep, self.tok, max_length=self.recipe.model.max_positions, batch_size=ev.batch_size,
+                               max_gen_toks=ev.max_gen_toks, add_bos=ev.add_bos)
+                try:
+                    scores = metrics(evaluate(lm, ev, manager=self.manager, log_samples=False, bootstrap_iters=0))
+                finally:
+                    lockstep.stop()
+            else:
+                lockstep.follow()
+        finally:
+            for chunk in self.trainer.chunks:
+                chunk.train()
+            rng.restore()
+        if runtime.world_size > 1:
+            box = [scores]
+            dist.broadcast_object_list(box, src=0)
+            scores = box[0]
+        return scores
 
 
 def report(results: dict, timing: dict, *, output: str | None) -> None:
@@ -112,3 +186,28 @@ def report(results: dict, timing: dict, *, output: str | None) -> None:
         record = {**results, "megacli": {"timing": timing}}
         Path(output).parent.mkdir(parents=True, exist_ok=True)
         Path(output).write_text(json.dumps(record, indent=2, default=handle_non_serializable, ensure_ascii=False) + "\n")
+
+
+class _RandomState:
+    """Python's, NumPy's and torch's global random generators, saved now and restored by restore()."""
+
+    def __init__(self):
+        import random
+
+        import numpy as np
+        import torch
+
+        self.python, self.numpy, self.torch = random.getstate(), np.random.get_state(), torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+    def restore(self) -> None:
+        import random
+
+        import numpy as np
+        import torch
+
+        random.setstate(self.python)
+        np.random.set_state(self.numpy)
+        torch.set_rng_state(self.torch)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)

@@ -102,16 +102,25 @@ def kv_cache(batch_size: int, length: int, *, use_cache: bool):
 class Model:
     """One GPT replica split over this rank's TP/PP group, stepped token by token."""
 
-    def __init__(self, recipe, runtime, *, vocab_size: int):
+    def __init__(self, recipe, runtime, *, vocab_size: int, net=None):
+        """The recipe's checkpoint (generate.checkpoint) loaded for decoding; or ``net``, a training
+        model's own bare chunk (in eval mode while it is used), run as it is: no decode-time
+        shortcuts patched into it, and no inference tensors (its cached RoPE tables are used again
+        by the training steps after)."""
         from megatron.core import parallel_state as ps
 
         from megacli.inference.lean import lean_layers, lean_linears
 
         self.recipe, self.device = recipe, runtime.device
         self.vocab_size = vocab_size  # as training sized it: model.vocab_size, else the tokenizer's
-        self.net, self.config, self.checkpoint = load_for_decoding(recipe, runtime, vocab_size=vocab_size)
-        lean_linears(self.net)
-        lean_layers(self.net)
+        if net is None:
+            self.net, self.config, self.checkpoint = load_for_decoding(recipe, runtime, vocab_size=vocab_size)
+            lean_linears(self.net)
+            lean_layers(self.net)
+            self._no_grad = torch.inference_mode
+        else:
+            self.net, self.config, self.checkpoint = net, net.config, None
+            self._no_grad = torch.no_grad
         self.dtype = self.config.params_dtype
         self.first, self.last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         self.pp_group = ps.get_pipeline_model_parallel_group()
@@ -119,10 +128,13 @@ class Model:
         self.last_rank = ps.get_pipeline_model_parallel_last_rank()
         self.pp_size = ps.get_pipeline_model_parallel_world_size()
 
-    @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, context,
                 *, all_positions: bool = False) -> torch.Tensor:
         """Logits [b, vocab] of the last position (all_positions: [b, s, vocab]) on every rank."""
+        with self._no_grad():
+            return self._forward(tokens, positions, mask, context, all_positions=all_positions)
+
+    def _forward(self, tokens, positions, mask, context, *, all_positions: bool) -> torch.Tensor:
         import torch.distributed as dist
 
         b, s = tokens.shape

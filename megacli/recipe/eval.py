@@ -9,44 +9,22 @@ from __future__ import annotations
 
 from typing import Optional
 
-from pydantic import NonNegativeInt, PositiveInt, model_validator
+from pydantic import NonNegativeInt, model_validator
 
-from megacli.recipe.base import RecipeError, Section
+from megacli.recipe.base import RecipeError
 from megacli.recipe.generate import GenerateRecipe
+from megacli.recipe.harness import HarnessSection
 
 
-class EvalSection(Section):
+class EvalSection(HarnessSection):
     checkpoint: Optional[str] = None
     """Checkpoint to evaluate (a directory with `latest`, or one iter_* directory)."""
-    tasks: list[str] = []
-    """lm-evaluation-harness task (or group) names."""
-    num_fewshot: Optional[NonNegativeInt] = None
-    """Few-shot examples per prompt (default: each task's own)."""
-    limit: Optional[PositiveInt] = None
-    """Evaluate at most this many documents per task."""
-    batch_size: PositiveInt = 8
-    """Requests run through the model together."""
-    include_path: Optional[str] = None
-    """Directory of the harness's custom task YAMLs (with their local data files)."""
-    max_gen_toks: PositiveInt = 256
-    """generate_until tasks: tokens to generate at most when the task does not say."""
     output: Optional[str] = None
     """Write the harness's results JSON here (with per-task seconds and tokens/s)."""
     log_samples: bool = False
     """Also write every document's requests and the model's answers into the results JSON."""
-    add_bos: bool = False
-    """Put the tokenizer's BOS token in front of every context (as Hugging Face tokenizers that
-    add it themselves, e.g. Llama's, do under the harness's hf backend)."""
     bootstrap_iters: NonNegativeInt = 100000
     """Bootstrap resamples for the standard errors of metrics without a closed form (0 = none)."""
-    seed: int = 1234
-    """Seed of the harness's few-shot sampling and of sampled generation."""
-
-    @model_validator(mode="after")
-    def _check(self):
-        if not self.tasks:
-            raise RecipeError("eval.tasks", self.tasks, "no tasks: name at least one lm-evaluation-harness task")
-        return self
 
 
 class EvalRecipe(GenerateRecipe):
@@ -57,6 +35,13 @@ class EvalRecipe(GenerateRecipe):
 
     @model_validator(mode="after")
     def _check_eval_layout(self):
+        if self.model.arch == "t5":
+            raise RecipeError("model.arch", "t5", "megacli eval runs GPT-family (decoder-only) checkpoints; for T5 "
+                              "the harness's log-likelihood tasks need target scoring under an encoder input, which "
+                              "the T5 decoder here does not provide, and its generate_until tasks need its seq2seq "
+                              "prompt handling (EOS-ended encoder inputs, the decoder start token) reproduced: use "
+                              "`megacli generate` for T5 text, or `megacli convert` to Hugging Face and the harness's "
+                              "hf backend")
         if self.model.arch != "gpt":
             raise RecipeError("model.arch", self.model.arch, "megacli eval runs GPT-family (decoder-only) checkpoints")
         return self

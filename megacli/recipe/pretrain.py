@@ -11,6 +11,7 @@ from pydantic import model_validator
 
 from megacli.errors import UserError
 from megacli.recipe.base import RecipeError, Section
+from megacli.recipe.harness import TrainingEvalSection
 from megacli.recipe.model import ModelSection
 from megacli.recipe.stages import split_problem
 from megacli.recipe.sections import (
@@ -55,6 +56,9 @@ class TrainingRecipe(Section):
     """Saving and resuming."""
     run: RunSection = RunSection()
     """Run directory."""
+    eval: Optional[TrainingEvalSection] = None
+    """lm-evaluation-harness tasks run on the model at each train.eval_interval (needs megacli[eval]);
+    null = none."""
 
     trains: ClassVar[bool] = True  # a recipe that trains must name its data
 
@@ -169,6 +173,28 @@ class TrainingRecipe(Section):
                               "`megacli preprocess`), data.blend, or data.mock: true for random tokens")
         if self.lora is not None:
             self._check_lora()
+        return self
+
+    @model_validator(mode="after")
+    def _check_training_eval(self):
+        """eval.tasks run the training model itself, in its layout, through the decoding runner."""
+        if self.eval is None or not self.trains:
+            return self
+        m, p = self.model, self.parallel
+        why = "eval.tasks run the training model as it is laid out, through the decoding runner"
+        if m.arch != "gpt":
+            raise RecipeError("eval.tasks", self.eval.tasks, f"harness tasks during training are for gpt, not {m.arch}")
+        if not self.train.eval_interval:
+            raise RecipeError("train.eval_interval", self.train.eval_interval,
+                              "eval.tasks run at each train.eval_interval: set one (or drop eval:)")
+        if p.virtual_pipeline not in (None, 1):
+            raise RecipeError("parallel.virtual_pipeline", p.virtual_pipeline, f"{why}, which runs without interleaving")
+        if p.context != 1:
+            raise RecipeError("parallel.context", p.context, f"{why}, which runs without context parallelism")
+        if p.sp_enabled:
+            raise RecipeError("parallel.sequence_parallel", p.sequence_parallel,
+                              f"{why}; sequence parallelism splits the sequence over tensor-parallel ranks, which a "
+                              f"decoding step of one token cannot be: set parallel.sequence_parallel: false")
         return self
 
     @property

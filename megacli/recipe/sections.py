@@ -7,7 +7,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator, model_validator
 
-from megacli.recipe.base import Section
+from megacli.recipe.base import RecipeError, Section
 from megacli.recipe.stream import FIMSection, StreamFields, StreamSource, check_stream_location
 
 
@@ -386,6 +386,28 @@ class TrainSection(Section):
         return list(self.loggers)
     time_limit_minutes: Optional[PositiveFloat] = None
     """Stop (with a checkpoint, as on SIGTERM) at the first step boundary after this much wall time."""
+    compile: bool = False
+    """torch.compile each transformer layer (TorchInductor fuses its norms, RoPE, activation and
+    bias-dropout-adds; no Transformer Engine needed). The first steps compile (seconds to minutes),
+    later ones run the compiled code; fp32 losses equal the default path's to float rounding."""
+    attention_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
+    """SDPA kernel of the attention: auto = torch's own choice; flash, cudnn or efficient = that
+    kernel where it can run (the math kernel where it cannot, e.g. flash on fp32 CUDA inputs);
+    math = always the math kernel. The kernel a training micro-batch gets is logged at start."""
+    grad_reduce_in_bf16: bool = False
+    """bf16 training: accumulate and all-reduce the gradients in bf16 (Megatron-Core DDP
+    grad_reduce_in_fp32: false) instead of fp32: half the gradient memory and reduce traffic,
+    with bf16 rounding of each micro-batch's gradient sum (the optimizer still steps fp32 master
+    weights). Off by default; for bf16 only (fp16 gradients would overflow without fp32 sums)."""
+
+    @model_validator(mode="after")
+    def _check_kernels(self):
+        if self.grad_reduce_in_bf16 and self.precision != "bf16":
+            raise RecipeError("train.grad_reduce_in_bf16", True, f"is for bf16 training, not {self.precision}")
+        if self.deterministic and self.attention_backend not in ("auto", "math"):
+            raise RecipeError("train.attention_backend", self.attention_backend,
+                              "train.deterministic runs SDPA's math kernel (the others may accumulate with atomics)")
+        return self
 
     @field_validator("loss")
     @classmethod

@@ -1,0 +1,130 @@
+"""Training's kernel options on CPU, each against the default path in fp32 (bf16 for the bf16
+gradient reduce): train.compile (torch.compile of every transformer layer, with no graph break),
+train.attention_backend (the kernel logged at start, and torch's switches set to it) and
+train.grad_reduce_in_bf16 (data-parallel, two ranks)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TINY = [
+    "data.mock=true", "tokenizer.type=byte", "tokenizer.path=null", "model.num_layers=2", "model.hidden_size=32",
+    "model.num_attention_heads=4", "model.ffn_hidden_size=64", "model.seq_length=32", "train.iters=4",
+    "train.micro_batch_size=2", "train.global_batch_size=4", "train.eval_interval=0", "train.log_interval=1",
+    "optim.warmup_iters=0", "optim.lr=1e-2", "train.precision=fp32", "parallel.tensor=1", "parallel.pipeline=1",
+    "parallel.sequence_parallel=false", "launch.nproc=1", "checkpoint.dir=null",
+]
+
+# Three one-process runs in one interpreter (the CLI's in-process path), then what torch recorded.
+SCRIPT = """
+import json, os, sys
+import torch
+from megacli.cli import _register, app
+_register()
+os.environ["MEGACLI_IN_PROCESS"] = "1"
+for args in json.loads(sys.argv[1]):
+    app(args, standalone_mode=False)
+    print("SWITCHES", json.dumps([torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled()]))
+from torch._dynamo.utils import counters
+print("DYNAMO", json.dumps({"graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values())}))
+"""
+
+
+def _losses(run_dir: Path) -> list[tuple[float, float]]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["loss"], r["grad_norm"]) for r in records if "loss" in r]
+
+
+def _close(a: float, b: float, rtol: float) -> bool:
+    return abs(a - b) <= rtol * abs(b)
+
+
+def test_compile_and_attention_backend_equal_the_default_path(tmp_path):
+    variants = {"default": [], "compile": ["train.compile=true"], "math": ["train.attention_backend=math"]}
+    runs = [["pretrain", *[x for s in [*TINY, *extra, f"run.dir={tmp_path / name}"] for x in ("--set", s)]]
+            for name, extra in variants.items()]
+    res = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(runs)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    out = res.stdout
+    # The start line names the kernel torch picks on CPU for this model (fp32, causal, no dropout),
+    # and who chose it; math turns the fused kernels off.
+    assert out.count("attention: SDPA flash kernel on CPU (torch's choice)") == 2, out[-3000:]
+    assert "attention: SDPA math kernel on CPU (train.attention_backend = math)" in out
+    switches = [json.loads(line.split(" ", 1)[1]) for line in out.splitlines() if line.startswith("SWITCHES")]
+    assert switches == [[True, True], [True, True], [False, True]]
+    dynamo = json.loads(out.split("DYNAMO ", 1)[1].splitlines()[0])
+    assert dynamo["graphs"] >= 1 and dynamo["breaks"] == 0, dynamo  # compiled whole, not partly eager
+    assert "train.compile: each transformer layer runs through torch.compile" in out
+    default = _losses(tmp_path / "default")
+    assert len(default) == 4
+    # fp32: compiled (fused, reordered) elementwise ops and reductions, and the math kernel's
+    # unfused softmax, differ from the default path by float rounding only (~1e-7 relative per
+    # op, measured 1e-7 on the loss after 4 steps); 1e-5 is far below any real change of the
+    # arithmetic (a dropped bias or scale moves the loss by >1e-3).
+    for name in ("compile", "math"):
+        got = _losses(tmp_path / name)
+        assert len(got) == 4
+        for (loss, norm), (want_loss, want_norm) in zip(got, default):
+            assert _close(loss, want_loss, 1e-5) and _close(norm, want_norm, 1e-5), (name, got, default)
+
+
+def _two_runs(rank, world, root: str, port2: int):
+    """Default bf16 and train.grad_reduce_in_bf16, one after the other in the same two ranks."""
+    import os
+
+    from megacli.engine.loop import train
+    from megacli.recipe.jobs import load_job_recipe
+
+    for i, extra in enumerate([[], ["train.grad_reduce_in_bf16=true"]]):
+        if i:
+            os.environ["MASTER_PORT"] = str(port2)
+        sets = [*TINY, "train.precision=bf16", "train.global_batch_size=8", "launch.nproc=2", *extra,
+                f"run.dir={root}/run{i}"]
+        train(load_job_recipe("pretrain", None, sets))
+
+
+@pytest.mark.slow
+def test_bf16_gradient_reduce_is_close_to_fp32_reduce(tmp_path):
+    from megacli import plan
+    from megacli.recipe.jobs import load_job_recipe
+    from tests._dist import free_port, spawn
+
+    spawn(_two_runs, 2, str(tmp_path), free_port(), timeout=600)
+    fp32_reduce, bf16_reduce = _losses(tmp_path / "run0"), _losses(tmp_path / "run1")
+    assert len(fp32_reduce) == len(bf16_reduce) == 4
+    # Step 1's forward is the same: its loss is bitwise equal. Its gradients are rounded to bf16
+    # (8 significant bits, 2^-9 = 0.2% relative) as each rank sums its two micro-batches and as
+    # the two ranks' sums are added: a few roundings, so the norm is within 1% and not equal (the
+    # option took effect). Later losses move by the Adam steps' response to those 0.2%: 1e-3.
+    assert bf16_reduce[0][0] == fp32_reduce[0][0]
+    assert bf16_reduce[0][1] != fp32_reduce[0][1]
+    for (loss, norm), (want_loss, want_norm) in zip(bf16_reduce, fp32_reduce):
+        assert _close(norm, want_norm, 1e-2) and _close(loss, want_loss, 1e-3), (bf16_reduce, fp32_reduce)
+    # The memory plan counts 2-byte gradients.
+    base = [*TINY, "train.precision=bf16", "model.vocab_size=256"]
+    grads = [plan.estimate(load_job_recipe("pretrain", None, [*base, *extra]), 256)[1].grads_gib
+             for extra in ([], ["train.grad_reduce_in_bf16=true"])]
+    assert grads[1] == pytest.approx(grads[0] / 2)
+
+
+def test_kernel_option_refusals():
+    from megacli.recipe.jobs import load_job_recipe
+
+    for extra, message in [(["train.grad_reduce_in_bf16=true"], "train.grad_reduce_in_bf16"),
+                           (["train.precision=fp16", "train.grad_reduce_in_bf16=true"], "is for bf16 training, not fp16"),
+                           (["train.deterministic=true", "train.attention_backend=flash"], "train.attention_backend"),
+                           (["train.attention_backend=fast"], "attention_backend")]:
+        with pytest.raises(Exception, match=message):
+            load_job_recipe("pretrain", None, [*TINY, *extra])
+    import torch
+
+    from megacli.engine.kernels import choose_attention
+    from megacli.errors import UserError
+
+    with pytest.raises(UserError, match="cudnn' is a CUDA kernel; this run is on cpu"):
+        choose_attention("cudnn", torch.device("cpu"))
