@@ -14,7 +14,8 @@ from megacli.errors import UserError
 WEIGHT_FIELDS = tuple(f"model.{k}" for k in (
     "arch", "num_layers", "decoder_num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
     "kv_channels", "ffn_hidden_size", "max_position_embeddings", "position_embedding", "rotary_percent",
-    "normalization", "activation", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "untie_embeddings",
+    "normalization", "activation", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "qk_norm_scope",
+    "norm_placement", "untie_embeddings",
     "softmax_scale", "vocab_size", "make_vocab_size_divisible_by", "norm_position", "bert_binary_head",
     "bert_token_types", "scale_decoder_output", "moe.num_experts", "moe.router_topk", "moe.ffn_hidden_size",
     "moe.shared_expert_ffn_hidden_size", "moe.shared_expert_gate", "moe.layer_freq",

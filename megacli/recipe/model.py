@@ -175,7 +175,17 @@ class ModelSection(Section):
     add_qkv_bias: bool = False
     """Bias on the QKV projection even when add_bias_linear is false (Qwen2)."""
     qk_layernorm: bool = False
-    """Normalize queries and keys per head before attention."""
+    """Normalize queries and keys before RoPE and attention (scope: model.qk_norm_scope)."""
+    qk_norm_scope: Literal["head", "projection"] = "head"
+    """gpt with qk_layernorm only: what one query (key) norm spans. head: each head's head_dim
+    features, one gain of head_dim shared by the heads (Qwen3); projection: all heads of the query
+    (key) projection at once, gains of num_attention_heads (num_query_groups) × head_dim (OLMo 2;
+    under tensor parallelism the sum of squares is all-reduced over the tensor-parallel group)."""
+    norm_placement: Literal["pre", "output"] = "pre"
+    """gpt only: where a layer's norms sit. pre: before attention and before the MLP (Llama);
+    output: none before them, one on the attention output and one on the MLP output before each
+    is added to the residual stream (OLMo 2; stored as ``self_attn_bda.norm`` and ``mlp_bda.norm``).
+    Both keep the final norm."""
     untie_embeddings: bool = False
     """Separate output projection instead of sharing the input embedding."""
     dropout: float = Field(0.0, ge=0, lt=1)
@@ -211,6 +221,19 @@ class ModelSection(Section):
         if self.rope_scaling is not None and (self.arch != "gpt" or self.position_embedding != "rope"):
             raise RecipeError("model.rope_scaling", self.rope_scaling.type,
                               f"needs model.arch = gpt and model.position_embedding = rope (got {self.arch}, {self.position_embedding})")
+        return self
+
+    @model_validator(mode="after")
+    def _gpt_norm_options(self):
+        if self.qk_norm_scope != "head" and not (self.arch == "gpt" and self.qk_layernorm):
+            raise RecipeError("model.qk_norm_scope", self.qk_norm_scope,
+                              f"needs model.arch = gpt and model.qk_layernorm = true (got {self.arch}, {self.qk_layernorm})")
+        if self.qk_norm_scope == "projection" and self.normalization != "rmsnorm":
+            raise RecipeError("model.qk_norm_scope", self.qk_norm_scope, f"is an RMSNorm (model.normalization = rmsnorm, "
+                              f"got {self.normalization})")
+        if self.norm_placement != "pre" and self.arch != "gpt":
+            raise RecipeError("model.norm_placement", self.norm_placement,
+                              f"is a gpt layer option (bert has model.norm_position; got model.arch = {self.arch})")
         return self
 
     @property

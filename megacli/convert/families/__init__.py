@@ -26,7 +26,7 @@ from types import ModuleType
 
 from megacli.errors import UserError
 
-FAMILY_MODULES = ("gpt2", "llama", "moe", "bert", "t5")
+FAMILY_MODULES = ("gpt2", "llama", "moe", "olmo2", "phi3", "bert", "t5")
 
 
 def _load(name: str) -> ModuleType:

@@ -130,7 +130,8 @@ def model_section(c: dict) -> dict:
 
 def architecture_for(m, preferred: str | None = None) -> str | None:
     if not (m.arch == "gpt" and m.position_embedding == "rope" and m.normalization == "rmsnorm"
-            and m.activation == "swiglu" and m.rotary_percent == 1.0 and m.moe is None):
+            and m.activation == "swiglu" and m.rotary_percent == 1.0 and m.moe is None
+            and m.norm_placement == "pre" and m.qk_norm_scope == "head"):
         return None
     if m.qk_layernorm:
         return "Qwen3ForCausalLM" if not m.add_qkv_bias and not m.add_bias_linear else None

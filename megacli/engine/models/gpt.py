@@ -46,17 +46,18 @@ def gpt_block_spec(*, model, config, vp_stage, lora=None):
     layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     pattern = model.moe_layers()[offset:offset + layers]
-    specs = {kind: gpt_layer_spec(model=model, moe_config=config if kind else None, lora=lora) for kind in set(pattern)}
+    specs = {kind: gpt_layer_spec(model=model, config=config, moe=bool(kind), lora=lora) for kind in set(pattern)}
     return ModuleSpec(module=TransformerBlock,
                       submodules=TransformerBlockSubmodules(layer_specs=[specs[kind] for kind in pattern], layer_norm=Norm))
 
 
-def gpt_layer_spec(*, model, moe_config=None, lora=None):
+def gpt_layer_spec(*, model, config, moe: bool = False, lora=None):
     """Megatron-Core's local GPT layer with our pieces: a norm that works under sequence
     parallelism, SDPA core attention (ALiBi, ring context parallelism) and, with a lora section,
     adapters on the targeted linear layers. Checkpoint keys stay those of Megatron's TE layout
-    (norms fused into the following linear's key names). With ``moe_config`` (a MoE model's
-    TransformerConfig), the MLP is a mixture of experts (models.moe)."""
+    (norms fused into the following linear's key names). With ``moe``, the MLP is a mixture of
+    experts (models.moe). ``model.qk_norm_scope: projection`` and ``model.norm_placement: output``
+    (OLMo 2) put ProjectionNorm and OutputNormAdd (models.layers) in the layer."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.attention import SelfAttentionSubmodules
@@ -68,13 +69,19 @@ def gpt_layer_spec(*, model, moe_config=None, lora=None):
 
     from megacli.engine.models.attention import CoreAttention
     from megacli.engine.models.kv_cache import CachedRotarySelfAttention
-    from megacli.engine.models.layers import Norm
+    from megacli.engine.models.layers import Norm, OutputNormAdd, ProjectionNorm
     from megacli.engine.models.lora import linear_spec
 
     bias = "alibi" if model.position_embedding == "alibi" else "none"
-    qk_norm = Norm if model.qk_layernorm else IdentityOp
+    q_norm = k_norm = Norm if model.qk_layernorm else IdentityOp
+    if model.qk_layernorm and model.qk_norm_scope == "projection":
+        q_norm = ModuleSpec(module=ProjectionNorm, params={"heads": model.num_attention_heads})
+        k_norm = ModuleSpec(module=ProjectionNorm, params={"heads": model.query_groups})
+    pre_norm, residual = Norm, get_bias_dropout_add
+    if model.norm_placement == "output":
+        pre_norm, residual = IdentityOp, ModuleSpec(module=OutputNormAdd, params={"config": config})
     keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
-    if moe_config is None:
+    if not moe:
         mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(
             linear_fc1=linear_spec(ColumnParallelLinear, "linear_fc1", lora, swiglu=model.gated),
             linear_fc2=linear_spec(RowParallelLinear, "linear_fc2", lora)))
@@ -82,11 +89,11 @@ def gpt_layer_spec(*, model, moe_config=None, lora=None):
     else:  # a MoE layer keeps pre_mlp_layernorm under its own name, as Megatron's TE spec does
         from megacli.engine.models.moe import moe_mlp_spec
 
-        mlp = moe_mlp_spec(config=moe_config)
+        mlp = moe_mlp_spec(config=config)
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=Norm,
+            input_layernorm=pre_norm,
             self_attention=ModuleSpec(
                 module=CachedRotarySelfAttention,  # Megatron's, with a KV cache of rotated keys
                 params={"attn_mask_type": AttnMaskType.causal},
@@ -94,14 +101,14 @@ def gpt_layer_spec(*, model, moe_config=None, lora=None):
                     linear_qkv=linear_spec(ColumnParallelLinear, "linear_qkv", lora),
                     core_attention=ModuleSpec(module=CoreAttention, params={"position_bias": bias}),
                     linear_proj=linear_spec(RowParallelLinear, "linear_proj", lora),
-                    q_layernorm=qk_norm,
-                    k_layernorm=qk_norm,
+                    q_layernorm=q_norm,
+                    k_layernorm=k_norm,
                 ),
             ),
-            self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=Norm,
+            self_attn_bda=residual,
+            pre_mlp_layernorm=pre_norm,
             mlp=mlp,
-            mlp_bda=get_bias_dropout_add,
+            mlp_bda=residual,
             sharded_state_dict_keys_map=keys_map,
         ),
     )
