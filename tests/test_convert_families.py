@@ -283,3 +283,37 @@ def test_olmo2_norm_gradients_equal_hugging_face_at_tp2_pp2(converted, parallel_
             assert grad.shape == want.shape and cm.max_diff(grad, want) < TOL * max(1.0, float(want.abs().max())), (layer, pname)
             seen.add((layer, pname, rank))
     assert len(seen) == 3 * 4 * 2  # every layer's four norms on both TP ranks
+
+
+@pytest.mark.slow
+def test_olmo2_pretrains_at_tp2_pp2_and_exports(converted, tmp_path):
+    """The converted OLMo 2's own recipe runs `megacli pretrain` in the layout it was prepared for
+    (TP=2 × PP=2 with its uneven split, four processes: the TP-split q/k norm gains go through the
+    optimizer and the checkpoint), and the trained checkpoint exports to an HF model with the
+    source's config whose q/k norm gains moved."""
+    import json
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    root, _ = converted
+    ck = root / "olmo2" / "mc"
+    sets = ["train.iters=2", "train.eval_interval=null", "train.log_interval=1", "model.seq_length=16",
+            "train.global_batch_size=2", "optim.lr=1e-2", "optim.warmup_iters=0", f"run.dir={tmp_path / 'run'}",
+            f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.save_interval=2"]
+    run = [sys.executable, "-m", "megacli"]
+    out = subprocess.run([*run, "pretrain", str(ck / "iter_0000000" / "recipe.yaml"), *[x for s in sets for x in ("--set", s)]],
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert [r["iteration"] for r in records if "loss" in r] == [1, 2] and all(0 < x < 20 for x in losses)
+    out = subprocess.run([*run, "convert", str(tmp_path / "ck"), str(tmp_path / "hf")], capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == converted[1]["olmo2"]["config"][0]
+    before, after = load_file(root / "olmo2" / "hf" / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    assert sorted(before) == sorted(after)
+    for key in ("model.layers.0.self_attn.q_norm.weight", "model.layers.2.self_attn.k_norm.weight"):
+        assert before[key].shape == after[key].shape and not before[key].equal(after[key]), key
