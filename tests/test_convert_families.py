@@ -317,3 +317,21 @@ def test_olmo2_pretrains_at_tp2_pp2_and_exports(converted, tmp_path):
     assert sorted(before) == sorted(after)
     for key in ("model.layers.0.self_attn.q_norm.weight", "model.layers.2.self_attn.k_norm.weight"):
         assert before[key].shape == after[key].shape and not before[key].equal(after[key]), key
+
+
+def test_configs_written_from_the_recipe_alone():
+    """A model trained from scratch (no carried config.json) exports a config Hugging Face reads
+    back as the same model: the families' features survive in transformers' own config classes."""
+    import transformers
+
+    from megacli.convert import families
+
+    for name, (cls_name, kwargs) in cm.FAMILY_MODELS.items():
+        source = getattr(transformers, cls_name)(**kwargs).to_dict()
+        source["architectures"] = [cm.ARCHITECTURES[cls_name]]
+        family, _ = families.for_hf_config(source)
+        model = ModelSection(**family.model_section(source))
+        family_out, architecture = families.for_model(model)
+        written = family_out.hf_config(model, architecture=architecture, vocab_size=cm.VOCAB, base=None)
+        back = transformers.AutoConfig.for_model(written.pop("model_type"), **written)
+        assert ModelSection(**family.model_section({**back.to_dict(), "architectures": [architecture]})) == model, name
