@@ -163,6 +163,12 @@ def test_longrope_and_bad_norm_fields_are_refused():
         ModelSection(qk_norm_scope="projection", qk_layernorm=True)
     with pytest.raises(RecipeError, match="model.norm_placement.*gpt layer option"):
         ModelSection(arch="bert", norm_placement="output")
+    from megacli.reshard.legacy_export import check_exportable
+
+    for field, value in (("norm_placement", "output"), ("qk_norm_scope", "projection")):
+        with pytest.raises(UserError, match=f"model.{field} = {value} has no Megatron-LM argument"):
+            check_exportable({"model": {"arch": "gpt", field: value}}, Path("ck"))
+    check_exportable({"model": {"arch": "gpt", "norm_placement": "pre"}}, Path("ck"))
 
 
 # ---------------------------------------------------------------- TP=2 × PP=2 (and EP=2), one run
