@@ -152,7 +152,7 @@ def test_longrope_and_bad_norm_fields_are_refused():
               "intermediate_size": 64, "vocab_size": 300, "max_position_embeddings": 256, "partial_rotary_factor": 0.75,
               "original_max_position_embeddings": 64,
               "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 6, "long_factor": [2.0] * 6}}
-    with pytest.raises(UserError, match="'longrope'.*short and long factors.*no equivalent"):
+    with pytest.raises(UserError, match="'longrope' .rope_scaling / rope_parameters. does not convert: longrope's per-dimension short and long factors.*no equivalent"):
         phi3.model_section(config)
     assert phi3.model_section({**config, "rope_scaling": None})["rotary_percent"] == 0.75
     with pytest.raises(UserError, match="sliding_window"):  # Phi-3-mini-4k's 2047-token window

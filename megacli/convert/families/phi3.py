@@ -29,10 +29,10 @@ def model_section(c: dict) -> dict:
     params = {**(c.get("rope_scaling") or {}), **(c.get("rope_parameters") or {})}
     rope_type = params.get("rope_type", params.get("type"))
     if rope_type not in (None, "default"):
-        raise UserError(f"Phi3ForCausalLM RoPE scaling {rope_type!r} (rope_scaling / rope_parameters) is longrope "
-                        f"for Hugging Face's Phi-3: per-dimension short and long factors chosen by the sequence "
-                        f"length, which Megatron-Core's rotary embedding has no equivalent for; only unscaled "
-                        f"Phi-3 configs convert")
+        read_as = "" if rope_type == "longrope" else " (Hugging Face's Phi-3 reads it as longrope)"
+        raise UserError(f"Phi3ForCausalLM RoPE scaling {rope_type!r}{read_as} (rope_scaling / rope_parameters) does not "
+                        f"convert: longrope's per-dimension short and long factors are chosen by the sequence length, "
+                        f"which Megatron-Core's rotary embedding has no equivalent for; only unscaled Phi-3 configs convert")
     if c.get("attention_bias") or c.get("mlp_bias"):
         raise UserError("Phi3ForCausalLM has no biases; this config asks for attention_bias / mlp_bias")
     dense = {**c, "architectures": ["LlamaForCausalLM"], "use_sliding_window": c.get("sliding_window") is not None}
