@@ -292,11 +292,10 @@ def test_olmo2_norm_gradients_equal_hugging_face_at_tp2_pp2(converted, parallel_
 
 
 @pytest.mark.slow
-def test_olmo2_pretrains_at_tp2_pp2_and_exports(converted, tmp_path):
-    """The converted OLMo 2's own recipe runs `megacli pretrain` in the layout it was prepared for
-    (TP=2 × PP=2 with its uneven split, four processes: the TP-split q/k norm gains go through the
-    optimizer and the checkpoint), and the trained checkpoint exports to an HF model with the
-    source's config whose q/k norm gains moved."""
+def test_olmo2_pretrains_at_tp2_and_exports(converted, tmp_path):
+    """The converted OLMo 2's recipe runs `megacli pretrain` at TP=2 (two processes: the TP-split
+    q/k norm gains go through the optimizer and the checkpoint), and the trained checkpoint exports
+    to an HF model with the source's config whose q/k norm gains moved."""
     import json
     import subprocess
     import sys
@@ -307,7 +306,8 @@ def test_olmo2_pretrains_at_tp2_pp2_and_exports(converted, tmp_path):
     ck = root / "olmo2" / "mc"
     sets = ["train.iters=2", "train.eval_interval=null", "train.log_interval=1", "model.seq_length=16",
             "train.global_batch_size=2", "optim.lr=1e-2", "optim.warmup_iters=0", f"run.dir={tmp_path / 'run'}",
-            f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.save_interval=2"]
+            f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.save_interval=2", "parallel.pipeline=1",
+            "parallel.first_stage_layers=null", "launch.nproc=2"]
     run = [sys.executable, "-m", "megacli"]
     out = subprocess.run([*run, "pretrain", str(ck / "iter_0000000" / "recipe.yaml"), *[x for s in sets for x in ("--set", s)]],
                          capture_output=True, text=True, timeout=900)
