@@ -95,7 +95,8 @@ def count_params(recipe: TrainingRecipe, vocab_size: int) -> ParamCounts:
 
     vocab = padded_vocab_size(vocab_size, divisible_by=m.make_vocab_size_divisible_by, tensor_parallel=recipe.parallel.tensor)
     pos = m.max_positions * h if m.position_embedding == "learned" else 0
-    rest = attn + (4 if m.sandwich_norm else 2) * norm + (2 * hd if m.qk_layernorm else 0)  # sandwich: + output norms
+    qk_norm = (q_width + kv_width if m.qk_norm_scope == "projection" else 2 * hd) if m.qk_layernorm else 0
+    rest = attn + (4 if m.norm_placement == "sandwich" else 2) * norm + qk_norm  # sandwich: + output norms
     layer = rest + mlp_params(m.ffn_size)
     output = vocab * h if m.untie_embeddings else 0
     if m.arch == "bert":  # post-LN moves the final norm to the embeddings: the same count

@@ -52,6 +52,20 @@ ROPE_MODELS = {
 }
 # Qwen3: per-head q/k RMSNorm, head_dim (16) != hidden / heads (8).
 QWEN3_MODELS = {"qwen3": ("Qwen3Config", dict(COMMON_LLAMA, head_dim=16, tie_word_embeddings=False))}
+# Issue #19's families, each with its released configs' features on and an odd layer count (an
+# uneven split at PP=2). Qwen3-MoE (Qwen3-30B-A3B-like): per-head q/k norm, head_dim 16 != 32 / 4,
+# renormalised top-k, a dense layer (mlp_only_layers) between MoE ones. OLMo 2: output norms,
+# q/k norm over whole projections, GQA. Phi-4-mini: fused qkv and gate_up, partial RoPE (0.75 of
+# head_dim 16), tied embeddings.
+FAMILY_MODELS = {
+    "qwen3_moe": ("Qwen3MoeConfig", dict(COMMON_LLAMA, num_hidden_layers=3, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[1],
+                                         tie_word_embeddings=False)),
+    "olmo2": ("Olmo2Config", dict(COMMON_LLAMA, num_hidden_layers=3, tie_word_embeddings=False, pad_token_id=0,
+                                  eos_token_id=1)),
+    "phi4_mini": ("Phi3Config", dict(COMMON_LLAMA, hidden_size=64, num_hidden_layers=3, partial_rotary_factor=0.75,
+                                     tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+}
 # Layers that do not split evenly over PP=2 (uneven pipeline stages).
 ODD_LAYER_MODELS = {"llama_3_layers": ("LlamaConfig", dict(COMMON_LLAMA, num_hidden_layers=3, tie_word_embeddings=False))}
 # Sliding windows (5) shorter than the 16-token test sequences; Qwen2 windows its layers from
@@ -65,6 +79,7 @@ _GEMMA_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num
 WINDOW_MODELS = {
     "mistral_window": ("MistralConfig", dict(_WINDOW_COMMON, sliding_window=5)),
     "qwen2_window": ("Qwen2Config", dict(_WINDOW_COMMON, use_sliding_window=True, sliding_window=5, max_window_layers=1)),
+    "phi3_window": ("Phi3Config", dict(FAMILY_MODELS["phi4_mini"][1], sliding_window=5)),
     "gemma2": ("Gemma2Config", dict(_GEMMA_COMMON, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
                                     rope_parameters={"rope_type": "default", "rope_theta": 1000.0})),
     "gemma3": ("Gemma3TextConfig", dict(_GEMMA_COMMON, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
@@ -93,7 +108,8 @@ DEEPSEEK_MODELS = {
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
                          "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32.0, "beta_slow": 1.0})),
 }
-ARCHITECTURES = {"Gemma2Config": "Gemma2ForCausalLM", "Gemma3TextConfig": "Gemma3ForCausalLM", "DeepseekV3Config": "DeepseekV3ForCausalLM", "DeepseekV2Config": "DeepseekV2ForCausalLM", "Qwen3Config": "Qwen3ForCausalLM", "MixtralConfig": "MixtralForCausalLM", "Qwen2MoeConfig": "Qwen2MoeForCausalLM", "GPT2Config": "GPT2LMHeadModel", "LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralForCausalLM",
+ARCHITECTURES = {"Qwen3MoeConfig": "Qwen3MoeForCausalLM", "Olmo2Config": "Olmo2ForCausalLM", "Phi3Config": "Phi3ForCausalLM",
+                 "Gemma2Config": "Gemma2ForCausalLM", "Gemma3TextConfig": "Gemma3ForCausalLM", "DeepseekV3Config": "DeepseekV3ForCausalLM", "DeepseekV2Config": "DeepseekV2ForCausalLM", "Qwen3Config": "Qwen3ForCausalLM", "MixtralConfig": "MixtralForCausalLM", "Qwen2MoeConfig": "Qwen2MoeForCausalLM", "GPT2Config": "GPT2LMHeadModel", "LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralForCausalLM",
                  "Qwen2Config": "Qwen2ForCausalLM"}
 
 
@@ -124,7 +140,7 @@ def build_hf(name: str, path: Path, *, with_tokenizer: bool = False):
     import torch
     import transformers
 
-    cls_name, kwargs = {**MODELS, **MOE_MODELS, **ROPE_MODELS, **QWEN3_MODELS, **ODD_LAYER_MODELS, **WINDOW_MODELS, **DEEPSEEK_MODELS}[name]
+    cls_name, kwargs = {**MODELS, **MOE_MODELS, **ROPE_MODELS, **QWEN3_MODELS, **ODD_LAYER_MODELS, **WINDOW_MODELS, **DEEPSEEK_MODELS, **FAMILY_MODELS}[name]
     config = getattr(transformers, cls_name)(**kwargs, architectures=[ARCHITECTURES[cls_name]])
     config._attn_implementation = "eager"
     torch.manual_seed(zlib.crc32(name.encode()) % 1000)  # the same weights in every process
@@ -201,8 +217,9 @@ def megacli_logits(ckpt_dir: Path, toks, overrides: tuple[str, ...] = ()):
 
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     ckpt = checkpoint.find_checkpoint(ckpt_dir)
+    one_stage = ("parallel.first_stage_layers=null", "parallel.last_stage_layers=null") if pp == 1 else ()
     recipe = load(TrainingRecipe, ckpt / "recipe.yaml",
-                  [f"parallel.tensor={tp}", f"parallel.pipeline={pp}", "parallel.virtual_pipeline=null",
+                  [f"parallel.tensor={tp}", f"parallel.pipeline={pp}", "parallel.virtual_pipeline=null", *one_stage,
                    "parallel.sequence_parallel=false", f"launch.nproc={tp * pp}", "train.global_batch_size=8", *overrides])
     config = transformer_config(model=recipe.model, parallel=recipe.parallel, precision="fp32", on_cuda=False)
     chunks = build_model(recipe=recipe, config=config, vocab_size=recipe.model.vocab_size)

@@ -237,7 +237,7 @@ GEMMA_TRAIN = [
     "model.add_bias_linear=false", "model.num_layers=3", "model.kv_channels=16", "model.num_query_groups=2",
     "model.qk_layernorm=true", "model.sliding_window=8", "model.sliding_window_layers=3", "model.rotary_base_local=100",
     "model.attention_softcap=2.0", "model.final_logit_softcap=5.0", "model.scale_embeddings=true",
-    "model.norm_zero_centered_gamma=true", "model.sandwich_norm=true",
+    "model.norm_zero_centered_gamma=true", "model.norm_placement=sandwich",
 ]
 
 

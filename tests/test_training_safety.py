@@ -162,6 +162,9 @@ def test_resume_with_more_heads_is_refused_naming_old_and_new(earlier_run, tmp_p
     ("model.position_embedding=learned", "model.position_embedding = 'learned' (checkpoint: 'rope')"),
     ("model.vocab_size=1000", "model.vocab_size = 1000 (checkpoint: None)"),
     ("model.moe={num_experts: 4}", "model.moe set (checkpoint: null)"),
+    ("model.sliding_window=8", "model.sliding_window = 8 (checkpoint: None)"),
+    ("model.norm_placement=sandwich", "model.norm_placement = 'sandwich' (checkpoint: 'pre')"),
+    ("model.mla={kv_lora_rank: 16, qk_head_dim: 8, qk_pos_emb_head_dim: 8, v_head_dim: 8}", "model.mla set (checkpoint: null)"),
 ])
 def test_weight_changing_fields_are_refused(override, named):
     from megacli.engine.compat import check_resumable

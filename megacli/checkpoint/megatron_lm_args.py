@@ -834,6 +834,11 @@ def unsupported(recipe) -> list[str]:
         out.append("model.rope_scaling (Megatron-LM's --use-rope-scaling is Llama 3's fixed scaling only)")
     if m.softmax_scale is not None:
         out.append("model.softmax_scale")
+    plain = {"norm_placement": "pre", "qk_norm_scope": "head", "sliding_window": None, "attention_softcap": None,
+             "final_logit_softcap": None, "scale_embeddings": False, "norm_zero_centered_gamma": False,
+             "rotary_base_local": None, "mla": None}
+    out += [f"model.{name} (not mapped to Megatron-LM arguments yet)" for name, value in plain.items()
+            if getattr(m, name) != value]
     if recipe.lora is not None:
         out.append("lora (merge the adapters first: megacli convert CKPT DST --to megacli)")
     return out

@@ -121,6 +121,17 @@ def fused_qkv(*, heads: int, conv1d: bool) -> tuple[ToMegatron, ToHF]:
     return to_megatron, to_hf
 
 
+def packed_qkv(*, groups: int, heads: int) -> tuple[ToMegatron, ToHF]:
+    """One [Q; K; V] projection with grouped keys and values (Phi-3's qkv_proj: heads·d, groups·d,
+    groups·d rows) <-> Megatron's grouped fused QKV."""
+
+    def to_megatron(t):
+        d = t.shape[0] // (heads + 2 * groups)
+        return interleave_qkv(*t.split([heads * d, groups * d, groups * d], dim=0), groups=groups)
+
+    return to_megatron, lambda t: (torch.cat(split_qkv(t, groups=groups, heads=heads), dim=0),)
+
+
 def gate_up() -> tuple[ToMegatron, ToHF]:
     return fuse_gate_up, split_gate_up
 

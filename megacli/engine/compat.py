@@ -14,10 +14,15 @@ from megacli.errors import UserError
 WEIGHT_FIELDS = tuple(f"model.{k}" for k in (
     "arch", "num_layers", "decoder_num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
     "kv_channels", "ffn_hidden_size", "max_position_embeddings", "position_embedding", "rotary_percent",
-    "normalization", "activation", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "untie_embeddings",
+    "normalization", "activation", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "qk_norm_scope",
+    "norm_placement", "untie_embeddings",
     "softmax_scale", "vocab_size", "make_vocab_size_divisible_by", "norm_position", "bert_binary_head",
     "bert_token_types", "scale_decoder_output", "moe.num_experts", "moe.router_topk", "moe.ffn_hidden_size",
-    "moe.shared_expert_ffn_hidden_size", "moe.shared_expert_gate", "moe.layer_freq",
+    "moe.shared_expert_ffn_hidden_size", "moe.shared_expert_gate", "moe.layer_freq", "moe.router_pre_softmax",
+    "moe.router_score_function", "moe.router_expert_bias", "moe.router_num_groups", "moe.router_group_topk",
+    "moe.router_topk_scaling_factor", "sliding_window", "sliding_window_layers", "rotary_base_local",
+    "attention_softcap", "final_logit_softcap", "scale_embeddings", "norm_zero_centered_gamma", "mla.q_lora_rank",
+    "mla.kv_lora_rank", "mla.qk_head_dim", "mla.qk_pos_emb_head_dim", "mla.v_head_dim",
 )) + ("tokenizer.type", "masking.sentinel_tokens", "lora.rank", "lora.targets")
 
 # Fields a resumed run may change; the change is reported in one line.
@@ -53,9 +58,10 @@ def check_resumable(ckpt: Path, recipe) -> str | None:
         return out
 
     refused = changed(WEIGHT_FIELDS)
-    old_moe, new_moe = _get(saved, "model.moe"), _get(current, "model.moe")
-    if old_moe is not _ABSENT and (old_moe is None) != (new_moe is None):
-        refused.append(f"model.moe {'set' if new_moe else 'null'} (checkpoint: {'set' if old_moe else 'null'})")
+    for section in ("model.moe", "model.mla"):
+        old_section, new_section = _get(saved, section), _get(current, section)
+        if old_section is not _ABSENT and (old_section is None) != (new_section is None):
+            refused.append(f"{section} {'set' if new_section else 'null'} (checkpoint: {'set' if old_section else 'null'})")
     if _get(current, "model.position_embedding") == "learned":
         old_pos, new_pos = _learned_positions(saved), _learned_positions(current)
         if old_pos is not None and old_pos != new_pos:

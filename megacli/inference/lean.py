@@ -14,6 +14,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
+from megacli.engine.models.layers import OutputNormAdd
+
 
 def _column_forward(layer, input_, weight=None, runtime_gather_output=None):
     weight = layer.weight if weight is None else weight
@@ -48,19 +50,27 @@ def lean_linears(net) -> None:
 
 def _decode_layer(layer, hidden_states, attention_mask=None, inference_context=None, rotary_pos_emb=None,
                   attention_bias=None, **_unused):
-    """TransformerLayer.forward of a pre-norm GPT layer in eval mode (dropout off, so each
-    bias-dropout-add is a plain sum), without its recompute, offload and CUDA-graph plumbing."""
-    out, bias = layer.self_attention(layer.input_layernorm(hidden_states), attention_mask=attention_mask,
-                                     inference_context=inference_context, rotary_pos_emb=rotary_pos_emb,
-                                     attention_bias=attention_bias)
-    hidden_states = hidden_states + (out if bias is None else out + bias)
-    out, bias = layer.mlp(layer.pre_mlp_layernorm(hidden_states))
-    return hidden_states + (out if bias is None else out + bias), None
+    """TransformerLayer.forward of a GPT layer in eval mode (dropout off, so each
+    bias-dropout-add is a plain sum, after the output norm of ``model.norm_placement: output``),
+    without its recompute, offload and CUDA-graph plumbing."""
+    out = layer.self_attention(layer.input_layernorm(hidden_states), attention_mask=attention_mask,
+                               inference_context=inference_context, rotary_pos_emb=rotary_pos_emb,
+                               attention_bias=attention_bias)
+    hidden_states = hidden_states + _sublayer_output(layer.self_attn_bda, out)
+    out = layer.mlp(layer.pre_mlp_layernorm(hidden_states))
+    return hidden_states + _sublayer_output(layer.mlp_bda, out), None
+
+
+def _sublayer_output(bda, output_with_bias):
+    if isinstance(bda, OutputNormAdd):
+        return bda.normed(output_with_bias)
+    out, bias = output_with_bias
+    return out if bias is None else out + bias
 
 
 def lean_layers(net) -> None:
-    """Give every plain GPT layer (self-attention, dense MLP, residual taken before the norm) of
-    an inference-only model the lean forward."""
+    """Give every plain GPT layer (self-attention, dense MLP, residual taken before the norm,
+    bias-dropout-add or OutputNormAdd) of an inference-only model the lean forward."""
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -68,5 +78,9 @@ def lean_layers(net) -> None:
     for layer in net.modules():
         if (isinstance(layer, TransformerLayer) and type(layer.mlp) is MLP and isinstance(layer.cross_attention, IdentityOp)
                 and not layer.config.apply_residual_connection_post_layernorm and not layer.config.fp32_residual_connection
-                and not isinstance(layer.self_attn_bda, torch.nn.Module)):  # a module: a norm in the residual step
+                and all(_plain_residual(bda) for bda in (layer.self_attn_bda, layer.mlp_bda))):
             layer.forward = functools.partial(_decode_layer, layer)
+
+
+def _plain_residual(bda) -> bool:
+    return isinstance(bda, OutputNormAdd) or not isinstance(bda, torch.nn.Module)

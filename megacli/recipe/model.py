@@ -243,7 +243,18 @@ class ModelSection(Section):
     add_qkv_bias: bool = False
     """Bias on the QKV projection even when add_bias_linear is false (Qwen2)."""
     qk_layernorm: bool = False
-    """Normalize queries and keys per head before attention."""
+    """Normalize queries and keys before RoPE and attention (scope: model.qk_norm_scope)."""
+    qk_norm_scope: Literal["head", "projection"] = "head"
+    """gpt with qk_layernorm only: what one query (key) norm spans. head: each head's head_dim
+    features, one gain of head_dim shared by the heads (Qwen3); projection: all heads of the query
+    (key) projection at once, gains of num_attention_heads (num_query_groups) × head_dim (OLMo 2;
+    under tensor parallelism the sum of squares is all-reduced over the tensor-parallel group)."""
+    norm_placement: Literal["pre", "output", "sandwich"] = "pre"
+    """gpt only: where a layer's norms sit. pre: before attention and before the MLP (Llama);
+    output: none before them, one on the attention output and one on the MLP output before each
+    is added to the residual stream (OLMo 2); sandwich: both, before and after each sublayer
+    (Gemma 2/3's post_attention_layernorm and post_feedforward_layernorm). The output norms are
+    stored as ``self_attn_bda.norm`` and ``mlp_bda.norm``. All keep the final norm."""
     untie_embeddings: bool = False
     """Separate output projection instead of sharing the input embedding."""
     dropout: float = Field(0.0, ge=0, lt=1)
@@ -295,10 +306,6 @@ class ModelSection(Section):
     norm_zero_centered_gamma: bool = False
     """Every norm's gain is stored as gamma - 1 (initialised to 0) and applied as 1 + weight (Gemma's
     RMSNorm; Megatron's layernorm_zero_centered_gamma)."""
-    sandwich_norm: bool = False
-    """gpt only: also normalise the attention and MLP outputs before they join the residual stream
-    (Gemma 2/3's post_attention_layernorm and post_feedforward_layernorm; norms stored as
-    self_attn_bda.norm and mlp_bda.norm)."""
     mla: Optional[MLASection] = None
     """gpt only: multi-latent attention (DeepSeek) instead of multi-head attention; null = standard attention."""
 
@@ -312,8 +319,7 @@ class ModelSection(Section):
     @model_validator(mode="after")
     def _gpt_attention_features(self):
         gpt_only = {"sliding_window": self.sliding_window, "attention_softcap": self.attention_softcap,
-                    "final_logit_softcap": self.final_logit_softcap, "scale_embeddings": self.scale_embeddings,
-                    "sandwich_norm": self.sandwich_norm}
+                    "final_logit_softcap": self.final_logit_softcap, "scale_embeddings": self.scale_embeddings}
         for name, value in gpt_only.items():
             if value and self.arch != "gpt":
                 raise RecipeError(f"model.{name}", value, f"is for gpt models, not {self.arch}")
@@ -368,6 +374,19 @@ class ModelSection(Section):
         for name, (bad, why) in refused.items():
             if bad:
                 raise RecipeError(f"model.{name}", getattr(self, name), f"is not supported with model.mla: {why}")
+        return self
+
+    @model_validator(mode="after")
+    def _gpt_norm_options(self):
+        if self.qk_norm_scope != "head" and not (self.arch == "gpt" and self.qk_layernorm):
+            raise RecipeError("model.qk_norm_scope", self.qk_norm_scope,
+                              f"needs model.arch = gpt and model.qk_layernorm = true (got {self.arch}, {self.qk_layernorm})")
+        if self.qk_norm_scope == "projection" and self.normalization != "rmsnorm":
+            raise RecipeError("model.qk_norm_scope", self.qk_norm_scope, f"is an RMSNorm (model.normalization = rmsnorm, "
+                              f"got {self.normalization})")
+        if self.norm_placement != "pre" and self.arch != "gpt":
+            raise RecipeError("model.norm_placement", self.norm_placement,
+                              f"is a gpt layer option (bert has model.norm_position; got model.arch = {self.arch})")
         return self
 
     @property

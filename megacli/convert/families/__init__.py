@@ -28,7 +28,7 @@ from types import ModuleType
 
 from megacli.errors import UserError
 
-FAMILY_MODULES = ("gpt2", "llama", "gemma", "moe", "deepseek", "bert", "t5")
+FAMILY_MODULES = ("gpt2", "llama", "gemma", "moe", "olmo2", "phi3", "deepseek", "bert", "t5")
 
 
 def _load(name: str) -> ModuleType:

@@ -6,7 +6,7 @@ What sets them apart from Llama, each a recipe field:
 * RMSNorm applied as ``1 + weight`` (``model.norm_zero_centered_gamma``: HF's stored weight is
   Megatron's zero-centered gain, copied as is), on the q/k heads too in Gemma 3 (``qk_layernorm``);
 * input embeddings times sqrt(hidden_size) in the embedding dtype (``model.scale_embeddings``);
-* a norm before and after attention and before and after the MLP (``model.sandwich_norm``: the
+* a norm before and after attention and before and after the MLP (``model.norm_placement: sandwich``: the
   post norms live in the layer's bias-dropout-add slots, ``self_attn_bda.norm`` / ``mlp_bda.norm``);
 * GeGLU with tanh-approximate GELU (``activation: geglu``), an explicit head_dim (``kv_channels``);
 * scores scaled by query_pre_attn_scalar**-0.5 (``model.softmax_scale``);
@@ -97,7 +97,7 @@ def model_section(c: dict) -> dict:
         normalization="rmsnorm",
         norm_epsilon=c.get("rms_norm_eps", 1e-6),
         norm_zero_centered_gamma=True,
-        sandwich_norm=True,
+        norm_placement="sandwich",
         scale_embeddings=True,
         activation="geglu",
         add_bias_linear=False,
@@ -119,7 +119,7 @@ def model_section(c: dict) -> dict:
 def architecture_for(m, preferred: str | None = None) -> str | None:
     if not (m.arch == "gpt" and m.position_embedding == "rope" and m.normalization == "rmsnorm"
             and m.activation == "geglu" and m.rotary_percent == 1.0 and m.moe is None and not m.add_bias_linear
-            and not m.add_qkv_bias and m.norm_zero_centered_gamma and m.sandwich_norm and m.scale_embeddings):
+            and not m.add_qkv_bias and m.norm_zero_centered_gamma and m.norm_placement == "sandwich" and m.scale_embeddings):
         return None
     if m.qk_layernorm:
         return "Gemma3ForCausalLM"

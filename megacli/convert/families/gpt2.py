@@ -53,7 +53,8 @@ def model_section(c: dict) -> dict:
 def architecture_for(m, preferred: str | None = None) -> str | None:
     ok = (m.arch == "gpt" and m.position_embedding == "learned" and m.normalization == "layernorm"
           and m.activation in _HF_ACTIVATION and m.add_bias_linear and m.query_groups == m.num_attention_heads
-          and m.head_dim * m.num_attention_heads == m.hidden_size and not m.qk_layernorm and m.moe is None)
+          and m.head_dim * m.num_attention_heads == m.hidden_size and not m.qk_layernorm and m.moe is None
+          and m.norm_placement == "pre")
     return "GPT2LMHeadModel" if ok else None
 
 

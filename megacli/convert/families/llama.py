@@ -181,7 +181,7 @@ def model_section(c: dict) -> dict:
 def architecture_for(m, preferred: str | None = None) -> str | None:
     if not (m.arch == "gpt" and m.position_embedding == "rope" and m.normalization == "rmsnorm"
             and m.activation == "swiglu" and m.rotary_percent == 1.0 and m.moe is None and m.mla is None
-            and not _gemma_features(m)):
+            and not _gemma_features(m) and m.norm_placement == "pre" and m.qk_norm_scope == "head"):
         return None
     qwen_windows = m.sliding_window is None or _qwen_windows(m) is not None
     if m.qk_layernorm:
@@ -238,7 +238,7 @@ def hf_config(m, *, architecture: str, vocab_size: int, base: dict | None) -> di
 
 def _gemma_features(m) -> bool:
     """Features of the Gemma family (gemma.py) that these architectures lack."""
-    return bool(m.norm_zero_centered_gamma or m.sandwich_norm or m.scale_embeddings or m.attention_softcap
+    return bool(m.norm_zero_centered_gamma or m.norm_placement == "sandwich" or m.scale_embeddings or m.attention_softcap
                 or m.final_logit_softcap or m.rotary_base_local)
 
 

@@ -1,10 +1,12 @@
-"""Mixture-of-experts Llama-style models: Mixtral (MixtralForCausalLM) and Qwen2-MoE
-(Qwen2MoeForCausalLM). Attention, norms and embeddings are the Llama family's; each MoE layer has
+"""Mixture-of-experts Llama-style models: Mixtral (MixtralForCausalLM), Qwen2-MoE
+(Qwen2MoeForCausalLM) and Qwen3-MoE (Qwen3MoeForCausalLM). Attention, norms and embeddings are the Llama family's; each MoE layer has
 a router (``mlp.router.weight`` <- the HF gate) and experts that Megatron-Core stores stacked along
 a leading expert axis (``mlp.experts.experts.linear_fc1.weight``: [experts, 2·ffn, hidden], each
 [gate; up] as in a dense SwiGLU MLP). Qwen2-MoE adds a shared expert with a sigmoid gate, QKV
 biases, dense layers (``mlp_only_layers``, ``decoder_sparse_step``) and top-k probabilities that
-are not renormalised (``norm_topk_prob: false``: Megatron's softmax before top-k).
+are not renormalised (``norm_topk_prob: false``: Megatron's softmax before top-k). Qwen3-MoE has
+Qwen3's attention (per-head q/k RMSNorm, explicit head_dim, no biases), no shared expert, and the
+same dense-layer rule and ``norm_topk_prob`` (true in its released checkpoints: renormalised).
 
 Routing: Mixtral takes the softmax over all experts and renormalises the top k, which equals
 Megatron's default (top-k of the logits, softmax over those k); no capacity limit (dropless), as
@@ -19,7 +21,7 @@ from megacli.convert.families import llama, require
 from megacli.convert.mapping import MappingTable, Rule, direct, fuse_gate_up, split_gate_up
 from megacli.errors import UserError
 
-ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM")
+ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 ARCH = "gpt"
 
 # Per architecture: the attention layout it shares with a dense family, where its MoE block lives,
@@ -29,11 +31,13 @@ _LAYOUT = {
                                gate="w1", up="w3", down="w2"),
     "Qwen2MoeForCausalLM": dict(dense="Qwen2ForCausalLM", model_type="qwen2_moe", block="mlp",
                                 gate="gate_proj", up="up_proj", down="down_proj"),
+    "Qwen3MoeForCausalLM": dict(dense="Qwen3ForCausalLM", model_type="qwen3_moe", block="mlp",
+                                gate="gate_proj", up="up_proj", down="down_proj"),
 }
 
 
 def _moe_layers(c: dict, architecture: str, num_layers: int) -> list[int]:
-    """1 for a layer with experts, 0 for a dense one (Qwen2-MoE's rule in modeling_qwen2_moe)."""
+    """1 for a layer with experts, 0 for a dense one (Qwen2-/Qwen3-MoE's rule in modeling_qwen*_moe)."""
     if architecture == "MixtralForCausalLM":
         return [1] * num_layers
     dense = set(c.get("mlp_only_layers") or [])
@@ -60,7 +64,7 @@ def model_section(c: dict) -> dict:
         else require(c, "moe_intermediate_size"),
         aux_loss_coeff=c.get("router_aux_loss_coef", 0.001),
         layer_freq=1 if all(layers) else layers,
-        router_pre_softmax=architecture == "Qwen2MoeForCausalLM" and not c.get("norm_topk_prob", False),
+        router_pre_softmax=architecture != "MixtralForCausalLM" and not c.get("norm_topk_prob", False),
     )
     if architecture == "Qwen2MoeForCausalLM":
         shared = c.get("shared_expert_intermediate_size") or 0
@@ -78,9 +82,10 @@ def architecture_for(m, preferred: str | None = None) -> str | None:
         return None
     expressible = {
         "MixtralForCausalLM": (not m.add_qkv_bias and moe.shared_expert_ffn_hidden_size is None
-                               and not moe.router_pre_softmax and all(m.moe_layers())),
+                               and not moe.router_pre_softmax and all(m.moe_layers()) and not m.qk_layernorm),
         "Qwen2MoeForCausalLM": moe.shared_expert_ffn_hidden_size is not None and moe.shared_expert_gate
-                               and m.head_dim * m.num_attention_heads == m.hidden_size,
+                               and m.head_dim * m.num_attention_heads == m.hidden_size and not m.qk_layernorm,
+        "Qwen3MoeForCausalLM": m.qk_layernorm and not m.add_qkv_bias and moe.shared_expert_ffn_hidden_size is None,
     }
     if preferred is not None and expressible.get(preferred):
         return preferred
@@ -98,14 +103,27 @@ def hf_config(m, *, architecture: str, vocab_size: int, base: dict | None) -> di
             derived.pop("head_dim")  # Mixtral configs usually leave it implicit (absent or null)
             if "head_dim" in base:
                 derived["head_dim"] = None
-    else:
-        layers = m.moe_layers()
+    elif architecture == "Qwen2MoeForCausalLM":
         derived.update(num_experts=moe.num_experts, moe_intermediate_size=m.expert_ffn_size,
-                       shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size, decoder_sparse_step=1,
-                       mlp_only_layers=[i for i, x in enumerate(layers) if not x], norm_topk_prob=not moe.router_pre_softmax,
+                       shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size,
+                       **_dense_layers(m, base), norm_topk_prob=not moe.router_pre_softmax,
                        qkv_bias=m.add_qkv_bias, use_sliding_window=False)
         derived.pop("head_dim", None)
+    else:  # transformers 5 writes num_local_experts, the released configs num_experts: keep the source's
+        experts_key = "num_local_experts" if "num_local_experts" in base else "num_experts"
+        derived.update({experts_key: moe.num_experts}, moe_intermediate_size=m.expert_ffn_size, **_dense_layers(m, base),
+                       norm_topk_prob=not moe.router_pre_softmax, use_sliding_window=False)
     return derived
+
+
+def _dense_layers(m, base: dict) -> dict:
+    """decoder_sparse_step and mlp_only_layers for the model's dense layers: the source's when they
+    give the same layers, else every layer a candidate (step 1) and the dense ones listed."""
+    layers = m.moe_layers()
+    kept = {"decoder_sparse_step": base.get("decoder_sparse_step", 1), "mlp_only_layers": base.get("mlp_only_layers", [])}
+    if _moe_layers(kept, "Qwen2MoeForCausalLM", m.num_layers) == layers:
+        return kept
+    return {"decoder_sparse_step": 1, "mlp_only_layers": [i for i, x in enumerate(layers) if not x]}
 
 
 def _stacked_gate_up(n: int):
@@ -125,7 +143,7 @@ def _stacked(n: int):
 def table(m) -> MappingTable:
     architecture = architecture_for(m)
     if architecture is None:
-        raise UserError("this MoE model has no Hugging Face family (Mixtral or Qwen2-MoE)")
+        raise UserError("this MoE model has no Hugging Face family (Mixtral, Qwen2-MoE or Qwen3-MoE)")
     layout, n = _LAYOUT[architecture], m.moe.num_experts
     dense = llama.table(m.model_copy(update={"moe": None}))
     L, H = "decoder.layers.*.", "model.layers.*."

@@ -72,20 +72,20 @@ def gpt_block_spec(*, model, config, vp_stage, lora=None):
     layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     pattern = model.moe_layers()[offset:offset + layers]
-    specs = {kind: gpt_layer_spec(model=model, moe_config=config if kind else None, lora=lora, config=config)
-             for kind in set(pattern)}
+    specs = {kind: gpt_layer_spec(model=model, config=config, moe=bool(kind), lora=lora) for kind in set(pattern)}
     return ModuleSpec(module=TransformerBlock,
                       submodules=TransformerBlockSubmodules(layer_specs=[specs[kind] for kind in pattern], layer_norm=Norm))
 
 
-def gpt_layer_spec(*, model, moe_config=None, lora=None, config=None):
+def gpt_layer_spec(*, model, config, moe: bool = False, lora=None):
     """Megatron-Core's local GPT layer with our pieces: a norm that works under sequence
-    parallelism, SDPA core attention (ALiBi, ring context parallelism) and, with a lora section,
-    adapters on the targeted linear layers. Checkpoint keys stay those of Megatron's TE layout
-    (norms fused into the following linear's key names). With ``moe_config`` (a MoE model's
-    TransformerConfig), the MLP is a mixture of experts (models.moe). ``model.sandwich_norm`` adds
-    a norm on each sublayer's output (its bias-dropout-add, built from ``config``); the sliding
-    window comes from ``config.window_size`` in the core attention, per layer number."""
+    parallelism, SDPA core attention (ALiBi, sliding window from ``config.window_size`` per layer
+    number, soft-cap, ring context parallelism) and, with a lora section, adapters on the targeted
+    linear layers. Checkpoint keys stay those of Megatron's TE layout (norms fused into the
+    following linear's key names). With ``moe``, the MLP is a mixture of experts (models.moe).
+    ``model.norm_placement`` output / sandwich puts OutputNormAdd (models.layers) in the residual
+    steps (without / with the norms before the sublayers); ``model.qk_norm_scope: projection`` makes
+    the q/k norms ProjectionNorms; ``model.mla`` is multi-latent attention (models.mla)."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.attention import SelfAttentionSubmodules
@@ -97,16 +97,19 @@ def gpt_layer_spec(*, model, moe_config=None, lora=None, config=None):
 
     from megacli.engine.models.attention import CoreAttention
     from megacli.engine.models.kv_cache import CachedRotarySelfAttention
-    from megacli.engine.models.layers import Norm, NormedOutputAdd
+    from megacli.engine.models.layers import Norm, OutputNormAdd, ProjectionNorm
     from megacli.engine.models.lora import linear_spec
 
     bias = "alibi" if model.position_embedding == "alibi" else "none"
-    residual = get_bias_dropout_add
-    if model.sandwich_norm:
-        if config is None:
-            raise ValueError("a sandwich-norm layer spec needs the TransformerConfig (config=)")
-        residual = ModuleSpec(module=NormedOutputAdd, params={"config": config})
-    qk_norm = Norm if model.qk_layernorm else IdentityOp
+    q_norm = k_norm = Norm if model.qk_layernorm else IdentityOp
+    if model.qk_layernorm and model.qk_norm_scope == "projection":
+        q_norm = ModuleSpec(module=ProjectionNorm, params={"heads": model.num_attention_heads})
+        k_norm = ModuleSpec(module=ProjectionNorm, params={"heads": model.query_groups})
+    pre_norm, residual = Norm, get_bias_dropout_add
+    if model.norm_placement != "pre":
+        residual = ModuleSpec(module=OutputNormAdd, params={"config": config})
+        if model.norm_placement == "output":
+            pre_norm = IdentityOp
     if model.mla is None:
         keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
         self_attention = ModuleSpec(
@@ -117,8 +120,8 @@ def gpt_layer_spec(*, model, moe_config=None, lora=None, config=None):
                 core_attention=ModuleSpec(module=CoreAttention, params={"position_bias": bias,
                                                                         "softcap": model.attention_softcap}),
                 linear_proj=linear_spec(RowParallelLinear, "linear_proj", lora),
-                q_layernorm=qk_norm,
-                k_layernorm=qk_norm,
+                q_layernorm=q_norm,
+                k_layernorm=k_norm,
             ),
         )
     else:  # multi-latent attention: its input norm is not fused into a linear layer (its keys: mla.KEYS_MAP)
@@ -126,7 +129,7 @@ def gpt_layer_spec(*, model, moe_config=None, lora=None, config=None):
 
         keys_map = dict(mla.KEYS_MAP)
         self_attention = mla.attention_spec(model=model, lora=lora)
-    if moe_config is None:
+    if not moe:
         mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(
             linear_fc1=linear_spec(ColumnParallelLinear, "linear_fc1", lora, swiglu=model.gated),
             linear_fc2=linear_spec(RowParallelLinear, "linear_fc2", lora)))
@@ -134,14 +137,14 @@ def gpt_layer_spec(*, model, moe_config=None, lora=None, config=None):
     else:  # a MoE layer keeps pre_mlp_layernorm under its own name, as Megatron's TE spec does
         from megacli.engine.models.moe import moe_mlp_spec
 
-        mlp = moe_mlp_spec(config=moe_config)
+        mlp = moe_mlp_spec(config=config)
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=Norm,
+            input_layernorm=pre_norm,
             self_attention=self_attention,
             self_attn_bda=residual,
-            pre_mlp_layernorm=Norm,
+            pre_mlp_layernorm=pre_norm,
             mlp=mlp,
             mlp_bda=residual,
             sharded_state_dict_keys_map=keys_map,

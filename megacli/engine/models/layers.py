@@ -91,23 +91,94 @@ class PostNormAdd(torch.nn.Module):
         return lambda output_with_bias, residual, prob: self.norm(add(output_with_bias, residual, prob))
 
 
-class NormedOutputAdd(torch.nn.Module):
-    """The residual step of a sandwich-norm layer (Gemma 2/3), residual + dropout(norm(output +
-    bias)), in the bias-dropout-add slot of Megatron's TransformerLayer. Its norm is stored as
-    ``<layer>.self_attn_bda.norm.*`` / ``<layer>.mlp_bda.norm.*``."""
+class OutputNormAdd(torch.nn.Module):
+    """The residual step of a layer that normalises each sublayer's output before adding it,
+    residual + dropout(norm(output + bias)) (``model.norm_placement``: output, OLMo 2; sandwich, Gemma 2/3), in the
+    bias-dropout-add slot of Megatron's TransformerLayer. Its norm is stored as
+    ``<layer>.self_attn_bda.norm.*`` / ``<layer>.mlp_bda.norm.*``. Under sequence parallelism the
+    output is this rank's tokens, and Norm's gain carries ``sequence_parallel``."""
 
     def __init__(self, config):
         super().__init__()
         self.norm = Norm(config, config.hidden_size, eps=config.layernorm_epsilon)
 
+    def normed(self, output_with_bias):
+        out, bias = output_with_bias
+        return self.norm(out if bias is None else out + bias)
+
     def forward(self, training: bool, fused: bool):
         add = get_bias_dropout_add(training, fused)
+        return lambda output_with_bias, residual, prob: add((self.normed(output_with_bias), None), residual, prob)
 
-        def normed_add(output_with_bias, residual, prob):
-            out, bias = output_with_bias
-            return add((self.norm(out if bias is None else out + bias), None), residual, prob)
 
-        return normed_add
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) whose gradient is the all-reduced gradient: each rank's copy of the sum
+    feeds different heads, so the sum's gradient is the sum of the ranks' gradients."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.clone()
+        torch.distributed.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class ProjectionNorm(torch.nn.Module):
+    """RMSNorm over all heads of a query or key projection at once (OLMo 2's q_norm / k_norm,
+    ``model.qk_norm_scope: projection``), as ``q_layernorm`` / ``k_layernorm`` of Megatron's
+    SelfAttention, which passes [sq, b, local heads, head_dim]. The gain covers ``heads`` ×
+    head_dim features and is split over the tensor-parallel ranks like the heads (contiguous, rank
+    order); the sum of squares of a token is all-reduced over the tensor-parallel group, so every
+    rank divides by the whole projection's width. Computed in fp32, cast back after the gain."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, *, heads: int):
+        super().__init__()
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
+        if config.normalization != "RMSNorm":
+            raise ValueError(f"ProjectionNorm is an RMSNorm, not {config.normalization!r}")
+        tp = config.tensor_model_parallel_size
+        if heads % tp:
+            raise ValueError(f"{heads} heads do not split over {tp} tensor-parallel ranks")
+        self.config, self.eps = config, eps
+        self.width = heads * hidden_size
+        self.group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
+        kw = {"dtype": config.params_dtype}
+        if not config.use_cpu_initialization and torch.cuda.is_available():
+            kw["device"] = torch.cuda.current_device()
+        self.weight = torch.nn.Parameter(torch.empty(heads // tp * hidden_size, **kw))
+        self.zero_centered_gamma = bool(config.layernorm_zero_centered_gamma)
+        with torch.no_grad():
+            self.weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
+        set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(*x.shape[:-2], -1).float()
+        squares = flat.pow(2).sum(-1, keepdim=True)
+        if self.group is not None:
+            squares = _SumOverGroup.apply(squares, self.group)
+        weight = self.weight + 1 if self.zero_centered_gamma else self.weight
+        out = weight.float() * (flat * torch.rsqrt(squares / self.width + self.eps))
+        return out.to(x.dtype).reshape(x.shape)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None) -> dict:
+        from megatron.core import parallel_state as ps
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        dp_cp = (metadata or {}).get("dp_cp_group") or ps.get_data_parallel_group(with_context_parallel=True)
+        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 0},
+                                                   sharded_offsets, tp_group=ps.get_tensor_model_parallel_group(),
+                                                   dp_cp_group=dp_cp)
+
+    def extra_repr(self) -> str:
+        return f"RMSNorm over {self.width} features (this rank: {self.weight.numel()}), eps={self.eps}"
 
 
 def layer_spec(*, model, self_attn_mask: AttnMaskType, cross_attention: bool, config=None) -> ModuleSpec:
