@@ -182,8 +182,11 @@ def test_cli_inspect_print_structure_and_refusals(converted, tmp_path):
     assert "Megatron-LM torch_dist checkpoint" in out.stdout
     assert "decoder.layers.self_attention.linear_qkv.weight  [2, 128, 32]  float32" in out.stdout
 
-    out = _megacli("reshard", str(src), str(tmp_path / "resharded"), "--tensor", "1")
-    assert out.returncode == 2 and "--to megacli" in out.stderr and not (tmp_path / "resharded").exists(), out.stderr
+    # reshard reads it directly; verify compares every tensor with the source's.
+    out = _megacli("reshard", str(src), str(tmp_path / "resharded"), "--tensor", "1", "--pipeline", "1", "--verify")
+    assert out.returncode == 0 and "verify: OK" in out.stdout, out.stdout + out.stderr
+    out = _megacli("reshard", "verify", str(root / "mlm_local"), str(tmp_path / "resharded"))
+    assert out.returncode == 0 and "verify: OK" in out.stdout, out.stdout + out.stderr
 
     # A run whose model megacli cannot express is named, not guessed; nothing is written.
     moe = tmp_path / "moe"

@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.test_megatron_lm import llama_args
 
@@ -189,18 +190,56 @@ def test_resumed_losses_continue_the_writers_run(chain, name):
 
 
 def test_refusals_name_the_field(chain, tmp_path):
+    from megacli.checkpoint.megatron_lm import MegatronLMCheckpoint
+    from megacli.engine.compat import check_resumable
+    from megacli.engine.megatron_lm_resume import _scheduler_state
+    from megacli.engine.optim import build_scheduler
+    from megacli.errors import UserError
+    from megacli.recipe.base import load
+    from megacli.recipe.pretrain import TrainingRecipe
+
     root = chain["root"]
-    # dp_reshardable optimizer state under another tensor/pipeline layout.
+    # dp_reshardable optimizer state under another tensor/pipeline layout: through the CLI, no traceback.
     res, _ = pretrain(tmp_path / "tp1", layout(tp=1, pp=1) + [f"checkpoint.resume={root / 'mlm_dist'}"])
     assert res.returncode == 2 and "dp_reshardable" in res.stderr and "parallel.tensor=2" in res.stderr, res.stderr[-2000:]
     assert "Traceback" not in res.stderr
+    it_dir = root / "mlm_full" / "iter_0000002"
+    recipe = load(TrainingRecipe, root / "ck_a" / "iter_0000002" / "recipe.yaml")
+    assert "model.padded_vocab_in_loss=true" in check_resumable(it_dir, recipe)
     # A model shape other than the run's args.
-    res, _ = pretrain(tmp_path / "wide", layout(tp=1, pp=1) + ["model.ffn_hidden_size=96",
-                                                              f"checkpoint.resume={root / 'mlm_full'}"])
-    assert res.returncode == 2 and "model.ffn_hidden_size" in res.stderr and "Traceback" not in res.stderr, res.stderr[-2000:]
+    wide = load(TrainingRecipe, root / "ck_a" / "iter_0000002" / "recipe.yaml", ["model.ffn_hidden_size=96"])
+    with pytest.raises(UserError, match=r"model.ffn_hidden_size = 96 \(checkpoint: 64\)"):
+        check_resumable(it_dir, wide)
     # A schedule other than the run's.
-    res, _ = pretrain(tmp_path / "lr", layout(tp=1, pp=1) + ["optim.lr=3e-3", f"checkpoint.resume={root / 'mlm_full'}"])
-    assert res.returncode == 2 and "optim.lr" in res.stderr and "Traceback" not in res.stderr, res.stderr[-2000:]
+    src = MegatronLMCheckpoint(it_dir)
+    for sets, field in ((["optim.lr=3e-3"], "optim.lr"), (["train.iters=8"], "optim.decay_iters")):
+        r = load(TrainingRecipe, root / "ck_a" / "iter_0000002" / "recipe.yaml", sets)
+        opt = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=r.optim.lr)
+        with pytest.raises(UserError, match=field):
+            _scheduler_state(src, build_scheduler(opt, optim=r.optim, train_iters=r.train.iters))
+    assert _scheduler_state(src, build_scheduler(opt, optim=recipe.optim, train_iters=recipe.train.iters))["num_steps"] == 2
+
+
+def test_reshard_carries_the_layout_free_optimizer_state(chain, tmp_path):
+    """reshard (and verify) of Megatron-LM checkpoints: the plain optimizer's state and fully_reshardable
+    state come along; dp_reshardable state and RNG do not, said so."""
+    from typer.testing import CliRunner
+
+    from megacli.checkpoint.torch_dist import TorchDistReader
+    from megacli.cli import _register, app
+
+    _register()
+    root = chain["root"]
+    for name, carried in (("plain", True), ("full", True), ("dist", False)):
+        res = CliRunner().invoke(app, ["reshard", str(root / f"mlm_{name}"), str(tmp_path / name), "--tensor", "1",
+                                       "--pipeline", "1", "--verify"], env={"COLUMNS": "200"})
+        assert res.exit_code == 0 and "verify: OK" in res.output, res.output
+        assert ("optimizer state not carried" in res.output) != carried and "RNG state not carried" in res.output
+        keys = TorchDistReader(tmp_path / name / "iter_0000002").tensors
+        assert any(k.startswith("optimizer.state.exp_avg.decoder.layers.self_attention.linear_qkv.layer_norm_weight")
+                   for k in keys) == carried, sorted(keys)[:5]
+        res = CliRunner().invoke(app, ["reshard", "verify", str(root / f"mlm_{name}"), str(tmp_path / name)])
+        assert res.exit_code == 0 and "verify: OK" in res.output, res.output
 
 
 def test_fully_reshardable_state_resumes_under_another_layout(chain, tmp_path):

@@ -143,8 +143,8 @@ class ArgsDescribed:
     def vocab_size(self) -> int:
         """The real vocabulary: args.vocab_size, else the tokenizer's, else the padded rows."""
         given = arg(self.args, "vocab_size")
-        if given:
-            return int(given)
+        if given:  # Megatron-LM's NullTokenizer appends its end-of-document id to the --vocab-size ids
+            return int(given) + (1 if arg(self.args, "tokenizer_type") == "NullTokenizer" else 0)
         from megacli.data.tokenizers import load_tokenizer
 
         tok = self.tokenizer_dir()

@@ -74,7 +74,12 @@ def check_resumable(ckpt: Path, recipe) -> str | None:
         raise UserError(f"cannot resume {ckpt}: this recipe changes what its weights mean: {'; '.join(refused)}. "
                         f"Use the checkpoint's values, or start a new run (checkpoint.resume: none, another checkpoint.dir)")
     noted = changed(NOTED_FIELDS)
-    return f"resuming with changed settings: {'; '.join(noted)}" if noted else None
+    note = f"resuming with changed settings: {'; '.join(noted)}" if noted else None
+    if foreign and not recipe.model.padded_vocab_in_loss:
+        padding = ("Megatron-LM trains with the padded vocabulary rows in the softmax, this run masks them out: set "
+                   "model.padded_vocab_in_loss=true to continue with its losses")
+        note = f"{note}; {padding}" if note else padding
+    return note
 
 
 def _megatron_lm_recipe(it_dir: Path, trust_pickle: bool) -> dict:

@@ -28,7 +28,7 @@ def build_gpt(*, recipe, config, padded_vocab: int, vocab_size: int) -> list:
         )
         chunk.model_type = ModelType.encoder_or_decoder
         rope.install(chunk, model=m)
-        if chunk.post_process:
+        if chunk.post_process and not m.padded_vocab_in_loss:
             mask_padded_vocab(chunk.output_layer, vocab_size=vocab_size)
         return chunk
 
