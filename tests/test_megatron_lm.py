@@ -203,13 +203,14 @@ def test_cli_inspect_print_structure_and_refusals(converted, tmp_path):
     assert not (tmp_path / "mc_noargs").exists()
 
 
-def _pretrain(recipe: Path, run_dir: Path, pretrained: Path, resume: str = "none") -> tuple[subprocess.CompletedProcess, list[float]]:
+def _pretrain(recipe: Path, run_dir: Path, pretrained: Path, resume: str = "none",
+              extra: tuple[str, ...] = ()) -> tuple[subprocess.CompletedProcess, list[float]]:
     import json
     import os
 
     sets = ["parallel.tensor=1", "parallel.pipeline=1", "launch.nproc=1", "train.iters=2", "train.eval_interval=null",
             "train.log_interval=1", "model.seq_length=16", "train.global_batch_size=2", f"checkpoint.resume={resume}",
-            f"checkpoint.pretrained={pretrained}", f"run.dir={run_dir}"]
+            f"checkpoint.pretrained={pretrained}", f"run.dir={run_dir}", *extra]
     env = {**os.environ, "MEGACLI_IN_PROCESS": "1"}
     out = subprocess.run([sys.executable, "-m", "megacli", "pretrain", str(recipe), *[x for s in sets for x in ("--set", s)]],
                          capture_output=True, text=True, timeout=900, env=env)
@@ -232,7 +233,8 @@ def test_pretrained_weights_from_a_megatron_lm_checkpoint(converted, tmp_path):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert got == want
     # checkpoint.resume of a checkpoint saved without optimizer state: its weights, from iteration 0, said so.
-    out, got = _pretrain(recipe, tmp_path / "resume", root / "mc22", resume=str(root / "mlm_te"))
+    out, got = _pretrain(recipe, tmp_path / "resume", root / "mc22", resume=str(root / "mlm_te"),
+                         extra=("checkpoint.load_optimizer=true",))
     assert out.returncode == 0 and "holds no optimizer state" in out.stdout + out.stderr, out.stderr[-2000:]
     assert got == want
 
