@@ -14,7 +14,10 @@ One chain of runs:
     B1  pretrain --set checkpoint.resume=mlm_dist        steps 3-4
     B2  pretrain --set checkpoint.resume=mlm_plain       steps 3-4
 
-B1 and B2 must reproduce A's steps 3-4 (the run continued in the writer's layout) within 1e-5.
+B1 and B2 must reproduce A's steps 3-4 (the run continued in the writer's layout) within 1e-5;
+mlm_full resumes under TP1 × PP1 (one process) within 1e-4 relative (another layout); the refusals
+(dp_reshardable state under another layout, a model or schedule other than the run's) name the field;
+reshard and verify take all three directly.
 """
 
 from __future__ import annotations
