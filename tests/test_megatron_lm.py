@@ -28,8 +28,16 @@ from megacli.checkpoint.megatron_lm import canonical_key
 
 TOL = 1e-4
 ITERATION = 10
-_LOCAL_NAMES = {"decoder.layers.self_attention.linear_qkv.layer_norm_weight": "decoder.layers.input_layernorm.weight",
-                "decoder.layers.mlp.linear_fc1.layer_norm_weight": "decoder.layers.pre_mlp_layernorm.weight"}
+_LOCAL_NAMES = {"layers.self_attention.linear_qkv.layer_norm_weight": "layers.input_layernorm.weight",
+                "layers.mlp.linear_fc1.layer_norm_weight": "layers.pre_mlp_layernorm.weight",
+                "layers.self_attention.linear_qkv.layer_norm_bias": "layers.input_layernorm.bias",
+                "layers.mlp.linear_fc1.layer_norm_bias": "layers.pre_mlp_layernorm.bias"}
+
+
+def _local_name(key: str) -> str:
+    """A fused (Transformer Engine) norm key under the local spec's unfused name (decoder or encoder stack)."""
+    stack, _, rest = key.partition(".")
+    return f"{stack}.{_LOCAL_NAMES[rest]}" if rest in _LOCAL_NAMES else key
 
 
 def llama_args(**changes) -> argparse.Namespace:
@@ -63,8 +71,8 @@ def write_megatron_lm(megacli_it_dir: Path, root: Path, *, spec: str, args: argp
     with open(it_dir / ".metadata", "rb") as f:
         meta = pickle.load(f)
     if spec == "local":
-        meta.state_dict_metadata = {_LOCAL_NAMES.get(k, k): v for k, v in meta.state_dict_metadata.items()}
-        meta.storage_data = {dataclasses.replace(i, fqn=_LOCAL_NAMES.get(i.fqn, i.fqn)): v for i, v in meta.storage_data.items()}
+        meta.state_dict_metadata = {_local_name(k): v for k, v in meta.state_dict_metadata.items()}
+        meta.storage_data = {dataclasses.replace(i, fqn=_local_name(i.fqn)): v for i, v in meta.storage_data.items()}
     else:  # Transformer Engine's per-layer extra state (a BytesIO), one sharded object per layer, saved in a list
         buf = io.BytesIO()
         torch.save([io.BytesIO(b"fp8 metadata")], buf)
@@ -182,8 +190,11 @@ def test_cli_inspect_print_structure_and_refusals(converted, tmp_path):
     assert "Megatron-LM torch_dist checkpoint" in out.stdout
     assert "decoder.layers.self_attention.linear_qkv.weight  [2, 128, 32]  float32" in out.stdout
 
-    out = _megacli("reshard", str(src), str(tmp_path / "resharded"), "--tensor", "1")
-    assert out.returncode == 2 and "--to megacli" in out.stderr and not (tmp_path / "resharded").exists(), out.stderr
+    # reshard reads it directly; verify compares every tensor with the source's.
+    out = _megacli("reshard", str(src), str(tmp_path / "resharded"), "--tensor", "1", "--pipeline", "1", "--verify")
+    assert out.returncode == 0 and "verify: OK" in out.stdout, out.stdout + out.stderr
+    out = _megacli("reshard", "verify", str(root / "mlm_local"), str(tmp_path / "resharded"))
+    assert out.returncode == 0 and "verify: OK" in out.stdout, out.stdout + out.stderr
 
     # A run whose model megacli cannot express is named, not guessed; nothing is written.
     moe = tmp_path / "moe"
@@ -200,13 +211,14 @@ def test_cli_inspect_print_structure_and_refusals(converted, tmp_path):
     assert not (tmp_path / "mc_noargs").exists()
 
 
-def _pretrain(recipe: Path, run_dir: Path, pretrained: Path, resume: str = "none") -> tuple[subprocess.CompletedProcess, list[float]]:
+def _pretrain(recipe: Path, run_dir: Path, pretrained: Path, resume: str = "none",
+              extra: tuple[str, ...] = ()) -> tuple[subprocess.CompletedProcess, list[float]]:
     import json
     import os
 
     sets = ["parallel.tensor=1", "parallel.pipeline=1", "launch.nproc=1", "train.iters=2", "train.eval_interval=null",
             "train.log_interval=1", "model.seq_length=16", "train.global_batch_size=2", f"checkpoint.resume={resume}",
-            f"checkpoint.pretrained={pretrained}", f"run.dir={run_dir}"]
+            f"checkpoint.pretrained={pretrained}", f"run.dir={run_dir}", *extra]
     env = {**os.environ, "MEGACLI_IN_PROCESS": "1"}
     out = subprocess.run([sys.executable, "-m", "megacli", "pretrain", str(recipe), *[x for s in sets for x in ("--set", s)]],
                          capture_output=True, text=True, timeout=900, env=env)
@@ -217,19 +229,22 @@ def _pretrain(recipe: Path, run_dir: Path, pretrained: Path, resume: str = "none
 
 
 def test_pretrained_weights_from_a_megatron_lm_checkpoint(converted, tmp_path):
-    """checkpoint.pretrained takes a Megatron-LM checkpoint: the same losses as starting from the
-    megacli checkpoint it holds the weights of. One with local-spec names is refused, naming the fix."""
+    """checkpoint.pretrained takes a Megatron-LM checkpoint, with either spec's key names: the same
+    losses as starting from the megacli checkpoint it holds the weights of."""
     root, _ = converted
     recipe = root / "mc" / "iter_0000000" / "recipe.yaml"
     _, want = _pretrain(recipe, tmp_path / "from_megacli", root / "mc22")
     out, got = _pretrain(recipe, tmp_path / "from_megatron_lm", root / "mlm_te")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert len(want) == 2 and got == want
-    out, _ = _pretrain(recipe, tmp_path / "from_local", root / "mlm_local")
-    assert out.returncode == 2 and "convert it first" in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
-    # Resuming (optimizer, scheduler, RNG) is not there yet: said so, with what works instead.
-    out, _ = _pretrain(recipe, tmp_path / "resume", root / "mc22", resume=str(root / "mlm_te"))
-    assert out.returncode == 2 and "not supported yet" in out.stderr and "checkpoint.pretrained=" in out.stderr, out.stderr[-2000:]
+    out, got = _pretrain(recipe, tmp_path / "from_local", root / "mlm_local")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert got == want
+    # checkpoint.resume of a checkpoint saved without optimizer state: its weights, from iteration 0, said so.
+    out, got = _pretrain(recipe, tmp_path / "resume", root / "mc22", resume=str(root / "mlm_te"),
+                         extra=("checkpoint.load_optimizer=true",))
+    assert out.returncode == 0 and "holds no optimizer state" in out.stdout + out.stderr, out.stderr[-2000:]
+    assert got == want
 
 
 def test_generate_from_a_megatron_lm_checkpoint(converted):
@@ -242,3 +257,34 @@ def test_generate_from_a_megatron_lm_checkpoint(converted):
                           "--set", "tokenizer.type=byte", "--set", f"run.dir={root / 'gen'}"],
                          capture_output=True, text=True, timeout=900, env=env)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+
+
+def test_bert_from_megatron_lm_layout_converts_to_hf(tmp_path):
+    """A Megatron-LM BERT (pre-norm, binary head) torch_dist checkpoint, Transformer Engine and local
+    key names: converted to HF, the masked-LM and binary logits are the source model's (its
+    WordPiece vocabulary's rows; Megatron-LM's tokenizer adds [BOS]/[EOS])."""
+    import transformers
+
+    from megacli.checkpoint.layout import find_checkpoint
+    from megacli.checkpoint.torch_dist import TorchDistReader
+    from megacli.convert import convert
+    from tests import _convert_models as cm
+    from tests.test_convert_bert import _build_hf, _hf_logits
+
+    ref = _hf_logits(_build_hf(tmp_path / "hf", "MegatronBertForPreTraining"))
+    convert(tmp_path / "hf", tmp_path / "mc", say=lambda *_: None)
+    ck = find_checkpoint(tmp_path / "mc")
+    args = argparse.Namespace(
+        num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=64, max_position_embeddings=64,
+        position_embedding_type="learned_absolute", normalization="LayerNorm", norm_epsilon=1e-12, add_bias_linear=True,
+        bert_binary_head=True, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+        make_vocab_size_divisible_by=128, tokenizer_type="BertWordPieceLowerCase",
+        vocab_file=str(tmp_path / "hf" / "vocab.txt"), hidden_dropout=0.1, attention_dropout=0.1)
+    for spec in ("te", "local"):
+        src = write_megatron_lm(ck, tmp_path / f"mlm_{spec}", spec=spec, args=args)
+        stored = set(TorchDistReader(src / iter_name(ITERATION)).tensors)
+        assert ("encoder.layers.input_layernorm.bias" in stored) == (spec == "local"), sorted(stored)
+        convert(src, tmp_path / f"hf_{spec}", to="hf", say=lambda *_: None)
+        got = _hf_logits(transformers.AutoModelForPreTraining.from_pretrained(tmp_path / f"hf_{spec}").eval())
+        assert got[0].shape[-1] == ref[0].shape[-1] + 2
+        assert [cm.max_diff(a[..., :b.shape[-1]], b) for a, b in zip(got, ref)] == [0.0, 0.0], spec

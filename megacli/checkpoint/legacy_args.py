@@ -143,8 +143,8 @@ class ArgsDescribed:
     def vocab_size(self) -> int:
         """The real vocabulary: args.vocab_size, else the tokenizer's, else the padded rows."""
         given = arg(self.args, "vocab_size")
-        if given:
-            return int(given)
+        if given:  # Megatron-LM's NullTokenizer appends its end-of-document id to the --vocab-size ids
+            return int(given) + (1 if arg(self.args, "tokenizer_type") == "NullTokenizer" else 0)
         from megacli.data.tokenizers import load_tokenizer
 
         tok = self.tokenizer_dir()
@@ -160,3 +160,20 @@ class ArgsDescribed:
 
     def wordpiece_vocab(self) -> Path | None:
         return wordpiece_vocab(self.args)
+
+
+# Megatron-LM counts scheduler steps in samples, megacli in iterations (global batches).
+SCHED_STEPS = ("num_steps", "lr_warmup_steps", "lr_decay_steps", "wd_incr_steps", "wsd_decay_steps")
+
+
+def scale_scheduler(sched: dict, factor: float, where: str) -> dict:
+    out = dict(sched)
+    for k in SCHED_STEPS:
+        v = out.get(k)
+        if v is None:
+            continue
+        scaled = v * factor
+        if abs(scaled - round(scaled)) > 1e-6:
+            raise UserError(f"{where}: scheduler {k} = {v} is not a whole number of global batches")
+        out[k] = int(round(scaled))
+    return out

@@ -27,7 +27,7 @@ from megacli.checkpoint.torch_dist import NOT_MODEL, TorchDistReader
 from megacli.errors import UserError
 
 __all__ = ["FORMAT", "MegatronLMCheckpoint", "canonical_key", "is_megatron_lm_dir", "recipe_for_weights",
-           "resume_not_supported", "weights_dir"]
+           "weights_dir"]
 
 FORMAT = "megatron-lm torch_dist"
 
@@ -154,32 +154,15 @@ class MegatronLMCheckpoint(ArgsDescribed):
 
 def weights_dir(path: Path, *, trust_pickle: bool = False) -> Path:
     """The iteration directory of a Megatron-LM torch_dist checkpoint that megacli's engine loads
-    weights from directly (its keys are megacli's)."""
-    return _loadable(MegatronLMCheckpoint(path, trust_pickle=trust_pickle)).it_dir
+    weights from directly (local-spec norm names are renamed as it loads)."""
+    return MegatronLMCheckpoint(path, trust_pickle=trust_pickle).it_dir
 
 
 def recipe_for_weights(path: Path, *, trust_pickle: bool = False) -> tuple[Path, dict]:
     """(iteration directory, raw recipe) for running a Megatron-LM checkpoint's weights in megacli
     (generate): the recipe its args map to; what cannot be mapped is refused, named."""
-    src = _loadable(MegatronLMCheckpoint(path, trust_pickle=trust_pickle))
+    src = MegatronLMCheckpoint(path, trust_pickle=trust_pickle)
     raw = src.recipe()
     if raw is None:
         raise UserError(f"{path}: " + "; ".join(src.unmapped()))
     return src.it_dir, raw
-
-
-def _loadable(src: MegatronLMCheckpoint) -> MegatronLMCheckpoint:
-    """``src``, when the engine can load it as stored; one with local-spec norm names must be converted first."""
-    renamed = sorted(stored for name, stored in src.model_keys.items() if stored != name)
-    if renamed:
-        raise UserError(f"{src.root}: a Megatron-LM checkpoint with unfused (local-spec) norm names "
-                        f"({renamed[0]}, ...); convert it first: `megacli convert {src.root} DST --to megacli`, "
-                        f"then start from DST")
-    return src
-
-
-def resume_not_supported(path) -> UserError:
-    """checkpoint.resume of a Megatron-LM checkpoint: what is missing, and what works instead."""
-    return UserError(f"checkpoint.resume = {str(path)!r}: a Megatron-LM torch_dist checkpoint; resuming its optimizer, "
-                     f"scheduler and RNG state is not supported yet. Start from its weights with "
-                     f"checkpoint.pretrained={path} (and checkpoint.resume=none)")

@@ -33,7 +33,9 @@ def inspect_megatron_lm(path: Path, *, trust_pickle: bool = False) -> dict:
         "layout_text": f"TP {src.tp} × PP {src.pp}" + (f" (VP {src.vp})" if src.vp > 1 else "") + f" × DP {dp}",
         "world_size": int(arg(args, "world_size", src.tp * src.pp * dp)),
         "optimizer": ("distributed" if arg(args, "use_distributed_optimizer", False) else "standard") if has_optimizer else None,
-        "has_rng_state": bool(rng), "scheduler_steps": (src.common.get("opt_param_scheduler") or {}).get("num_steps"),
+        "optimizer_format": ((src.common.get("optimizer") or {}).get("param_state_sharding_type")
+                             if isinstance(src.common.get("optimizer"), dict) else None),
+        "has_rng_state": bool(rng), "scheduler_steps": _scheduler_iterations(src),
         "resharded_from": None, "recipe": src.recipe(), "not_mapped": src.not_mapped(),
         "tensors": tensors, "total_bytes": total, "objects": {"rng_state": rng, "other": other},
         "files": [p.name for p in reader.files()],
@@ -48,3 +50,10 @@ def structure_megatron_lm(path: Path, *, trust_pickle: bool = False) -> tuple[st
               f"PP={src.pp}; {a.num_layers} layers, hidden {a.hidden_size}, {a.num_attention_heads} heads; global shapes "
               f"(layers stacked along the first axis)")
     return header, [(key, info.shape, info.dtype) for key, info in sorted(src.reader.tensors.items())]
+
+
+def _scheduler_iterations(src: MegatronLMCheckpoint) -> int | None:
+    """The scheduler's step in iterations (Megatron-LM counts samples)."""
+    steps = (src.common.get("opt_param_scheduler") or {}).get("num_steps")
+    gbs = int(arg(src.args, "global_batch_size", 0) or 0)
+    return None if steps is None else steps // gbs if gbs else steps

@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from megacli.checkpoint import manifest, space
-from megacli.checkpoint.layout import LATEST, META, find_checkpoint, iter_name, lora_base_of, read_meta, read_recipe
+from megacli.checkpoint.layout import (LATEST, META, find_checkpoint, is_torch_dist_iteration, iter_name, lora_base_of,
+                                      read_meta, read_recipe)
 from megacli.checkpoint.safe_pickle import allow_checked_globals, check_torch_dist
 from megacli.errors import UserError
 
@@ -39,6 +40,7 @@ class Restored:
     consumed_samples: int
     path: Path
     run_id: str | None = None  # the training run the checkpoint belongs to (None: weights only, or an older checkpoint)
+    notes: tuple[str, ...] = ()  # what of the checkpoint was not restored, and why
 
 
 def _layout(chunks) -> dict:
@@ -224,7 +226,8 @@ def _prepare_distributed_optimizer_load(optimizer) -> None:
       zero state with step 0 (load_state_dict reuses it and overwrites tensors and step);
     * _set_main_param_and_optimizer_states() copies every key of the destination state, 'step'
       included, from the loaded tensors, which never hold 'step' (it comes from the param
-      groups): KeyError. Copy the loaded keys only;
+      groups): KeyError. Copy the loaded keys the state has (Megatron-LM's dp_reshardable
+      entries add a 'padding' flag);
     * load_state_dict() gives every parameter the same step tensor, which torch's Adam then
       increments once per parameter per step (wrong bias correction after a resume). Give each
       parameter its own."""
@@ -243,13 +246,17 @@ def _prepare_distributed_optimizer_load(optimizer) -> None:
                     inner.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p.data),
                                       "exp_avg_sq": torch.zeros_like(p.data)}
 
+        @torch.no_grad()  # dp_reshardable loads call it outside no_grad; fp32 main params are views of leaves
         def set_states(model_param, tensors, opt=opt):
             group_index, group_order = opt.model_param_group_index_map[model_param]
             main_param = opt.optimizer.param_groups[group_index]["params"][group_order]
             state = opt.optimizer.state[main_param]
             dst = {"param": main_param, **state}
             for key, value in tensors.items():
-                dst[key].copy_(value)
+                # dp_reshardable entries also carry a 'padding' flag, and the 'step' of the state they
+                # were loaded into (not saved: the step comes from the param groups)
+                if key in dst and key != "step":
+                    dst[key].copy_(value)
             if isinstance(state.get("step"), torch.Tensor):
                 state["step"] = state["step"].clone()
 
@@ -319,8 +326,14 @@ def _load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool, kee
     check_torch_dist(ckpt, trust=trust_pickle)  # Megatron and torch unpickle these files unrestricted
     if verify:
         _check_manifest(ckpt)
-    # Another writer's checkpoint (Megatron-LM's, as checkpoint.pretrained) is loaded for its weights only.
-    meta = read_meta(ckpt) if (ckpt / META).is_file() else {"has_optimizer": False, "has_rng_state": False}
+    if is_torch_dist_iteration(ckpt):  # Megatron-LM's own torch_dist checkpoint
+        from megacli.engine import megatron_lm_resume
+
+        iteration, consumed, notes = megatron_lm_resume.load(
+            ckpt=ckpt, chunks=chunks, optimizer=optimizer, scheduler=scheduler, load_optimizer=load_optimizer, keep=keep,
+            trust_pickle=trust_pickle, model_keys=_model_keys, prepare_optimizer=_prepare_distributed_optimizer_load)
+        return Restored(iteration=iteration, consumed_samples=consumed, path=ckpt, notes=tuple(notes))
+    meta = read_meta(ckpt)
     restore_rng = meta.get("layout") == _layout(chunks) and meta.get("has_rng_state", True)
     has_optimizer = load_optimizer and meta.get("has_optimizer", True)
     if has_optimizer:

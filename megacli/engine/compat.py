@@ -8,6 +8,7 @@ from pathlib import Path
 
 import yaml
 
+from megacli.checkpoint.layout import is_torch_dist_iteration
 from megacli.errors import UserError
 
 # Dotted recipe fields that change the meaning (or the shape) of the saved weights.
@@ -44,15 +45,23 @@ def check_resumable(ckpt: Path, recipe) -> str | None:
     """Refuse (UserError naming each field, old and new) a checkpoint whose weights this recipe would
     read differently; return a note on allowed changes (None when nothing changed)."""
     saved_file = Path(ckpt) / "recipe.yaml"
-    if not saved_file.is_file():
+    foreign = False
+    if saved_file.is_file():
+        saved = yaml.safe_load(saved_file.read_text()) or {}
+    elif is_torch_dist_iteration(Path(ckpt)):
+        saved, foreign = _megatron_lm_recipe(Path(ckpt), recipe.checkpoint.trust_pickle), True
+    else:
         return None
-    saved = yaml.safe_load(saved_file.read_text()) or {}
     current = recipe.model_dump(mode="json")
 
     def changed(fields):
         out = []
         for f in fields:
             old, new = _get(saved, f), _get(current, f)
+            # A Megatron-LM run's args leave unset what its tokenizer decides; the run's recipe may leave a
+            # field to its tokenizer (None) that the args spell out.
+            if foreign and (old is None or new is None or f == "tokenizer.type"):
+                continue
             if old is not _ABSENT and new is not _ABSENT and old != new:
                 out.append(f"{f} = {new!r} (checkpoint: {old!r})")
         return out
@@ -71,7 +80,23 @@ def check_resumable(ckpt: Path, recipe) -> str | None:
         raise UserError(f"cannot resume {ckpt}: this recipe changes what its weights mean: {'; '.join(refused)}. "
                         f"Use the checkpoint's values, or start a new run (checkpoint.resume: none, another checkpoint.dir)")
     noted = changed(NOTED_FIELDS)
-    return f"resuming with changed settings: {'; '.join(noted)}" if noted else None
+    note = f"resuming with changed settings: {'; '.join(noted)}" if noted else None
+    if foreign and not recipe.model.padded_vocab_in_loss:
+        padding = ("Megatron-LM trains with the padded vocabulary rows in the softmax, this run masks them out: set "
+                   "model.padded_vocab_in_loss=true to continue with its losses")
+        note = f"{note}; {padding}" if note else padding
+    return note
+
+
+def _megatron_lm_recipe(it_dir: Path, trust_pickle: bool) -> dict:
+    """The recipe a Megatron-LM checkpoint's args map to; a model megacli cannot express is refused."""
+    from megacli.checkpoint.megatron_lm import MegatronLMCheckpoint
+
+    src = MegatronLMCheckpoint(it_dir, trust_pickle=trust_pickle)
+    raw = src.recipe()
+    if raw is None:
+        raise UserError(f"cannot resume {it_dir}: " + "; ".join(src.unmapped()))
+    return raw
 
 
 def _learned_positions(tree) -> int | None:

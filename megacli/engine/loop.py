@@ -252,7 +252,7 @@ def _train(recipe, runtime, *, harness=None) -> None:
                                    scheduler=trainer.scheduler, load_optimizer=ck.load_optimizer, verify=ck.verify,
                                    trust_pickle=ck.trust_pickle)
         start_iter, consumed, run_id = restored.iteration, restored.consumed_samples, restored.run_id
-        if recipe.data.on_the_fly:
+        if recipe.data.on_the_fly and (restored.path / checkpoint.META).is_file():
             _resume_stream(trainer, checkpoint.read_meta(restored.path).get("stream"))
     elif pretrained is not None:
         checkpoint.load(ckpt=pretrained, chunks=trainer.chunks, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
@@ -297,6 +297,8 @@ def _train(recipe, runtime, *, harness=None) -> None:
         log.say(f"resumed from {source} at iteration {start_iter}")
         if changes_note:
             log.say(changes_note)
+        for note in restored.notes:
+            log.say(note)
         if start_iter >= t.iters:
             log.say(f"nothing to train: the checkpoint is at iteration {start_iter} and train.iters = {t.iters} "
                     f"(raise train.iters, or set checkpoint.resume: none to start over)")

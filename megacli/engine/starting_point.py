@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megacli.checkpoint.megatron_lm import is_megatron_lm_dir, resume_not_supported, weights_dir
+from megacli.checkpoint.megatron_lm import MegatronLMCheckpoint, is_megatron_lm_dir, weights_dir
 from megacli.engine import checkpoint
 from megacli.errors import UserError
 
@@ -50,7 +50,7 @@ def resume_source(ck) -> tuple[Path | None, str | None]:
                               f"checkpoint, {complete[-1].name}")
     found = checkpoint.find_checkpoint(ck.resume)
     if found is None and is_megatron_lm_dir(Path(ck.resume)):
-        raise resume_not_supported(ck.resume)
+        return MegatronLMCheckpoint(Path(ck.resume), trust_pickle=ck.trust_pickle).it_dir, None
     if found is None:
         raise UserError(f"checkpoint.resume = {ck.resume!r}: no checkpoint there (expected a directory with "
                         f"'{checkpoint.LATEST}' or '{checkpoint.META}')")

@@ -268,6 +268,10 @@ class ModelSection(Section):
     """Vocabulary size; default: taken from the tokenizer."""
     make_vocab_size_divisible_by: PositiveInt = 128
     """The embedding is padded to a multiple of this times the tensor-parallel size (fast GEMMs)."""
+    padded_vocab_in_loss: bool = False
+    """Let the padded vocabulary rows (the embedding's rows past the vocabulary) take part in the
+    softmax, as Megatron-LM trains: set it to continue a Megatron-LM run with its own losses. Off,
+    their logits are masked out, so the loss depends neither on the padding nor on the TP size."""
     init_method_std: PositiveFloat = 0.02
     """Std of the normal weight initialisation."""
     norm_position: Literal["pre", "post"] = "pre"

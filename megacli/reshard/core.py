@@ -27,6 +27,7 @@ from megacli.checkpoint.layout import (
     RECIPE,
     fsync_dir,
     is_legacy_dir,
+    is_megatron_lm_dir,
     iter_name,
     locate,
     tmp_sibling,
@@ -85,12 +86,20 @@ class VerifyReport:
 
 
 def find_source(path: str | Path) -> Path:
-    """The iteration directory of a megacli checkpoint, or a Megatron-LM legacy checkpoint's path."""
-    found, kind = locate(path)
-    if kind == "megatron-lm":
-        raise UserError(f"{path}: a Megatron-LM torch_dist checkpoint; resharding it directly is not supported yet: "
-                        f"`megacli convert {path} DST --to megacli` (weights), then reshard DST")
+    """The iteration directory of a megacli checkpoint, or a Megatron-LM (legacy or torch_dist) checkpoint's path."""
+    found, _ = locate(path)
     return found
+
+
+def _stage(src_dir: Path, where: Path, trust_pickle: bool, progress) -> tuple[Path, list[str]]:
+    """A Megatron-LM checkpoint staged as a megacli one (and what was left out); a megacli one as it is."""
+    from megacli.reshard import legacy, megatron_lm
+
+    if is_megatron_lm_dir(src_dir):
+        return megatron_lm.import_to_staging(src_dir, where=where, trust_pickle=trust_pickle)
+    if is_legacy_dir(src_dir):
+        return legacy.import_to_staging(src_dir, where=where, trust_pickle=trust_pickle, progress=progress), []
+    return src_dir, []
 
 
 def _check_output(output: Path, source: Path, overwrite: bool) -> None:
@@ -151,9 +160,7 @@ def _reshard(job, progress) -> Result:
         raise UserError("--verify compares megacli checkpoints; for --format megatron, convert the result back "
                         "(`megacli convert DST BACK --to megacli`) and compare that")
     original = src_dir
-    if is_legacy_dir(src_dir):
-        src_dir = legacy.import_to_staging(src_dir, where=output.resolve().parent, trust_pickle=job.trust_pickle,
-                                           progress=progress)
+    src_dir, import_notes = _stage(src_dir, output.resolve().parent, job.trust_pickle, progress)
     try:
         src = Checkpoint(src_dir, trust_pickle=job.trust_pickle)
         if job.format == "legacy":
@@ -168,8 +175,10 @@ def _reshard(job, progress) -> Result:
             from megacli.reshard.megatron_export import check_exportable
 
             check_exportable(plan.recipe, src_dir)
-        if original != src_dir:  # imported from Megatron-LM: name the legacy checkpoint, not the staging copy
-            plan.meta["resharded_from"].update(path=str(original.resolve()), format="megatron-lm torch")
+        if original != src_dir:  # imported from Megatron-LM: name its checkpoint, not the staging copy
+            fmt = "megatron-lm torch_dist" if is_megatron_lm_dir(original) else "megatron-lm torch"
+            plan.meta["resharded_from"].update(path=str(original.resolve()), format=fmt)
+            plan.notes[:0] = import_notes
 
         it_name = src_dir.name if src_dir.name.startswith("iter_") else iter_name(src.iteration)
         report = _write_output(job, plan, output, it_name, progress)
@@ -289,10 +298,9 @@ def _verify(source, target, *, trust_pickle: bool, progress) -> VerifyReport:
         else:
             raise UserError(f"{target}: not a checkpoint")
     staged_src = src_dir
-    if is_legacy_dir(src_dir):
+    if is_legacy_dir(src_dir) or is_megatron_lm_dir(src_dir):
         try:
-            staged_src = legacy.import_to_staging(src_dir, where=tgt_path.resolve().parent, trust_pickle=trust_pickle,
-                                                  progress=progress)
+            staged_src, _ = _stage(src_dir, tgt_path.resolve().parent, trust_pickle, progress)
         except BaseException:
             legacy.cleanup_staging(tgt_dir)
             raise

@@ -19,8 +19,8 @@ def render(info: dict, console) -> None:
     head.add_row("format", info["format"])
     head.add_row("layout", f"{info['layout_text']}  (world size {info['world_size']})")
     head.add_row("iteration", f"{info['iteration']}  ({info['consumed_samples']} samples consumed)")
-    opt = {"distributed": "distributed optimizer (fully_reshardable)", "standard": "standard optimizer",
-           None: "none (weights only)"}[info["optimizer"]]
+    opt = {"distributed": f"distributed optimizer ({info.get('optimizer_format') or 'fully_reshardable'})",
+           "standard": "standard optimizer", None: "none (weights only)"}[info["optimizer"]]
     head.add_row("optimizer state", opt + (f", scheduler at step {info['scheduler_steps']}" if info.get("scheduler_steps") is not None else ""))
     rng = info["objects"]["rng_state"]
     head.add_row("RNG state", f"{len(rng)} rank(s)" if rng else "none")

@@ -39,12 +39,11 @@ import torch
 
 from megacli.checkpoint.layout import iter_name
 from megacli.checkpoint.legacy import LAYER, LegacyCheckpoint
-from megacli.checkpoint.legacy_args import arg, recipe_from_args
+from megacli.checkpoint.legacy_args import arg, recipe_from_args, scale_scheduler
 from megacli.checkpoint.sharding import GATED_SPLIT, split_of
 from megacli.errors import UserError
 
 STAGING_PREFIX = ".megacli-legacy-"
-SCHED_STEPS = ("num_steps", "lr_warmup_steps", "lr_decay_steps", "wd_incr_steps", "wsd_decay_steps")
 # The linear modules with Transformer Engine extra state (fp8 metadata), as megacli's torch_dist keeps them.
 EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
 
@@ -202,19 +201,6 @@ def _rng_from_legacy(src: LegacyCheckpoint, p: int, r: int) -> bytes:
     return _saved([{"random": rng.get("random_rng_state"), "numpy": rng.get("np_rng_state"),
                     "torch": rng.get("torch_rng_state"), "cuda": rng.get("cuda_rng_state"),
                     "tracker": rng.get("rng_tracker_states") or {}}])
-
-
-def scale_scheduler(sched: dict, factor: float, where: str) -> dict:
-    out = dict(sched)
-    for k in SCHED_STEPS:
-        v = out.get(k)
-        if v is None:
-            continue
-        scaled = v * factor
-        if abs(scaled - round(scaled)) > 1e-6:
-            raise UserError(f"{where}: scheduler {k} = {v} is not a whole number of global batches")
-        out[k] = int(round(scaled))
-    return out
 
 
 def cleanup_staging(path: Path) -> None:

@@ -15,7 +15,9 @@ from megacli.checkpoint.layout import FILE, TRACKER, iter_name
 from megacli.checkpoint.megatron_lm_write import rng_for_megatron_lm
 from megacli.checkpoint.sharding import shard
 from megacli.errors import UserError
-from megacli.reshard.legacy import EXTRA_STATE_MODULES, scale_scheduler
+from megacli.precision import params_dtype
+from megacli.checkpoint.legacy_args import scale_scheduler
+from megacli.reshard.legacy import EXTRA_STATE_MODULES
 
 # Parameter order of a Megatron-Core GPT layer with the Transformer Engine spec (module creation
 # order: Attention builds linear_proj before SelfAttention builds linear_qkv; TE's LayerNormLinear

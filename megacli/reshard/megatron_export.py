@@ -9,7 +9,7 @@ from pathlib import Path
 from megacli.checkpoint import megatron_lm_write as mlw
 from megacli.checkpoint.megatron_lm_args import megatron_args, unsupported
 from megacli.errors import UserError
-from megacli.reshard.legacy import scale_scheduler
+from megacli.checkpoint.legacy_args import scale_scheduler
 
 
 def check_exportable(recipe, where) -> None:

@@ -72,8 +72,9 @@ def build_bert(*, recipe, config, padded_vocab: int, vocab_size: int) -> list:
                 add_binary_head=m.bert_binary_head,
                 vp_stage=vp_stage,
             )
-        if chunk.post_process:
+        if chunk.post_process and not m.padded_vocab_in_loss:
             mask_padded_vocab(chunk.output_layer, vocab_size=vocab_size)
+        if chunk.post_process:
             if not config.gated_linear_unit:  # Megatron's head hard-codes exact GELU; HF's uses the model's activation
                 chunk.lm_head.gelu = config.activation_func
         if post and chunk.pre_process:

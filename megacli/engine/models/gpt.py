@@ -33,7 +33,8 @@ def build_gpt(*, recipe, config, padded_vocab: int, vocab_size: int) -> list:
         if chunk.post_process:
             if m.final_logit_softcap is not None:  # before the padded rows are masked to the lowest value
                 softcap_logits(chunk.output_layer, cap=m.final_logit_softcap)
-            mask_padded_vocab(chunk.output_layer, vocab_size=vocab_size)
+            if not m.padded_vocab_in_loss:
+                mask_padded_vocab(chunk.output_layer, vocab_size=vocab_size)
         return chunk
 
     return build_chunks(build_chunk, virtual_pipeline=recipe.parallel.virtual_pipeline)

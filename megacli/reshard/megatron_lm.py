@@ -1,0 +1,107 @@
+"""Megatron-LM torch_dist checkpoints as the source of `megacli reshard` (and `reshard verify`).
+
+The checkpoint is staged as a megacli checkpoint in its own layout without copying its data: the
+staging directory links to its ``.distcp`` files and holds a rewritten DCP ``.metadata`` (model
+keys under megacli's canonical names, the layout-free optimizer state kept), a megacli
+``common.pt`` (optimizer param groups; the scheduler in iterations), ``recipe.yaml`` (from the run's
+args) and ``megacli.json``. The reshard then reads it like any other.
+
+Not carried: the RNG state (per rank of the saved layout: the resharded run re-seeds), Transformer
+Engine's ``_extra_state`` entries, and distributed-optimizer state in Megatron-LM's default
+``dp_reshardable`` format (laid out by the saving run's gradient buckets, readable only under its
+own tensor/pipeline layout: resume it in place with checkpoint.resume, or reshard its weights).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import pickle
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from megacli.checkpoint.layout import META, RECIPE, iter_name
+from megacli.checkpoint.legacy_args import arg, scale_scheduler
+from megacli.checkpoint.megacli_checkpoint import OPT_PREFIX, split_optimizer_key
+from megacli.checkpoint.megatron_lm import MegatronLMCheckpoint, canonical_key
+from megacli.checkpoint.safe_pickle import DCP_METADATA
+from megacli.checkpoint.torch_dist import BACKEND_META
+from megacli.errors import UserError
+from megacli.reshard.legacy import STAGING_PREFIX
+
+
+def import_to_staging(path: Path, *, where: Path, trust_pickle: bool = False) -> tuple[Path, list[str]]:
+    """Stage the Megatron-LM checkpoint at ``path`` under ``where``; returns (the staged iteration
+    directory, notes on what was left out)."""
+    from megacli.recipe.base import dump, validate
+    from megacli.recipe.pretrain import TrainingRecipe
+
+    src = MegatronLMCheckpoint(Path(path), trust_pickle=trust_pickle)
+    raw = src.recipe()
+    if raw is None:
+        raise UserError(f"{path}: " + "; ".join(src.unmapped()))
+    notes = []
+    opt_common = src.common.get("optimizer")
+    sharding = (opt_common or {}).get("param_state_sharding_type") if isinstance(opt_common, dict) else None
+    keep_optimizer = isinstance(opt_common, dict) and sharding in (None, "fully_reshardable")
+    if isinstance(opt_common, dict) and not keep_optimizer:
+        notes.append(f"optimizer state not carried: Megatron-LM's {sharding!r} distributed-optimizer format loads only "
+                     f"under the layout that saved it (resume it there with checkpoint.resume, or save it with "
+                     f"--dist-ckpt-optim-fully-reshardable); the output holds the weights")
+    raw["parallel"]["distributed_optimizer"] = keep_optimizer and sharding is not None
+    recipe = validate(TrainingRecipe, raw, f"the recipe made from {src.it_dir}'s args")
+
+    stored = set(src.reader.tensors)
+    renames = {stored_key: name for name, stored_key in src.model_keys.items()}
+    if keep_optimizer:
+        for key in stored:
+            state, base = split_optimizer_key(key)
+            if state is not None and key.startswith(OPT_PREFIX):
+                name = canonical_key(base, stored)
+                if name is not None:
+                    renames[key] = f"{OPT_PREFIX}{state}.{name}"
+    if any(k.startswith("rng_state") for k in src.reader.objects):
+        notes.append("RNG state not carried (it is per rank of the saved layout): the resharded run re-seeds")
+
+    where.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=where))
+    it_dir = staging / iter_name(src.iteration)
+    it_dir.mkdir()
+    meta = copy.copy(src.reader.metadata)  # read with the checked unpickler
+    meta.state_dict_metadata = {renames[k]: v for k, v in meta.state_dict_metadata.items() if k in renames}
+    meta.storage_data = {dataclasses.replace(idx, fqn=renames[idx.fqn]): v
+                         for idx, v in meta.storage_data.items() if idx.fqn in renames}
+    if getattr(meta, "planner_data", None):
+        meta.planner_data = {renames[k]: v for k, v in meta.planner_data.items() if k in renames}
+    with open(it_dir / DCP_METADATA, "wb") as f:
+        pickle.dump(meta, f)
+    for file in {v.relative_path for v in meta.storage_data.values()}:
+        os.symlink((src.it_dir / file).resolve(), it_dir / file)
+
+    common = {}
+    if keep_optimizer:
+        common["optimizer"] = opt_common
+        sched = src.common.get("opt_param_scheduler")
+        if isinstance(sched, dict):
+            common["scheduler"] = scale_scheduler(sched, 1 / int(arg(src.args, "global_batch_size", 1) or 1),
+                                                  str(src.it_dir / "common.pt"))
+    torch.save(common, it_dir / "common.pt")
+    shutil.copyfile(src.it_dir / BACKEND_META, it_dir / BACKEND_META)
+    (it_dir / RECIPE).write_text(dump(recipe))
+    dp = int(arg(src.args, "data_parallel_size", 1) or 1)
+    layout = {"tensor": src.tp, "pipeline": src.pp, "virtual_pipeline": src.vp if src.vp > 1 else None, "data": dp,
+              "context": int(arg(src.args, "context_parallel_size", 1) or 1)}
+    for key, given in (("first_stage_layers", src.first_stage_layers), ("last_stage_layers", src.last_stage_layers)):
+        if given is not None:
+            layout[key] = given
+    consumed = arg(src.args, "consumed_train_samples")
+    (it_dir / META).write_text(json.dumps({
+        "iteration": src.iteration, "format": "torch_dist", "layout": layout,
+        "consumed_samples": int(consumed if consumed is not None else src.iteration * recipe.train.global_batch_size),
+        "has_optimizer": keep_optimizer, "has_rng_state": False}, indent=2) + "\n")
+    return it_dir, notes
