@@ -219,7 +219,7 @@ def _pretrain(recipe: Path, run_dir: Path, pretrained: Path, resume: str = "none
     sets = ["parallel.tensor=1", "parallel.pipeline=1", "launch.nproc=1", "train.iters=2", "train.eval_interval=null",
             "train.log_interval=1", "model.seq_length=16", "train.global_batch_size=2", f"checkpoint.resume={resume}",
             f"checkpoint.pretrained={pretrained}", f"run.dir={run_dir}", *extra]
-    env = {**os.environ, "MEGACLI_IN_PROCESS": "1"}
+    env = {**os.environ, "MEGACLI_IN_PROCESS": "1", "COLUMNS": "400"}  # long tmp paths must not wrap a message
     out = subprocess.run([sys.executable, "-m", "megacli", "pretrain", str(recipe), *[x for s in sets for x in ("--set", s)]],
                          capture_output=True, text=True, timeout=900, env=env)
     if out.returncode != 0:

@@ -55,7 +55,7 @@ def layout(tp=2, pp=2, dist_opt=True):
 
 def pretrain(run_dir: Path, overrides: list[str]) -> tuple[subprocess.CompletedProcess, dict[int, float]]:
     sets = [*TINY, *overrides, f"run.dir={run_dir}"]
-    env = dict(os.environ)
+    env = {**os.environ, "COLUMNS": "400"}  # long tmp paths must not wrap a message
     if "launch.nproc=1" in overrides:
         env["MEGACLI_IN_PROCESS"] = "1"
     out = subprocess.run([sys.executable, "-m", "megacli", "pretrain", *[x for s in sets for x in ("--set", s)]],

@@ -19,6 +19,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 ITERATION, GBS, VOCAB = 2, 2, 262  # megacli's byte tokenizer: 256 bytes and its special tokens
+# It is written as Megatron-LM's NullTokenizer, whose --vocab-size excludes the end-of-document id it appends:
+# args.vocab_size = VOCAB - 1.
 RUN = [
     "data.mock=true", "tokenizer.type=byte", "model.num_layers=2", "model.hidden_size=32",
     "model.num_attention_heads=4", "model.num_query_groups=2", "model.ffn_hidden_size=64", "model.seq_length=16",
@@ -58,7 +60,7 @@ def test_args_hold_every_field_parse_args_defines_with_the_recipes_values():
                 position_embedding_type="rope", add_position_embedding=True, normalization="RMSNorm", swiglu=True,
                 squared_relu=False, openai_gelu=False, add_bias_linear=False, add_qkv_bias=False, bias_gelu_fusion=False,
                 untie_embeddings_and_output_weights=True, make_vocab_size_divisible_by=64, padded_vocab_size=320,
-                vocab_size=VOCAB, tensor_model_parallel_size=1, pipeline_model_parallel_size=1, data_parallel_size=1,
+                vocab_size=VOCAB - 1, tensor_model_parallel_size=1, pipeline_model_parallel_size=1, data_parallel_size=1,
                 use_distributed_optimizer=False, ckpt_format="torch_dist", use_dist_ckpt=True, bf16=False, fp16=False,
                 params_dtype=torch.float32, iteration=7, consumed_train_samples=14, transformer_impl="local",
                 micro_batch_size=1, global_batch_size=GBS, apply_residual_connection_post_layernorm=False,
@@ -243,7 +245,7 @@ def test_written_as_megatron_lm_lays_it_out(exported, name):
     assert r["args"] == {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": tp,
                          "transformer_impl": "local" if name == "local" else "transformer_engine", "iteration": 2,
                          "consumed_train_samples": ITERATION * GBS, "padded_vocab_size": 64 * tp * -(-VOCAB // (64 * tp)),
-                         "vocab_size": VOCAB, "ckpt_format": "torch_dist"}
+                         "vocab_size": VOCAB - 1, "ckpt_format": "torch_dist"}
     assert r["optimizer_common"]
     assert r["rng_keys"] == [f"rng_state/shard_{p}.{t}_{tp}.{tp}" for p in range(tp) for t in range(tp)]
     assert r["rng_layout"] == ["list", 1, "list", 1, ["cuda_rng_state", "np_rng_state", "random_rng_state",

@@ -867,6 +867,8 @@ def megatron_args(recipe, *, ckpt_format: str = "torch_dist", iteration: int = 0
         fields[flag.arg] = flag.value(recipe)
     if fields["vocab_size"] is None:
         fields["vocab_size"] = vocab_size if vocab_size is not None else _tokenizer_vocab(recipe)
+    if fields["tokenizer_type"] == "NullTokenizer" and fields["vocab_size"] is not None:
+        fields["vocab_size"] -= 1  # Megatron-LM's NullTokenizer appends its end-of-document id to the --vocab-size ids
     p, m, t = recipe.parallel, recipe.model, recipe.train
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     for name in _DTYPE_FIELDS:
