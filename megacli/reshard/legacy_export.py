@@ -94,7 +94,7 @@ def export(it_dir: Path, out: Path, *, spec: str = "te", trust_pickle: bool = Fa
         step = inner.get("state", {}).get("common_step")
     else:
         groups, step = [], None
-    notes = []
+    notes = [f"Megatron-LM legacy checkpoint for the {spec} layer spec (--transformer-impl {TRANSFORMER_IMPL[spec]})"]
     rng = ck.rng_objects
     if rng:
         sample = reader.read_object(next(iter(rng.values())))[0]
