@@ -214,7 +214,52 @@ def _export(rank, world, root: str):
     again = TorchDistReader(back_dir)
     out["legacy_differ"] = [k for k in source.tensors if not k.startswith("optimizer.")
                             and not torch.equal(again.read(k), source.read(k))]
+
+    # --spec local: a plain state_dict() of Megatron-Core's local-spec model (its own norm modules),
+    # compared with one built here; read back with its optimizer state.
+    reshard(ReshardSection(source=str(src), output=str(root / "legacy_local"), format="legacy", spec="local",
+                           progress=False))
+    local = torch_load(root / "legacy_local" / iter_name(ITERATION) / "mp_rank_00" / "model_optim_rng.pt",
+                       trust=False, name="legacy local")
+    out["legacy_local"] = {"keys": list(local["model"]), "transformer_impl": local["args"].transformer_impl,
+                           "extra": {repr(v) for k, v in local["model"].items() if k.endswith("._extra_state")},
+                           "shapes": {k: tuple(v.shape) for k, v in local["model"].items() if torch.is_tensor(v)},
+                           "reference": _local_spec_state(local["args"].padded_vocab_size)}
+    reshard(ReshardSection(source=str(root / "legacy_local"), output=str(root / "legacy_local_back"), progress=False))
+    again = TorchDistReader(find_checkpoint(root / "legacy_local_back"))
+    out["legacy_local"]["same_tensors"] = sorted(again.tensors) == sorted(source.tensors)
+    out["legacy_local"]["differ"] = [k for k in source.tensors if not torch.equal(again.read(k), source.read(k))]
     return out
+
+
+def _local_spec_state(padded_vocab: int) -> dict:
+    """(key, shape or type) of Megatron-Core's own GPT model with the local layer spec, the run's size, TP = 1."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+
+    from megacli.backend import cpu
+
+    cpu.enable()
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    parallel_state.initialize_model_parallel()
+    model_parallel_cuda_manual_seed(0)
+    try:
+        config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                                   ffn_hidden_size=64, normalization="RMSNorm", gated_linear_unit=True,
+                                   activation_func=torch.nn.functional.silu, add_bias_linear=False,
+                                   use_cpu_initialization=True)
+        model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+                         vocab_size=padded_vocab, max_sequence_length=16, position_embedding_type="rope",
+                         share_embeddings_and_output_weights=False)
+        return [(k, tuple(v.shape) if torch.is_tensor(v) else repr(v)) for k, v in model.state_dict().items()]
+    finally:
+        parallel_state.destroy_model_parallel()
 
 
 @pytest.fixture(scope="module")
@@ -283,6 +328,17 @@ def test_the_legacy_export_carries_the_full_args_and_imports_back(exported):
               "make_vocab_size_divisible_by")
     assert {f: got.get(f) for f in fields} == {f: want.get(f) for f in fields}
     assert out["legacy_differ"] == []
+
+
+def test_the_legacy_export_for_the_local_spec_is_its_state_dict_and_imports_back(exported):
+    _, out = exported
+    r = out["legacy_local"]
+    ref = r["reference"]
+    assert r["keys"] == [k for k, _ in ref]  # names and parameter order (the optimizer's indices follow it)
+    assert [(k, r["shapes"].get(k, "None")) for k in r["keys"]] == ref
+    assert any(k.endswith(".input_layernorm.weight") for k in r["keys"])
+    assert r["extra"] == {"None"} and r["transformer_impl"] == "local"
+    assert r["same_tensors"] and r["differ"] == []  # weights and optimizer state, bitwise
 
 
 def test_convert_to_megatron_from_the_command_line(exported):

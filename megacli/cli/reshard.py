@@ -37,7 +37,7 @@ def run_command(
     distributed_optimizer: Annotated[Optional[bool], typer.Option("--distributed-optimizer/--no-distributed-optimizer", help="Optimizer state for the distributed (ZeRO-1) or the standard optimizer.", rich_help_panel=_TARGET, show_default=False)] = None,
     sequence_parallel: Annotated[Optional[bool], typer.Option("--sequence-parallel/--no-sequence-parallel", help="parallel.sequence_parallel of the written recipe.", rich_help_panel=_TARGET, show_default=False)] = None,
     output_format: Annotated[Optional[str], typer.Option("--format", help="torch_dist (megacli), legacy (Megatron-LM --ckpt-format torch) or megatron (Megatron-LM --ckpt-format torch_dist).", show_default=False)] = None,
-    spec: Annotated[Optional[str], typer.Option("--spec", help="--format megatron: the Megatron-LM layer spec, te (default) or local.", show_default=False)] = None,
+    spec: Annotated[Optional[str], typer.Option("--spec", help="--format megatron or legacy: the Megatron-LM layer spec, te (default) or local.", show_default=False)] = None,
     overwrite: Annotated[Optional[bool], typer.Option("--overwrite", help="Replace an existing DST once the new checkpoint is complete.", show_default=False)] = None,
     verify: Annotated[Optional[bool], typer.Option("--verify", help="Compare every reassembled global tensor with the source before publishing.", show_default=False)] = None,
     progress: Annotated[Optional[bool], typer.Option("--progress/--no-progress", help="Show the progress bar.", show_default=False)] = None,

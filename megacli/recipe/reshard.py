@@ -46,8 +46,9 @@ class ReshardSection(Section):
     iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt) or megatron (Megatron-LM's --ckpt-format
     torch_dist: latest_checkpointed_iteration.txt, iter_NNNNNNN/ with its common.pt and args)."""
     spec: Literal["te", "local"] = "te"
-    """format megatron: the Megatron-LM layer spec the checkpoint is for (te: --transformer-impl
-    transformer_engine, Transformer Engine's extra state; local: --transformer-impl local)."""
+    """format megatron or legacy: the Megatron-LM layer spec the checkpoint is for (te:
+    --transformer-impl transformer_engine, Transformer Engine's extra state; local:
+    --transformer-impl local; a legacy checkpoint also takes that spec's key names and parameter order)."""
     target_set: list[str] = []
     """Edits to the written recipe.yaml, as --set dotted.key=value (for example
     train.micro_batch_size=2 when the new data-parallel size needs it)."""

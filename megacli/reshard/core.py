@@ -223,7 +223,8 @@ def _write_output(job, plan: Plan, output: Path, it_name: str, progress) -> Veri
             if not report.ok:
                 raise VerifyFailed(report.line() + f" (the unverified output is left in {tmp})")
         if job.format == "legacy":
-            plan.notes.extend(legacy_export.export(it_dir, legacy_tmp, trust_pickle=job.trust_pickle, progress=progress))
+            plan.notes.extend(legacy_export.export(it_dir, legacy_tmp, spec=job.spec, trust_pickle=job.trust_pickle,
+                                                      progress=progress))
             shutil.rmtree(tmp)
             tmp = legacy_tmp
         else:

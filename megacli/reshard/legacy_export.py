@@ -1,6 +1,7 @@
 """Export a megacli checkpoint as a Megatron-LM legacy (``--ckpt-format torch``) checkpoint: the
-files of the target layout, with Megatron-Core's Transformer-Engine key names in Megatron-Core's
-parameter order (see megacli.reshard.legacy for what each part becomes). A legacy file holds one
+files of the target layout, with the key names of Megatron-Core's model for the layer spec (te:
+Transformer Engine's, local: Megatron-Core's own modules) in its parameter order (see
+megacli.reshard.legacy for what each part becomes). A legacy file holds one
 rank's whole state, so writing one needs that rank's share of the model in memory."""
 
 from __future__ import annotations
@@ -12,26 +13,47 @@ from typing import Optional
 import torch
 
 from megacli.checkpoint.layout import FILE, TRACKER, iter_name
-from megacli.checkpoint.megatron_lm_write import rng_for_megatron_lm
+from megacli.checkpoint.megatron_lm_write import SPECS, TRANSFORMER_IMPL, rng_for_megatron_lm
 from megacli.checkpoint.sharding import shard
 from megacli.errors import UserError
 from megacli.precision import params_dtype
 from megacli.checkpoint.legacy_args import scale_scheduler
 from megacli.reshard.legacy import EXTRA_STATE_MODULES
 
-# Parameter order of a Megatron-Core GPT layer with the Transformer Engine spec (module creation
-# order: Attention builds linear_proj before SelfAttention builds linear_qkv; TE's LayerNormLinear
-# registers its norm before its weight).
-_LAYER_ORDER = (
-    "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
-    "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias",
-    "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
-    "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
-    "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias",
-    "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias",
-    "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
-    "mlp.linear_fc2.weight", "mlp.linear_fc2.bias",
-)
+# Parameter order of a Megatron-Core GPT layer, per layer spec, in megacli's (Transformer Engine)
+# names: the order of the layer's state_dict() and so of the standard optimizer's indices. TE spec:
+# Attention builds linear_proj before SelfAttention builds linear_qkv; TE's LayerNormLinear
+# registers its norm before its weight. Local spec (get_gpt_layer_local_spec): TransformerLayer
+# builds input_layernorm, self_attention, pre_mlp_layernorm, mlp, the norms being modules of their own.
+_LAYER_ORDER = {
+    "te": (
+        "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
+        "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias",
+        "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+        "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
+        "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias",
+        "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias",
+        "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
+        "mlp.linear_fc2.weight", "mlp.linear_fc2.bias",
+    ),
+    "local": (
+        "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias",
+        "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
+        "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+        "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
+        "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias",
+        "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias",
+        "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
+        "mlp.linear_fc2.weight", "mlp.linear_fc2.bias",
+    ),
+}
+# The local spec's names where they differ (a plain state_dict(); its sharded_state_dict renames them back).
+_LOCAL_NAMES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+}
 _TOP_FIRST = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
 _TOP_LAST = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight", "output_layer.bias")
 
@@ -49,13 +71,16 @@ def check_exportable(recipe_raw: dict, where: Path) -> None:
                             f"cannot name it. Use `megacli convert {where} DST --to hf`")
 
 
-def export(it_dir: Path, out: Path, *, trust_pickle: bool = False, progress=None) -> list[str]:
+def export(it_dir: Path, out: Path, *, spec: str = "te", trust_pickle: bool = False, progress=None) -> list[str]:
     """Write the megacli checkpoint ``it_dir`` (standard optimizer, any layout) as a Megatron-LM
-    legacy checkpoint in its layout under ``out`` (created). Returns notes for the user."""
+    legacy checkpoint for the ``spec`` layer spec (te or local) in its layout under ``out``
+    (created). Returns notes for the user."""
     from megacli.recipe.base import validate
     from megacli.recipe.pretrain import TrainingRecipe
     from megacli.checkpoint.megacli_checkpoint import OPT_PREFIX, Checkpoint, split_optimizer_key
 
+    if spec not in SPECS:
+        raise UserError(f"--spec {spec!r}: expected one of {', '.join(SPECS)}")
     ck = Checkpoint(it_dir, trust_pickle=trust_pickle)
     if ck.optimizer_kind == "distributed":
         raise UserError("internal error: export needs the standard optimizer's format")
@@ -76,7 +101,7 @@ def export(it_dir: Path, out: Path, *, trust_pickle: bool = False, progress=None
         step = inner.get("state", {}).get("common_step")
     else:
         groups, step = [], None
-    notes = []
+    notes = [f"Megatron-LM legacy checkpoint for the {spec} layer spec (--transformer-impl {TRANSFORMER_IMPL[spec]})"]
     rng = ck.rng_objects
     if rng:
         sample = reader.read_object(next(iter(rng.values())))[0]
@@ -84,7 +109,7 @@ def export(it_dir: Path, out: Path, *, trust_pickle: bool = False, progress=None
         if cpu_states:
             notes.append("RNG state is the CPU backend's (CPU generator states): in Megatron-LM on CUDA, load with --no-load-rng")
     gbs = recipe.train.global_batch_size
-    args = _args_from_recipe(recipe, ck, reader)
+    args = _args_from_recipe(recipe, ck, reader, transformer_impl=TRANSFORMER_IMPL[spec])
     it_name = iter_name(ck.iteration)
     chunks = recipe.parallel.chunk_layers(L)  # [stage][virtual chunk] -> its global layers
     total = T * P
@@ -99,15 +124,18 @@ def export(it_dir: Path, out: Path, *, trust_pickle: bool = False, progress=None
             return reader.read(key)
         return reader.read_region(key, (layer,) + (0,) * (len(info.shape) - 1), (1,) + tuple(info.shape[1:]))[0]
 
-    # One layer's entries in Megatron-Core's parameter order, TE extra state after each linear module.
-    layer_items: list[str] = []
-    present = [x for x in _LAYER_ORDER if f"decoder.layers.{x}" in model_keys]
+    # One layer's entries (megacli suffix or None, file suffix) in Megatron-Core's parameter order,
+    # the extra state after each linear module's parameters.
+    rename = _LOCAL_NAMES if spec == "local" else {}
+    layer_items: list[tuple[Optional[str], str]] = []
+    present = [x for x in _LAYER_ORDER[spec] if f"decoder.layers.{x}" in model_keys]
     for i, suffix in enumerate(present):
-        layer_items.append(suffix)
-        module = suffix.rsplit(".", 1)[0]
-        nxt = present[i + 1].rsplit(".", 1)[0] if i + 1 < len(present) else None
+        file_suffix = rename.get(suffix, suffix)
+        layer_items.append((suffix, file_suffix))
+        module = file_suffix.rsplit(".", 1)[0]
+        nxt = rename.get(present[i + 1], present[i + 1]).rsplit(".", 1)[0] if i + 1 < len(present) else None
         if module in EXTRA_STATE_MODULES and nxt != module:
-            layer_items.append(module + "._extra_state")
+            layer_items.append((None, module + "._extra_state"))
     for p in range(P):
         for r in range(T):
             model_chunks = {}
@@ -119,21 +147,21 @@ def export(it_dir: Path, out: Path, *, trust_pickle: bool = False, progress=None
                 if p == 0 and v == 0:
                     entries += [(k, None, k) for k in _TOP_FIRST if k in model_keys]
                 for i in range(per_chunk):
-                    for suffix in layer_items:
-                        if suffix.endswith("._extra_state"):
-                            entries.append((None, first_layer + i, f"decoder.layers.{i}.{suffix}"))
-                        else:
-                            entries.append((f"decoder.layers.{suffix}", first_layer + i, f"decoder.layers.{i}.{suffix}"))
+                    for suffix, file_suffix in layer_items:
+                        base = None if suffix is None else f"decoder.layers.{suffix}"
+                        entries.append((base, first_layer + i, f"decoder.layers.{i}.{file_suffix}"))
                 if p == P - 1 and v == V - 1:
                     entries += [(k, None, k) for k in _TOP_LAST if k in model_keys]
                     if P > 1 and not m.untie_embeddings:
                         entries.append(("embedding.word_embeddings.weight", None, "output_layer.weight"))
+                    if spec == "local":  # Megatron-Core's ColumnParallelLinear, there with or without its weight
+                        entries.append((None, None, "output_layer._extra_state"))
                 unknown = {k for k in model_keys if k not in _TOP_FIRST + _TOP_LAST
-                           and not any(k == f"decoder.layers.{s}" for s in _LAYER_ORDER)}
+                           and not any(k == f"decoder.layers.{s}" for s in _LAYER_ORDER[spec])}
                 if unknown:
                     raise UserError(f"{it_dir}: no Megatron-LM name/order for {sorted(unknown)}")
                 for base, layer, file_key in entries:
-                    if base is None:  # TE extra state after the module's parameters: none, as Megatron-LM's local layers
+                    if base is None:  # extra state: none, as Megatron-Core's own linear layers save (no FP8 metadata)
                         state[file_key] = None
                         continue
                     state[file_key] = shard(base, global_piece(base, layer), tp=T, rank=r, gated=swiglu)
@@ -218,7 +246,7 @@ def _piece(reader, key: str, layer: Optional[int], cache: dict) -> torch.Tensor:
     return reader.read_region(key, (layer,) + (0,) * (len(info.shape) - 1), (1,) + tuple(info.shape[1:]))[0]
 
 
-def _args_from_recipe(recipe, ck, reader) -> argparse.Namespace:
+def _args_from_recipe(recipe, ck, reader, *, transformer_impl: str) -> argparse.Namespace:
     """The Megatron-LM arguments a legacy checkpoint carries: the full set parse_args defines, with
     this recipe's values (megacli.checkpoint.megatron_lm_args)."""
     from megacli.checkpoint.megatron_lm_args import megatron_args
@@ -227,4 +255,5 @@ def _args_from_recipe(recipe, ck, reader) -> argparse.Namespace:
     gbs = recipe.train.global_batch_size
     return megatron_args(recipe, ckpt_format="torch", iteration=ck.iteration,
                          consumed_samples=int(ck.meta.get("consumed_samples", ck.iteration * gbs)),
-                         padded_vocab_size=emb.shape[0] if emb is not None else None)
+                         padded_vocab_size=emb.shape[0] if emb is not None else None,
+                         transformer_impl=transformer_impl)
