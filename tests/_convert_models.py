@@ -374,7 +374,7 @@ def write_legacy(hf_dir: Path, out: Path, *, tp: int, pp: int, iteration: int = 
         add_bias_linear=m.add_bias_linear, add_qkv_bias=m.add_qkv_bias,
         untie_embeddings_and_output_weights=m.untie_embeddings, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None,
-        make_vocab_size_divisible_by=divisible_by, padded_vocab_size=padded, vocab_size=vocab,
+        make_vocab_size_divisible_by=divisible_by, padded_vocab_size=padded, vocab_size=vocab - 1,  # NullTokenizer adds EOD
         params_dtype=torch.float32, bf16=False, fp16=False, tokenizer_type="NullTokenizer", hidden_dropout=0.0,
         attention_dropout=0.0, attention_backend=AttnBackend.auto, iteration=iteration, ckpt_format="torch",
         **(extra_args or {}))
