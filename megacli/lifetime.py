@@ -27,8 +27,21 @@ def die_with_parent(expected_parent: int | None = None) -> None:
         os._exit(1)
 
 
+_forking_pid: int | None = None  # the pid of a process about to fork, as its child sees it
+
+
+def _note_forking_pid() -> None:
+    global _forking_pid
+    _forking_pid = os.getpid()
+
+
+def _child_dies_with_parent() -> None:
+    # The parent may be gone before the child gets here (killed right after fork): exit then.
+    die_with_parent(_forking_pid)
+
+
 def worker_dies_with_launcher() -> None:
     """For a worker: die with the launcher, and make every process it forks die with it."""
     launcher = os.environ.get(LAUNCHER_PID_VAR)
     die_with_parent(int(launcher) if launcher else None)
-    os.register_at_fork(after_in_child=die_with_parent)
+    os.register_at_fork(before=_note_forking_pid, after_in_child=_child_dies_with_parent)
