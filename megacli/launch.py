@@ -139,6 +139,18 @@ def wait_for_nodes(*, endpoint: str, job: str, nnodes: int, node_rank: int, time
 FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 
+def _supported_launch_options(**options) -> dict:
+    """The LaunchConfig options this torch has: older releases (torch 2.11 among them) lack
+    signals_to_handle and shutdown_timeout; there SIGUSR1 is not passed on to the workers and a
+    stopping worker gets the elastic agent's default 30 s before SIGKILL."""
+    import dataclasses
+
+    from torch.distributed.launcher.api import LaunchConfig
+
+    known = {f.name for f in dataclasses.fields(LaunchConfig)}
+    return {name: value for name, value in options.items() if name in known}
+
+
 def launch_workers(job: str, recipe_file: Path, *, run_dir: str, nproc: int, nnodes: int, node_rank: int,
                    rdzv_endpoint: str | None, job_id: str, timeout_minutes: float) -> None:
     """Start nproc workers on this node through torch.distributed's elastic launcher and wait.
@@ -172,8 +184,7 @@ def launch_workers(job: str, recipe_file: Path, *, run_dir: str, nproc: int, nno
         max_restarts=0,
         monitor_interval=0.5,
         start_method="spawn",
-        signals_to_handle=FORWARDED_SIGNALS,
-        shutdown_timeout=int(timeout_s) + 1,
+        **_supported_launch_options(signals_to_handle=FORWARDED_SIGNALS, shutdown_timeout=int(timeout_s) + 1),
     )
     os.environ[LAUNCHER_PID_VAR] = str(os.getpid())
     try:

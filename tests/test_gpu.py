@@ -123,7 +123,8 @@ def test_moe_trains_with_every_expert_used(grouped, tmp_path):
 def test_bert_and_t5_losses_fall(data, tmp_path):  # noqa: F811
     for arch, model in (("bert", BERT), ("t5", T5)):
         run_dir = tmp_path / arch
-        pretrain(run_dir, [*common(data), *model, "train.iters=10", *on_device("cuda", "bf16")])
+        pretrain(run_dir, [*common(data), *model, "train.iters=10", "parallel.tensor=1", "parallel.pipeline=1",
+                                 "parallel.sequence_parallel=false", "launch.nproc=1", *on_device("cuda", "bf16")])
         records = steps(run_dir)
         assert sorted(records) == list(range(1, 11))
         assert_loss_falls(records, by=0.5, key="lm_loss" if arch == "bert" else "loss")
@@ -157,9 +158,11 @@ def _convert_and_decode(rank, world, root: str) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     root, out, runtime = Path(root), {}, None
-    for name in GENERATE_MODELS:
-        hf = cm.build_hf(name, root / name / "hf", with_tokenizer=True).to("cuda")
+    hf_models = {}
+    for name in GENERATE_MODELS:  # every conversion first: convert sets up (and tears down) its own parallel state
+        hf_models[name] = cm.build_hf(name, root / name / "hf", with_tokenizer=True).to("cuda")
         convert(root / name / "hf", root / name / "mc", say=lambda *_: None)
+    for name, hf in hf_models.items():
         tok = AutoTokenizer.from_pretrained(root / name / "hf")
         ref = []
         for prompt in PROMPTS:
