@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from megacli.data.stream import Position, RankStream, TokenizerSpec, Tokenized, pack, shard_texts
 from megacli.recipe.sections import DataSection, StreamSource
@@ -386,3 +387,28 @@ def test_fim_batches_are_redrawn_the_same_after_a_resume(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(head + tail, expected))
     decoded = [tok.decode(row.tolist()) for b in expected for row in b]
     assert sum("<fim_prefix>" in d for d in decoded) >= len(decoded) - 1
+
+
+def test_a_samples_loss_mask_does_not_depend_on_what_was_read_before(tmp_path):
+    """Megatron-Core 0.16.1's GPTDataset would mask every sample where the first one read had pad
+    labels (its mask cache is that sample's mask, zeroed in place), so a resumed run, which reads
+    another sample first, trained on other masks (found by the GPU resume test: step 11 of a run
+    resumed at step 10 differed by 2e-3)."""
+    from megacli.data.tokenizers import load_tokenizer
+    from megacli.engine.data import build_gpt_datasets
+
+    tok = load_tokenizer(type="byte", path=None)
+
+    def fresh():
+        return build_gpt_datasets(data=DataSection(mock=True, path=None), seq_length=SEQ, seed=1, tokenizer=tok,
+                                  train_samples=40, valid_samples=0, cache_dir=str(tmp_path / "cache")).train
+
+    with_pads = [k for k in range(40) if (fresh()._query_document_sample_shuffle_indices(k)[0][1:] == tok.pad).any()]
+    assert with_pads, "mock data with pad labels (the case the mask cache got wrong)"
+    after_a_padded_one, alone = fresh(), fresh()
+    after_a_padded_one[with_pads[0]]
+    for k in range(40):
+        labels = torch.from_numpy(alone._query_document_sample_shuffle_indices(k)[0][1:])
+        want = (labels != tok.pad).float()
+        assert torch.equal(alone[k]["loss_mask"], want), k
+        assert torch.equal(after_a_padded_one[k]["loss_mask"], want), k

@@ -86,7 +86,28 @@ def build_gpt_datasets(*, data, seq_length: int, seed: int, tokenizer, train_sam
     train, valid, test = BlendedMegatronDatasetBuilder(cls, [train_samples, valid_samples, 0], is_built_on_rank, config).build()
     if train is None:
         raise UserError(f"data.split = {data.split!r} leaves no training documents")
+    for split in (train, valid, test):
+        own_masks_per_sample(split)
     return Splits(train, valid, test)
+
+
+def own_masks_per_sample(dataset) -> None:
+    """Megatron-Core 0.16.1's GPTDataset caches the loss mask of the first sample it reads after
+    zeroing that sample's pad labels in place (the cache is the same tensor), so every later sample
+    is also masked where the first one had pads, and a resumed run, whose first sample differs,
+    masks differently. Filling the cache before any read, with what Megatron computes for the
+    cacheable case (no resets, no EOD masking: a mask of ones, positions 0..s-1, whatever the
+    tokens), leaves each sample only its own pads masked."""
+    from megatron.core.datasets.gpt_dataset import GPTDataset, _get_ltor_masks_and_position_ids
+
+    for part in getattr(dataset, "datasets", [dataset]):  # a BlendedDataset holds its GPTDatasets
+        if not isinstance(part, GPTDataset) or not part.masks_and_position_ids_are_cacheable:
+            continue
+        c = part.config
+        (part.cached_attention_mask, part.cached_loss_mask, part.cached_position_ids) = _get_ltor_masks_and_position_ids(
+            torch.zeros(c.sequence_length, dtype=torch.long), c.tokenizer.eod, c.reset_position_ids,
+            c.reset_attention_mask, c.eod_mask_loss, c.create_attention_mask)
+        part.masks_and_position_ids_are_cached = True
 
 
 # ---------------------------------------------------------------- named validation sets
@@ -131,6 +152,7 @@ def build_named_gpt_sets(*, sets: dict[str, str], seq_length: int, tokenizer, ca
                                   mmap_bin_files=True)
         _, valid, _ = BlendedMegatronDatasetBuilder(sequential_gpt_dataset_class(), [0, None, 0], is_built_on_rank,
                                                     config).build()
+        own_masks_per_sample(valid)
         out[name] = valid
     return out
 
