@@ -316,13 +316,12 @@ def passthrough(args) -> list[str]:
 def table(results: dict) -> str:
     rows = [f"{'size':>6} {'side':>9} {'tokens/s':>12} {'TFLOP/s':>9} {'MFU':>7} {'peak GiB':>9} {'step s':>8}"]
     for size, sides in results.items():
-        for side in SIDES:
+        for side in [x for x in SIDES if x in sides]:
             r = sides[side]
             rows.append(f"{size:>6} {side:>9} {r['tokens_per_s']:>12,.0f} {r['tflops']:>9.1f} {r['mfu'] * 100:>6.1f}% "
                         f"{r['peak_memory_gib']:>9.2f} {r['step_time_s']:>8.4f}")
-        ratios = sides["ratios"]
-        rows.append(f"{size:>6} {'ratios':>9} megacli/megatron {ratios['megacli_over_megatron']:.3f}, "
-                    f"megacli/pytorch {ratios['megacli_over_pytorch']:.3f} (tokens/s)")
+        ratios = ", ".join(f"{name.replace('_over_', '/')} {value:.3f}" for name, value in sides["ratios"].items())
+        rows.append(f"{size:>6} {'ratios':>9} {ratios} (tokens/s)")
     return "\n".join(rows)
 
 
@@ -344,6 +343,7 @@ def main(argv=None) -> int:
     ap.add_argument("--megacli-set", action="append", default=[], metavar="KEY=VALUE",
                     help="megacli side: one more recipe override (repeatable), e.g. train.compile=true, "
                          "train.attention_backend=cudnn, train.grad_reduce_in_bf16=true")
+    ap.add_argument("--sides", default=",".join(SIDES), help="comma-separated sides to run (megacli, megatron, pytorch)")
     ap.add_argument("--side", choices=SIDES[1:], help=argparse.SUPPRESS)
     ap.add_argument("--size", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -357,17 +357,20 @@ def main(argv=None) -> int:
     unknown = [x for x in sizes if x not in SIZES]
     if unknown:
         ap.error(f"unknown size {unknown[0]!r}: choose from {', '.join(SIZES)}")
+    run_sides = [x for x in SIDES if x in args.sides.split(",")]
+    if not run_sides:
+        ap.error(f"--sides: choose from {', '.join(SIDES)}")
     results = {}
     with tempfile.TemporaryDirectory(prefix="gpu_bench_") as tmp:
         for size in sizes:
             sides = {}
-            for side in SIDES:
+            for side in run_sides:
                 began = time.perf_counter()
                 sides[side] = run_side(args, side, size, Path(tmp))
                 print(f"{size} {side}: {sides[side]['tokens_per_s']:,.0f} tokens/s, MFU {sides[side]['mfu'] * 100:.1f}% "
                       f"({time.perf_counter() - began:.0f} s)", flush=True)
-            sides["ratios"] = {"megacli_over_megatron": sides["megacli"]["tokens_per_s"] / sides["megatron"]["tokens_per_s"],
-                               "megacli_over_pytorch": sides["megacli"]["tokens_per_s"] / sides["pytorch"]["tokens_per_s"]}
+            sides["ratios"] = {f"megacli_over_{other}": sides["megacli"]["tokens_per_s"] / sides[other]["tokens_per_s"]
+                               for other in ("megatron", "pytorch") if "megacli" in sides and other in sides}
             results[size] = sides
     report = {"device": device_name(args.device), "sequence_length": 64 if args.tiny else 2048, "tiny": args.tiny,
               "steps": args.steps, "warmup": args.warmup, "accum": args.accum, "peak_tflops": args.peak_tflops,

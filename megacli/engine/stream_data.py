@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from megacli.data.stream import RankStream, TokenizerSpec
+from megacli.engine.data import to_device
 from megacli.errors import UserError
 
 
@@ -49,7 +50,7 @@ class StreamData:
                     text = fim_sample(text, rng, fim=d.fim, tokenizer=self.tokenizer, ids=fim)
                 samples.append(gpt_sample(text, eod=self.tokenizer.eod, pad=getattr(self.tokenizer, "pad", None), data=d))
             batch = {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
-            yield {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            yield to_device(batch, device)
 
     def state(self) -> dict | None:
         return self.streams[0].state() if self.streams else self.start_state
