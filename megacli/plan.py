@@ -271,7 +271,17 @@ def _stage_memory(recipe: TrainingRecipe, counts: ParamCounts, vocab_size: int, 
 
 
 def flops_per_token(recipe: TrainingRecipe, n_params: int, attention_factor: int = 12) -> float:
-    """Training FLOPs per token: 6·N for the matmuls plus attention scores, 12·L·h·s
-    (attention_factor=6 is the causal-halved convention)."""
+    """Training FLOPs per token: 6·N for the matmuls plus, per layer, the scores and their use,
+    attention_factor/2 · span · (query-key width + value width): 12·L·h·s for plain multi-head
+    attention (attention_factor=6 is the causal-halved convention). A sliding-window layer's span is
+    its window; the widths are heads × head_dim (MLA: heads × (qk_head_dim + qk_pos_emb_head_dim)
+    and heads × v_head_dim)."""
     m = recipe.model
-    return 6 * n_params + attention_factor * m.num_layers * m.hidden_size * m.seq_length
+    heads = m.num_attention_heads
+    if m.mla is not None:
+        qk_width, v_width = heads * (m.mla.qk_head_dim + m.mla.qk_pos_emb_head_dim), heads * m.mla.v_head_dim
+    else:
+        qk_width = v_width = heads * m.head_dim
+    window = m.sliding_window or m.seq_length
+    spans = sum(min(window, m.seq_length) if windowed else m.seq_length for windowed in m.window_layers())
+    return 6 * n_params + attention_factor / 2 * spans * (qk_width + v_width)

@@ -207,7 +207,7 @@ def test_bert_legacy_export_is_refused_before_writing(tmp_path):
     root = tmp_path / "bert"
     write_checkpoint(root, arch="bert")
     res = cli("reshard", root, tmp_path / "out", "--format", "legacy")
-    assert res.exit_code == 2 and "legacy export writes GPT checkpoints only" in " ".join(res.output.split()), res.output
+    assert res.exit_code == 2 and "the Megatron-LM export writes GPT models" in " ".join(res.output.split()), res.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bert"]
 
 

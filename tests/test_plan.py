@@ -231,3 +231,21 @@ def test_dry_run_lists_uneven_stages_and_estimates_the_busiest():
     # the last stage: one layer, but the output layer and the logits of a 50k vocabulary
     assert mem.stage == 3 and mem.logits_gib > 0 and stages[0].logits_gib == 0
     assert "pipeline stage 3 of 4, the busiest" in out.output
+
+
+def test_flops_count_each_layers_attention_span_and_widths():
+    """6·N + 12·L·h·s for plain attention; a windowed layer attends over its window; heads × head_dim
+    (not hidden) is the attention width; MLA's query-key and value widths differ."""
+    from megacli.plan import flops_per_token
+
+    s, h, L = 64, 64, 2
+    assert flops_per_token(_load([]), 1000) == 6 * 1000 + 12 * L * h * s
+    windowed = _load(["model.position_embedding=rope", "model.sliding_window=16", "model.sliding_window_layers=2"])
+    assert windowed.model.window_layers() == [1, 0]
+    assert flops_per_token(windowed, 0) == 6 * (16 + s) * 2 * h
+    wide = _load(["model.kv_channels=32"])  # 4 heads × 32 = 128 wide, hidden 64
+    assert flops_per_token(wide, 0) == 12 * L * 128 * s
+    mla = _load(["model.position_embedding=rope", "model.add_bias_linear=false", "model.normalization=rmsnorm",
+                 "model.mla.kv_lora_rank=16", "model.mla.qk_head_dim=8", "model.mla.qk_pos_emb_head_dim=4",
+                 "model.mla.v_head_dim=8"])
+    assert flops_per_token(mla, 0) == 6 * L * s * 4 * ((8 + 4) + 8)

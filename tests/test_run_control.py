@@ -220,3 +220,25 @@ def test_a_workers_forked_helpers_die_with_it():
     for p in alive:
         p.kill()
     assert not alive, "a helper outlived its worker"
+
+
+def test_a_timed_out_asynchronous_collective_is_named_where_it_was_waited_on():
+    """A TP all-reduce started in backward times out in `handle.wait()`, with no torch.distributed frame
+    in the traceback (seen under load in test_a_stalled_rank_is_named_with_the_collective)."""
+    from megacli.engine.distributed import stall_error
+
+    def backward():  # stands in for Megatron's LinearWithGradAccumulation backward
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+                           "12000ms for recv operation to complete")
+
+    try:
+        backward()
+    except RuntimeError as exc:
+        err = stall_error(exc, rank=0, timeout_minutes=0.2)
+    assert err is not None and err.exit_code == 1
+    assert str(err).startswith("rank 0 waited 0.2 min (launch.timeout_minutes) in an asynchronous collective called "
+                               "from backward (test_run_control.py:"), str(err)
+    try:
+        raise RuntimeError("connection timeout")  # not a collective's
+    except RuntimeError as exc:
+        assert stall_error(exc, rank=0, timeout_minutes=0.2) is None

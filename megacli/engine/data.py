@@ -16,6 +16,7 @@ import torch
 
 from megacli.data.indexed import validate
 from megacli.data.tokenizers import SENTINEL
+from megacli.engine.batches import to_device
 from megacli.errors import UserError
 
 
@@ -395,14 +396,6 @@ def micro_batches(dataset, *, start_sample: int, micro_batch_size: int, dp_rank:
         yield to_device(batch, device)
         first += step
 
-
-def to_device(batch: dict, device) -> dict:
-    """A micro-batch's tensors on ``device``. To a GPU through pinned memory: a copy from pageable
-    memory waits for every kernel queued before it, so the CPU would lose its lead over the GPU at
-    each micro-batch (launch-bound small models pay for that); a pinned copy is queued like a kernel."""
-    if torch.device(device).type != "cuda":
-        return {k: v.to(device) for k, v in batch.items()}
-    return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
 
 
 def cache_dir_for(data, run_dir: str) -> str:

@@ -157,10 +157,11 @@ def stall_error(exc: BaseException, *, rank: int, timeout_minutes: float):
         c10d = [f for f in frames if f.filename.endswith("distributed_c10d.py")]
         plumbing = ("/torch/", "/megacli/backend/", "/megacli/engine/distributed")  # not where the model called it
         callers = [f for f in frames if not any(part in f.filename for part in plumbing)]
-        if not c10d:
+        if not c10d and "gloo" not in text:
             return None
+        # an asynchronous collective times out where its handle is waited on, outside torch.distributed
         where = f" called from {callers[-1].name} ({callers[-1].filename.rsplit('/', 2)[-1]}:{callers[-1].lineno})" if callers else ""
-    collective = op.group(1).lower() if op else c10d[-1].name
+    collective = op.group(1).lower() if op else (c10d[-1].name if c10d else "an asynchronous collective")
     from megacli.errors import UserError
 
     err = UserError(f"rank {rank} waited {timeout_minutes:g} min (launch.timeout_minutes) in {collective}{where} for a "

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from megacli.data.stream import RankStream, TokenizerSpec
-from megacli.engine.data import to_device
+from megacli.engine.batches import to_device
 from megacli.errors import UserError
 
 

@@ -39,9 +39,13 @@ def _row_forward(layer, input_):
 
 
 def lean_linears(net) -> None:
-    """Give every plain (not sequence-parallel, not LoRA) tensor-parallel linear layer of an
-    inference-only model the lean forward."""
+    """Give every plain (not sequence-parallel, not LoRA, not an expert's) tensor-parallel linear
+    layer of an inference-only model the lean forward. An expert's linears leave their
+    communication to the MoE token dispatcher (Megatron's explicit_expert_comm): a lean row-parallel
+    expert would all-reduce what the dispatcher reduces again."""
     for module in net.modules():
+        if getattr(module, "explicit_expert_comm", False):
+            continue
         if type(module) is ColumnParallelLinear and not module.sequence_parallel:
             module.forward = functools.partial(_column_forward, module)
         elif type(module) is RowParallelLinear and not module.sequence_parallel and module.input_is_parallel:

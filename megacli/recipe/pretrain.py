@@ -244,7 +244,7 @@ class TrainingRecipe(Section):
         if isinstance(moe.layer_freq, list) and len(moe.layer_freq) != m.num_layers:
             raise RecipeError("model.moe.layer_freq", moe.layer_freq,
                               f"has {len(moe.layer_freq)} entries for model.num_layers = {m.num_layers} layers")
-        if p.tensor > 1 and not p.sp_enabled:
+        if p.tensor > 1 and not p.sp_enabled and self.trains:  # decoding runs them without (one token cannot be split)
             raise RecipeError("parallel.sequence_parallel", False,
                               "MoE layers with parallel.tensor > 1 need sequence parallelism (Megatron-Core refuses "
                               "to train them without): set parallel.sequence_parallel: auto (or true)")

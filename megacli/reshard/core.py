@@ -163,15 +163,13 @@ def _reshard(job, progress) -> Result:
     src_dir, import_notes = _stage(src_dir, output.resolve().parent, job.trust_pickle, progress)
     try:
         src = Checkpoint(src_dir, trust_pickle=job.trust_pickle)
-        if job.format == "legacy":
-            legacy_export.check_exportable(src.recipe_raw, src_dir)
         target = resolve_target(src.layout, src.section("parallel"), tensor=job.tensor, pipeline=job.pipeline,
                                 virtual_pipeline=job.virtual_pipeline, data_parallel=job.data_parallel,
                                 distributed_optimizer=distributed_optimizer, sequence_parallel=job.sequence_parallel,
                                 overrides=tuple(job.target_set), num_layers=_num_layers(src))
         plan = build_plan(src, target)
         _check_precision(src, plan)
-        if job.format == "megatron":
+        if job.format in ("legacy", "megatron"):  # both write Megatron-LM's arguments
             from megacli.reshard.megatron_export import check_exportable
 
             check_exportable(plan.recipe, src_dir)

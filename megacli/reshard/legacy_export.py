@@ -58,19 +58,6 @@ _TOP_FIRST = ("embedding.word_embeddings.weight", "embedding.position_embeddings
 _TOP_LAST = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight", "output_layer.bias")
 
 
-def check_exportable(recipe_raw: dict, where: Path) -> None:
-    """Refuse, before anything is written, a model the legacy export cannot name."""
-    model = recipe_raw.get("model") or {}
-    arch = model.get("arch") or "gpt"
-    if arch != "gpt":
-        raise UserError(f"{where}: a {arch.upper()} checkpoint; the legacy export writes GPT checkpoints only. For the "
-                        f"weights in another format, use `megacli convert {where} DST --to hf`")
-    for name, plain in (("norm_placement", "pre"), ("qk_norm_scope", "head")):
-        if model.get(name, plain) != plain:
-            raise UserError(f"{where}: model.{name} = {model[name]} has no Megatron-LM argument; the legacy export "
-                            f"cannot name it. Use `megacli convert {where} DST --to hf`")
-
-
 def export(it_dir: Path, out: Path, *, spec: str = "te", trust_pickle: bool = False, progress=None) -> list[str]:
     """Write the megacli checkpoint ``it_dir`` (standard optimizer, any layout) as a Megatron-LM
     legacy checkpoint for the ``spec`` layer spec (te or local) in its layout under ``out``
