@@ -65,6 +65,9 @@ def check_exportable(recipe_raw: dict, where: Path) -> None:
     if arch != "gpt":
         raise UserError(f"{where}: a {arch.upper()} checkpoint; the legacy export writes GPT checkpoints only. For the "
                         f"weights in another format, use `megacli convert {where} DST --to hf`")
+    if model.get("moe"):
+        raise UserError(f"{where}: a mixture-of-experts model; the legacy (--ckpt-format torch) export does not write "
+                        f"MoE checkpoints. Write a torch_dist one: `megacli reshard {where} DST --format megatron`")
     for name, plain in (("norm_placement", "pre"), ("qk_norm_scope", "head")):
         if model.get(name, plain) != plain:
             raise UserError(f"{where}: model.{name} = {model[name]} has no Megatron-LM argument; the legacy export "
