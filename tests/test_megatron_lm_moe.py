@@ -2,13 +2,14 @@
 
 One spawned process, tiny models (hidden 32, 2 layers, 4 experts, top 2):
 
-* written: a Qwen2-MoE (gated shared expert, QKV biases, its second layer dense: --moe-layer-freq
-  [1, 0]) converted from HF to megacli, then exported as Megatron-LM checkpoints for both layer
-  specs. Checked: the args (the MoE arguments), the tensors bitwise, the TE spec's extra state,
-  the model section read back; megatron -> megacli bitwise and -> HF with the source's logits; and
-  Megatron-Core's own GPTModel, built from the written args as Megatron-LM builds it (local spec,
-  ``get_gpt_decoder_block_spec``), loads the local export (``dist_checkpointing.load``, missing keys
-  fatal as in Megatron-LM) and gives HF's logits;
+* written: a megacli run (2 steps) of a Qwen2-MoE-shaped GPT (gated shared expert, its second
+  layer dense: --moe-layer-freq [1, 0]) exported as Megatron-LM checkpoints for both layer specs.
+  Checked: the args (the MoE arguments), weights and optimizer state bitwise, the TE spec's extra
+  state, the model section read back; megatron -> megacli (reshard) bitwise, optimizer included,
+  and -> HF with the logits of the run's own HF export; and Megatron-Core's own GPTModel, built
+  from the written args as Megatron-LM builds it (local spec, ``get_gpt_decoder_block_spec``),
+  loads the local export (``dist_checkpointing.load``, missing keys fatal as in Megatron-LM) and
+  gives those logits;
 * read: a Mixtral whose checkpoint Megatron-Core itself saved from its local-spec GPTModel with
   --moe-layer-freq 1 (every layer MoE: the layers stacked under one key, the MoE pre-MLP norms
   under the local spec's ``mlp.linear_fc1.layer_norm_weight``), with Megatron-LM's common.pt.
@@ -19,14 +20,30 @@ One spawned process, tiny models (hidden 32, 2 layers, 4 experts, top 2):
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 TOL = 1e-4
-ITERATION = 10
+ITERATION = 10  # of the Megatron-Core-saved checkpoint
+ITERS, VOCAB = 2, 262  # the megacli run's: 2 steps, byte tokenizer
+# A Qwen2-MoE-shaped run: 4 experts (top 2) with a gated shared expert in layer 0, layer 1 dense.
+RUN = [
+    "data.mock=true", "tokenizer.type=byte", "model.num_layers=2", "model.hidden_size=32",
+    "model.num_attention_heads=4", "model.num_query_groups=2", "model.ffn_hidden_size=64", "model.seq_length=16",
+    "model.activation=swiglu", "model.normalization=rmsnorm", "model.position_embedding=rope",
+    "model.untie_embeddings=true", "model.add_bias_linear=false", "model.make_vocab_size_divisible_by=64",
+    "model.moe.num_experts=4", "model.moe.router_topk=2", "model.moe.ffn_hidden_size=48", "model.moe.layer_freq=[1,0]",
+    "model.moe.shared_expert_ffn_hidden_size=32", "model.moe.shared_expert_gate=true",
+    f"train.iters={ITERS}", "train.micro_batch_size=1", "train.global_batch_size=2", "train.eval_interval=null",
+    "train.precision=fp32", f"checkpoint.save_interval={ITERS}", "launch.nproc=1", "parallel.tensor=1",
+    "parallel.pipeline=1",
+]
 
 
 def _config(args: argparse.Namespace):
@@ -137,15 +154,16 @@ def _moe(rank, world, root: str):
     def canonical(path):
         return {k: t for g in CheckpointReader(find_checkpoint(path)).groups() for k, t in g.items()}
 
-    # ---- written: Qwen2-MoE, megacli -> Megatron-LM (te, local) -> megacli / HF / Megatron-Core
-    ref = cm.hf_logits(cm.build_hf("qwen2_moe", root / "hf"), toks)
-    convert(root / "hf", root / "mc", say=say)
-    src = find_checkpoint(root / "mc")
-    source, original = TorchDistReader(src), canonical(root / "mc")
+    # ---- written: the run's Qwen2-MoE-shaped checkpoint -> Megatron-LM (te, local) -> megacli / HF / Megatron-Core
+    src = find_checkpoint(root / "run" / "checkpoints")
+    convert(src.parent, root / "hf", to="hf", say=say)
+    run_toks = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    ref = cm.hf_logits(cm.load_hf(root / "hf"), run_toks)
+    source = TorchDistReader(src)
     for spec in ("te", "local"):
         dst = root / f"mlm_{spec}"
         reshard(ReshardSection(source=str(src), output=str(dst), format="megatron", spec=spec, progress=False))
-        it_dir = dst / iter_name(0)
+        it_dir = dst / iter_name(ITERS)
         written = TorchDistReader(it_dir)
         args = torch_load(it_dir / "common.pt", trust=False, name="common.pt")["args"]
         r = out[spec] = {"args": {k: getattr(args, k) for k in (
@@ -153,30 +171,33 @@ def _moe(rank, world, root: str):
             "moe_shared_expert_gate", "moe_router_pre_softmax", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
             "moe_router_dtype", "moe_token_dispatcher_type", "moe_grouped_gemm", "expert_model_parallel_size",
             "expert_tensor_parallel_size", "ffn_hidden_size")}}
+        # model and optimizer state; the local spec stores a MoE layer's pre-MLP norm under its fused name
         renamed = {k.replace("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_") if spec == "local" else k: k
                    for k in source.tensors}
+        r["optimizer_tensors"] = sum(k.startswith("optimizer.") for k in renamed)
         r["same_keys"] = sorted(written.tensors) == sorted(renamed)
         r["differ"] = [k for k, s in renamed.items() if not torch.equal(written.read(k), source.read(s))]
         r["moe_extra"] = sorted(k for k in written.objects if "pre_mlp_layernorm._extra_state" in k)
         r["moe_section"] = (MegatronLMCheckpoint(dst).recipe()["model"]["moe"], read_recipe(src)["model"]["moe"])
-        convert(dst, root / f"back_{spec}", to="megacli", say=say)
-        back = canonical(root / f"back_{spec}")
-        r["back"] = sorted(back) == sorted(original) and all(torch.equal(back[k], original[k]) for k in original)
+        reshard(ReshardSection(source=str(dst), output=str(root / f"back_{spec}"), progress=False))
+        back = TorchDistReader(find_checkpoint(root / f"back_{spec}"))
+        r["back_keys"] = sorted(back.tensors) == sorted(source.tensors)
+        r["back_differ"] = [k for k in source.tensors if not torch.equal(back.read(k), source.read(k))]
         convert(dst, root / f"hf_{spec}", to="hf", say=say)
-        r["hf_logits"] = cm.max_diff(cm.hf_logits(cm.load_hf(root / f"hf_{spec}"), toks), ref)
+        r["hf_logits"] = cm.max_diff(cm.hf_logits(cm.load_hf(root / f"hf_{spec}"), run_toks), ref)
     inspected = CliRunner().invoke(app, ["reshard", "inspect", str(root / "mlm_te")])
     out["inspect"] = [inspected.exit_code, inspected.output]
 
     from megatron.core import dist_checkpointing
 
     with megatron_process():
-        args = torch_load(root / "mlm_local" / iter_name(0) / "common.pt", trust=False, name="common.pt")["args"]
+        args = torch_load(root / "mlm_local" / iter_name(ITERS) / "common.pt", trust=False, name="common.pt")["args"]
         model = _mcore_gpt(args)
         with allow_checked_globals():  # common.pt holds Megatron-LM's args (Megatron-LM loads it unrestricted)
             loaded = dist_checkpointing.load({"model": model.sharded_state_dict(metadata={"singleton_local_shards": False})},
-                                             str(root / "mlm_local" / iter_name(0)))
+                                             str(root / "mlm_local" / iter_name(ITERS)))
         model.load_state_dict(loaded["model"], strict=True)
-        out["mcore_logits"] = cm.max_diff(_logits(model, toks, cm.VOCAB), ref)
+        out["mcore_logits"] = cm.max_diff(_logits(model, run_toks, VOCAB), ref)
 
     # ---- read: Mixtral saved by Megatron-Core (local spec, --moe-layer-freq 1: layers stacked)
     mix_ref = cm.hf_logits(cm.build_hf("mixtral", root / "hf_mix"), toks)
@@ -209,7 +230,13 @@ def _moe(rank, world, root: str):
 def moe(tmp_path_factory):
     from tests._dist import spawn
 
-    return spawn(_moe, 1, str(tmp_path_factory.mktemp("megatron_lm_moe")), timeout=1800)[0]
+    root = tmp_path_factory.mktemp("megatron_lm_moe")
+    env = {**os.environ, "MEGACLI_IN_PROCESS": "1"}
+    sets = [*RUN, f"run.dir={root / 'run'}", f"checkpoint.dir={root / 'run' / 'checkpoints'}"]
+    run = subprocess.run([sys.executable, "-m", "megacli", "pretrain", *[x for s in sets for x in ("--set", s)]],
+                         capture_output=True, text=True, timeout=900, env=env)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    return spawn(_moe, 1, str(root), timeout=1800)[0]
 
 
 @pytest.mark.parametrize("spec", ["te", "local"])
@@ -217,16 +244,16 @@ def test_moe_written_as_megatron_lm(moe, spec):
     r = moe[spec]
     assert r["args"] == dict(
         num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_layer_freq=[1, 0],
-        moe_shared_expert_intermediate_size=40, moe_shared_expert_gate=True, moe_router_pre_softmax=True,
-        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.001, moe_router_dtype="fp32",
+        moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True, moe_router_pre_softmax=False,
+        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01, moe_router_dtype="fp32",
         moe_token_dispatcher_type="alltoall", moe_grouped_gemm=True, expert_model_parallel_size=1,
         expert_tensor_parallel_size=1, ffn_hidden_size=64)
-    assert r["same_keys"] and r["differ"] == []
+    assert r["optimizer_tensors"] > 0 and r["same_keys"] and r["differ"] == []  # weights and Adam moments, bitwise
     # the TE spec's MoE layer has its own TENorm before the experts (layer 0 only: layer 1 is dense)
     assert r["moe_extra"] == (["decoder.layers.0.pre_mlp_layernorm._extra_state/shard_0_1"] if spec == "te" else [])
     got, want = r["moe_section"]
     assert got == want
-    assert r["back"]  # megatron -> megacli: every weight bitwise
+    assert r["back_keys"] and r["back_differ"] == []  # megatron -> megacli (reshard): weights and optimizer, bitwise
     assert r["hf_logits"] < TOL, r["hf_logits"]
 
 
@@ -237,7 +264,7 @@ def test_megatron_cores_own_model_loads_the_export(moe):
 def test_reshard_inspect_prints_the_moe_recipe(moe):
     code, text = moe["inspect"]
     assert code == 0, text
-    assert "num_experts: 4" in text and "shared_expert_ffn_hidden_size: 40" in text and "layer_freq:" in text
+    assert "num_experts: 4" in text and "shared_expert_ffn_hidden_size: 32" in text and "layer_freq:" in text
 
 
 def test_megatron_lm_moe_with_stacked_layers_is_read(moe):
