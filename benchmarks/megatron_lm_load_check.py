@@ -10,7 +10,8 @@ the script parses Megatron-LM's arguments from the checkpoint (``--use-checkpoin
 the model, DDP, optimizer and scheduler as Megatron-LM's training does
 (``setup_model_and_optimizer`` with pretrain_gpt.py's ``model_provider`` + ``gpt_builder``, which
 calls ``load_checkpoint``), runs a forward and prints the largest difference to the HF model's
-logits. Transformer Engine is not available on CPU, so the model is the local spec. The run is
+logits. Transformer Engine is not available on CPU, so the model is the local spec (and a MoE
+model's experts run as SequentialMLP, whatever --moe-grouped-gemm the checkpoint records). The run is
 one process (TP = PP = 1) whatever layout the checkpoint was written for: torch_dist loads under
 any layout (Megatron-LM then skips the RNG state, which is per rank).
 """
@@ -71,6 +72,17 @@ def main() -> None:
 
     args = parse_args()
     load_args_from_checkpoint(args)
+    if getattr(args, "num_experts", None):
+        # MoE arguments --use-checkpoint-args does not carry (a run passes them on its command line)
+        for name in _MOE_NOT_CARRIED:
+            setattr(args, name, getattr(saved, name))
+        # On CPU the experts run as SequentialMLP: --moe-grouped-gemm (TEGroupedMLP / GroupedMLP) needs
+        # CUDA; all three store the same sharded keys. The router's optional TE GEMM is left undefined
+        # by Megatron-Core without Transformer Engine (megacli.engine.models.moe).
+        args.moe_grouped_gemm = False
+        from megacli.engine.models.moe import _define_absent_te_gemm
+
+        _define_absent_te_gemm()
     validate_args(args, {})
     set_global_variables(args, build_tokenizer=False)
     args = get_args()
@@ -102,10 +114,10 @@ def main() -> None:
                                                             ModelType.encoder_or_decoder)
     import random
 
-    restored = random.getstate()
+    restored, saved_rng = random.getstate(), _saved_rng(ckpt)
     print(f"loaded: iteration {args.iteration}, scheduler num_steps {scheduler.num_steps}, "
           f"optimizer step {_step(optimizer)}, Python RNG state equal to the checkpoint's: "
-          f"{restored == _saved_rng(ckpt)['random_rng_state']}")
+          f"{'(none saved)' if saved_rng is None else restored == saved_rng['random_rng_state']}")
 
     from transformers import AutoModelForCausalLM
 
@@ -122,10 +134,14 @@ def main() -> None:
         net.eval()
         pos = torch.arange(tokens.shape[1]).unsqueeze(0)
         out = net(tokens, pos, None)
-    got = out[0, :, : saved.vocab_size]
+    got = out[0, :, : ref.shape[-1]]  # the real vocabulary (a NullTokenizer's --vocab-size is one short of it)
     print(f"max |Megatron-LM logits - HF logits| = {(got - ref).abs().max().item():.3g} over {tuple(got.shape)}")
 
 
+_MOE_NOT_CARRIED = ("moe_shared_expert_gate", "moe_router_dtype", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
+                    "moe_token_dispatcher_type", "moe_expert_capacity_factor", "moe_token_drop_policy",
+                    "moe_pad_expert_input_to_capacity", "moe_router_num_groups", "moe_router_group_topk",
+                    "moe_router_bias_update_rate", "expert_model_parallel_size", "expert_tensor_parallel_size")
 _SCHEDULE = ("train_iters", "lr", "min_lr", "lr_decay_style", "lr_decay_iters", "lr_warmup_iters", "weight_decay",
              "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "seed")
 
@@ -151,7 +167,7 @@ def _saved_rng(ckpt: str) -> dict:
             with open(os.path.join(it_dir, info.relative_path), "rb") as f:
                 f.seek(info.offset)
                 return torch.load(_io.BytesIO(f.read(info.length)), weights_only=False)[0][0]
-    raise SystemExit("no rng_state object")
+    return None  # weights only (converted from HF)
 
 
 def _step(optimizer):

@@ -199,10 +199,10 @@ def test_cli_inspect_print_structure_and_refusals(converted, tmp_path):
     # A run whose model megacli cannot express is named, not guessed; nothing is written.
     moe = tmp_path / "moe"
     shutil.copytree(src, moe)
-    torch.save({"args": llama_args(num_experts=4), "checkpoint_version": 3.0, "iteration": ITERATION},
-               moe / iter_name(ITERATION) / "common.pt")
+    torch.save({"args": llama_args(num_experts=4, moe_router_load_balancing_type="sinkhorn"), "checkpoint_version": 3.0,
+                "iteration": ITERATION}, moe / iter_name(ITERATION) / "common.pt")
     out = _megacli("convert", str(moe), str(tmp_path / "hf_moe"), "--to", "hf")
-    assert out.returncode == 2 and "mixture-of-experts" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert out.returncode == 2 and "'sinkhorn' is not supported" in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert not (tmp_path / "hf_moe").exists()
     # common.pt without args.
     torch.save({"checkpoint_version": 3.0, "iteration": ITERATION}, moe / iter_name(ITERATION) / "common.pt")

@@ -76,7 +76,14 @@ def test_args_hold_every_field_parse_args_defines_with_the_recipes_values():
 
 @pytest.mark.parametrize("changes", [{}, dict(activation="gelu", normalization="layernorm", position_embedding="learned",
                                               add_bias_linear="true", untie_embeddings="false", num_query_groups="null",
-                                              rotary_base=10000)])
+                                              rotary_base=10000),
+                                     {"moe.num_experts": 8, "moe.router_topk": 4, "moe.layer_freq": 2,
+                                      "moe.router_score_function": "sigmoid", "moe.router_expert_bias": "true",
+                                      "moe.router_num_groups": 4, "moe.router_group_topk": 2,
+                                      "moe.router_topk_scaling_factor": 2.5, "moe.capacity_factor": 1.5,
+                                      "moe.drop_policy": "position", "moe.pad_to_capacity": "true",
+                                      "moe.router_dtype": "fp64", "moe.dispatcher": "allgather", "moe.grouped_gemm": "false",
+                                      "moe.aux_loss_coeff": 0.0, "moe.shared_expert_ffn_hidden_size": 32}])
 def test_args_map_back_to_the_recipe(changes):
     """recipe -> args (megatron_lm_args) -> model section (legacy_args, the reader's mapping): the same model."""
     from megacli.checkpoint.legacy_args import model_section_from_args
@@ -93,6 +100,14 @@ def test_args_map_back_to_the_recipe(changes):
     # a qkv bias either way: Megatron-LM's validate_args sets add_qkv_bias with add_bias_linear
     assert (back.add_qkv_bias or back.add_bias_linear) == (r.model.add_qkv_bias or r.model.add_bias_linear)
     assert back.vocab_size == VOCAB
+    if r.model.moe is not None:  # the same experts; an integer layer_freq is written as its pattern, the
+        # expert width (default: model.ffn_hidden_size) as its value
+        differ = {"layer_freq", "ffn_hidden_size"}
+        assert back.moe.model_dump(exclude=differ) == r.model.moe.model_dump(exclude=differ)
+        assert back.moe_layers() == r.model.moe_layers() == [1, 0]
+        assert back.expert_ffn_size == r.model.expert_ffn_size
+    else:
+        assert back.moe is None
 
 
 def test_readme_flag_table_is_the_mapping():

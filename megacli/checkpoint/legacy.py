@@ -169,6 +169,9 @@ class LegacyCheckpoint(ArgsDescribed):
         return sum(t.shape[0] for t in emb)
 
     def model_section(self) -> dict:
+        if arg(self.args, "num_experts"):
+            raise UserError(f"{self.it_dir}: legacy (--ckpt-format torch) MoE checkpoints (num_experts) are not "
+                            f"supported (Megatron-LM torch_dist ones are)")
         return model_section_from_args(self.args, self.vocab_size(), arch=self.arch)
 
     def dtype(self) -> torch.dtype:

@@ -37,8 +37,6 @@ def model_section_from_args(args, vocab_size: int, arch: str = "gpt") -> dict:
     if arg(args, "apply_residual_connection_post_layernorm", False):
         raise UserError("apply_residual_connection_post_layernorm checkpoints are not supported (the residual "
                         "stream takes the normalised input, which megacli's layers do not express)")
-    if arg(args, "num_experts"):
-        raise UserError("legacy MoE checkpoints (num_experts) are not supported")
     if arg(args, "rotary_interleaved", False):
         raise UserError("rotary_interleaved checkpoints are not supported (megacli uses non-interleaved RoPE, as HF)")
     hidden, heads = args.hidden_size, args.num_attention_heads
@@ -85,7 +83,81 @@ def model_section_from_args(args, vocab_size: int, arch: str = "gpt") -> dict:
     )
     if arch == "bert":  # pretrain_bert.py: token types and the pooler come with the binary head
         section.update(bert_binary_head=bool(arg(args, "bert_binary_head", True)))
+    moe = moe_section_from_args(args)
+    if moe is not None:
+        section["moe"] = moe
     return section
+
+
+# Megatron-LM MoE arguments that change the model in ways model.moe does not express: name ->
+# (its value for a model without that change, why).
+_MOE_UNMAPPED = {
+    "moe_z_loss_coeff": (None, "the router z-loss (moe_z_loss_coeff) is not expressed by model.moe"),
+    "moe_input_jitter_eps": (None, "router input jitter (moe_input_jitter_eps) is not expressed by model.moe"),
+    "moe_latent_size": (None, "latent MoE (moe_latent_size) is not supported"),
+    "moe_apply_probs_on_input": (False, "router probabilities applied to the expert input (moe_apply_probs_on_input) "
+                                        "are not expressed by model.moe"),
+    "moe_router_force_load_balancing": (False, "forced load balancing (moe_router_force_load_balancing, a "
+                                               "benchmarking mode) is not expressed by model.moe"),
+    "moe_use_upcycling": (False, "upcycling a dense checkpoint (moe_use_upcycling) is not supported"),
+}
+# Balancing losses model.moe expresses: Switch/GShard's aux loss (its coefficient) or none.
+_MOE_BALANCING = ("aux_loss", "none")
+
+
+def _single(value):
+    """A list-valued MoE argument (--moe-router-load-balancing-type and --moe-aux-loss-coeff take
+    several) as its one value; a list of several stays a list."""
+    return value[0] if isinstance(value, (list, tuple)) and len(value) == 1 else value
+
+
+def moe_refusals(args) -> list[str]:
+    """Why this run's mixture of experts cannot be expressed as model.moe (empty when it can, or
+    the model is dense)."""
+    if not arg(args, "num_experts"):
+        return []
+    out = [why for name, (plain, why) in _MOE_UNMAPPED.items() if arg(args, name, plain) not in (plain, 0, 0.0)]
+    balancing = _single(arg(args, "moe_router_load_balancing_type", "aux_loss"))
+    if balancing not in _MOE_BALANCING:
+        out.append(f"moe_router_load_balancing_type {balancing!r} is not supported (model.moe expresses "
+                   f"{' and '.join(_MOE_BALANCING)}: its aux_loss_coeff)")
+    return out
+
+
+def moe_section_from_args(args) -> dict | None:
+    """The recipe ``model.moe`` section for a Megatron-LM run's MoE arguments (None: a dense model)."""
+    experts = arg(args, "num_experts")
+    if not experts:
+        return None
+    problems = moe_refusals(args)
+    if problems:
+        raise UserError("; ".join(problems))
+    balancing = _single(arg(args, "moe_router_load_balancing_type", "aux_loss"))
+    freq = arg(args, "moe_layer_freq", 1)
+    return dict(
+        num_experts=int(experts),
+        router_topk=int(arg(args, "moe_router_topk", 2)),
+        # validate_args: moe_ffn_hidden_size defaults to ffn_hidden_size
+        ffn_hidden_size=arg(args, "moe_ffn_hidden_size", arg(args, "ffn_hidden_size", 4 * args.hidden_size)),
+        aux_loss_coeff=float(_single(arg(args, "moe_aux_loss_coeff", 0.0))) if balancing == "aux_loss" else 0.0,
+        capacity_factor=arg(args, "moe_expert_capacity_factor"),
+        drop_policy=arg(args, "moe_token_drop_policy", "probs"),
+        pad_to_capacity=bool(arg(args, "moe_pad_expert_input_to_capacity", False)),
+        shared_expert_ffn_hidden_size=arg(args, "moe_shared_expert_intermediate_size"),
+        shared_expert_gate=bool(arg(args, "moe_shared_expert_gate", False)),
+        layer_freq=list(freq) if isinstance(freq, (list, tuple)) else int(freq),
+        router_dtype=getattr(args, "moe_router_dtype", None),  # None: the model's precision
+        router_pre_softmax=bool(arg(args, "moe_router_pre_softmax", False)),
+        # flex (DeepEP / HybridEP kernels) routes the same tokens as all-to-all, which megacli runs
+        dispatcher="allgather" if arg(args, "moe_token_dispatcher_type", "allgather") == "allgather" else "alltoall",
+        grouped_gemm=bool(arg(args, "moe_grouped_gemm", False)),
+        router_score_function=arg(args, "moe_router_score_function", "softmax"),
+        router_expert_bias=bool(arg(args, "moe_router_enable_expert_bias", False)),
+        router_bias_update_rate=float(arg(args, "moe_router_bias_update_rate", 1e-3)),
+        router_num_groups=arg(args, "moe_router_num_groups"),
+        router_group_topk=arg(args, "moe_router_group_topk"),
+        router_topk_scaling_factor=arg(args, "moe_router_topk_scaling_factor"),
+    )
 
 
 def recipe_from_args(src) -> dict:
@@ -101,6 +173,7 @@ def recipe_from_args(src) -> dict:
     mbs = int(arg(a, "micro_batch_size", 1))
     world = int(arg(a, "world_size", src.tp * src.pp))
     cp = int(arg(a, "context_parallel_size", 1))
+    etp = arg(a, "expert_tensor_parallel_size")  # validate_args: the tensor-parallel size when not given
     train_iters = arg(a, "train_iters") or max(1, int(arg(a, "train_samples", gbs)) // gbs)
     warmup = arg(a, "lr_warmup_iters", 0) or 0
     if not warmup and arg(a, "lr_warmup_samples"):
@@ -118,6 +191,8 @@ def recipe_from_args(src) -> dict:
         "parallel": {"tensor": src.tp, "pipeline": src.pp, "virtual_pipeline": src.vp if src.vp > 1 else None,
                      "first_stage_layers": src.first_stage_layers, "last_stage_layers": src.last_stage_layers,
                      "sequence_parallel": bool(arg(a, "sequence_parallel", False)) and src.tp > 1, "context": cp,
+                     "expert": int(arg(a, "expert_model_parallel_size", 1)),
+                     "expert_tensor": int(etp) if etp is not None and int(etp) != src.tp else None,
                      "distributed_optimizer": False},
         "launch": {"nproc": world},
         "tokenizer": tokenizer,

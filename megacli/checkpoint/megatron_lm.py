@@ -21,9 +21,9 @@ import re
 from pathlib import Path
 
 from megacli.checkpoint.layout import is_megatron_lm_dir, is_torch_dist_iteration, tracked_iteration
-from megacli.checkpoint.legacy_args import ArgsDescribed, arg, model_section_from_args
+from megacli.checkpoint.legacy_args import ArgsDescribed, arg, model_section_from_args, moe_refusals
 from megacli.checkpoint.safe_pickle import COMMON, DCP_METADATA, torch_load
-from megacli.checkpoint.torch_dist import NOT_MODEL, TorchDistReader
+from megacli.checkpoint.torch_dist import NOT_MODEL, STACKED, TorchDistReader
 from megacli.errors import UserError
 
 __all__ = ["FORMAT", "MegatronLMCheckpoint", "canonical_key", "is_megatron_lm_dir", "recipe_for_weights",
@@ -33,7 +33,6 @@ FORMAT = "megatron-lm torch_dist"
 
 # Arguments that change the model in ways megacli's model section does not express (name: why).
 _UNMAPPED_ARGS = {
-    "num_experts": "mixture-of-experts Megatron-LM torch_dist checkpoints are not supported yet",
     "apply_layernorm_1p": "zero-centred norm gains (apply_layernorm_1p) are not expressed by megacli's model",
     "use_rope_scaling": "RoPE frequency scaling (use_rope_scaling) is not mapped",
     "multi_latent_attention": "multi-latent attention is not supported",
@@ -46,12 +45,21 @@ _LOCAL_NORM = re.compile(r"(?:^|\.)layers\.(?P<norm>input_layernorm|pre_mlp_laye
 _FUSED_INTO = {"input_layernorm": "self_attention.linear_qkv", "pre_mlp_layernorm": "mlp.linear_fc1"}
 
 
+_MOE_LOCAL_NORM = re.compile(r"(?:^|\.)layers\.(?:\d+\.)?(?P<fused>mlp\.linear_fc1\.layer_norm_)(?P<kind>weight|bias)\Z")
+
+
 def canonical_key(key: str, stored: set[str]) -> str | None:
     """The megacli (canonical) name of a stored model key; None for entries that are not weights.
     A local-spec norm is renamed to the fused spelling only where the layer has that fused linear
-    (a MoE layer's pre-MLP norm stays separate)."""
+    (a MoE layer's pre-MLP norm stays separate). Megatron-Core's local spec maps
+    ``pre_mlp_layernorm.`` to ``mlp.linear_fc1.layer_norm_`` on save in every layer, so a MoE
+    layer's norm (its MLP has no linear_fc1) is stored under that name: renamed back."""
     if key.endswith("_extra_state") or "._extra_state/" in key:
         return None
+    moe = _MOE_LOCAL_NORM.search(key)
+    if moe is not None:
+        stem = key[: moe.start("fused")]
+        return key if f"{stem}mlp.linear_fc1.weight" in stored else f"{stem}pre_mlp_layernorm.{moe.group('kind')}"
     m = _LOCAL_NORM.search(key)
     if m is None:
         return key
@@ -111,10 +119,27 @@ class MegatronLMCheckpoint(ArgsDescribed):
     def unmapped(self) -> list[str]:
         """Why this run's model cannot be expressed as a megacli model section (empty when it can)."""
         out = [why for name, why in _UNMAPPED_ARGS.items() if arg(self.args, name)]
+        out += moe_refusals(self.args)
         norm = arg(self.args, "normalization", "LayerNorm")
         if norm not in _NORMALIZATIONS:
             out.append(f"normalization {norm!r} is not supported (LayerNorm and RMSNorm are)")
         return out
+
+    def check_layer_keys(self) -> None:
+        """Refuse, for a run of the weights as stored (pretrained, resume, reshard, generate), a MoE
+        model whose layers are stacked under one key: Megatron-Core stacks them when every layer is
+        alike (--moe-layer-freq an integer giving all MoE layers, e.g. the default 1), but megacli's
+        MoE models keep each layer under its own key (``decoder.layers.N.``, as Megatron-Core does
+        for a --moe-layer-freq list). The converters read both."""
+        if not arg(self.args, "num_experts"):
+            return
+        stacked = sorted(k for k in self.model_keys if STACKED.search(k))
+        if stacked:
+            raise UserError(f"{self.it_dir}: a mixture-of-experts checkpoint with its layers stacked under one key "
+                            f"({stacked[0]}, ...; Megatron-LM's --moe-layer-freq "
+                            f"{arg(self.args, 'moe_layer_freq', 1)!r}), while megacli's MoE models store each layer "
+                            f"under its own key (decoder.layers.N.*, Megatron-LM's layout for a --moe-layer-freq "
+                            f"list): convert it first with `megacli convert {self.root} DST --to megacli`")
 
     def padded_vocab_rows(self) -> int:
         info = self.reader.tensors.get(self.model_keys.get("embedding.word_embeddings.weight", ""))
@@ -155,7 +180,9 @@ class MegatronLMCheckpoint(ArgsDescribed):
 def weights_dir(path: Path, *, trust_pickle: bool = False) -> Path:
     """The iteration directory of a Megatron-LM torch_dist checkpoint that megacli's engine loads
     weights from directly (local-spec norm names are renamed as it loads)."""
-    return MegatronLMCheckpoint(path, trust_pickle=trust_pickle).it_dir
+    src = MegatronLMCheckpoint(path, trust_pickle=trust_pickle)
+    src.check_layer_keys()
+    return src.it_dir
 
 
 def recipe_for_weights(path: Path, *, trust_pickle: bool = False) -> tuple[Path, dict]:
@@ -165,4 +192,5 @@ def recipe_for_weights(path: Path, *, trust_pickle: bool = False) -> tuple[Path,
     raw = src.recipe()
     if raw is None:
         raise UserError(f"{path}: " + "; ".join(src.unmapped()))
+    src.check_layer_keys()
     return src.it_dir, raw

@@ -708,6 +708,23 @@ def _m(field):
     return lambda r: getattr(r.model, field)
 
 
+def _moe(arg: str, value: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """A MoE argument: ``value(recipe)`` for a model with model.moe, parse_args' default for a dense one."""
+    return lambda r: value(r) if r.model.moe is not None else PARSE_ARGS_DEFAULTS[arg]
+
+
+def _e(arg: str, field: str) -> Flag:
+    """A MoE argument that is model.moe's ``field`` as it is."""
+    return Flag(arg, f"model.moe.{field}", _moe(arg, lambda r: getattr(r.model.moe, field)))
+
+
+def moe_layer_freq(recipe) -> list[int]:
+    """--moe-layer-freq as the one-per-layer pattern, also for an integer model.moe.layer_freq:
+    megacli's MoE models store each layer under its own key, which is Megatron-Core's layout for a
+    pattern list (an integer giving all MoE layers stacks them under one key)."""
+    return recipe.model.moe_layers()
+
+
 FLAGS: tuple[Flag, ...] = (
     # model
     Flag("num_layers", "model.num_layers", _m("num_layers")),
@@ -740,6 +757,29 @@ FLAGS: tuple[Flag, ...] = (
     Flag("vocab_size", "model.vocab_size", _m("vocab_size")),
     Flag("make_vocab_size_divisible_by", "model.make_vocab_size_divisible_by", _m("make_vocab_size_divisible_by")),
     Flag("bert_binary_head", "model.bert_binary_head", _m("bert_binary_head")),
+    # mixture of experts
+    _e("num_experts", "num_experts"),
+    _e("moe_router_topk", "router_topk"),
+    Flag("moe_ffn_hidden_size", "model.moe.ffn_hidden_size", _moe("moe_ffn_hidden_size", lambda r: r.model.expert_ffn_size)),
+    Flag("moe_layer_freq", "model.moe.layer_freq", _moe("moe_layer_freq", moe_layer_freq)),
+    Flag("moe_router_load_balancing_type", "model.moe.aux_loss_coeff",
+         _moe("moe_router_load_balancing_type", lambda r: "aux_loss" if r.model.moe.aux_loss_coeff > 0 else "none")),
+    _e("moe_aux_loss_coeff", "aux_loss_coeff"),
+    _e("moe_expert_capacity_factor", "capacity_factor"),
+    _e("moe_token_drop_policy", "drop_policy"),
+    _e("moe_pad_expert_input_to_capacity", "pad_to_capacity"),
+    _e("moe_shared_expert_intermediate_size", "shared_expert_ffn_hidden_size"),
+    _e("moe_shared_expert_gate", "shared_expert_gate"),
+    _e("moe_router_dtype", "router_dtype"),
+    _e("moe_router_pre_softmax", "router_pre_softmax"),
+    _e("moe_token_dispatcher_type", "dispatcher"),
+    _e("moe_grouped_gemm", "grouped_gemm"),
+    _e("moe_router_score_function", "router_score_function"),
+    _e("moe_router_enable_expert_bias", "router_expert_bias"),
+    _e("moe_router_bias_update_rate", "router_bias_update_rate"),
+    _e("moe_router_num_groups", "router_num_groups"),
+    _e("moe_router_group_topk", "router_group_topk"),
+    _e("moe_router_topk_scaling_factor", "router_topk_scaling_factor"),
     # parallel layout
     Flag("tensor_model_parallel_size", "parallel.tensor", lambda r: r.parallel.tensor),
     Flag("pipeline_model_parallel_size", "parallel.pipeline", lambda r: r.parallel.pipeline),
@@ -749,6 +789,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("sequence_parallel", "parallel.sequence_parallel", lambda r: r.parallel.sp_enabled),
     Flag("context_parallel_size", "parallel.context", lambda r: r.parallel.context),
     Flag("expert_model_parallel_size", "parallel.expert", lambda r: r.parallel.expert),
+    Flag("expert_tensor_parallel_size", "parallel.expert_tensor", lambda r: r.parallel.expert_tensor or r.parallel.tensor),
     Flag("use_distributed_optimizer", "parallel.distributed_optimizer", lambda r: r.parallel.distributed_optimizer),
     Flag("recompute_granularity", "parallel.recompute", lambda r: None if r.parallel.recompute == "none" else r.parallel.recompute),
     Flag("recompute_method", "parallel.recompute", lambda r: "uniform" if r.parallel.recompute == "full" else None),
@@ -826,8 +867,6 @@ def unsupported(recipe) -> list[str]:
     out = []
     if m.arch != "gpt":
         out.append(f"model.arch {m.arch} (the Megatron-LM export writes GPT models)")
-    if m.moe is not None:
-        out.append("model.moe (mixture-of-experts arguments are not mapped yet)")
     if m.activation not in ("gelu", "gelu_tanh", "swiglu", "squared_relu"):
         out.append(f"model.activation {m.activation} (Megatron-LM has no flag for it)")
     if m.rope_scaling is not None:
@@ -880,7 +919,7 @@ def megatron_args(recipe, *, ckpt_format: str = "torch_dist", iteration: int = 0
         transformer_pipeline_model_parallel_size=p.pipeline, virtual_pipeline_model_parallel_size=vp,
         num_virtual_stages_per_pipeline_rank=vp, overlap_p2p_comm=vp is not None and fields["overlap_p2p_comm"],
         align_param_gather=vp is not None and fields["align_param_gather"],
-        expert_tensor_parallel_size=p.expert_tensor or p.tensor, encoder_num_layers=m.num_layers,
+        encoder_num_layers=m.num_layers,
         encoder_seq_length=m.seq_length, use_dist_ckpt=ckpt_format != "torch", ckpt_format=ckpt_format,
         variable_seq_lengths=False, dataloader_type="single", transformer_impl=transformer_impl,
         apply_rope_fusion=m.position_embedding == "rope" and fields["apply_rope_fusion"],

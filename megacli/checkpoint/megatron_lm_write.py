@@ -43,7 +43,20 @@ RNG_FIELDS = {"random": "random_rng_state", "numpy": "np_rng_state", "torch": "t
 _EXTRA_STATE = re.compile(r"^(?P<module>.+)\._extra_state/shard_(?P<offset>[\d.]+)_(?P<shape>[\d.]+)$")
 # Transformer Engine norms (TENorm) that carry extra state under the TE spec: final norm, and per layer.
 _TE_NORMS = ("decoder.final_layernorm",)
-_TE_LAYER_NORMS = ("decoder.layers.self_attention.q_layernorm", "decoder.layers.self_attention.k_layernorm")
+_TE_LAYER_NORMS = ("self_attention.q_layernorm", "self_attention.k_layernorm")
+_TE_MOE_NORM = "pre_mlp_layernorm"  # a MoE layer's own TENorm (not fused into a linear)
+
+
+_MOE_NORM = re.compile(r"(?P<stem>(?:^|\.)layers\.(?:\d+\.)?)pre_mlp_layernorm\.(?P<kind>weight|bias)\Z")
+
+
+def stored_key(key: str, spec: str) -> str:
+    """The key a tensor of megacli's (model or optimizer state) is stored under for ``spec``.
+    Megatron-Core's local spec maps ``pre_mlp_layernorm.`` to ``mlp.linear_fc1.layer_norm_`` on
+    save in every layer, a MoE layer's too (megacli, like the TE spec, keeps that norm's own name)."""
+    if spec != "local":
+        return key
+    return _MOE_NORM.sub(lambda m: f"{m.group('stem')}mlp.linear_fc1.layer_norm_{m.group('kind')}", key)
 
 
 def _saved(obj) -> bytes:
@@ -69,9 +82,10 @@ def rng_for_megatron_lm(state: dict) -> dict:
 
 
 def megatron_objects(objects: Iterable[ObjectEntry], *, spec: str, num_layers: int, qk_layernorm: bool,
-                     trust_pickle: bool = False) -> list[ObjectEntry]:
+                     moe_layers: list[int] | None = None, trust_pickle: bool = False) -> list[ObjectEntry]:
     """The sharded objects of the Megatron-LM checkpoint from megacli's: extra state per spec, RNG
-    state renamed, anything else as stored."""
+    state renamed, anything else as stored. ``moe_layers`` (a MoE model: 1 per MoE layer): the
+    layers are keyed one by one (``decoder.layers.N.``), not stacked."""
     if spec not in SPECS:
         raise UserError(f"--spec {spec!r}: expected one of {', '.join(SPECS)}")
     extra = _saved(extra_state_value(spec))
@@ -94,8 +108,13 @@ def megatron_objects(objects: Iterable[ObjectEntry], *, spec: str, num_layers: i
     if spec == "te":
         have = {o.key for o in out}
         wanted = [f"{m}._extra_state/shard_0_1" for m in _TE_NORMS]
-        if qk_layernorm:
-            wanted += [f"{m}._extra_state/shard_{i}_{num_layers}" for m in _TE_LAYER_NORMS for i in range(num_layers)]
+        if moe_layers is not None:
+            norms = _TE_LAYER_NORMS if qk_layernorm else ()
+            wanted += [f"decoder.layers.{i}.{m}._extra_state/shard_0_1" for i in range(num_layers) for m in norms]
+            wanted += [f"decoder.layers.{i}.{_TE_MOE_NORM}._extra_state/shard_0_1" for i, moe in enumerate(moe_layers) if moe]
+        elif qk_layernorm:
+            wanted += [f"decoder.layers.{m}._extra_state/shard_{i}_{num_layers}" for m in _TE_LAYER_NORMS
+                       for i in range(num_layers)]
         out += [ObjectEntry(k, (lambda: extra), how="te extra state") for k in wanted if k not in have]
     return out
 

@@ -137,16 +137,18 @@ def write_checkpoint(*, recipe, dst: Path, iteration: int, fetch: Callable[[str]
         entries = _entries(state)
         if check_keys:
             check_keys(list(dict.fromkeys(key for key, _, _ in entries)))
-        stacked_key, stacked = None, None
+        stacked: dict[str, torch.Tensor] = {}  # the current MoE block's stacked expert tensors, fetched once
         with torch.no_grad():
             for key, state_key, sh in entries:
                 expert = _LOCAL_EXPERT.search(state_key)
                 if expert is None:
                     tensor = fetch(key)
                 else:  # one entry per expert, all under the layer's stacked key (built at EP=1: local = global)
-                    if key != stacked_key:
-                        stacked_key, stacked = key, fetch(key)
-                    tensor = stacked[int(expert.group(1))]
+                    if key not in stacked:
+                        block = key[: key.index(".experts.")]
+                        stacked = {k: v for k, v in stacked.items() if k.startswith(block + ".")}
+                        stacked[key] = fetch(key)
+                    tensor = stacked[key][int(expert.group(1))]
                 want = tuple(sh.data.shape)
                 if is_vocab_key(key) and tensor.dim() == len(want) and tensor.shape[1:] == want[1:]:
                     tensor = fit_vocab_rows(tensor, rows=want[0], vocab_size=vocab_size, key=key)

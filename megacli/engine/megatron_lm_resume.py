@@ -191,6 +191,7 @@ def load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool, keep
     from megacli.engine.models.common import unwrap
 
     src = MegatronLMCheckpoint(ckpt, trust_pickle=trust_pickle)
+    src.check_layer_keys()
     notes = []
     resume = load_optimizer and optimizer is not None
     if resume and not has_optimizer_state(src):

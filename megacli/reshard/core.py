@@ -169,7 +169,9 @@ def _reshard(job, progress) -> Result:
                                 overrides=tuple(job.target_set), num_layers=_num_layers(src))
         plan = build_plan(src, target)
         _check_precision(src, plan)
-        if job.format in ("legacy", "megatron"):  # both write Megatron-LM's arguments
+        if job.format == "legacy":
+            legacy_export.check_exportable(plan.recipe, src_dir)
+        elif job.format == "megatron":
             from megacli.reshard.megatron_export import check_exportable
 
             check_exportable(plan.recipe, src_dir)

@@ -58,6 +58,17 @@ _TOP_FIRST = ("embedding.word_embeddings.weight", "embedding.position_embeddings
 _TOP_LAST = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight", "output_layer.bias")
 
 
+def check_exportable(recipe, where: Path) -> None:
+    """Refuse, before anything is written, a model the legacy export cannot write: what Megatron-LM's
+    arguments cannot describe (as for torch_dist), and mixture-of-experts models."""
+    from megacli.reshard.megatron_export import check_exportable as check_arguments
+
+    check_arguments(recipe, where)
+    if recipe.model.moe is not None:
+        raise UserError(f"{where}: a mixture-of-experts model; the legacy (--ckpt-format torch) export does not write "
+                        f"MoE checkpoints. Write a torch_dist one: `megacli reshard {where} DST --format megatron`")
+
+
 def export(it_dir: Path, out: Path, *, spec: str = "te", trust_pickle: bool = False, progress=None) -> list[str]:
     """Write the megacli checkpoint ``it_dir`` (standard optimizer, any layout) as a Megatron-LM
     legacy checkpoint for the ``spec`` layer spec (te or local) in its layout under ``out``

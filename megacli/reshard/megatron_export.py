@@ -4,6 +4,7 @@ common state in Megatron-LM's form, its recipe as Megatron-LM's full ``args``.""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from megacli.checkpoint import megatron_lm_write as mlw
@@ -37,8 +38,9 @@ def export(plan, root: Path, *, spec: str = "te", trust_pickle: bool = False, pr
         sched = scale_scheduler(sched, gbs, str(plan.source.path))
     common = mlw.common_state(args=args, iteration=iteration, optimizer=plan.common.get("optimizer"),
                               opt_param_scheduler=sched, distributed_optimizer=recipe.parallel.distributed_optimizer)
-    objects = mlw.megatron_objects(plan.objects, spec=spec, num_layers=recipe.model.num_layers,
-                                   qk_layernorm=recipe.model.qk_layernorm, trust_pickle=trust_pickle)
+    m = recipe.model
+    objects = mlw.megatron_objects(plan.objects, spec=spec, num_layers=m.num_layers, qk_layernorm=m.qk_layernorm,
+                                   moe_layers=m.moe_layers() if m.moe is not None else None, trust_pickle=trust_pickle)
     notes = [f"Megatron-LM torch_dist checkpoint for the {spec} layer spec (--transformer-impl {mlw.TRANSFORMER_IMPL[spec]})"]
     if "optimizer" not in plan.common:
         notes.append("weights only (the source has no optimizer state): load with --finetune or --no-load-optim "
@@ -47,7 +49,9 @@ def export(plan, root: Path, *, spec: str = "te", trust_pickle: bool = False, pr
     if rng and plan.source.reader.read_object(next(iter(rng.values())))[0].get("cuda") is None:
         notes.append("RNG state is the CPU backend's (CPU generator states): in Megatron-LM on CUDA, load with "
                      "--no-load-rng")
-    mlw.write(root, iteration=iteration, tensors=plan.tensors, objects=objects, common=common, progress=progress)
+    tensors = [t if mlw.stored_key(t.key, spec) == t.key else dataclasses.replace(t, key=mlw.stored_key(t.key, spec))
+               for t in plan.tensors]
+    mlw.write(root, iteration=iteration, tensors=tensors, objects=objects, common=common, progress=progress)
     return notes
 
 

@@ -45,6 +45,7 @@ def import_to_staging(path: Path, *, where: Path, trust_pickle: bool = False) ->
     raw = src.recipe()
     if raw is None:
         raise UserError(f"{path}: " + "; ".join(src.unmapped()))
+    src.check_layer_keys()
     notes = []
     opt_common = src.common.get("optimizer")
     sharding = (opt_common or {}).get("param_state_sharding_type") if isinstance(opt_common, dict) else None
