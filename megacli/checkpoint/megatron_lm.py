@@ -34,11 +34,8 @@ FORMAT = "megatron-lm torch_dist"
 # Arguments that change the model in ways megacli's model section does not express (name: why).
 _UNMAPPED_ARGS = {
     "num_experts": "mixture-of-experts Megatron-LM torch_dist checkpoints are not supported yet",
-    "apply_layernorm_1p": "zero-centred norm gains (apply_layernorm_1p) are not expressed by megacli's model",
-    "use_rope_scaling": "RoPE frequency scaling (use_rope_scaling) is not mapped",
     "multi_latent_attention": "multi-latent attention is not supported",
-    "mtp_num_layers": "multi-token prediction layers are not supported",
-    "window_size": "sliding-window attention (window_size) is not supported",
+    "mtp_num_layers": "multi-token prediction layers are not supported (megacli's GPT has no MTP block)",
 }
 _NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
