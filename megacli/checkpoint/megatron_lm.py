@@ -34,7 +34,8 @@ FORMAT = "megatron-lm torch_dist"
 # Arguments that change the model in ways megacli's model section does not express (name: why).
 _UNMAPPED_ARGS = {
     "num_experts": "mixture-of-experts Megatron-LM torch_dist checkpoints are not supported yet",
-    "multi_latent_attention": "multi-latent attention is not supported",
+    "multi_latent_attention": "multi-latent attention is not supported (its local-spec latent norm names and the "
+                              "yarn parameters its arguments leave to defaults are not mapped to model.mla)",
     "mtp_num_layers": "multi-token prediction layers are not supported (megacli's GPT has no MTP block)",
 }
 _NORMALIZATIONS = ("LayerNorm", "RMSNorm")

@@ -840,7 +840,10 @@ _NO_ARGUMENT = {
     "final_logit_softcap": (None, "no argument soft-caps the output logits"),
     "scale_embeddings": (False, "no argument scales the input embeddings"),
     "rotary_base_local": (None, "one RoPE base (--rotary-base) serves every layer"),
-    "mla": (None, "multi-latent attention arguments are not mapped"),
+    "mla": (None, "multi-latent attention is not mapped: Megatron-LM's local spec names its latent norms "
+                  "q_layernorm / kv_layernorm (megacli stores the Transformer Engine spec's linear_q_up_proj / "
+                  "linear_kv_up_proj.layer_norm_weight), and its yarn RoPE takes original_max_position_embeddings, "
+                  "beta_fast and beta_slow from defaults no argument sets"),
 }
 
 
