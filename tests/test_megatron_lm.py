@@ -140,6 +140,22 @@ def test_feature_args_megacli_cannot_follow_are_refused(changes, why):
         model_section_from_args(llama_args(**changes), 300)
 
 
+@pytest.mark.parametrize("changes, why", [
+    (dict(multi_latent_attention=True), "multi-latent attention"), (dict(mtp_num_layers=1), "multi-token prediction"),
+    (dict(quick_geglu=True), "quick_geglu"), (dict(qk_l2_norm=True), "qk_l2_norm"),
+    (dict(attention_output_gate=True), "attention_output_gate"), (dict(no_rope_freq=4), "no_rope_freq"),
+    (dict(softmax_type="off-by-one"), "softmax_type 'off-by-one'"),
+])
+def test_args_changing_the_model_beyond_megacli_are_named(changes, why):
+    from types import SimpleNamespace
+
+    from megacli.checkpoint.megatron_lm import MegatronLMCheckpoint
+
+    assert MegatronLMCheckpoint.unmapped(SimpleNamespace(args=llama_args())) == []
+    problems = MegatronLMCheckpoint.unmapped(SimpleNamespace(args=llama_args(**changes)))
+    assert len(problems) == 1 and why in problems[0], problems
+
+
 def _prepare(rank, world, root: str):
     """HF Llama -> megacli -> TP2×PP2 reshard -> Megatron-LM layouts (te, local) -> HF and megacli."""
     from megacli.checkpoint.inspect import inspect

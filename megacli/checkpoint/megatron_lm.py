@@ -37,6 +37,10 @@ _UNMAPPED_ARGS = {
     "multi_latent_attention": "multi-latent attention is not supported (its local-spec latent norm names and the "
                               "yarn parameters its arguments leave to defaults are not mapped to model.mla)",
     "mtp_num_layers": "multi-token prediction layers are not supported (megacli's GPT has no MTP block)",
+    "quick_geglu": "the quick-GELU gated activation (quick_geglu) is not one of megacli's activations",
+    "qk_l2_norm": "L2-normalised queries and keys (qk_l2_norm) are not expressed by megacli's model",
+    "attention_output_gate": "gated attention outputs (attention_output_gate) are not expressed by megacli's model",
+    "no_rope_freq": "layers without RoPE (no_rope_freq) are not expressed by megacli's model",
 }
 _NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
@@ -109,6 +113,9 @@ class MegatronLMCheckpoint(ArgsDescribed):
     def unmapped(self) -> list[str]:
         """Why this run's model cannot be expressed as a megacli model section (empty when it can)."""
         out = [why for name, why in _UNMAPPED_ARGS.items() if arg(self.args, name)]
+        softmax = arg(self.args, "softmax_type", "vanilla")
+        if softmax != "vanilla":
+            out.append(f"softmax_type {softmax!r} is not supported (the standard softmax is)")
         norm = arg(self.args, "normalization", "LayerNorm")
         if norm not in _NORMALIZATIONS:
             out.append(f"normalization {norm!r} is not supported (LayerNorm and RMSNorm are)")
