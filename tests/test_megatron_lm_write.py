@@ -206,6 +206,16 @@ def _export_features(rank, world, root: str):
                                   _recipe(src))]
         convert(d / "mlm", d / "hf_back", to="hf", say=say)
         r["logits"] = cm.max_diff(cm.hf_logits(cm.load_hf(d / "hf_back"), toks), ref)
+        torch.save(ref, d / "hf_logits.pt")
+    # megacli's engine runs the model read back from Megatron-LM (window and RoPE scaling from its args)
+    from megacli.engine import distributed
+    from megacli.recipe.sections import LaunchSection, ParallelSection
+
+    distributed.setup(parallel=ParallelSection(), launch=LaunchSection(device="cpu"), seed=0)
+    for name, r in out.items():
+        d = root / name
+        r["engine_logits"] = cm.max_diff(cm.megacli_logits(find_checkpoint(d / "back"), toks),
+                                         torch.load(d / "hf_logits.pt"))
     return out
 
 
@@ -239,7 +249,7 @@ def test_features_survive_megacli_to_megatron_lm_and_back(tmp_path):
     for r in (mistral, qwen):
         assert r["same_keys"] and r["differ"] == []
         assert r["recipes"][0] == r["recipes"][1] == r["recipes"][2], r["recipes"]
-        assert r["logits"] < 1e-4, r["logits"]
+        assert r["logits"] < 1e-4 and r["engine_logits"] < 1e-4, (r["logits"], r["engine_logits"])
     assert mistral["recipes"][0]["rope_scaling"]["factor"] == 8.0 and mistral["recipes"][0]["sliding_window"] == 5
 
 
