@@ -128,8 +128,8 @@ def model_section_from_args(args, vocab_size: int, arch: str = "gpt") -> dict:
         norm_zero_centered_gamma=bool(arg(args, "layernorm_zero_centered_gamma", False)
                                       or arg(args, "apply_layernorm_1p", False)),
     )
-    scaling = _rope_scaling(args)
-    if scaling is not None and positions == "rope":  # without RoPE, Megatron-Core builds no rotary embedding to scale
+    scaling = _rope_scaling(args) if positions == "rope" else None  # without RoPE there is nothing to scale
+    if scaling is not None:
         section.update(rope_scaling=scaling)
     section.update(_sliding_window(args, args.num_layers))
     if arch == "bert":  # pretrain_bert.py: token types and the pooler come with the binary head
