@@ -134,7 +134,7 @@ def main() -> None:
         net.eval()
         pos = torch.arange(tokens.shape[1]).unsqueeze(0)
         out = net(tokens, pos, None)
-    got = out[0, :, : ref.shape[-1]]  # the real vocabulary (a NullTokenizer's --vocab-size is one short of it)
+    got = out[0, :, : ref.shape[-1]]  # the HF model's vocabulary (args.vocab_size excludes NullTokenizer's end-of-document id)
     print(f"max |Megatron-LM logits - HF logits| = {(got - ref).abs().max().item():.3g} over {tuple(got.shape)}")
 
 

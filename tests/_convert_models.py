@@ -78,6 +78,10 @@ _GEMMA_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num
                      query_pre_attn_scalar=12, pad_token_id=0, bos_token_id=0, eos_token_id=0)
 WINDOW_MODELS = {
     "mistral_window": ("MistralConfig", dict(_WINDOW_COMMON, sliding_window=5)),
+    # Megatron-LM's --window-size with --use-rope-scaling (Llama 3.1's scaling, which Megatron-Core hard-codes)
+    "mistral_window_llama3_1": ("MistralConfig", dict(_WINDOW_COMMON, sliding_window=5, head_dim=16, max_position_embeddings=16384, rope_scaling={
+        "factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 8192,
+        "rope_type": "llama3"})),
     "qwen2_window": ("Qwen2Config", dict(_WINDOW_COMMON, use_sliding_window=True, sliding_window=5, max_window_layers=1)),
     "phi3_window": ("Phi3Config", dict(FAMILY_MODELS["phi4_mini"][1], sliding_window=5)),
     "gemma2": ("Gemma2Config", dict(_GEMMA_COMMON, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,

@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import io
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -101,6 +102,58 @@ def test_key_names_of_both_specs():
     assert canonical_key("decoder.layers.pre_mlp_layernorm.weight", moe) == "decoder.layers.pre_mlp_layernorm.weight"
     assert canonical_key("decoder.layers.self_attention.linear_qkv._extra_state", stored) is None
     assert canonical_key("decoder.layers.self_attention.linear_qkv._extra_state/shard_0_2", stored) is None
+
+
+def test_feature_args_become_model_fields():
+    """--apply-layernorm-1p (either field name), --use-rope-scaling, --window-size / --window-attn-skip-freq."""
+    from megacli.checkpoint.legacy_args import model_section_from_args
+    from megacli.recipe.model import ModelSection
+
+    def model(**changes):
+        return ModelSection(**model_section_from_args(llama_args(**changes), 300))
+
+    assert model(layernorm_zero_centered_gamma=True).norm_zero_centered_gamma
+    assert model(apply_layernorm_1p=True).norm_zero_centered_gamma  # the field's name before core_r0.8
+    assert not model().norm_zero_centered_gamma
+    s = model(use_rope_scaling=True, rope_scaling_factor=8.0).rope_scaling
+    assert (s.type, s.factor, s.low_freq_factor, s.high_freq_factor, s.original_max_positions) == ("llama3", 8, 1, 4, 8192)
+    assert model(use_rope_scaling=False, rope_scaling_factor=8.0).rope_scaling is None
+    m = model(window_size=(4, 0))
+    assert (m.sliding_window, m.window_layers()) == (5, [1, 1])
+    m = model(num_layers=4, window_size=(2, 0), window_attn_skip_freq=2)
+    assert (m.sliding_window, m.window_layers()) == (3, [1, 0, 1, 0])
+    m = model(window_size=(0, 0), window_attn_skip_freq=[0, 1])
+    assert (m.sliding_window, m.window_layers()) == (1, [0, 1])
+    assert model(window_size=(4, 0), window_attn_skip_freq=1).sliding_window is None  # no layer windowed
+
+
+@pytest.mark.parametrize("changes, why", [
+    (dict(use_rope_scaling=True, rope_scaling_factor=32.0), "does not pass --rope-scaling-factor"),
+    (dict(window_size=(4, 2)), "only causal sliding windows"),
+    (dict(window_size=(4, 0), window_attn_skip_freq=[1, 1, 0]), "3 entries for num_layers = 2"),
+])
+def test_feature_args_megacli_cannot_follow_are_refused(changes, why):
+    from megacli.checkpoint.legacy_args import model_section_from_args
+    from megacli.errors import UserError
+
+    with pytest.raises(UserError, match=re.escape(why)):
+        model_section_from_args(llama_args(**changes), 300)
+
+
+@pytest.mark.parametrize("changes, why", [
+    (dict(multi_latent_attention=True), "multi-latent attention"), (dict(mtp_num_layers=1), "multi-token prediction"),
+    (dict(quick_geglu=True), "quick_geglu"), (dict(qk_l2_norm=True), "qk_l2_norm"),
+    (dict(attention_output_gate=True), "attention_output_gate"), (dict(no_rope_freq=4), "no_rope_freq"),
+    (dict(softmax_type="off-by-one"), "softmax_type 'off-by-one'"),
+])
+def test_args_changing_the_model_beyond_megacli_are_named(changes, why):
+    from types import SimpleNamespace
+
+    from megacli.checkpoint.megatron_lm import MegatronLMCheckpoint
+
+    assert MegatronLMCheckpoint.unmapped(SimpleNamespace(args=llama_args())) == []
+    problems = MegatronLMCheckpoint.unmapped(SimpleNamespace(args=llama_args(**changes)))
+    assert len(problems) == 1 and why in problems[0], problems
 
 
 def _prepare(rank, world, root: str):

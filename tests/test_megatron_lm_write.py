@@ -129,6 +129,145 @@ def test_models_megatron_lm_args_cannot_describe_are_refused():
         megatron_args(recipe(**{"rope_scaling.type": "linear", "rope_scaling.factor": 2.0}))
 
 
+LLAMA3_1 = {"rope_scaling.type": "llama3", "rope_scaling.factor": 8.0, "rope_scaling.low_freq_factor": 1.0,
+            "rope_scaling.high_freq_factor": 4.0, "rope_scaling.original_max_positions": 8192}
+FEATURES = {
+    "zero_centered_gamma": dict(norm_zero_centered_gamma="true"),
+    "llama3_1_rope_scaling": LLAMA3_1,
+    "window_everywhere": dict(sliding_window=5),
+    "window_skip_freq": dict(num_layers=4, sliding_window=3, sliding_window_layers=2),
+    "window_per_layer": dict(sliding_window=1, sliding_window_layers="[0,1]"),
+}
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+def test_model_features_map_to_args_and_back(feature):
+    """recipe -> args -> recipe for each feature Megatron-LM core_v0.16.1 has arguments for."""
+    from megacli.checkpoint.legacy_args import model_section_from_args
+    from megacli.checkpoint.megatron_lm_args import megatron_args
+    from megacli.recipe.model import ModelSection
+
+    r = recipe(**FEATURES[feature])
+    args = megatron_args(r, vocab_size=VOCAB)
+    back = ModelSection(**model_section_from_args(args, VOCAB))
+    fields = ("num_layers", "norm_zero_centered_gamma", "rope_scaling", "sliding_window", "sliding_window_layers")
+    assert {f: getattr(back, f) for f in fields} == {f: getattr(r.model, f) for f in fields}
+    assert back.window_layers() == r.model.window_layers()
+    want = {"zero_centered_gamma": dict(layernorm_zero_centered_gamma=True),
+            "llama3_1_rope_scaling": dict(use_rope_scaling=True, rope_scaling_factor=8.0),
+            "window_everywhere": dict(window_size=(4, 0), window_attn_skip_freq=None),
+            "window_skip_freq": dict(window_size=(2, 0), window_attn_skip_freq=2),
+            "window_per_layer": dict(window_size=(0, 0), window_attn_skip_freq=[0, 1])}[feature]
+    assert {k: getattr(args, k) for k in want} == want
+    plain = vars(megatron_args(recipe(), vocab_size=VOCAB))
+    assert (plain["layernorm_zero_centered_gamma"], plain["use_rope_scaling"], plain["window_size"]) == (False, False, None)
+
+
+@pytest.mark.parametrize("changes, named", [
+    (dict(LLAMA3_1, **{"rope_scaling.factor": 32.0}), "model.rope_scaling"),  # Llama 3.2's factor
+    (dict(LLAMA3_1, **{"rope_scaling.original_max_positions": 4096}), "model.rope_scaling"),
+    ({"rope_scaling.type": "yarn", "rope_scaling.factor": 4.0}, "model.rope_scaling"),
+    (dict(softmax_scale=0.5), "model.softmax_scale (TransformerConfig.softmax_scale has no command-line argument)"),
+    (dict(qk_layernorm="true", qk_norm_scope="projection"), "model.qk_norm_scope"),
+    (dict(norm_placement="sandwich"), "model.norm_placement"),
+    (dict(attention_softcap=50.0), "model.attention_softcap"),
+    (dict(final_logit_softcap=30.0), "model.final_logit_softcap"),
+    (dict(scale_embeddings="true"), "model.scale_embeddings"),
+    (dict(sliding_window=4, rotary_base_local=100.0), "model.rotary_base_local"),
+])
+def test_features_megatron_lm_has_no_argument_for_are_refused_named(changes, named):
+    from megacli.checkpoint.megatron_lm_args import megatron_args, unsupported
+    from megacli.errors import UserError
+
+    r = recipe(**changes)
+    assert [p for p in unsupported(r) if p.startswith(named)], unsupported(r)
+    with pytest.raises(UserError, match=re.escape(named)):
+        megatron_args(r)
+
+
+def _export_features(rank, world, root: str):
+    """HF models with Megatron-LM-expressible features -> megacli -> Megatron-LM (te) -> megacli and HF."""
+    import torch
+
+    from megacli.checkpoint.layout import find_checkpoint, iter_name
+    from megacli.checkpoint.megatron_lm import MegatronLMCheckpoint
+    from megacli.checkpoint.safe_pickle import torch_load
+    from megacli.convert import convert
+    from megacli.convert.megatron_io import CheckpointReader
+    from megacli.recipe.reshard import ReshardSection
+    from megacli.reshard import reshard
+    from tests import _convert_models as cm
+
+    root = Path(root)
+    say = lambda *_: None  # noqa: E731
+    toks = cm.tokens()
+    out = {}
+    for name in ("mistral_window_llama3_1", "qwen2_window"):
+        d = root / name
+        ref = cm.hf_logits(cm.build_hf(name, d / "hf"), toks)
+        convert(d / "hf", d / "mc", say=say)
+        src = find_checkpoint(d / "mc")
+        reshard(ReshardSection(source=str(src), output=str(d / "mlm"), format="megatron", spec="te", progress=False))
+        args = torch_load(d / "mlm" / iter_name(0) / "common.pt", trust=False, name="common.pt")["args"]
+        r = out[name] = {"args": {k: getattr(args, k) for k in ("window_size", "window_attn_skip_freq",
+                                                                "use_rope_scaling", "rope_scaling_factor")}}
+        r["model"] = (MegatronLMCheckpoint(d / "mlm").recipe()["model"], cm.load_hf(d / "hf").config.to_dict())
+        original = {k: t for g in CheckpointReader(src).groups() for k, t in g.items()}
+        convert(d / "mlm", d / "back", to="megacli", say=say)
+        back = {k: t for g in CheckpointReader(find_checkpoint(d / "back")).groups() for k, t in g.items()}
+        r["same_keys"] = sorted(back) == sorted(original)
+        r["differ"] = [k for k in original if k in back and not torch.equal(back[k], original[k])]
+        r["recipes"] = [_features(c["model"]) for c in (MegatronLMCheckpoint(d / "mlm").recipe(), _recipe(find_checkpoint(d / "back")),
+                                  _recipe(src))]
+        convert(d / "mlm", d / "hf_back", to="hf", say=say)
+        r["logits"] = cm.max_diff(cm.hf_logits(cm.load_hf(d / "hf_back"), toks), ref)
+        torch.save(ref, d / "hf_logits.pt")
+    # megacli's engine runs the model read back from Megatron-LM (window and RoPE scaling from its args)
+    from megacli.engine import distributed
+    from megacli.recipe.sections import LaunchSection, ParallelSection
+
+    distributed.setup(parallel=ParallelSection(), launch=LaunchSection(device="cpu"), seed=0)
+    for name, r in out.items():
+        d = root / name
+        r["engine_logits"] = cm.max_diff(cm.megacli_logits(find_checkpoint(d / "back"), toks),
+                                         torch.load(d / "hf_logits.pt"))
+    return out
+
+
+def _features(model: dict) -> dict:
+    from megacli.recipe.model import ModelSection
+
+    m = ModelSection(**model)
+    return {"sliding_window": m.sliding_window, "sliding_window_layers": m.sliding_window_layers,
+            "norm_zero_centered_gamma": m.norm_zero_centered_gamma,
+            "rope_scaling": m.rope_scaling and {k: v for k, v in m.rope_scaling.model_dump().items() if v is not None}}
+
+
+def _recipe(ckpt):
+    from megacli.checkpoint.layout import read_recipe
+
+    return read_recipe(ckpt)
+
+
+def test_features_survive_megacli_to_megatron_lm_and_back(tmp_path):
+    """A sliding-window Mistral with Llama 3.1 RoPE scaling and a Qwen2 windowing only some layers:
+    written as Megatron-LM checkpoints with --window-size / --use-rope-scaling, read back bitwise,
+    and converted to HF with the source model's logits."""
+    from tests._dist import spawn
+
+    out = spawn(_export_features, 1, str(tmp_path), timeout=900)[0]
+    mistral, qwen = out["mistral_window_llama3_1"], out["qwen2_window"]
+    assert mistral["args"] == {"window_size": (4, 0), "window_attn_skip_freq": None, "use_rope_scaling": True,
+                               "rope_scaling_factor": 8.0}
+    assert qwen["args"] == {"window_size": (4, 0), "window_attn_skip_freq": [0, 1, 1], "use_rope_scaling": False,
+                            "rope_scaling_factor": 8.0}
+    for r in (mistral, qwen):
+        assert r["same_keys"] and r["differ"] == []
+        assert r["recipes"][0] == r["recipes"][1] == r["recipes"][2], r["recipes"]
+        assert r["logits"] < 1e-4 and r["engine_logits"] < 1e-4, (r["logits"], r["engine_logits"])
+    assert mistral["recipes"][0]["rope_scaling"]["factor"] == 8.0 and mistral["recipes"][0]["sliding_window"] == 5
+
+
 # ---------------------------------------------------------------- export (one run, one spawned process)
 
 

@@ -32,6 +32,48 @@ def wordpiece_vocab(args) -> Path | None:
     return None
 
 
+# The Llama 3.1 scaling Megatron-Core's RotaryEmbedding hard-codes for --use-rope-scaling (low/high
+# frequency factors and original context are fixed; pretrain_gpt.py's gpt_builder does not pass
+# --rope-scaling-factor on, so its model always scales by 8), as model.rope_scaling.
+MEGATRON_ROPE_SCALING = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_positions": 8192}
+
+
+def _rope_scaling(args) -> dict | None:
+    if not arg(args, "use_rope_scaling", False):
+        return None
+    factor = float(arg(args, "rope_scaling_factor", MEGATRON_ROPE_SCALING["factor"]))
+    if factor != MEGATRON_ROPE_SCALING["factor"]:
+        raise UserError(f"use_rope_scaling with rope_scaling_factor {factor}: Megatron-LM's pretrain_gpt.py does not "
+                        f"pass --rope-scaling-factor to the model (it scales by {MEGATRON_ROPE_SCALING['factor']}), so "
+                        f"which factor the weights were trained with is not known")
+    return dict(MEGATRON_ROPE_SCALING)
+
+
+def _sliding_window(args, num_layers: int) -> dict:
+    """model.sliding_window (+ sliding_window_layers) for window_size / window_attn_skip_freq: Megatron's
+    window (left, 0) lets token i see i - left .. i, Hugging Face's window left + 1."""
+    window = arg(args, "window_size")
+    if window is None:
+        return {}
+    window = tuple(window)
+    if len(window) != 2 or window[1] != 0 or window[0] < 0:
+        raise UserError(f"window_size {window}: only causal sliding windows (w, 0) with w >= 0 are supported")
+    skip = arg(args, "window_attn_skip_freq")
+    if isinstance(skip, int):
+        windowed = [int((i + 1) % skip != 0) for i in range(num_layers)]
+    elif skip is None:
+        windowed = [1] * num_layers
+    else:
+        windowed = [int(bool(x)) for x in skip]
+        if len(windowed) != num_layers:
+            raise UserError(f"window_attn_skip_freq {skip}: {len(windowed)} entries for num_layers = {num_layers}")
+        skip = windowed
+    if not any(windowed):  # every layer attends to the whole prefix
+        return {}
+    return {"sliding_window": window[0] + 1, "sliding_window_layers": skip}
+
+
 def model_section_from_args(args, vocab_size: int, arch: str = "gpt") -> dict:
     """The recipe ``model:`` section for a Megatron-LM run's arguments (``arch``: gpt or bert)."""
     if arg(args, "apply_residual_connection_post_layernorm", False):
@@ -80,7 +122,14 @@ def model_section_from_args(args, vocab_size: int, arch: str = "gpt") -> dict:
         vocab_size=vocab_size,
         make_vocab_size_divisible_by=arg(args, "make_vocab_size_divisible_by", 128),
         init_method_std=arg(args, "init_method_std", 0.02),
+        # --apply-layernorm-1p (args.layernorm_zero_centered_gamma; apply_layernorm_1p before core_r0.8)
+        norm_zero_centered_gamma=bool(arg(args, "layernorm_zero_centered_gamma", False)
+                                      or arg(args, "apply_layernorm_1p", False)),
     )
+    scaling = _rope_scaling(args) if positions == "rope" else None  # without RoPE there is nothing to scale
+    if scaling is not None:
+        section.update(rope_scaling=scaling)
+    section.update(_sliding_window(args, args.num_layers))
     if arch == "bert":  # pretrain_bert.py: token types and the pooler come with the binary head
         section.update(bert_binary_head=bool(arg(args, "bert_binary_head", True)))
     moe = moe_section_from_args(args)

@@ -33,11 +33,13 @@ FORMAT = "megatron-lm torch_dist"
 
 # Arguments that change the model in ways megacli's model section does not express (name: why).
 _UNMAPPED_ARGS = {
-    "apply_layernorm_1p": "zero-centred norm gains (apply_layernorm_1p) are not expressed by megacli's model",
-    "use_rope_scaling": "RoPE frequency scaling (use_rope_scaling) is not mapped",
-    "multi_latent_attention": "multi-latent attention is not supported",
-    "mtp_num_layers": "multi-token prediction layers are not supported",
-    "window_size": "sliding-window attention (window_size) is not supported",
+    "multi_latent_attention": "multi-latent attention is not supported (its local-spec latent norm names and the "
+                              "yarn parameters its arguments leave to defaults are not mapped to model.mla)",
+    "mtp_num_layers": "multi-token prediction layers are not supported (megacli's GPT has no MTP block)",
+    "quick_geglu": "the quick-GELU gated activation (quick_geglu) is not one of megacli's activations",
+    "qk_l2_norm": "L2-normalised queries and keys (qk_l2_norm) are not expressed by megacli's model",
+    "attention_output_gate": "gated attention outputs (attention_output_gate) are not expressed by megacli's model",
+    "no_rope_freq": "layers without RoPE (no_rope_freq) are not expressed by megacli's model",
 }
 _NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
@@ -120,6 +122,9 @@ class MegatronLMCheckpoint(ArgsDescribed):
         """Why this run's model cannot be expressed as a megacli model section (empty when it can)."""
         out = [why for name, why in _UNMAPPED_ARGS.items() if arg(self.args, name)]
         out += moe_refusals(self.args)
+        softmax = arg(self.args, "softmax_type", "vanilla")
+        if softmax != "vanilla":
+            out.append(f"softmax_type {softmax!r} is not supported (the standard softmax is)")
         norm = arg(self.args, "normalization", "LayerNorm")
         if norm not in _NORMALIZATIONS:
             out.append(f"normalization {norm!r} is not supported (LayerNorm and RMSNorm are)")

@@ -16,6 +16,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from megacli.checkpoint.legacy_args import MEGATRON_ROPE_SCALING
 from megacli.errors import UserError
 
 # name -> default of every argument parse_args defines (enum defaults by member name).
@@ -697,11 +698,13 @@ class Flag:
     arg: str
     key: str
     value: Callable[[Any], Any]
+    cli: str | None = None
+    """The command-line option where its name is not the field's (``--apply-layernorm-1p``)."""
 
     @property
     def option(self) -> str:
         """The command-line spelling (``--num-layers``)."""
-        return "--" + self.arg.replace("_", "-")
+        return self.cli or "--" + self.arg.replace("_", "-")
 
 
 def _m(field):
@@ -750,6 +753,14 @@ FLAGS: tuple[Flag, ...] = (
     Flag("add_qkv_bias", "model.add_qkv_bias", lambda r: r.model.add_qkv_bias or r.model.add_bias_linear),
     Flag("bias_gelu_fusion", "model.add_bias_linear", lambda r: r.model.add_bias_linear),
     Flag("qk_layernorm", "model.qk_layernorm", _m("qk_layernorm")),
+    Flag("layernorm_zero_centered_gamma", "model.norm_zero_centered_gamma", _m("norm_zero_centered_gamma"),
+         cli="--apply-layernorm-1p"),
+    Flag("use_rope_scaling", "model.rope_scaling", lambda r: r.model.rope_scaling is not None),
+    Flag("rope_scaling_factor", "model.rope_scaling.factor", lambda r: MEGATRON_ROPE_SCALING["factor"]),
+    # HF's window w (token i sees i-w+1..i) is Megatron's (w - 1, 0); the same skip-frequency rule
+    Flag("window_size", "model.sliding_window",
+         lambda r: None if r.model.sliding_window is None else (r.model.sliding_window - 1, 0)),
+    Flag("window_attn_skip_freq", "model.sliding_window_layers", _m("sliding_window_layers")),
     Flag("untie_embeddings_and_output_weights", "model.untie_embeddings", _m("untie_embeddings")),
     Flag("hidden_dropout", "model.dropout", _m("dropout")),
     Flag("attention_dropout", "model.attention_dropout", _m("attention_dropout")),
@@ -861,6 +872,26 @@ def _enum_defaults() -> dict[str, Any]:
             "exit_signal": signal.Signals[PARSE_ARGS_DEFAULTS["exit_signal"]]}
 
 
+# Model fields Megatron-LM core_v0.16.1's arguments cannot set: name -> (the value they imply, why).
+_NO_ARGUMENT = {
+    "softmax_scale": (None, "TransformerConfig.softmax_scale has no command-line argument"),
+    "qk_norm_scope": ("head", "--qk-layernorm normalises each head; no argument normalises whole projections"),
+    "norm_placement": ("pre", "Megatron-LM's GPT layers are pre-norm; no argument adds norms on sublayer outputs"),
+    "attention_softcap": (None, "no argument soft-caps attention scores"),
+    "final_logit_softcap": (None, "no argument soft-caps the output logits"),
+    "scale_embeddings": (False, "no argument scales the input embeddings"),
+    "rotary_base_local": (None, "one RoPE base (--rotary-base) serves every layer"),
+    "mla": (None, "multi-latent attention is not mapped: Megatron-LM's local spec names its latent norms "
+                  "q_layernorm / kv_layernorm (megacli stores the Transformer Engine spec's linear_q_up_proj / "
+                  "linear_kv_up_proj.layer_norm_weight), and its yarn RoPE takes original_max_position_embeddings, "
+                  "beta_fast and beta_slow from defaults no argument sets"),
+}
+
+
+def _scaling(s) -> dict:
+    return {k: v for k, v in s.model_dump().items() if v is not None}
+
+
 def unsupported(recipe) -> list[str]:
     """What of the recipe's model Megatron-LM's GPT arguments cannot express (empty when all can)."""
     m = recipe.model
@@ -869,15 +900,11 @@ def unsupported(recipe) -> list[str]:
         out.append(f"model.arch {m.arch} (the Megatron-LM export writes GPT models)")
     if m.activation not in ("gelu", "gelu_tanh", "swiglu", "squared_relu"):
         out.append(f"model.activation {m.activation} (Megatron-LM has no flag for it)")
-    if m.rope_scaling is not None:
-        out.append("model.rope_scaling (Megatron-LM's --use-rope-scaling is Llama 3's fixed scaling only)")
-    if m.softmax_scale is not None:
-        out.append("model.softmax_scale")
-    plain = {"norm_placement": "pre", "qk_norm_scope": "head", "sliding_window": None, "attention_softcap": None,
-             "final_logit_softcap": None, "scale_embeddings": False, "norm_zero_centered_gamma": False,
-             "rotary_base_local": None, "mla": None}
-    out += [f"model.{name} (not mapped to Megatron-LM arguments yet)" for name, value in plain.items()
-            if getattr(m, name) != value]
+    if m.rope_scaling is not None and _scaling(m.rope_scaling) != MEGATRON_ROPE_SCALING:
+        out.append(f"model.rope_scaling {_scaling(m.rope_scaling)} (Megatron-LM's --use-rope-scaling is Llama 3.1's "
+                   f"scaling with fixed parameters, {MEGATRON_ROPE_SCALING}: pretrain_gpt.py does not pass "
+                   f"--rope-scaling-factor to the model)")
+    out += [f"model.{name} ({why})" for name, (plain, why) in _NO_ARGUMENT.items() if getattr(m, name) != plain]
     if recipe.lora is not None:
         out.append("lora (merge the adapters first: megacli convert CKPT DST --to megacli)")
     return out
