@@ -20,10 +20,7 @@ One spawned process, tiny models (hidden 32, 2 layers, 4 experts, top 2):
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -230,12 +227,10 @@ def _moe(rank, world, root: str):
 def moe(tmp_path_factory):
     from tests._dist import spawn
 
+    from tests.test_megatron_lm_write import pretrain_in_process
+
     root = tmp_path_factory.mktemp("megatron_lm_moe")
-    env = {**os.environ, "MEGACLI_IN_PROCESS": "1"}
-    sets = [*RUN, f"run.dir={root / 'run'}", f"checkpoint.dir={root / 'run' / 'checkpoints'}"]
-    run = subprocess.run([sys.executable, "-m", "megacli", "pretrain", *[x for s in sets for x in ("--set", s)]],
-                         capture_output=True, text=True, timeout=900, env=env)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    pretrain_in_process(RUN, root / "run")
     return spawn(_moe, 1, str(root), timeout=1800)[0]
 
 

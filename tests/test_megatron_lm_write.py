@@ -421,12 +421,17 @@ def exported(tmp_path_factory):
     from tests._dist import spawn
 
     root = tmp_path_factory.mktemp("megatron_lm_write")
+    pretrain_in_process(RUN, root / "run")
+    return root, spawn(_export, 1, str(root), timeout=1800)[0]
+
+
+def pretrain_in_process(sets: list[str], run_dir: Path) -> None:
+    """`megacli pretrain --set ...` (one worker, in the CLI's process) into run_dir, checkpoints in run_dir/checkpoints."""
     env = {**os.environ, "MEGACLI_IN_PROCESS": "1"}
-    sets = [*RUN, f"run.dir={root / 'run'}", f"checkpoint.dir={root / 'run' / 'checkpoints'}"]
+    sets = [*sets, f"run.dir={run_dir}", f"checkpoint.dir={run_dir / 'checkpoints'}"]
     run = subprocess.run([sys.executable, "-m", "megacli", "pretrain", *[x for s in sets for x in ("--set", s)]],
                          capture_output=True, text=True, timeout=900, env=env)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
-    return root, spawn(_export, 1, str(root), timeout=1800)[0]
 
 
 @pytest.mark.parametrize("name", ["te", "local", "te22"])

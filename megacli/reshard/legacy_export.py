@@ -16,7 +16,6 @@ from megacli.checkpoint.layout import FILE, TRACKER, iter_name
 from megacli.checkpoint.megatron_lm_write import SPECS, TRANSFORMER_IMPL, rng_for_megatron_lm
 from megacli.checkpoint.sharding import shard
 from megacli.errors import UserError
-from megacli.precision import params_dtype
 from megacli.checkpoint.legacy_args import scale_scheduler
 from megacli.reshard.legacy import EXTRA_STATE_MODULES
 
