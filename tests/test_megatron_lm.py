@@ -341,3 +341,76 @@ def test_bert_from_megatron_lm_layout_converts_to_hf(tmp_path):
         got = _hf_logits(transformers.AutoModelForPreTraining.from_pretrained(tmp_path / f"hf_{spec}").eval())
         assert got[0].shape[-1] == ref[0].shape[-1] + 2
         assert [cm.max_diff(a[..., :b.shape[-1]], b) for a, b in zip(got, ref)] == [0.0, 0.0], spec
+
+
+def t5_args(**changes) -> argparse.Namespace:
+    """Megatron-LM pretrain_t5.py's model-defining args for a tiny T5 (RMSNorm, SwiGLU, no biases,
+    relative positions, tied head; validate_args copies the encoder's sizes to num_layers/seq_length)."""
+    fields = dict(num_layers=2, encoder_num_layers=2, decoder_num_layers=2, hidden_size=32, num_attention_heads=4,
+                  kv_channels=8, ffn_hidden_size=64, seq_length=32, encoder_seq_length=32, decoder_seq_length=16,
+                  max_position_embeddings=64, position_embedding_type="relative", relative_attention_num_buckets=32,
+                  relative_attention_max_distance=128, normalization="RMSNorm", norm_epsilon=1e-6, swiglu=True,
+                  add_bias_linear=False, untie_embeddings_and_output_weights=False, vocab_size=300, vocab_extra_ids=100,
+                  make_vocab_size_divisible_by=128, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                  tokenizer_type="HuggingFaceTokenizer", tokenizer_model="/nonexistent/t5-tokenizer",
+                  hidden_dropout=0.0, attention_dropout=0.0)
+    fields.update(changes)
+    return argparse.Namespace(**fields)
+
+
+def test_t5_from_megatron_lm_layout_converts_to_hf_and_megacli(tmp_path):
+    """A Megatron-LM T5 torch_dist checkpoint (Transformer Engine and local key names; attention scaled
+    by 1/sqrt(head_dim), which Hugging Face's T5 carries in its query weights): converted to HF, the
+    logits are the source model's; converted to megacli, the tensors are the stored ones; its args
+    become a t5 recipe (decoder length, relative positions, sentinels); other relative buckets are refused."""
+    import transformers
+
+    from megacli.checkpoint.layout import find_checkpoint
+    from megacli.checkpoint.megatron_lm import MegatronLMCheckpoint
+    from megacli.convert import convert
+    from megacli.convert.megatron_io import CheckpointReader
+    from megacli.errors import UserError
+    from tests import _convert_models as cm
+    from tests.test_convert_t5 import COMMON, _batch
+
+    config = transformers.T5Config(**COMMON, feed_forward_proj="gated-silu", tie_word_embeddings=False,
+                                   architectures=["T5ForConditionalGeneration"])
+    config.tie_word_embeddings = True
+    torch.manual_seed(3)
+    hf = transformers.T5ForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p)) if "layer_norm" in name else p.normal_(0, 0.1)
+        for stack in (hf.encoder, hf.decoder):
+            stack.embed_tokens.weight.copy_(hf.shared.weight)
+    hf.eval().save_pretrained(tmp_path / "hf")
+    # Megatron-LM's model is this one with its query weights as stored, scaled by 1/sqrt(d_kv) in attention.
+    enc, dec, attend = _batch()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("SelfAttention.q.weight") or name.endswith("EncDecAttention.q.weight"):
+                p.mul_(COMMON["d_kv"] ** -0.5)
+        ref = hf(input_ids=enc, attention_mask=attend, decoder_input_ids=dec).logits.float()
+    convert(tmp_path / "hf", tmp_path / "mc", say=lambda *_: None)
+    ck = find_checkpoint(tmp_path / "mc")
+    original = {k: t for g in CheckpointReader(ck).groups() for k, t in g.items()}
+    for spec in ("te", "local"):
+        src = write_megatron_lm(ck, tmp_path / f"mlm_{spec}", spec=spec, args=t5_args())
+        convert(src, tmp_path / f"hf_{spec}", to="hf", say=lambda *_: None)
+        got = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path / f"hf_{spec}").eval()
+        with torch.no_grad():
+            logits = got(input_ids=enc, attention_mask=attend, decoder_input_ids=dec).logits.float()
+        assert cm.max_diff(logits[..., :cm.VOCAB], ref[..., :cm.VOCAB]) < TOL, spec
+        convert(src, tmp_path / f"mc_{spec}", to="megacli", say=lambda *_: None)
+        back = {k: t for g in CheckpointReader(find_checkpoint(tmp_path / f"mc_{spec}")).groups() for k, t in g.items()}
+        assert sorted(back) == sorted(original), spec
+        assert [k for k in original if not torch.equal(back[k][:cm.VOCAB], original[k][:cm.VOCAB])] == [], spec
+    recipe = MegatronLMCheckpoint(tmp_path / "mlm_te").recipe()
+    m = recipe["model"]
+    assert (m["arch"], m["num_layers"], m["seq_length"], m["decoder_seq_length"], m["position_embedding"],
+            m["activation"], m["add_bias_linear"], m.get("softmax_scale")) == ("t5", 2, 32, 16, "relative", "swiglu",
+                                                                               False, None)
+    assert "decoder_num_layers" not in m and recipe["masking"] == {"sentinel_tokens": 100}
+    other = write_megatron_lm(ck, tmp_path / "mlm_buckets", spec="te", args=t5_args(relative_attention_num_buckets=64))
+    with pytest.raises(UserError, match="relative_attention_num_buckets 64"):
+        MegatronLMCheckpoint(other).model_section()

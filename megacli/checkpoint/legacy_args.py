@@ -86,6 +86,8 @@ def model_section_from_args(args, vocab_size: int, arch: str = "gpt") -> dict:
     if arg(args, "use_rotary_position_embeddings", False):
         pos = "rope"
     positions = {"learned_absolute": "learned", "rope": "rope", "none": "none"}.get(pos)
+    if arch == "t5" and pos == "relative":
+        positions = "relative"
     if positions is None:
         raise UserError(f"position_embedding_type {pos!r} is not supported")
     if arg(args, "swiglu", False):
@@ -130,6 +132,10 @@ def model_section_from_args(args, vocab_size: int, arch: str = "gpt") -> dict:
     if scaling is not None:
         section.update(rope_scaling=scaling)
     section.update(_sliding_window(args, args.num_layers))
+    if arch == "t5":  # pretrain_t5.py: --encoder-seq-length is seq_length
+        section.update(decoder_seq_length=arg(args, "decoder_seq_length", None))
+        if section["decoder_seq_length"] is None:
+            del section["decoder_seq_length"]
     if arch == "bert":  # pretrain_bert.py: token types and the pooler come with the binary head
         section.update(bert_binary_head=bool(arg(args, "bert_binary_head", True)))
     moe = moe_section_from_args(args)
@@ -158,6 +164,18 @@ def _single(value):
     """A list-valued MoE argument (--moe-router-load-balancing-type and --moe-aux-loss-coeff take
     several) as its one value; a list of several stays a list."""
     return value[0] if isinstance(value, (list, tuple)) and len(value) == 1 else value
+
+
+# Megatron-Core's T5 relative position buckets / maximum distance, the ones megacli's T5 builds with.
+T5_RELATIVE = {"relative_attention_num_buckets": 32, "relative_attention_max_distance": 128}
+
+
+def t5_refusals(args) -> list[str]:
+    """Why a Megatron-LM T5 run's model is not megacli's T5 (empty when it is)."""
+    if arg(args, "position_embedding_type") != "relative":
+        return []
+    return [f"{name} {arg(args, name)} (megacli's T5 uses Megatron-Core's default {value})"
+            for name, value in T5_RELATIVE.items() if arg(args, name, value) != value]
 
 
 def moe_refusals(args) -> list[str]:
@@ -235,7 +253,10 @@ def recipe_from_args(src) -> dict:
         data = {"blend": [[float(data_path[i]), str(data_path[i + 1])] for i in range(0, len(data_path), 2)], "mock": False}
     else:
         data = {"mock": True}
-    return {
+    extra = {}
+    if model["arch"] == "t5" and arg(a, "vocab_extra_ids", 0):  # the T5 span-masking sentinels
+        extra["masking"] = {"sentinel_tokens": int(a.vocab_extra_ids)}
+    return extra | {
         "model": model,
         "parallel": {"tensor": src.tp, "pipeline": src.pp, "virtual_pipeline": src.vp if src.vp > 1 else None,
                      "first_stage_layers": src.first_stage_layers, "last_stage_layers": src.last_stage_layers,
@@ -275,8 +296,8 @@ class ArgsDescribed:
         if tok is not None:
             return load_tokenizer(type="huggingface", path=str(tok)).vocab_size
         vocab = self.wordpiece_vocab()
-        if vocab is not None:  # with the [BOS]/[EOS] Megatron's WordPiece tokenizer appends
-            return load_tokenizer(type="wordpiece", path=str(vocab)).vocab_size
+        if vocab is not None:  # with the [BOS]/[EOS] (and --vocab-extra-ids) Megatron's WordPiece tokenizer appends
+            return load_tokenizer(type="wordpiece", path=str(vocab)).vocab_size + int(arg(self.args, "vocab_extra_ids", 0))
         return self.padded_vocab_rows()
 
     def tokenizer_dir(self) -> Path | None:

@@ -21,7 +21,8 @@ import re
 from pathlib import Path
 
 from megacli.checkpoint.layout import is_megatron_lm_dir, is_torch_dist_iteration, tracked_iteration
-from megacli.checkpoint.legacy_args import ArgsDescribed, arg, model_section_from_args, moe_refusals
+from megacli.checkpoint.legacy_args import (ArgsDescribed, arg, model_section_from_args, moe_refusals,
+                                          t5_refusals)
 from megacli.checkpoint.safe_pickle import COMMON, DCP_METADATA, torch_load
 from megacli.checkpoint.torch_dist import NOT_MODEL, STACKED, TorchDistReader
 from megacli.errors import UserError
@@ -114,8 +115,7 @@ class MegatronLMCheckpoint(ArgsDescribed):
     def arch(self) -> str:
         keys = self.model_keys
         if any(k.startswith("encoder.") for k in keys) and any(k.startswith("decoder.") for k in keys):
-            raise UserError(f"{self.it_dir}: an encoder-decoder (T5) checkpoint; Megatron-LM torch_dist T5 checkpoints "
-                            f"are not supported yet (GPT and BERT are)")
+            return "t5"
         return "bert" if any(k.startswith("lm_head.") for k in keys) else "gpt"
 
     def unmapped(self) -> list[str]:
@@ -125,6 +125,8 @@ class MegatronLMCheckpoint(ArgsDescribed):
         softmax = arg(self.args, "softmax_type", "vanilla")
         if softmax != "vanilla":
             out.append(f"softmax_type {softmax!r} is not supported (the standard softmax is)")
+        if self.arch == "t5":
+            out += t5_refusals(self.args)
         norm = arg(self.args, "normalization", "LayerNorm")
         if norm not in _NORMALIZATIONS:
             out.append(f"normalization {norm!r} is not supported (LayerNorm and RMSNorm are)")
@@ -156,7 +158,14 @@ class MegatronLMCheckpoint(ArgsDescribed):
         problems = self.unmapped()
         if problems:
             raise UserError(f"{self.it_dir}: " + "; ".join(problems))
-        return model_section_from_args(self.args, self.vocab_size(), arch=self.arch)
+        section = model_section_from_args(self.args, self.vocab_size(), arch=self.arch)
+        if section["arch"] == "t5":
+            # pretrain_t5.py builds the decoder with args.num_layers layers (--decoder-num-layers is
+            # not passed on): the stored weights say how many there are.
+            qkv = self.reader.tensors.get(self.model_keys.get("decoder.layers.self_attention.linear_qkv.weight", ""))
+            if qkv is not None and qkv.shape[0] != section["num_layers"]:
+                section["decoder_num_layers"] = qkv.shape[0]
+        return section
 
     # --- what inspect shows
 

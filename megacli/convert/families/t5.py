@@ -20,7 +20,8 @@ from megacli.errors import UserError
 ARCHITECTURES = ("T5ForConditionalGeneration",)
 ARCH = "t5"
 
-_ACTIVATIONS = {"relu": "relu", "gated-gelu": "geglu"}
+# "gelu" (erf) and "gated-silu" are the MLPs of a Megatron-LM T5 (its default GELU, --swiglu).
+_ACTIVATIONS = {"relu": "relu", "gated-gelu": "geglu", "gelu": "gelu", "gated-silu": "swiglu"}
 _HF_ACTIVATION = {v: k for k, v in _ACTIVATIONS.items()}
 _BUCKETS, _MAX_DISTANCE = 32, 128  # Megatron-Core's T5Model defaults
 
@@ -69,7 +70,7 @@ def model_section(c: dict) -> dict:
 def architecture_for(m, preferred: str | None = None) -> str | None:
     ok = (m.arch == "t5" and m.position_embedding == "relative" and m.normalization == "rmsnorm"
           and m.activation in _HF_ACTIVATION and not m.add_bias_linear and not m.add_qkv_bias
-          and m.softmax_scale == 1.0 and m.query_groups == m.num_attention_heads)
+          and m.softmax_scale in (1.0, None) and m.query_groups == m.num_attention_heads)
     return "T5ForConditionalGeneration" if ok else None
 
 
@@ -128,8 +129,23 @@ def _absent_bias(vocab: int, key: str):
     return (lambda: torch.zeros(vocab)), to_hf
 
 
+def _query_scaled(to_megatron, to_hf, scale: float):
+    """A rule whose first HF tensor is the queries: exported times ``scale`` (HF's T5 attention does
+    not scale; a model with Megatron's 1/sqrt(head_dim), as Megatron-LM trains T5, carries it in
+    its query weights). Imported as is (HF T5 models become ``softmax_scale: 1.0``)."""
+    if scale == 1.0:
+        return to_megatron, to_hf
+
+    def scaled(t):
+        out = to_hf(t)
+        return (out * scale,) if isinstance(out, torch.Tensor) else (out[0] * scale, *out[1:])
+
+    return to_megatron, scaled
+
+
 def table(m) -> MappingTable:
     heads = m.num_attention_heads
+    q_scale = 1.0 if m.softmax_scale == 1.0 else m.head_dim ** -0.5
     mlp = ("DenseReluDense.wi_0.weight", "DenseReluDense.wi_1.weight") if m.gated else ("DenseReluDense.wi.weight",)
     fc1 = gate_up() if m.gated else direct()
     if m.untie_embeddings:  # such checkpoints also store the encoder's and decoder's (tied) copies
@@ -145,7 +161,7 @@ def table(m) -> MappingTable:
                  f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight", *direct()),
             Rule(L + "self_attention.linear_qkv.layer_norm_weight", H + "0.layer_norm.weight", *direct()),
             Rule(L + "self_attention.linear_qkv.weight", (attn + "q.weight", attn + "k.weight", attn + "v.weight"),
-                 *qkv(groups=heads, heads=heads)),
+                 *_query_scaled(*qkv(groups=heads, heads=heads), q_scale)),
             Rule(L + "self_attention.linear_proj.weight", attn + "o.weight", *direct()),
             Rule(L + "mlp.linear_fc1.layer_norm_weight", H + f"{mlp_sub}.layer_norm.weight", *direct()),
             Rule(L + "mlp.linear_fc1.weight", tuple(H + f"{mlp_sub}." + w for w in mlp), *fc1),
@@ -155,7 +171,7 @@ def table(m) -> MappingTable:
     L, cross = "decoder.layers.*.", "decoder.block.*.layer.1."
     rules += [
         Rule(L + "pre_cross_attn_layernorm.weight", cross + "layer_norm.weight", *direct()),
-        Rule(L + "cross_attention.linear_q.weight", cross + "EncDecAttention.q.weight", *direct()),
+        Rule(L + "cross_attention.linear_q.weight", cross + "EncDecAttention.q.weight", *_query_scaled(*direct(), q_scale)),
         Rule(L + "cross_attention.linear_kv.weight", (cross + "EncDecAttention.k.weight", cross + "EncDecAttention.v.weight"),
              *_kv(heads)),
         Rule(L + "cross_attention.linear_proj.weight", cross + "EncDecAttention.o.weight", *direct()),
