@@ -358,6 +358,36 @@ def t5_args(**changes) -> argparse.Namespace:
     return argparse.Namespace(**fields)
 
 
+def t5_source(root: Path):
+    """A tiny HF T5 (SwiGLU, tied) -> megacli; returns (megacli iteration dir, HF logits of the model a
+    Megatron-LM checkpoint of those tensors is: its attention scales by 1/sqrt(d_kv), HF's does not)."""
+    import transformers
+
+    from megacli.checkpoint.layout import find_checkpoint
+    from megacli.convert import convert
+    from tests.test_convert_t5 import COMMON, _batch
+
+    config = transformers.T5Config(**COMMON, feed_forward_proj="gated-silu", tie_word_embeddings=False,
+                                   architectures=["T5ForConditionalGeneration"])
+    config.tie_word_embeddings = True
+    torch.manual_seed(3)
+    hf = transformers.T5ForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p)) if "layer_norm" in name else p.normal_(0, 0.1)
+        for stack in (hf.encoder, hf.decoder):
+            stack.embed_tokens.weight.copy_(hf.shared.weight)
+    hf.eval().save_pretrained(root / "hf")
+    enc, dec, attend = _batch()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("SelfAttention.q.weight") or name.endswith("EncDecAttention.q.weight"):
+                p.mul_(COMMON["d_kv"] ** -0.5)
+        ref = hf(input_ids=enc, attention_mask=attend, decoder_input_ids=dec).logits.float()
+    convert(root / "hf", root / "mc", say=lambda *_: None)
+    return find_checkpoint(root / "mc"), ref
+
+
 def test_t5_from_megatron_lm_layout_converts_to_hf_and_megacli(tmp_path):
     """A Megatron-LM T5 torch_dist checkpoint (Transformer Engine and local key names; attention scaled
     by 1/sqrt(head_dim), which Hugging Face's T5 carries in its query weights): converted to HF, the
@@ -371,28 +401,10 @@ def test_t5_from_megatron_lm_layout_converts_to_hf_and_megacli(tmp_path):
     from megacli.convert.megatron_io import CheckpointReader
     from megacli.errors import UserError
     from tests import _convert_models as cm
-    from tests.test_convert_t5 import COMMON, _batch
+    from tests.test_convert_t5 import _batch
 
-    config = transformers.T5Config(**COMMON, feed_forward_proj="gated-silu", tie_word_embeddings=False,
-                                   architectures=["T5ForConditionalGeneration"])
-    config.tie_word_embeddings = True
-    torch.manual_seed(3)
-    hf = transformers.T5ForConditionalGeneration(config)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn_like(p)) if "layer_norm" in name else p.normal_(0, 0.1)
-        for stack in (hf.encoder, hf.decoder):
-            stack.embed_tokens.weight.copy_(hf.shared.weight)
-    hf.eval().save_pretrained(tmp_path / "hf")
-    # Megatron-LM's model is this one with its query weights as stored, scaled by 1/sqrt(d_kv) in attention.
+    ck, ref = t5_source(tmp_path)
     enc, dec, attend = _batch()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("SelfAttention.q.weight") or name.endswith("EncDecAttention.q.weight"):
-                p.mul_(COMMON["d_kv"] ** -0.5)
-        ref = hf(input_ids=enc, attention_mask=attend, decoder_input_ids=dec).logits.float()
-    convert(tmp_path / "hf", tmp_path / "mc", say=lambda *_: None)
-    ck = find_checkpoint(tmp_path / "mc")
     original = {k: t for g in CheckpointReader(ck).groups() for k, t in g.items()}
     for spec in ("te", "local"):
         src = write_megatron_lm(ck, tmp_path / f"mlm_{spec}", spec=spec, args=t5_args())

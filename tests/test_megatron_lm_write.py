@@ -509,3 +509,51 @@ def test_convert_to_megatron_from_the_command_line(exported):
     assert differ == []  # HF -> megacli -> Megatron-LM keeps the weights bitwise
     code, text, exists = out["cli_refused"]
     assert code == 2 and "--dtype" in text and not exists, text
+
+
+def test_t5_megacli_to_megatron_lm_and_back_bitwise(tmp_path):
+    """A megacli T5 (read from a Megatron-LM T5 layout) written as a Megatron-LM torch_dist checkpoint:
+    the T5 args (encoder/decoder layers and lengths, relative positions, --vocab-extra-ids), the TE
+    norms' extra state, and read back to megacli bitwise with the same recipe; a decoder deeper than
+    the encoder (pretrain_t5.py builds both with --num-layers) and the legacy export are refused."""
+    from megacli.checkpoint.layout import find_checkpoint, iter_name, read_recipe
+    from types import SimpleNamespace
+
+    from megacli.checkpoint.megatron_lm_args import unsupported
+    from megacli.checkpoint.safe_pickle import torch_load
+    from megacli.checkpoint.torch_dist import TorchDistReader
+    from megacli.recipe.model import ModelSection
+    from megacli.convert import convert
+    from megacli.convert.megatron_io import CheckpointReader
+    from megacli.errors import UserError
+    from megacli.recipe.reshard import ReshardSection
+    from megacli.reshard import reshard
+    import torch
+
+    from tests.test_megatron_lm import ITERATION as MLM_ITERATION, t5_args, t5_source, write_megatron_lm
+
+    ck, _ = t5_source(tmp_path)
+    convert(write_megatron_lm(ck, tmp_path / "mlm", spec="te", args=t5_args()), tmp_path / "mc_read", to="megacli",
+            say=lambda *_: None)
+    src = find_checkpoint(tmp_path / "mc_read")
+    reshard(ReshardSection(source=str(src), output=str(tmp_path / "out"), format="megatron", spec="te", progress=False))
+    it_dir = tmp_path / "out" / iter_name(MLM_ITERATION)
+    args = torch_load(it_dir / "common.pt", trust=False, name="common.pt")["args"]
+    assert {k: getattr(args, k) for k in ("num_layers", "encoder_num_layers", "decoder_num_layers", "seq_length",
+                                          "encoder_seq_length", "decoder_seq_length", "position_embedding_type",
+                                          "vocab_extra_ids", "swiglu")} == \
+        {"num_layers": 2, "encoder_num_layers": 2, "decoder_num_layers": 2, "seq_length": 32, "encoder_seq_length": 32,
+         "decoder_seq_length": 16, "position_embedding_type": "relative", "vocab_extra_ids": 100, "swiglu": True}
+    objects = set(TorchDistReader(it_dir).objects)
+    assert {"encoder.final_layernorm._extra_state/shard_0_1", "decoder.final_layernorm._extra_state/shard_0_1",
+            "decoder.layers.pre_cross_attn_layernorm._extra_state/shard_1_2"} <= objects, sorted(objects)
+    convert(tmp_path / "out", tmp_path / "back", to="megacli", say=lambda *_: None)
+    back_ck = find_checkpoint(tmp_path / "back")
+    original = {k: t for g in CheckpointReader(src).groups() for k, t in g.items()}
+    back = {k: t for g in CheckpointReader(back_ck).groups() for k, t in g.items()}
+    assert sorted(back) == sorted(original) and [k for k in original if not torch.equal(back[k], original[k])] == []
+    assert read_recipe(back_ck)["model"] == read_recipe(src)["model"]
+    deeper = ModelSection(**{**read_recipe(src)["model"], "decoder_num_layers": 3})
+    assert [p for p in unsupported(SimpleNamespace(model=deeper, lora=None)) if "model.decoder_num_layers 3" in p]
+    with pytest.raises(UserError, match="a T5 model; the legacy"):
+        reshard(ReshardSection(source=str(src), output=str(tmp_path / "legacy"), format="legacy", progress=False))

@@ -684,7 +684,7 @@ DERIVED = ("consumed_train_samples", "consumed_valid_samples", "skipped_train_sa
            "virtual_pipeline_model_parallel_size", "padded_vocab_size", "iteration", "curr_iteration",
            "num_floating_point_operations_so_far", "model_type", "do_train", "do_valid", "do_test")
 
-_POSITIONS = {"learned": "learned_absolute", "rope": "rope", "none": "none"}
+_POSITIONS = {"learned": "learned_absolute", "rope": "rope", "none": "none", "relative": "relative"}
 _DECAY = {"wsd": "WSD"}
 _TOKENIZERS = {"huggingface": "HuggingFaceTokenizer", "sentencepiece": "GPTSentencePieceTokenizer",
                "wordpiece": "BertWordPieceLowerCase", "none": "NullTokenizer"}
@@ -714,6 +714,11 @@ def _m(field):
 def _moe(arg: str, value: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """A MoE argument: ``value(recipe)`` for a model with model.moe, parse_args' default for a dense one."""
     return lambda r: value(r) if r.model.moe is not None else PARSE_ARGS_DEFAULTS[arg]
+
+
+def _t5(arg: str, value: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """A T5 argument: ``value(recipe)`` for model.arch t5, parse_args' default for other models."""
+    return lambda r: value(r) if r.model.arch == "t5" else PARSE_ARGS_DEFAULTS[arg]
 
 
 def _e(arg: str, field: str) -> Flag:
@@ -768,6 +773,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("vocab_size", "model.vocab_size", _m("vocab_size")),
     Flag("make_vocab_size_divisible_by", "model.make_vocab_size_divisible_by", _m("make_vocab_size_divisible_by")),
     Flag("bert_binary_head", "model.bert_binary_head", _m("bert_binary_head")),
+    # T5 (pretrain_t5.py; validate_args makes --num-layers / --seq-length the encoder's)
+    Flag("decoder_num_layers", "model.decoder_num_layers", _t5("decoder_num_layers", lambda r: r.model.dec_num_layers)),
+    Flag("decoder_seq_length", "model.decoder_seq_length", _t5("decoder_seq_length", lambda r: r.model.dec_seq_length)),
+    Flag("vocab_extra_ids", "masking.sentinel_tokens", _t5("vocab_extra_ids", lambda r: r.masking.sentinel_tokens)),
     # mixture of experts
     _e("num_experts", "num_experts"),
     _e("moe_router_topk", "router_topk"),
@@ -896,8 +905,20 @@ def unsupported(recipe) -> list[str]:
     """What of the recipe's model Megatron-LM's GPT arguments cannot express (empty when all can)."""
     m = recipe.model
     out = []
-    if m.arch != "gpt":
-        out.append(f"model.arch {m.arch} (the Megatron-LM export writes GPT models)")
+    if m.arch not in ("gpt", "t5"):
+        out.append(f"model.arch {m.arch} (the Megatron-LM export writes GPT models and T5 ones)")
+    if m.arch == "t5":
+        if m.dec_num_layers != m.num_layers:
+            out.append(f"model.decoder_num_layers {m.dec_num_layers} (pretrain_t5.py builds the decoder with "
+                       f"--num-layers layers, here {m.num_layers}: --decoder-num-layers is not passed to the model)")
+        if m.scale_decoder_output:
+            out.append("model.scale_decoder_output (Megatron-Core's T5Model does not scale the decoder output)")
+        if m.qk_layernorm:
+            out.append("model.qk_layernorm (Megatron-LM's T5 layer specs have no query/key norms)")
+    if m.position_embedding not in _POSITIONS:
+        out.append(f"model.position_embedding {m.position_embedding} (Megatron-LM has no such --position-embedding-type)")
+    elif m.position_embedding == "relative" and m.arch != "t5":
+        out.append("model.position_embedding relative (Megatron-LM builds relative positions for T5 only)")
     if m.activation not in ("gelu", "gelu_tanh", "swiglu", "squared_relu"):
         out.append(f"model.activation {m.activation} (Megatron-LM has no flag for it)")
     if m.rope_scaling is not None and _scaling(m.rope_scaling) != MEGATRON_ROPE_SCALING:

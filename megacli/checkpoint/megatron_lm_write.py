@@ -44,6 +44,8 @@ _EXTRA_STATE = re.compile(r"^(?P<module>.+)\._extra_state/shard_(?P<offset>[\d.]
 # Transformer Engine norms (TENorm) that carry extra state under the TE spec: final norm, and per layer.
 _TE_NORMS = ("decoder.final_layernorm",)
 _TE_LAYER_NORMS = ("self_attention.q_layernorm", "self_attention.k_layernorm")
+_TE_T5_NORMS = ("encoder.final_layernorm",)
+_TE_T5_LAYER_NORM = "pre_cross_attn_layernorm"  # decoder layers'
 _TE_MOE_NORM = "pre_mlp_layernorm"  # a MoE layer's own TENorm (not fused into a linear)
 
 
@@ -82,9 +84,11 @@ def rng_for_megatron_lm(state: dict) -> dict:
 
 
 def megatron_objects(objects: Iterable[ObjectEntry], *, spec: str, num_layers: int, qk_layernorm: bool,
-                     moe_layers: list[int] | None = None, trust_pickle: bool = False) -> list[ObjectEntry]:
+                     moe_layers: list[int] | None = None, t5: bool = False,
+                     trust_pickle: bool = False) -> list[ObjectEntry]:
     """The sharded objects of the Megatron-LM checkpoint from megacli's: extra state per spec, RNG
-    state renamed, anything else as stored. ``moe_layers`` (a MoE model: 1 per MoE layer): the
+    state renamed, anything else as stored. ``t5``: an encoder-decoder (its encoder's final norm and
+    the decoder layers' pre-cross-attention norms are TENorms too). ``moe_layers`` (a MoE model: 1 per MoE layer): the
     layers are keyed one by one (``decoder.layers.N.``), not stacked."""
     if spec not in SPECS:
         raise UserError(f"--spec {spec!r}: expected one of {', '.join(SPECS)}")
@@ -115,6 +119,9 @@ def megatron_objects(objects: Iterable[ObjectEntry], *, spec: str, num_layers: i
         elif qk_layernorm:
             wanted += [f"decoder.layers.{m}._extra_state/shard_{i}_{num_layers}" for m in _TE_LAYER_NORMS
                        for i in range(num_layers)]
+        if t5:
+            wanted += [f"{m}._extra_state/shard_0_1" for m in _TE_T5_NORMS]
+            wanted += [f"decoder.layers.{_TE_T5_LAYER_NORM}._extra_state/shard_{i}_{num_layers}" for i in range(num_layers)]
         out += [ObjectEntry(k, (lambda: extra), how="te extra state") for k in wanted if k not in have]
     return out
 

@@ -63,6 +63,9 @@ def check_exportable(recipe, where: Path) -> None:
     from megacli.reshard.megatron_export import check_exportable as check_arguments
 
     check_arguments(recipe, where)
+    if recipe.model.arch != "gpt":
+        raise UserError(f"{where}: a {recipe.model.arch.upper()} model; the legacy (--ckpt-format torch) export writes "
+                        f"GPT checkpoints. Write a torch_dist one: `megacli reshard {where} DST --format megatron`")
     if recipe.model.moe is not None:
         raise UserError(f"{where}: a mixture-of-experts model; the legacy (--ckpt-format torch) export does not write "
                         f"MoE checkpoints. Write a torch_dist one: `megacli reshard {where} DST --format megatron`")

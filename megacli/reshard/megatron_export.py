@@ -40,7 +40,8 @@ def export(plan, root: Path, *, spec: str = "te", trust_pickle: bool = False, pr
                               opt_param_scheduler=sched, distributed_optimizer=recipe.parallel.distributed_optimizer)
     m = recipe.model
     objects = mlw.megatron_objects(plan.objects, spec=spec, num_layers=m.num_layers, qk_layernorm=m.qk_layernorm,
-                                   moe_layers=m.moe_layers() if m.moe is not None else None, trust_pickle=trust_pickle)
+                                   moe_layers=m.moe_layers() if m.moe is not None else None, t5=m.arch == "t5",
+                                   trust_pickle=trust_pickle)
     notes = [f"Megatron-LM torch_dist checkpoint for the {spec} layer spec (--transformer-impl {mlw.TRANSFORMER_IMPL[spec]})"]
     if "optimizer" not in plan.common:
         notes.append("weights only (the source has no optimizer state): load with --finetune or --no-load-optim "
