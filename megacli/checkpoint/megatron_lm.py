@@ -125,8 +125,7 @@ class MegatronLMCheckpoint(ArgsDescribed):
         softmax = arg(self.args, "softmax_type", "vanilla")
         if softmax != "vanilla":
             out.append(f"softmax_type {softmax!r} is not supported (the standard softmax is)")
-        if self.arch == "t5":
-            out += t5_refusals(self.args)
+        out += t5_refusals(self.args)
         norm = arg(self.args, "normalization", "LayerNorm")
         if norm not in _NORMALIZATIONS:
             out.append(f"normalization {norm!r} is not supported (LayerNorm and RMSNorm are)")
