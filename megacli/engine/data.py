@@ -397,6 +397,5 @@ def micro_batches(dataset, *, start_sample: int, micro_batch_size: int, dp_rank:
         first += step
 
 
-
 def cache_dir_for(data, run_dir: str) -> str:
     return data.cache_dir or str(Path(run_dir) / "data_cache")

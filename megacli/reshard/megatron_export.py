@@ -50,8 +50,7 @@ def export(plan, root: Path, *, spec: str = "te", trust_pickle: bool = False, pr
     if rng and plan.source.reader.read_object(next(iter(rng.values())))[0].get("cuda") is None:
         notes.append("RNG state is the CPU backend's (CPU generator states): in Megatron-LM on CUDA, load with "
                      "--no-load-rng")
-    tensors = [t if mlw.stored_key(t.key, spec) == t.key else dataclasses.replace(t, key=mlw.stored_key(t.key, spec))
-               for t in plan.tensors]
+    tensors = [dataclasses.replace(t, key=mlw.stored_key(t.key, spec)) for t in plan.tensors]
     mlw.write(root, iteration=iteration, tensors=tensors, objects=objects, common=common, progress=progress)
     return notes
 
