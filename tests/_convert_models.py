@@ -222,9 +222,16 @@ def megacli_logits(ckpt_dir: Path, toks, overrides: tuple[str, ...] = ()):
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     ckpt = checkpoint.find_checkpoint(ckpt_dir)
     one_stage = ("parallel.first_stage_layers=null", "parallel.last_stage_layers=null") if pp == 1 else ()
-    recipe = load(TrainingRecipe, ckpt / "recipe.yaml",
-                  [f"parallel.tensor={tp}", f"parallel.pipeline={pp}", "parallel.virtual_pipeline=null", *one_stage,
-                   "parallel.sequence_parallel=false", f"launch.nproc={tp * pp}", "train.global_batch_size=8", *overrides])
+    sets = [f"parallel.tensor={tp}", f"parallel.pipeline={pp}", "parallel.virtual_pipeline=null", *one_stage,
+            "parallel.sequence_parallel=false", f"launch.nproc={tp * pp}", "train.global_batch_size=8", *overrides]
+    if ckpt is None:  # a Megatron-LM torch_dist checkpoint: the recipe its args map to
+        from megacli.checkpoint.megatron_lm import MegatronLMCheckpoint
+        from megacli.recipe.base import apply_overrides, validate
+
+        src = MegatronLMCheckpoint(Path(ckpt_dir))
+        ckpt, recipe = src.it_dir, validate(TrainingRecipe, apply_overrides(src.recipe(), sets), str(ckpt_dir))
+    else:
+        recipe = load(TrainingRecipe, ckpt / "recipe.yaml", sets)
     config = transformer_config(model=recipe.model, parallel=recipe.parallel, precision="fp32", on_cuda=False)
     chunks = build_model(recipe=recipe, config=config, vocab_size=recipe.model.vocab_size)
     checkpoint.load(ckpt=ckpt, chunks=chunks, optimizer=None, scheduler=None, load_optimizer=False)

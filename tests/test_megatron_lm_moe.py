@@ -13,13 +13,18 @@ One spawned process, tiny models (hidden 32, 2 layers, 4 experts, top 2):
 * read: a Mixtral whose checkpoint Megatron-Core itself saved from its local-spec GPTModel with
   --moe-layer-freq 1 (every layer MoE: the layers stacked under one key, the MoE pre-MLP norms
   under the local spec's ``mlp.linear_fc1.layer_norm_weight``), with Megatron-LM's common.pt.
-  Converted to HF (the source's logits) and to megacli (bitwise); used directly (reshard), it is
-  refused with the reason.
+  Converted to HF (the source's logits) and to megacli (bitwise); used directly: resharded to
+  megacli (bitwise with the conversion) and run by the engine (the source's logits);
+* resumed: an all-MoE megacli run (4 steps, checkpoint at 2) saved at step 2 as Megatron-LM saves
+  a run with --moe-layer-freq 1 (layers stacked, plain optimizer): `pretrain` resumed from it
+  continues the run's steps 3-4 within 1e-5; reshard gives back the step-2 checkpoint bitwise,
+  optimizer included.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from pathlib import Path
 
@@ -41,6 +46,11 @@ RUN = [
     "train.precision=fp32", f"checkpoint.save_interval={ITERS}", "launch.nproc=1", "parallel.tensor=1",
     "parallel.pipeline=1",
 ]
+
+# Every layer MoE (Megatron-LM's default --moe-layer-freq 1), 4 steps, a checkpoint at 2, the plain optimizer.
+ALL_MOE = [*(x for x in RUN if not x.startswith(("model.moe.layer_freq", "train.iters", "checkpoint.save_interval"))),
+           "model.moe.layer_freq=1", "train.iters=4", "checkpoint.save_interval=2", "parallel.distributed_optimizer=false",
+           "train.log_interval=1"]
 
 
 def _config(args: argparse.Namespace):
@@ -147,6 +157,7 @@ def _moe(rank, world, root: str):
 
     root, toks, say, out = Path(root), cm.tokens(), (lambda *_: None), {}
     _register()
+    _save_stacked(root)
 
     def canonical(path):
         return {k: t for g in CheckpointReader(find_checkpoint(path)).groups() for k, t in g.items()}
@@ -215,12 +226,47 @@ def _moe(rank, world, root: str):
     convert(mlm, root / "mc_mix2", to="megacli", say=say)
     want, got = canonical(root / "mc_mix"), canonical(root / "mc_mix2")
     out["mix_back"] = sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
-    try:
-        reshard(ReshardSection(source=str(mlm), output=str(root / "mix_resharded"), progress=False))
-        out["mix_reshard"] = None
-    except UserError as e:
-        out["mix_reshard"] = [str(e), (root / "mix_resharded").exists()]
+    reshard(ReshardSection(source=str(mlm), output=str(root / "mix_resharded"), progress=False))
+    got = canonical(root / "mix_resharded")
+    out["mix_resharded"] = sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    with megatron_process():
+        out["mix_engine_logits"] = cm.max_diff(cm.megacli_logits(mlm, toks)[..., :cm.VOCAB], mix_ref)
+
+    # ---- resumed: the all-MoE run's step 2, saved by Megatron-LM with its layers stacked
+    stacked = root / "mlm_all"
+    out["all_stored"] = sorted(k for k in TorchDistReader(stacked / iter_name(2)).tensors if "router" in k)
+    reshard(ReshardSection(source=str(stacked), output=str(root / "all_back"), progress=False))
+    src, back = TorchDistReader(find_checkpoint(root / "all" / "checkpoints" / iter_name(2))), \
+        TorchDistReader(find_checkpoint(root / "all_back"))
+    out["all_back_keys"] = sorted(back.tensors) == sorted(src.tensors)
+    out["all_back_optimizer"] = sum(k.startswith("optimizer.") for k in back.tensors)
+    out["all_back_differ"] = [k for k in src.tensors if not torch.equal(back.read(k), src.read(k))]
     return out
+
+
+def _save_stacked(root: Path) -> None:
+    """The all-MoE run's step-2 checkpoint, in a live trainer whose config holds --moe-layer-freq 1 as
+    Megatron-LM's does (an int: Megatron-Core stacks the layers), saved as Megatron-LM saves it."""
+    from megacli.checkpoint.layout import find_checkpoint, iter_name
+    from megacli.checkpoint.megatron_lm_args import megatron_args
+    from megacli.engine import checkpoint, distributed
+    from megacli.engine.loop import build_trainer
+    from megacli.engine.models.common import unwrap
+    from megacli.recipe.base import load
+    from megacli.recipe.pretrain import TrainingRecipe
+    from tests.test_megatron_lm_resume import save_as_megatron_lm
+
+    found = find_checkpoint(root / "all" / "checkpoints" / iter_name(2))
+    recipe = load(TrainingRecipe, found / "recipe.yaml", [f"run.dir={root / 'w'}", "checkpoint.dir=null"])
+    with distributed.running(parallel=recipe.parallel, launch=recipe.launch, seed=recipe.train.seed) as runtime:
+        trainer, _ = build_trainer(recipe, runtime)
+        checkpoint.load(ckpt=found, chunks=trainer.chunks, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
+                        load_optimizer=True)
+        args = megatron_args(recipe, iteration=2, consumed_samples=2 * recipe.train.global_batch_size,
+                             vocab_size=VOCAB)
+        args.moe_layer_freq = 1
+        unwrap(trainer.chunks[0]).config.moe_layer_freq = 1
+        save_as_megatron_lm(trainer, recipe, root / "mlm_all", iteration=2, spec="te", sharding=None, args=args)
 
 
 @pytest.fixture(scope="module")
@@ -231,7 +277,16 @@ def moe(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("megatron_lm_moe")
     pretrain_in_process(RUN, root / "run")
-    return spawn(_moe, 1, str(root), timeout=1800)[0]
+    pretrain_in_process(ALL_MOE, root / "all")
+    out = spawn(_moe, 1, str(root), timeout=1800)[0]
+    pretrain_in_process([*ALL_MOE, f"checkpoint.resume={root / 'mlm_all'}"], root / "resumed")
+    out["all_losses"] = [_losses(root / name) for name in ("all", "resumed")]
+    return out
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["iteration"]: r["loss"] for r in records if "loss" in r}
 
 
 @pytest.mark.parametrize("spec", ["te", "local"])
@@ -274,8 +329,18 @@ def test_megatron_lm_moe_with_stacked_layers_is_read(moe):
     assert (recipe["parallel"]["expert"], recipe["parallel"]["expert_tensor"]) == (1, None)
     assert moe["mix_hf_logits"] < TOL, moe["mix_hf_logits"]
     assert moe["mix_back"]
-    why, written = moe["mix_reshard"]
-    assert "layers stacked" in why and "megacli convert" in why and not written, why
+    assert moe["mix_resharded"]  # staged per layer, resharded to megacli: the conversion's tensors, bitwise
+    assert moe["mix_engine_logits"] < TOL, moe["mix_engine_logits"]  # the engine loads it as stored
+
+
+def test_megatron_lm_moe_with_stacked_layers_resumes_and_reshards(moe):
+    assert moe["all_stored"] == ["decoder.layers.mlp.router.weight", "optimizer.state.exp_avg.decoder.layers.mlp.router.weight",
+                                 "optimizer.state.exp_avg_sq.decoder.layers.mlp.router.weight"]
+    run, resumed = moe["all_losses"]
+    assert sorted(resumed) == [3, 4], resumed
+    for i in (3, 4):
+        assert abs(resumed[i] - run[i]) <= 1e-5, (i, resumed[i], run[i])
+    assert moe["all_back_keys"] and moe["all_back_optimizer"] > 0 and moe["all_back_differ"] == []
 
 
 def test_moe_arguments_megacli_cannot_express_are_named():

@@ -80,10 +80,11 @@ def megatron_lm_args(recipe, *, iteration: int, vocab: int) -> argparse.Namespac
         ckpt_format="torch_dist", expert_model_parallel_size=1, rampup_batch_size=None)
 
 
-def save_as_megatron_lm(trainer, recipe, root: Path, *, iteration: int, spec: str, sharding: str | None) -> None:
+def save_as_megatron_lm(trainer, recipe, root: Path, *, iteration: int, spec: str, sharding: str | None,
+                        args: argparse.Namespace | None = None) -> None:
     """What megatron/training/checkpointing.py's save_checkpoint writes (torch_dist), from a live trainer:
     generate_state_dict's entries, get_rng_state's sharded object, _build_sharded_state_dict_metadata's
-    content metadata, the tracker file."""
+    content metadata, the tracker file. ``args``: the run's (default: megatron_lm_args of the recipe)."""
     import random
 
     import numpy as np
@@ -102,7 +103,8 @@ def save_as_megatron_lm(trainer, recipe, root: Path, *, iteration: int, spec: st
     if sharding is not None:
         metadata["distrib_optim_sharding_type"] = sharding
     gbs = recipe.train.global_batch_size
-    state = {"args": megatron_lm_args(recipe, iteration=iteration, vocab=trainer.vocab_size), "checkpoint_version": 3.0,
+    args = args if args is not None else megatron_lm_args(recipe, iteration=iteration, vocab=trainer.vocab_size)
+    state = {"args": args, "checkpoint_version": 3.0,
              "iteration": iteration}
     keys = ["model"] if len(trainer.chunks) == 1 else [f"model{i}" for i in range(len(trainer.chunks))]
     for key, chunk in zip(keys, trainer.chunks):

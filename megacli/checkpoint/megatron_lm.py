@@ -131,21 +131,15 @@ class MegatronLMCheckpoint(ArgsDescribed):
             out.append(f"normalization {norm!r} is not supported (LayerNorm and RMSNorm are)")
         return out
 
-    def check_layer_keys(self) -> None:
-        """Refuse, for a run of the weights as stored (pretrained, resume, reshard, generate), a MoE
-        model whose layers are stacked under one key: Megatron-Core stacks them when every layer is
-        alike (--moe-layer-freq an integer giving all MoE layers, e.g. the default 1), but megacli's
-        MoE models keep each layer under its own key (``decoder.layers.N.``, as Megatron-Core does
-        for a --moe-layer-freq list). The converters read both."""
-        if not arg(self.args, "num_experts"):
-            return
-        stacked = sorted(k for k in self.model_keys if STACKED.search(k))
-        if stacked:
-            raise UserError(f"{self.it_dir}: a mixture-of-experts checkpoint with its layers stacked under one key "
-                            f"({stacked[0]}, ...; Megatron-LM's --moe-layer-freq "
-                            f"{arg(self.args, 'moe_layer_freq', 1)!r}), while megacli's MoE models store each layer "
-                            f"under its own key (decoder.layers.N.*, Megatron-LM's layout for a --moe-layer-freq "
-                            f"list): convert it first with `megacli convert {self.root} DST --to megacli`")
+    @property
+    def moe_layers_stacked(self) -> bool:
+        """A MoE model whose layers are stacked under one key (``decoder.layers.mlp.router.weight``
+        with a leading layer axis): Megatron-Core stacks them when every layer is alike
+        (--moe-layer-freq an integer giving all MoE layers, e.g. the default 1), while megacli's MoE
+        models key each layer on its own (``decoder.layers.N.``, Megatron-Core's layout for a
+        --moe-layer-freq list). The engine loads such a checkpoint with the layers stacked
+        (engine/megatron_lm_resume.py); reshard stages it per layer (reshard/megatron_lm.py)."""
+        return bool(arg(self.args, "num_experts")) and any(STACKED.search(k) for k in self.model_keys)
 
     def padded_vocab_rows(self) -> int:
         info = self.reader.tensors.get(self.model_keys.get("embedding.word_embeddings.weight", ""))
@@ -192,10 +186,8 @@ class MegatronLMCheckpoint(ArgsDescribed):
 
 def weights_dir(path: Path, *, trust_pickle: bool = False) -> Path:
     """The iteration directory of a Megatron-LM torch_dist checkpoint that megacli's engine loads
-    weights from directly (local-spec norm names are renamed as it loads)."""
-    src = MegatronLMCheckpoint(path, trust_pickle=trust_pickle)
-    src.check_layer_keys()
-    return src.it_dir
+    weights from directly (local-spec norm names are renamed, stacked MoE layers read, as it loads)."""
+    return MegatronLMCheckpoint(path, trust_pickle=trust_pickle).it_dir
 
 
 def recipe_for_weights(path: Path, *, trust_pickle: bool = False) -> tuple[Path, dict]:
@@ -205,5 +197,4 @@ def recipe_for_weights(path: Path, *, trust_pickle: bool = False) -> tuple[Path,
     raw = src.recipe()
     if raw is None:
         raise UserError(f"{path}: " + "; ".join(src.unmapped()))
-    src.check_layer_keys()
     return src.it_dir, raw

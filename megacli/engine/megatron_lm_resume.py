@@ -3,7 +3,8 @@ checkpoint.pretrained) in the built model chunks, optimizer and scheduler.
 
 What Megatron-LM core_v0.16.1's megatron/training/checkpointing.py saves, and where it goes:
 
-    model / model0..     the chunks' sharded state dict (local-spec norm names renamed on read)
+    model / model0..     the chunks' sharded state dict (local-spec norm names renamed on read;
+                         a MoE model's layers stacked under one key where it stored them so)
     optimizer            Megatron-Core's optimizer sharded state dict, built with the checkpoint's
                          content metadata (``distrib_optim_sharding_type``: dp_reshardable, its
                          default, or fully_reshardable / fully_sharded_model_space; none for the
@@ -17,6 +18,7 @@ What Megatron-LM core_v0.16.1's megatron/training/checkpointing.py saves, and wh
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 from megacli.checkpoint.legacy_args import arg, scale_scheduler
@@ -55,6 +57,33 @@ def _rename_to_stored(state: dict, src: MegatronLMCheckpoint) -> None:
 
     if renames:
         _walk(state, rename)
+
+
+@contextmanager
+def _layers_stacked(chunks, stacked: bool):
+    """While on, the chunks' sharded state dicts stack the transformer layers under one key, as
+    Megatron-Core does for a MoE model whose config has an integer ``moe_layer_freq`` (every layer
+    MoE); megacli builds such a model with the per-layer list, which keys each layer on its own.
+    Same model, same weights: only the checkpoint keys differ."""
+    if not stacked:
+        yield
+        return
+    from megacli.engine.models.common import unwrap
+
+    configs = {id(c): c for c in (getattr(m, "config", None) for ch in chunks for m in unwrap(ch).modules())
+               if c is not None and isinstance(getattr(c, "moe_layer_freq", None), list)}
+    saved = {k: c.moe_layer_freq for k, c in configs.items()}
+    for c in configs.values():
+        if not all(c.moe_layer_freq):
+            raise UserError("the checkpoint stacks its MoE layers under one key (every layer MoE), but this "
+                            f"model has dense layers (model.moe.layer_freq {c.moe_layer_freq}); use the run's "
+                            "layer_freq (`megacli reshard inspect` shows it)")
+        c.moe_layer_freq = 1
+    try:
+        yield
+    finally:
+        for k, c in configs.items():
+            c.moe_layer_freq = saved[k]
 
 
 def has_optimizer_state(src: MegatronLMCheckpoint) -> bool:
@@ -191,7 +220,6 @@ def load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool, keep
     from megacli.engine.models.common import unwrap
 
     src = MegatronLMCheckpoint(ckpt, trust_pickle=trust_pickle)
-    src.check_layer_keys()
     notes = []
     resume = load_optimizer and optimizer is not None
     if resume and not has_optimizer_state(src):
@@ -199,18 +227,20 @@ def load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool, keep
                      f"training starts at iteration 0")
         resume = False
     state: dict = {}
-    for key, chunk in zip(model_keys(chunks), chunks):
-        state[key] = unwrap(chunk).sharded_state_dict()
-        if keep is not None:
-            state[key] = {k: v for k, v in state[key].items() if keep(k)}
-    _rename_to_stored(state, src)
     sched_state = None
-    if resume:
-        _check_optimizer(src, optimizer)
-        sched_state = _scheduler_state(src, scheduler)
-        prepare_optimizer(optimizer)
-        model_state = dict(state)
-        state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=True, metadata=_optimizer_metadata(src))
+    with _layers_stacked(chunks, src.moe_layers_stacked):
+        for key, chunk in zip(model_keys(chunks), chunks):
+            state[key] = unwrap(chunk).sharded_state_dict()
+            if keep is not None:
+                state[key] = {k: v for k, v in state[key].items() if keep(k)}
+        _rename_to_stored(state, src)
+        if resume:
+            _check_optimizer(src, optimizer)
+            sched_state = _scheduler_state(src, scheduler)
+            prepare_optimizer(optimizer)
+            model_state = dict(state)
+            state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=True,
+                                                              metadata=_optimizer_metadata(src))
         rng, why = _rng_entry(src)
         if rng is not None:
             state["rng_state"] = rng

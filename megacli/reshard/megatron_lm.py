@@ -4,7 +4,9 @@ The checkpoint is staged as a megacli checkpoint in its own layout without copyi
 staging directory links to its ``.distcp`` files and holds a rewritten DCP ``.metadata`` (model
 keys under megacli's canonical names, the layout-free optimizer state kept), a megacli
 ``common.pt`` (optimizer param groups; the scheduler in iterations), ``recipe.yaml`` (from the run's
-args) and ``megacli.json``. The reshard then reads it like any other.
+args) and ``megacli.json``. The reshard then reads it like any other. A MoE model whose layers are
+stacked under one key (--moe-layer-freq 1) is staged with each layer under its own key, as megacli
+keys its MoE models.
 
 Not carried: the RNG state (per rank of the saved layout: the resharded run re-seeds), Transformer
 Engine's ``_extra_state`` entries, and distributed-optimizer state in Megatron-LM's default
@@ -30,9 +32,42 @@ from megacli.checkpoint.legacy_args import arg, scale_scheduler
 from megacli.checkpoint.megacli_checkpoint import OPT_PREFIX, split_optimizer_key
 from megacli.checkpoint.megatron_lm import MegatronLMCheckpoint, canonical_key
 from megacli.checkpoint.safe_pickle import DCP_METADATA
-from megacli.checkpoint.torch_dist import BACKEND_META
+from megacli.checkpoint.torch_dist import BACKEND_META, STACKED
 from megacli.errors import UserError
 from megacli.reshard.legacy import STAGING_PREFIX
+
+
+def _layers_apart(meta, where: Path) -> None:
+    """Key each layer of the layer-stacked tensors on its own (``decoder.layers.mlp.router.weight``
+    [L, ...] -> ``decoder.layers.N.mlp.router.weight``), as megacli's MoE models are keyed. Megatron-Core
+    saves each layer of a stacked tensor as its own chunks (size 1 along the layer axis), so each chunk
+    is relabelled, not copied; the reader drops the stored chunk's leading axis of 1."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
+
+    stacked = {k: md for k, md in meta.state_dict_metadata.items()
+               if isinstance(md, TensorStorageMetadata) and STACKED.search(split_optimizer_key(k)[1])}
+    per_layer: dict[str, TensorStorageMetadata] = {}
+    names: dict[tuple[str, int], str] = {}
+    for key, md in stacked.items():
+        _, base = split_optimizer_key(key)
+        at = len(key) - len(base) + STACKED.search(base).end()  # just after "layers."
+        for chunk in md.chunks:
+            if chunk.sizes[0] != 1:
+                raise UserError(f"{where}: {key} has a chunk spanning layers {chunk.offsets[0]}-"
+                                f"{chunk.offsets[0] + chunk.sizes[0] - 1}; Megatron-Core stores one chunk per layer")
+            name = names[key, chunk.offsets[0]] = f"{key[:at]}{chunk.offsets[0]}.{key[at:]}"
+            layer = per_layer.setdefault(name, TensorStorageMetadata(md.properties, torch.Size(md.size[1:]), []))
+            layer.chunks.append(ChunkStorageMetadata(torch.Size(chunk.offsets[1:]), torch.Size(chunk.sizes[1:])))
+    meta.state_dict_metadata = {**{k: v for k, v in meta.state_dict_metadata.items() if k not in stacked}, **per_layer}
+    storage = {}
+    for idx, info in meta.storage_data.items():
+        if idx.fqn in stacked:
+            idx = MetadataIndex(names[idx.fqn, idx.offset[0]], idx.offset[1:])
+        storage[idx] = info
+    meta.storage_data = storage
+    if getattr(meta, "planner_data", None):
+        meta.planner_data = {k: v for k, v in meta.planner_data.items() if k not in stacked}
+        meta.planner_data.update({name: (name,) for name in per_layer})
 
 
 def import_to_staging(path: Path, *, where: Path, trust_pickle: bool = False) -> tuple[Path, list[str]]:
@@ -45,7 +80,6 @@ def import_to_staging(path: Path, *, where: Path, trust_pickle: bool = False) ->
     raw = src.recipe()
     if raw is None:
         raise UserError(f"{path}: " + "; ".join(src.unmapped()))
-    src.check_layer_keys()
     notes = []
     opt_common = src.common.get("optimizer")
     sharding = (opt_common or {}).get("param_state_sharding_type") if isinstance(opt_common, dict) else None
@@ -79,6 +113,8 @@ def import_to_staging(path: Path, *, where: Path, trust_pickle: bool = False) ->
                          for idx, v in meta.storage_data.items() if idx.fqn in renames}
     if getattr(meta, "planner_data", None):
         meta.planner_data = {renames[k]: v for k, v in meta.planner_data.items() if k in renames}
+    if src.moe_layers_stacked:
+        _layers_apart(meta, src.it_dir)
     with open(it_dir / DCP_METADATA, "wb") as f:
         pickle.dump(meta, f)
     for file in {v.relative_path for v in meta.storage_data.values()}:
