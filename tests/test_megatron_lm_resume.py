@@ -227,7 +227,8 @@ def test_refusals_name_the_field(chain, tmp_path):
 
 def test_reshard_carries_the_layout_free_optimizer_state(chain, tmp_path):
     """reshard (and verify) of Megatron-LM checkpoints: the plain optimizer's state and fully_reshardable
-    state come along; dp_reshardable state and RNG do not, said so."""
+    state come along, and the RNG state (remapped to TP1 × PP1: the first stage's, TP rank 0's);
+    dp_reshardable state does not, said so."""
     from typer.testing import CliRunner
 
     from megacli.checkpoint.torch_dist import TorchDistReader
@@ -239,8 +240,14 @@ def test_reshard_carries_the_layout_free_optimizer_state(chain, tmp_path):
         res = CliRunner().invoke(app, ["reshard", str(root / f"mlm_{name}"), str(tmp_path / name), "--tensor", "1",
                                        "--pipeline", "1", "--verify"], env={"COLUMNS": "200"})
         assert res.exit_code == 0 and "verify: OK" in res.output, res.output
-        assert ("optimizer state not carried" in res.output) != carried and "RNG state not carried" in res.output
-        keys = TorchDistReader(tmp_path / name / "iter_0000002").tensors
+        assert ("optimizer state not carried" in res.output) != carried and "RNG state not carried" not in res.output
+        written = TorchDistReader(tmp_path / name / "iter_0000002")
+        (rng,) = written.read_object("rng_state/shard_0.0_1.1")
+        (saved,) = TorchDistReader(root / f"mlm_{name}" / "iter_0000002").read_object("rng_state/shard_0.0_2.2")[0]
+        assert rng["random"] == saved["random_rng_state"] and torch.equal(rng["torch"], saved["torch_rng_state"])
+        assert sorted(rng["tracker"]) == sorted(saved["rng_tracker_states"]) and all(
+            torch.equal(rng["tracker"][k], saved["rng_tracker_states"][k]) for k in rng["tracker"])
+        keys = written.tensors
         assert any(k.startswith("optimizer.state.exp_avg.decoder.layers.self_attention.linear_qkv.layer_norm_weight")
                    for k in keys) == carried, sorted(keys)[:5]
         res = CliRunner().invoke(app, ["reshard", "verify", str(root / f"mlm_{name}"), str(tmp_path / name)])

@@ -8,9 +8,9 @@ args) and ``megacli.json``. The reshard then reads it like any other. A MoE mode
 stacked under one key (--moe-layer-freq 1) is staged with each layer under its own key, as megacli
 keys its MoE models.
 
-Not carried: the RNG state (per rank of the saved layout: the resharded run re-seeds), Transformer
-Engine's ``_extra_state`` entries, and distributed-optimizer state in Megatron-LM's default
-``dp_reshardable`` format (laid out by the saving run's gradient buckets, readable only under its
+The RNG state is carried (megacli's field names; data-parallel rank 0's where Megatron-LM kept one
+per data-parallel rank) and remapped like a megacli checkpoint's. Not carried: Transformer Engine's
+``_extra_state`` entries, and distributed-optimizer state in Megatron-LM's default ``dp_reshardable`` format (laid out by the saving run's gradient buckets, readable only under its
 own tensor/pipeline layout: resume it in place with checkpoint.resume, or reshard its weights).
 """
 
@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import io
 import json
 import os
 import pickle
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -31,10 +33,68 @@ from megacli.checkpoint.layout import META, RECIPE, iter_name
 from megacli.checkpoint.legacy_args import arg, scale_scheduler
 from megacli.checkpoint.megacli_checkpoint import OPT_PREFIX, split_optimizer_key
 from megacli.checkpoint.megatron_lm import MegatronLMCheckpoint, canonical_key
+from megacli.checkpoint.megatron_lm_write import RNG_FIELDS
 from megacli.checkpoint.safe_pickle import DCP_METADATA
 from megacli.checkpoint.torch_dist import BACKEND_META, STACKED
 from megacli.errors import UserError
 from megacli.reshard.legacy import STAGING_PREFIX
+
+
+_RNG_FILE = "rng.distcp"  # the staged RNG objects, in megacli's format (the only file not linked)
+_MLM_RNG_KEY = re.compile(r"^rng_state/shard_(\d+)\.(\d+)(?:\.(\d+))?_(\d+)\.(\d+)(?:\.\d+)?$")
+
+
+def _rng_objects(src: MegatronLMCheckpoint, notes: list[str]) -> dict[str, bytes]:
+    """megacli's RNG objects (``rng_state/shard_{pp}.{tp}_{PP}.{TP}``: [state], megacli's field names)
+    from Megatron-LM's (the same keys, or with a data-parallel rank under expert parallelism: [[state
+    per data-parallel rank]], Megatron-LM's field names). megacli keeps one state per (pipeline,
+    tensor) rank: data-parallel rank 0's."""
+    found: dict[tuple[int, int], str] = {}
+    for key in src.reader.objects:
+        m = _MLM_RNG_KEY.match(key)
+        if m and int(m.group(3) or 0) == 0:
+            found[int(m.group(1)), int(m.group(2))] = key
+    if not found:
+        return {}
+    if set(found) != {(p, t) for p in range(src.pp) for t in range(src.tp)}:
+        notes.append(f"RNG state not carried: it is stored for ranks {sorted(found)}, not the saved layout's "
+                     f"{src.pp}×{src.tp} (PP×TP) grid; the resharded run re-seeds")
+        return {}
+    names = {v: k for k, v in RNG_FIELDS.items()}
+    out, per_dp = {}, False
+    for (p, t), key in sorted(found.items()):
+        stored = src.reader.read_object(key)
+        states = stored[0] if isinstance(stored, list) and len(stored) == 1 else None
+        if not (isinstance(states, list) and states and isinstance(states[0], dict)
+                and set(names) <= set(states[0])):
+            notes.append(f"RNG state not carried: {key} is not in Megatron-LM's layout; the resharded run re-seeds")
+            return {}
+        per_dp |= len(states) > 1
+        buf = io.BytesIO()
+        torch.save([{names[k]: v for k, v in states[0].items() if k in names}], buf)
+        out[f"rng_state/shard_{p}.{t}_{src.pp}.{src.tp}"] = buf.getvalue()
+    if per_dp:
+        notes.append("RNG state: Megatron-LM saved one per data-parallel rank (--data-parallel-random-init); "
+                     "megacli keeps data-parallel rank 0's for every rank")
+    return out
+
+
+def _add_objects(meta, objects: dict[str, bytes], path: Path) -> None:
+    """Write ``objects`` (key: stored bytes) into the one file ``path`` and list them in ``meta``."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    if not objects:
+        return
+    offset = 0
+    with open(path, "wb") as f:
+        for key, data in objects.items():
+            f.write(data)
+            meta.state_dict_metadata[key] = BytesStorageMetadata()
+            meta.storage_data[MetadataIndex(key)] = _StorageInfo(path.name, offset, len(data))
+            offset += len(data)
+    if getattr(meta, "planner_data", None):
+        meta.planner_data.update({key: (key,) for key in objects})
 
 
 def _layers_apart(meta, where: Path) -> None:
@@ -100,8 +160,7 @@ def import_to_staging(path: Path, *, where: Path, trust_pickle: bool = False) ->
                 name = canonical_key(base, stored)
                 if name is not None:
                     renames[key] = f"{OPT_PREFIX}{state}.{name}"
-    if any(k.startswith("rng_state") for k in src.reader.objects):
-        notes.append("RNG state not carried (it is per rank of the saved layout): the resharded run re-seeds")
+    rng = _rng_objects(src, notes)
 
     where.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=where))
@@ -115,9 +174,10 @@ def import_to_staging(path: Path, *, where: Path, trust_pickle: bool = False) ->
         meta.planner_data = {renames[k]: v for k, v in meta.planner_data.items() if k in renames}
     if src.moe_layers_stacked:
         _layers_apart(meta, src.it_dir)
+    _add_objects(meta, rng, it_dir / _RNG_FILE)
     with open(it_dir / DCP_METADATA, "wb") as f:
         pickle.dump(meta, f)
-    for file in {v.relative_path for v in meta.storage_data.values()}:
+    for file in {v.relative_path for v in meta.storage_data.values()} - {_RNG_FILE}:
         os.symlink((src.it_dir / file).resolve(), it_dir / file)
 
     common = {}
@@ -140,5 +200,5 @@ def import_to_staging(path: Path, *, where: Path, trust_pickle: bool = False) ->
     (it_dir / META).write_text(json.dumps({
         "iteration": src.iteration, "format": "torch_dist", "layout": layout,
         "consumed_samples": int(consumed if consumed is not None else src.iteration * recipe.train.global_batch_size),
-        "has_optimizer": keep_optimizer, "has_rng_state": False}, indent=2) + "\n")
+        "has_optimizer": keep_optimizer, "has_rng_state": bool(rng)}, indent=2) + "\n")
     return it_dir, notes
