@@ -74,6 +74,26 @@ def test_args_hold_every_field_parse_args_defines_with_the_recipes_values():
     assert gpt2["apply_rope_fusion"] is False and args["apply_rope_fusion"] is True
 
 
+def test_args_carry_what_validate_args_derives_from_the_precision():
+    """validate_args: bf16 accumulates and all-reduces gradients in fp32; fp16's dynamic loss scaling
+    turns the NaN check off (benchmarks/megatron_lm_args_check.py compares all three with it)."""
+    import torch
+
+    from megacli.checkpoint.megatron_lm_args import megatron_args
+    from megacli.recipe.base import apply_overrides, validate
+    from megacli.recipe.pretrain import TrainingRecipe
+
+    got = {}
+    for precision in ("bf16", "fp16", "fp32"):
+        raw = apply_overrides({}, [s for s in RUN if not s.startswith(("launch.", "checkpoint.", "train.precision"))]
+                              + [f"train.precision={precision}"])
+        a = megatron_args(validate(TrainingRecipe, raw, "test recipe"), vocab_size=VOCAB)
+        got[precision] = (a.bf16, a.fp16, a.params_dtype, a.accumulate_allreduce_grads_in_fp32,
+                          a.check_for_nan_in_loss_and_grad)
+    assert got == {"bf16": (True, False, torch.bfloat16, True, True), "fp16": (False, True, torch.float16, False, False),
+                   "fp32": (False, False, torch.float32, False, True)}
+
+
 @pytest.mark.parametrize("changes", [{}, dict(activation="gelu", normalization="layernorm", position_embedding="learned",
                                               add_bias_linear="true", untie_embeddings="false", num_query_groups="null",
                                               rotary_base=10000),
@@ -111,12 +131,30 @@ def test_args_map_back_to_the_recipe(changes):
 
 
 def test_readme_flag_table_is_the_mapping():
-    from megacli.checkpoint.megatron_lm_args import flag_table
+    """The README's table is FLAGS row for row, and each row's option can be a real one: a switch
+    whose field parse_args defaults to True is set by an option that turns it off (marked "(off)").
+    That every spelling is an option of core_v0.16.1's parser setting that field with that sign is
+    checked against a checkout by benchmarks/megatron_lm_args_check.py."""
+    from megacli.checkpoint.megatron_lm_args import FLAGS, PARSE_ARGS_DEFAULTS, flag_table
 
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     section = text.split("## Coming from Megatron-LM", 1)[1].split("\n## ", 1)[0]
-    rows = re.findall(r"^\| `(--[a-z0-9-]+)` \| `([a-z0-9_.]+)` \|", section, flags=re.M)
+    table = section.split("| Megatron-LM | recipe |\n|---|---|\n", 1)[1].split("\n\n", 1)[0]
+    rows = [tuple(cell.strip() for cell in line.strip("|").split(" | ")) for line in table.splitlines()]
     assert rows == flag_table()
+    assert len({f.option for f in FLAGS}) == len(FLAGS)
+    for f in FLAGS:
+        default = PARSE_ARGS_DEFAULTS[f.arg]
+        if f.from_environment:
+            assert re.fullmatch(r"[A-Z_]+", f.option) and not f.off, f
+            continue
+        assert re.fullmatch(r"--[a-z0-9]+(-[a-z0-9]+)*", f.option), f
+        if isinstance(default, bool):  # a switch: store_true for a False default, store_false for a True one
+            assert f.off == default, f"{f.option}: parse_args' default of {f.arg} is {default}, so the option " \
+                                     f"{'turns it off' if default else 'turns it on'}"
+        else:
+            assert not f.off, f
+    assert "--world-size" not in [f.option for f in FLAGS]
 
 
 def test_models_megatron_lm_args_cannot_describe_are_refused():
