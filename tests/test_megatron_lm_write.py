@@ -553,7 +553,8 @@ def test_t5_megacli_to_megatron_lm_and_back_bitwise(tmp_path):
     """A megacli T5 (read from a Megatron-LM T5 layout) written as a Megatron-LM torch_dist checkpoint:
     the T5 args (encoder/decoder layers and lengths, relative positions, --vocab-extra-ids), the TE
     norms' extra state, and read back to megacli bitwise with the same recipe; a decoder deeper than
-    the encoder (pretrain_t5.py builds both with --num-layers) and the legacy export are refused."""
+    the encoder (pretrain_t5.py builds both with --num-layers), the legacy export and the local spec
+    for relative positions (Megatron-LM builds those with Transformer Engine only) are refused."""
     from megacli.checkpoint.layout import find_checkpoint, iter_name, read_recipe
     from types import SimpleNamespace
 
@@ -595,3 +596,8 @@ def test_t5_megacli_to_megatron_lm_and_back_bitwise(tmp_path):
     assert [p for p in unsupported(SimpleNamespace(model=deeper, lora=None)) if "model.decoder_num_layers 3" in p]
     with pytest.raises(UserError, match="a T5 model; the legacy"):
         reshard(ReshardSection(source=str(src), output=str(tmp_path / "legacy"), format="legacy", progress=False))
+    # relative positions: Megatron-LM's validate_args refuses them with --transformer-impl local
+    with pytest.raises(UserError, match="--spec local with model.position_embedding relative.*write --spec te"):
+        reshard(ReshardSection(source=str(src), output=str(tmp_path / "local"), format="megatron", spec="local",
+                               progress=False))
+    assert not (tmp_path / "local").exists()
