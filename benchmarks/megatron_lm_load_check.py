@@ -164,8 +164,10 @@ def _megatron_argv(ckpt: str, saved, ckpt_format: str) -> list[str]:
             "--vocab-size", str(saved.vocab_size), "--mock-data", "--no-gradient-accumulation-fusion",
             "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion",
             "--no-rope-fusion", "--no-persist-layer-norm", "--use-cpu-initialization",
-            # --use-checkpoint-args does not restore the norms' epsilon
+            # --use-checkpoint-args restores neither the norms' epsilon nor the bias-GeLU fusion (on by
+            # default, the tanh approximation: megacli's args turn it off but for gelu_tanh)
             "--norm-epsilon", str(saved.layernorm_epsilon),
+            *([] if getattr(saved, "bias_gelu_fusion", True) else ["--no-bias-gelu-fusion"]),
             # the run's training schedule, as the checkpoint's args record it (Megatron-LM checks it on load)
             *[x for name in _SCHEDULE if getattr(saved, name) is not None
               for x in ("--" + name.replace("_", "-"), str(getattr(saved, name)))]]

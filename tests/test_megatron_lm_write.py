@@ -9,6 +9,7 @@ core_v0.16.1's own ``load_checkpoint`` does with them was checked by hand
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -69,7 +70,7 @@ def test_args_hold_every_field_parse_args_defines_with_the_recipes_values():
     gpt2 = vars(megatron_args(recipe(activation="gelu", normalization="layernorm", position_embedding="learned",
                                      add_bias_linear="true", untie_embeddings="false", num_query_groups="null")))
     assert (gpt2["bias_gelu_fusion"], gpt2["add_qkv_bias"], gpt2["swiglu"], gpt2["group_query_attention"],
-            gpt2["position_embedding_type"], gpt2["normalization"]) == (True, True, False, False, "learned_absolute",
+            gpt2["position_embedding_type"], gpt2["normalization"]) == (False, True, False, False, "learned_absolute",
                                                                         "LayerNorm")
     assert gpt2["apply_rope_fusion"] is False and args["apply_rope_fusion"] is True
 
@@ -165,6 +166,29 @@ def test_models_megatron_lm_args_cannot_describe_are_refused():
         megatron_args(recipe(activation="geglu"))
     with pytest.raises(UserError, match="model.rope_scaling"):
         megatron_args(recipe(**{"rope_scaling.type": "linear", "rope_scaling.factor": 2.0}))
+
+
+@pytest.mark.parametrize("activation, bias, fused", [("gelu", "true", False), ("gelu", "false", False),
+                                                    ("gelu_tanh", "true", True), ("squared_relu", "true", False)])
+def test_gelu_is_what_megatron_core_computes_both_ways(activation, bias, fused):
+    """Megatron-Core 0.16.1's MLP computes GeLU exactly, except in its fused bias-GeLU (--add-bias-linear
+    with bias_gelu_fusion, on by default), which is the tanh approximation and refuses other
+    activations; --openai-gelu does not reach its models. Written: the fusion only for gelu_tanh with
+    biases; read: the fusion with biases is gelu_tanh."""
+    from megacli.checkpoint.legacy_args import model_section_from_args
+    from megacli.checkpoint.megatron_lm_args import megatron_args, unsupported
+
+    args = megatron_args(recipe(activation=activation, add_bias_linear=bias), vocab_size=VOCAB)
+    assert args.bias_gelu_fusion is fused
+    assert model_section_from_args(args, VOCAB)["activation"] == activation
+    # a Megatron-LM GPT-2-style run: biases, gelu, the fusion left on (its default) or turned off
+    run = argparse.Namespace(**{**vars(megatron_args(recipe(activation="gelu", add_bias_linear="true"), vocab_size=VOCAB)),
+                                "bias_gelu_fusion": True})
+    assert model_section_from_args(run, VOCAB)["activation"] == "gelu_tanh"
+    run.add_bias_linear = False  # validate_args turns the fusion off without biases; exact either way
+    assert model_section_from_args(run, VOCAB)["activation"] == "gelu"
+    assert [p for p in unsupported(recipe(activation="gelu_tanh", add_bias_linear="false"))
+            if p.startswith("model.activation gelu_tanh without model.add_bias_linear")]
 
 
 LLAMA3_1 = {"rope_scaling.type": "llama3", "rope_scaling.factor": 8.0, "rope_scaling.low_freq_factor": 1.0,

@@ -770,9 +770,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("openai_gelu", "model.activation", lambda r: r.model.activation == "gelu_tanh"),
     Flag("add_bias_linear", "model.add_bias_linear", _m("add_bias_linear"), cli="--disable-bias-linear", off=True),
     Flag("add_qkv_bias", "model.add_qkv_bias", lambda r: r.model.add_qkv_bias or r.model.add_bias_linear),
-    # validate_args turns the fusion off without biases
-    Flag("bias_gelu_fusion", "model.add_bias_linear", lambda r: r.model.add_bias_linear, cli="--no-bias-gelu-fusion",
-         off=True),
+    # Megatron-Core's fused bias-GeLU is the tanh approximation (and refuses other activations): on for
+    # gelu_tanh with biases only (validate_args turns it off without biases)
+    Flag("bias_gelu_fusion", "model.activation", lambda r: r.model.activation == "gelu_tanh" and r.model.add_bias_linear,
+         cli="--no-bias-gelu-fusion", off=True),
     Flag("qk_layernorm", "model.qk_layernorm", _m("qk_layernorm")),
     Flag("layernorm_zero_centered_gamma", "model.norm_zero_centered_gamma", _m("norm_zero_centered_gamma"),
          cli="--apply-layernorm-1p"),
@@ -937,6 +938,9 @@ def unsupported(recipe) -> list[str]:
         out.append("model.position_embedding relative (Megatron-LM builds relative positions for T5 only)")
     if m.activation not in ("gelu", "gelu_tanh", "swiglu", "squared_relu"):
         out.append(f"model.activation {m.activation} (Megatron-LM has no flag for it)")
+    elif m.activation == "gelu_tanh" and not m.add_bias_linear:
+        out.append("model.activation gelu_tanh without model.add_bias_linear (Megatron-Core computes the tanh "
+                   "approximation only in its fused bias-GeLU, with biases; --openai-gelu does not reach its models)")
     if m.rope_scaling is not None and _scaling(m.rope_scaling) != MEGATRON_ROPE_SCALING:
         out.append(f"model.rope_scaling {_scaling(m.rope_scaling)} (Megatron-LM's --use-rope-scaling is Llama 3.1's "
                    f"scaling with fixed parameters, {MEGATRON_ROPE_SCALING}: pretrain_gpt.py does not pass "

@@ -54,6 +54,9 @@ def export(plan, root: Path, *, spec: str = "te", trust_pickle: bool = False, pr
     if "optimizer" not in plan.common:
         notes.append("weights only (the source has no optimizer state): load with --finetune or --no-load-optim "
                      "--no-load-rng")
+    if m.add_bias_linear and m.activation in ("gelu", "squared_relu"):
+        notes.append(f"{m.activation} with biases: in Megatron-LM pass --no-bias-gelu-fusion (its fused bias-GeLU, on "
+                     f"by default, is the tanh approximation; --use-checkpoint-args does not carry the option)")
     rng = plan.source.rng_objects
     if rng and plan.source.reader.read_object(next(iter(rng.values())))[0].get("cuda") is None:
         notes.append("RNG state is the CPU backend's (CPU generator states): in Megatron-LM on CUDA, load with "
