@@ -4,16 +4,27 @@
 
 1. ``parse_args`` with no options: every field name and default against
    megacli.checkpoint.megatron_lm_args.PARSE_ARGS_DEFAULTS;
-2. ``parse_args`` + ``validate_args`` for a small GPT given on the command line, against
+2. ``parse_args`` + ``validate_args`` for a small GPT given on the command line (bf16, fp16, fp32), against
    ``megatron_args`` of the same model as a megacli recipe: field names, and the values of every
-   field (a difference is printed with both values).
+   field (a difference is printed with both values);
+3. every row of FLAGS (the README's "Coming from Megatron-LM" table): its spelling is an option
+   string of the parser ``parse_args`` builds, the option's ``dest`` is the row's field, a switch
+   stores True, or False for a row marked ``off`` (and parsing the option alone gives that value),
+   a value option takes a value; the row read from the environment (WORLD_SIZE) is read by
+   ``parse_args``; then every ``--option`` the README's section names that the parser lacks;
+4. megacli preprocess's Megatron-LM spellings (megacli/cli/megatron_spellings.py) against
+   tools/preprocess_data.py's parser: the options it accepts and the tokenizer types it maps are
+   core_v0.16.1's, and which of the options it refuses by name core_v0.16.1 has.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import re
 import sys
 import types
+from pathlib import Path
 
 ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
         "--num-query-groups", "2", "--ffn-hidden-size", "64", "--seq-length", "16", "--max-position-embeddings", "16",
@@ -21,8 +32,11 @@ ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
         "--untie-embeddings-and-output-weights", "--micro-batch-size", "1", "--global-batch-size", "2",
         "--train-iters", "2", "--lr", "0.003", "--min-lr", "0.0003", "--lr-decay-style", "cosine",
         "--weight-decay", "0.1", "--adam-beta2", "0.95", "--make-vocab-size-divisible-by", "64",
-        "--tokenizer-type", "NullTokenizer", "--vocab-size", "262", "--mock-data", "--ckpt-format", "torch_dist",
-        "--transformer-impl", "local", "--seed", "1234"]
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "261", "--mock-data", "--ckpt-format", "torch_dist",
+        "--transformer-impl", "local", "--seed", "1234",
+        # megacli's defaults where they are not Megatron-LM's (NullTokenizer adds its end-of-document id: 262)
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--bf16", "--eval-interval", "100", "--eval-iters", "10",
+        "--initial-loss-scale", "65536", "--log-interval", "10", "--lr-decay-iters", "2", "--split", "969,30,1"]
 RECIPE = ["data.mock=true", "tokenizer.type=byte", "model.num_layers=2", "model.hidden_size=32",
           "model.num_attention_heads=4", "model.num_query_groups=2", "model.ffn_hidden_size=64", "model.seq_length=16",
           "model.activation=swiglu", "model.normalization=rmsnorm", "model.position_embedding=rope",
@@ -57,20 +71,122 @@ def main() -> None:
     print(f"   only in megacli: {sorted(set(PARSE_ARGS_DEFAULTS) - set(theirs))}")
     print(f"   defaults that differ: { {k: (PARSE_ARGS_DEFAULTS[k], theirs[k]) for k in theirs if k in PARSE_ARGS_DEFAULTS and PARSE_ARGS_DEFAULTS[k] != theirs[k]} }")
 
-    sys.argv = ["pretrain_gpt.py", *ARGV]
-    args = parse_args()
-    with contextlib.redirect_stdout(io.StringIO()):
-        validate_args(args, {})
-    mlm = vars(args)
-    recipe = validate(TrainingRecipe, apply_overrides({}, RECIPE), "check recipe")
-    ours = vars(megatron_args(recipe, padded_vocab_size=320, vocab_size=262, transformer_impl="local"))
-    print(f"2. after validate_args: Megatron-LM {len(mlm)} fields, megacli {len(ours)}")
-    print(f"   only in Megatron-LM: {sorted(set(mlm) - set(ours))}")
-    print(f"   only in megacli (set by training, not by parse/validate): {sorted(set(ours) - set(mlm))}")
-    differ = {k: (ours[k], mlm[k]) for k in mlm if k in ours and ours[k] != mlm[k]}
-    print(f"   values that differ (megacli, Megatron-LM): {len(differ)}")
-    for k, (a, b) in sorted(differ.items()):
-        print(f"     {k}: {a!r} vs {b!r}")
+    for precision in ("bf16", "fp16", "fp32"):
+        argv = [a for a in ARGV if a != "--bf16"] + ([f"--{precision}"] if precision != "fp32" else [])
+        sys.argv = ["pretrain_gpt.py", *argv]
+        args = parse_args()
+        with contextlib.redirect_stdout(io.StringIO()):
+            validate_args(args, {})
+        mlm = vars(args)
+        recipe = validate(TrainingRecipe, apply_overrides({}, [*RECIPE, f"train.precision={precision}"]), "check recipe")
+        ours = vars(megatron_args(recipe, padded_vocab_size=320, vocab_size=262, transformer_impl="local"))
+        print(f"2. {precision}, after validate_args: Megatron-LM {len(mlm)} fields, megacli {len(ours)}")
+        print(f"   only in Megatron-LM: {sorted(set(mlm) - set(ours))}")
+        print(f"   only in megacli (set by training, not by parse/validate): {sorted(set(ours) - set(mlm))}")
+        differ = {k: (ours[k], mlm[k]) for k in mlm if k in ours and ours[k] != mlm[k]}
+        print(f"   values that differ (megacli, Megatron-LM; padded_vocab_size is set by training): {len(differ)}")
+        for k, (a, b) in sorted(differ.items()):
+            print(f"     {k}: {a!r} vs {b!r}")
+
+    check_flags(parse_args)
+    check_preprocess_spellings(checkout)
+
+
+def _switch(action) -> bool | None:
+    """True / False for a store_true / store_false option, None for one that takes a value."""
+    if isinstance(action, argparse._StoreTrueAction):
+        return True
+    if isinstance(action, argparse._StoreFalseAction):
+        return False
+    return None
+
+
+def check_flags(parse_args) -> None:
+    from megatron.training.arguments import add_megatron_arguments
+
+    from megacli.checkpoint.megatron_lm_args import FLAGS
+
+    parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    options = {o: a for a in parser._actions for o in a.option_strings}
+    bad = []
+    for f in FLAGS:
+        if f.from_environment:
+            os.environ[f.option], saved = "3", os.environ.get(f.option)
+            sys.argv = ["pretrain_gpt.py"]
+            got = getattr(parse_args(), f.arg)
+            os.environ[f.option] = saved
+            if got != 3:
+                bad.append(f"{f.option}: parse_args does not read {f.arg} from it ({got!r})")
+            continue
+        action = options.get(f.option)
+        if action is None:
+            bad.append(f"{f.option}: no such option")
+            continue
+        if action.dest != f.arg:
+            bad.append(f"{f.option}: sets {action.dest}, the row names {f.arg}")
+        switch, want = _switch(action), not f.off
+        if switch is None:
+            if f.off or action.nargs == 0:
+                bad.append(f"{f.option}: {type(action).__name__}, the row implies a switch")
+            continue
+        if switch != want:
+            bad.append(f"{f.option}: stores {switch}, the row implies {want}")
+        sys.argv = ["pretrain_gpt.py", f.option]
+        if getattr(parse_args(), f.arg) is not want:
+            bad.append(f"{f.option}: parse_args gives {f.arg}={not want}")
+    switches = sum(1 for f in FLAGS if not f.from_environment and _switch(options.get(f.option)) is not None)
+    print(f"3. FLAGS: {len(FLAGS)} rows ({switches} switches, "
+          f"{sum(f.off for f in FLAGS)} of them off, {sum(f.from_environment for f in FLAGS)} from the environment)")
+    print(f"   rows that are not core_v0.16.1's option for their field: {len(bad)}")
+    for line in bad:
+        print(f"     {line}")
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Coming from Megatron-LM", 1)[1].split("\n## ", 1)[0]
+    named = sorted(set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", section)) - set(options))
+    print(f"   --options the README's section names that core_v0.16.1's parser lacks (megacli's own): {named}")
+
+
+def check_preprocess_spellings(checkout: str) -> None:
+    import importlib.util
+
+    from megacli.cli import _register, app
+    from megacli.cli.megatron_spellings import MEGATRON_ONLY, MEGATRON_TOKENIZERS, NOT_THE_SAME, OTHER_VERSIONS
+
+    class Built(Exception):
+        pass
+
+    def capture(self, *a, **k):
+        raise Built(self)
+
+    spec = importlib.util.spec_from_file_location("preprocess_data", os.path.join(checkout, "tools", "preprocess_data.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    real, argparse.ArgumentParser.parse_args = argparse.ArgumentParser.parse_args, capture
+    try:
+        module.get_args()
+    except Built as built:
+        parser = built.args[0]
+    finally:
+        argparse.ArgumentParser.parse_args = real
+    options = {o: a for a in parser._actions for o in a.option_strings if o.startswith("--")}
+    types_ = next(a for a in parser._actions if a.dest == "tokenizer_type").choices
+
+    import typer
+
+    _register()
+    group = typer.main.get_command(app).commands["preprocess"]
+    ours = {o for p in group.commands["run"].params for o in p.opts if o.startswith("--")}
+    print(f"4. preprocess_data.py: {len(options)} options; megacli preprocess {len(ours)}")
+    print(f"   megacli options spelled as Megatron-LM's: {sorted(ours & set(options))}")
+    print(f"   Megatron-LM's options megacli neither has nor refuses by name: "
+          f"{sorted(set(options) - ours - set(MEGATRON_ONLY) - {'--help'})}")
+    print(f"   refused by name, core_v0.16.1 has them: {sorted(set(MEGATRON_ONLY) & set(options))}")
+    lacking = set(MEGATRON_ONLY) - set(options)
+    print(f"   refused by name, core_v0.16.1 lacks them: {sorted(lacking)}; "
+          f"the refusal says so for exactly these: {lacking == set(OTHER_VERSIONS)}")
+    named = set(MEGATRON_TOKENIZERS) | set(NOT_THE_SAME)
+    print(f"   tokenizer types megacli names that core_v0.16.1 lacks: {sorted(named - set(types_))}")
+    print(f"   core_v0.16.1's tokenizer types megacli does not name (refused as unknown): {sorted(set(types_) - named)}")
 
 
 if __name__ == "__main__":

@@ -183,3 +183,21 @@ def test_generate_greedy_equals_hf_generate(converted, tensor, tmp_path):
 def test_a_t5_without_tokenizer_files_converts_and_only_training_needs_one(tmp_path):
     _build_hf("t5_gated_tied", tmp_path / "hf")
     cm.check_converts_without_tokenizer(tmp_path / "hf", tmp_path / "mc", "t5")
+
+
+def test_the_hf_export_keeps_the_sentinels_training_appended(tmp_path):
+    """A T5 trained with a tokenizer that lacks T5's sentinels (model.vocab_size unset): training
+    appends masking.sentinel_tokens ids, and the HF export keeps their rows (megacli.plan.model_vocab_size)."""
+    from types import SimpleNamespace
+
+    from megacli.convert.run import _vocab_of
+    from megacli.data.tokenizers import load_tokenizer
+
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(40)]) + "\n")
+    recipe = SimpleNamespace(model=SimpleNamespace(vocab_size=None, arch="t5"), masking=SimpleNamespace(sentinel_tokens=16),
+                             tokenizer=SimpleNamespace(type="wordpiece", path=str(vocab)))
+    size, tokenizer = _vocab_of(tmp_path, recipe)
+    assert size == load_tokenizer(type="wordpiece", path=str(vocab)).vocab_size + 16 == tokenizer.vocab_size + 16
+    recipe.model.arch = "gpt"
+    assert _vocab_of(tmp_path, recipe)[0] == tokenizer.vocab_size

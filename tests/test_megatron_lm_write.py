@@ -9,6 +9,7 @@ core_v0.16.1's own ``load_checkpoint`` does with them was checked by hand
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -69,9 +70,29 @@ def test_args_hold_every_field_parse_args_defines_with_the_recipes_values():
     gpt2 = vars(megatron_args(recipe(activation="gelu", normalization="layernorm", position_embedding="learned",
                                      add_bias_linear="true", untie_embeddings="false", num_query_groups="null")))
     assert (gpt2["bias_gelu_fusion"], gpt2["add_qkv_bias"], gpt2["swiglu"], gpt2["group_query_attention"],
-            gpt2["position_embedding_type"], gpt2["normalization"]) == (True, True, False, False, "learned_absolute",
+            gpt2["position_embedding_type"], gpt2["normalization"]) == (False, True, False, False, "learned_absolute",
                                                                         "LayerNorm")
     assert gpt2["apply_rope_fusion"] is False and args["apply_rope_fusion"] is True
+
+
+def test_args_carry_what_validate_args_derives_from_the_precision():
+    """validate_args: bf16 accumulates and all-reduces gradients in fp32; fp16's dynamic loss scaling
+    turns the NaN check off (benchmarks/megatron_lm_args_check.py compares all three with it)."""
+    import torch
+
+    from megacli.checkpoint.megatron_lm_args import megatron_args
+    from megacli.recipe.base import apply_overrides, validate
+    from megacli.recipe.pretrain import TrainingRecipe
+
+    got = {}
+    for precision in ("bf16", "fp16", "fp32"):
+        raw = apply_overrides({}, [s for s in RUN if not s.startswith(("launch.", "checkpoint.", "train.precision"))]
+                              + [f"train.precision={precision}"])
+        a = megatron_args(validate(TrainingRecipe, raw, "test recipe"), vocab_size=VOCAB)
+        got[precision] = (a.bf16, a.fp16, a.params_dtype, a.accumulate_allreduce_grads_in_fp32,
+                          a.check_for_nan_in_loss_and_grad)
+    assert got == {"bf16": (True, False, torch.bfloat16, True, True), "fp16": (False, True, torch.float16, False, False),
+                   "fp32": (False, False, torch.float32, False, True)}
 
 
 @pytest.mark.parametrize("changes", [{}, dict(activation="gelu", normalization="layernorm", position_embedding="learned",
@@ -111,12 +132,30 @@ def test_args_map_back_to_the_recipe(changes):
 
 
 def test_readme_flag_table_is_the_mapping():
-    from megacli.checkpoint.megatron_lm_args import flag_table
+    """The README's table is FLAGS row for row, and each row's option can be a real one: a switch
+    whose field parse_args defaults to True is set by an option that turns it off (marked "(off)").
+    That every spelling is an option of core_v0.16.1's parser setting that field with that sign is
+    checked against a checkout by benchmarks/megatron_lm_args_check.py."""
+    from megacli.checkpoint.megatron_lm_args import FLAGS, PARSE_ARGS_DEFAULTS, flag_table
 
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     section = text.split("## Coming from Megatron-LM", 1)[1].split("\n## ", 1)[0]
-    rows = re.findall(r"^\| `(--[a-z0-9-]+)` \| `([a-z0-9_.]+)` \|", section, flags=re.M)
+    table = section.split("| Megatron-LM | recipe |\n|---|---|\n", 1)[1].split("\n\n", 1)[0]
+    rows = [tuple(cell.strip() for cell in line.strip("|").split(" | ")) for line in table.splitlines()]
     assert rows == flag_table()
+    assert len({f.option for f in FLAGS}) == len(FLAGS)
+    for f in FLAGS:
+        default = PARSE_ARGS_DEFAULTS[f.arg]
+        if f.from_environment:
+            assert re.fullmatch(r"[A-Z_]+", f.option) and not f.off, f
+            continue
+        assert re.fullmatch(r"--[a-z0-9]+(-[a-z0-9]+)*", f.option), f
+        if isinstance(default, bool):  # a switch: store_true for a False default, store_false for a True one
+            assert f.off == default, f"{f.option}: parse_args' default of {f.arg} is {default}, so the option " \
+                                     f"{'turns it off' if default else 'turns it on'}"
+        else:
+            assert not f.off, f
+    assert "--world-size" not in [f.option for f in FLAGS]
 
 
 def test_models_megatron_lm_args_cannot_describe_are_refused():
@@ -127,6 +166,29 @@ def test_models_megatron_lm_args_cannot_describe_are_refused():
         megatron_args(recipe(activation="geglu"))
     with pytest.raises(UserError, match="model.rope_scaling"):
         megatron_args(recipe(**{"rope_scaling.type": "linear", "rope_scaling.factor": 2.0}))
+
+
+@pytest.mark.parametrize("activation, bias, fused", [("gelu", "true", False), ("gelu", "false", False),
+                                                    ("gelu_tanh", "true", True), ("squared_relu", "true", False)])
+def test_gelu_is_what_megatron_core_computes_both_ways(activation, bias, fused):
+    """Megatron-Core 0.16.1's MLP computes GeLU exactly, except in its fused bias-GeLU (--add-bias-linear
+    with bias_gelu_fusion, on by default), which is the tanh approximation and refuses other
+    activations; --openai-gelu does not reach its models. Written: the fusion only for gelu_tanh with
+    biases; read: the fusion with biases is gelu_tanh."""
+    from megacli.checkpoint.legacy_args import model_section_from_args
+    from megacli.checkpoint.megatron_lm_args import megatron_args, unsupported
+
+    args = megatron_args(recipe(activation=activation, add_bias_linear=bias), vocab_size=VOCAB)
+    assert args.bias_gelu_fusion is fused
+    assert model_section_from_args(args, VOCAB)["activation"] == activation
+    # a Megatron-LM GPT-2-style run: biases, gelu, the fusion left on (its default) or turned off
+    run = argparse.Namespace(**{**vars(megatron_args(recipe(activation="gelu", add_bias_linear="true"), vocab_size=VOCAB)),
+                                "bias_gelu_fusion": True})
+    assert model_section_from_args(run, VOCAB)["activation"] == "gelu_tanh"
+    run.add_bias_linear = False  # validate_args turns the fusion off without biases; exact either way
+    assert model_section_from_args(run, VOCAB)["activation"] == "gelu"
+    assert [p for p in unsupported(recipe(activation="gelu_tanh", add_bias_linear="false"))
+            if p.startswith("model.activation gelu_tanh without model.add_bias_linear")]
 
 
 LLAMA3_1 = {"rope_scaling.type": "llama3", "rope_scaling.factor": 8.0, "rope_scaling.low_freq_factor": 1.0,
@@ -515,7 +577,8 @@ def test_t5_megacli_to_megatron_lm_and_back_bitwise(tmp_path):
     """A megacli T5 (read from a Megatron-LM T5 layout) written as a Megatron-LM torch_dist checkpoint:
     the T5 args (encoder/decoder layers and lengths, relative positions, --vocab-extra-ids), the TE
     norms' extra state, and read back to megacli bitwise with the same recipe; a decoder deeper than
-    the encoder (pretrain_t5.py builds both with --num-layers) and the legacy export are refused."""
+    the encoder (pretrain_t5.py builds both with --num-layers), the legacy export and the local spec
+    for relative positions (Megatron-LM builds those with Transformer Engine only) are refused."""
     from megacli.checkpoint.layout import find_checkpoint, iter_name, read_recipe
     from types import SimpleNamespace
 
@@ -557,3 +620,8 @@ def test_t5_megacli_to_megatron_lm_and_back_bitwise(tmp_path):
     assert [p for p in unsupported(SimpleNamespace(model=deeper, lora=None)) if "model.decoder_num_layers 3" in p]
     with pytest.raises(UserError, match="a T5 model; the legacy"):
         reshard(ReshardSection(source=str(src), output=str(tmp_path / "legacy"), format="legacy", progress=False))
+    # relative positions: Megatron-LM's validate_args refuses them with --transformer-impl local
+    with pytest.raises(UserError, match="--spec local with model.position_embedding relative.*write --spec te"):
+        reshard(ReshardSection(source=str(src), output=str(tmp_path / "local"), format="megatron", spec="local",
+                               progress=False))
+    assert not (tmp_path / "local").exists()

@@ -249,3 +249,17 @@ def test_flops_count_each_layers_attention_span_and_widths():
                  "model.mla.kv_lora_rank=16", "model.mla.qk_head_dim=8", "model.mla.qk_pos_emb_head_dim=4",
                  "model.mla.v_head_dim=8"])
     assert flops_per_token(mla, 0) == 6 * L * s * 4 * ((8 + 4) + 8)
+
+
+def test_cuda_fuses_the_bias_activation_only_where_the_fused_kernel_is_the_same_function():
+    """Megatron-Core's fused bias-GeLU (megatron/core/fusions/fused_bias_gelu.py) computes the tanh
+    approximation, not model.activation gelu's exact GeLU: on CUDA only SwiGLU (exact in its fused
+    kernel) takes the fusion."""
+    from megacli.engine.models.config import transformer_config
+    from megacli.recipe.model import ModelSection
+    from megacli.recipe.sections import ParallelSection
+
+    fused = {a: transformer_config(model=ModelSection(activation=a, add_bias_linear=True), parallel=ParallelSection(),
+                                   precision="fp32", on_cuda=True).bias_activation_fusion
+             for a in ("gelu", "gelu_tanh", "swiglu", "squared_relu")}
+    assert fused == {"gelu": False, "gelu_tanh": False, "swiglu": True, "squared_relu": False}

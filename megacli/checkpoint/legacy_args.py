@@ -94,7 +94,8 @@ def model_section_from_args(args, vocab_size: int, arch: str = "gpt") -> dict:
         activation = "swiglu"
     elif arg(args, "squared_relu", False):
         activation = "squared_relu"
-    elif arg(args, "openai_gelu", False):
+    elif arg(args, "openai_gelu", False) or (arg(args, "add_bias_linear", True) and arg(args, "bias_gelu_fusion", False)):
+        # Megatron-Core's fused bias-GeLU (its default with biases) is the tanh approximation
         activation = "gelu_tanh"
     else:
         activation = "gelu"

@@ -699,12 +699,25 @@ class Flag:
     key: str
     value: Callable[[Any], Any]
     cli: str | None = None
-    """The command-line option where its name is not the field's (``--apply-layernorm-1p``)."""
+    """The command-line option where its name is not the field's (``--apply-layernorm-1p``), or
+    the environment variable parse_args reads the field from (``WORLD_SIZE``)."""
+    off: bool = False
+    """The option stores False (``--disable-bias-linear``: the field is True unless it is given)."""
 
     @property
     def option(self) -> str:
-        """The command-line spelling (``--num-layers``)."""
+        """The command-line spelling (``--num-layers``), or the environment variable."""
         return self.cli or "--" + self.arg.replace("_", "-")
+
+    @property
+    def from_environment(self) -> bool:
+        return not self.option.startswith("--")
+
+    def readme(self) -> str:
+        """The README's cell: ``--disable-bias-linear`` (off), ``WORLD_SIZE`` (environment)."""
+        if self.from_environment:
+            return f"`{self.option}` (environment: nodes × processes per node, set by torchrun)"
+        return f"`{self.option}` (off)" if self.off else f"`{self.option}`"
 
 
 def _m(field):
@@ -745,18 +758,22 @@ FLAGS: tuple[Flag, ...] = (
     Flag("seq_length", "model.seq_length", _m("seq_length")),
     Flag("max_position_embeddings", "model.max_position_embeddings", lambda r: r.model.max_positions),
     Flag("position_embedding_type", "model.position_embedding", lambda r: _POSITIONS[r.model.position_embedding]),
-    Flag("add_position_embedding", "model.position_embedding", lambda r: r.model.position_embedding != "none"),
+    Flag("add_position_embedding", "model.position_embedding", lambda r: r.model.position_embedding != "none",
+         cli="--no-position-embedding", off=True),
     Flag("rotary_base", "model.rotary_base", lambda r: int(r.model.rotary_base) if float(r.model.rotary_base).is_integer()
          else r.model.rotary_base),
     Flag("rotary_percent", "model.rotary_percent", _m("rotary_percent")),
     Flag("normalization", "model.normalization", lambda r: "RMSNorm" if r.model.normalization == "rmsnorm" else "LayerNorm"),
-    Flag("layernorm_epsilon", "model.norm_epsilon", _m("norm_epsilon")),
+    Flag("layernorm_epsilon", "model.norm_epsilon", _m("norm_epsilon"), cli="--norm-epsilon"),
     Flag("swiglu", "model.activation", lambda r: r.model.activation == "swiglu"),
     Flag("squared_relu", "model.activation", lambda r: r.model.activation == "squared_relu"),
     Flag("openai_gelu", "model.activation", lambda r: r.model.activation == "gelu_tanh"),
-    Flag("add_bias_linear", "model.add_bias_linear", _m("add_bias_linear")),
+    Flag("add_bias_linear", "model.add_bias_linear", _m("add_bias_linear"), cli="--disable-bias-linear", off=True),
     Flag("add_qkv_bias", "model.add_qkv_bias", lambda r: r.model.add_qkv_bias or r.model.add_bias_linear),
-    Flag("bias_gelu_fusion", "model.add_bias_linear", lambda r: r.model.add_bias_linear),
+    # Megatron-Core's fused bias-GeLU is the tanh approximation (and refuses other activations): on for
+    # gelu_tanh with biases only (validate_args turns it off without biases)
+    Flag("bias_gelu_fusion", "model.activation", lambda r: r.model.activation == "gelu_tanh" and r.model.add_bias_linear,
+         cli="--no-bias-gelu-fusion", off=True),
     Flag("qk_layernorm", "model.qk_layernorm", _m("qk_layernorm")),
     Flag("layernorm_zero_centered_gamma", "model.norm_zero_centered_gamma", _m("norm_zero_centered_gamma"),
          cli="--apply-layernorm-1p"),
@@ -772,7 +789,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("init_method_std", "model.init_method_std", _m("init_method_std")),
     Flag("vocab_size", "model.vocab_size", _m("vocab_size")),
     Flag("make_vocab_size_divisible_by", "model.make_vocab_size_divisible_by", _m("make_vocab_size_divisible_by")),
-    Flag("bert_binary_head", "model.bert_binary_head", _m("bert_binary_head")),
+    Flag("bert_binary_head", "model.bert_binary_head", _m("bert_binary_head"), cli="--bert-no-binary-head", off=True),
     # T5 (pretrain_t5.py; validate_args makes --num-layers / --seq-length the encoder's)
     Flag("decoder_num_layers", "model.decoder_num_layers", _t5("decoder_num_layers", lambda r: r.model.dec_num_layers)),
     Flag("decoder_seq_length", "model.decoder_seq_length", _t5("decoder_seq_length", lambda r: r.model.dec_seq_length)),
@@ -817,7 +834,7 @@ FLAGS: tuple[Flag, ...] = (
          lambda r: r.parallel.recompute_num_layers if r.parallel.recompute == "full" else None),
     Flag("overlap_grad_reduce", "parallel.overlap_grad_reduce", lambda r: r.parallel.overlap_grad_reduce),
     Flag("overlap_param_gather", "parallel.overlap_param_gather", lambda r: r.parallel.overlap_param_gather),
-    Flag("world_size", "launch.nproc", lambda r: r.world_size),
+    Flag("world_size", "launch.nproc", lambda r: r.world_size, cli="WORLD_SIZE"),
     # training
     Flag("micro_batch_size", "train.micro_batch_size", lambda r: r.train.micro_batch_size),
     Flag("global_batch_size", "train.global_batch_size", lambda r: r.train.global_batch_size),
@@ -921,6 +938,9 @@ def unsupported(recipe) -> list[str]:
         out.append("model.position_embedding relative (Megatron-LM builds relative positions for T5 only)")
     if m.activation not in ("gelu", "gelu_tanh", "swiglu", "squared_relu"):
         out.append(f"model.activation {m.activation} (Megatron-LM has no flag for it)")
+    elif m.activation == "gelu_tanh" and not m.add_bias_linear:
+        out.append("model.activation gelu_tanh without model.add_bias_linear (Megatron-Core computes the tanh "
+                   "approximation only in its fused bias-GeLU, with biases; --openai-gelu does not reach its models)")
     if m.rope_scaling is not None and _scaling(m.rope_scaling) != MEGATRON_ROPE_SCALING:
         out.append(f"model.rope_scaling {_scaling(m.rope_scaling)} (Megatron-LM's --use-rope-scaling is Llama 3.1's "
                    f"scaling with fixed parameters, {MEGATRON_ROPE_SCALING}: pretrain_gpt.py does not pass "
@@ -971,6 +991,11 @@ def megatron_args(recipe, *, ckpt_format: str = "torch_dist", iteration: int = 0
         encoder_seq_length=m.seq_length, use_dist_ckpt=ckpt_format != "torch", ckpt_format=ckpt_format,
         variable_seq_lengths=False, dataloader_type="single", transformer_impl=transformer_impl,
         apply_rope_fusion=m.position_embedding == "rope" and fields["apply_rope_fusion"],
+        # bf16 reduces gradients in fp32 (fp32 main grads); fp16's dynamic loss scaling reads NaNs as overflow
+        accumulate_allreduce_grads_in_fp32=t.precision == "bf16" and not fields["grad_reduce_in_bf16"]
+        and fields["main_grads_dtype"] == torch.float32 or fields["accumulate_allreduce_grads_in_fp32"],
+        check_for_nan_in_loss_and_grad=fields["check_for_nan_in_loss_and_grad"]
+        and not (t.precision == "fp16" and not fields["loss_scale"]),
         # training
         consumed_train_samples=consumed_samples, consumed_valid_samples=0, skipped_train_samples=0,
         padded_vocab_size=padded_vocab_size, iteration=iteration, curr_iteration=iteration,
@@ -990,5 +1015,5 @@ def _tokenizer_vocab(recipe) -> int | None:
 
 
 def flag_table() -> list[tuple[str, str]]:
-    """(Megatron-LM option, recipe key) for the README, one row per option, in FLAGS order."""
-    return [(f.option, f.key) for f in FLAGS]
+    """(Megatron-LM option as the README shows it, recipe key), one row per option, in FLAGS order."""
+    return [(f.readme(), f"`{f.key}`") for f in FLAGS]

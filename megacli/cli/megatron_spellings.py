@@ -23,6 +23,14 @@ MEGATRON_ONLY = {
     "--tiktoken-special-tokens": _NO_TIKTOKEN,
     "--dataset-impl": "megacli writes Megatron-Core's mmap indexed datasets only (the format Megatron-Core reads)",
 }
+# Those core_v0.16.1's preprocess_data.py lacks: the Megatron-LM versions that have them.
+OTHER_VERSIONS = {
+    "--find-optimal-num-workers": "after core_v0.16.1",
+    "--workers-to-check": "after core_v0.16.1",
+    "--max-documents": "after core_v0.16.1",
+    "--performance-dir": "after core_v0.16.1",
+    "--dataset-impl": "before core_v0.16.1",
+}
 
 # --tokenizer-type -> (megacli tokenizer.type, the Megatron-LM option that names its file).
 MEGATRON_TOKENIZERS = {
@@ -57,8 +65,9 @@ def translate_argv(args: list[str]) -> list[str]:
             return out + args[i:]
         name = word.split("=", 1)[0]
         if name in MEGATRON_ONLY:
-            raise UserError(f"{name}: an option of Megatron-LM's preprocess_data.py that megacli preprocess does not "
-                            f"have: {MEGATRON_ONLY[name]}")
+            where = f" (in versions {OTHER_VERSIONS[name]})" if name in OTHER_VERSIONS else ""
+            raise UserError(f"{name}: an option of Megatron-LM's preprocess_data.py{where} that megacli preprocess does "
+                            f"not have: {MEGATRON_ONLY[name]}")
         i += 1
         if word != "--json-keys":
             out.append(word)

@@ -305,8 +305,8 @@ def _weights_of(source: Source, *, trust_pickle: bool):
 
 
 def _vocab_of(ckpt: Path, recipe) -> tuple[int, object]:
-    """The vocabulary size training used (model.vocab_size, else the tokenizer's) and the tokenizer
-    (None when there is none to load)."""
+    """The vocabulary size training used (model.vocab_size, else the tokenizer's; T5: with the
+    sentinels training appended) and the tokenizer (None when there is none to load)."""
     vocab = recipe.model.vocab_size
     tokenizer = None
     if recipe.tokenizer.type != "none" and (recipe.tokenizer.path or recipe.tokenizer.type == "byte"):
@@ -317,7 +317,11 @@ def _vocab_of(ckpt: Path, recipe) -> tuple[int, object]:
         except UserError as exc:
             if vocab is None:
                 raise UserError(f"{ckpt / 'recipe.yaml'}: needs the tokenizer for the vocabulary size: {exc}") from None
-    return vocab or tokenizer.vocab_size, tokenizer
+    if vocab is None:
+        from megacli.plan import model_vocab_size
+
+        vocab = model_vocab_size(recipe, tokenizer)
+    return vocab, tokenizer
 
 
 def _merge_lora(source: Source, work: Path, final: Path, *, parallel, dtype: str | None, trust_pickle: bool,

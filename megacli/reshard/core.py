@@ -174,7 +174,7 @@ def _reshard(job, progress) -> Result:
         elif job.format == "megatron":
             from megacli.reshard.megatron_export import check_exportable
 
-            check_exportable(plan.recipe, src_dir)
+            check_exportable(plan.recipe, src_dir, job.spec)
         if original != src_dir:  # imported from Megatron-LM: name its checkpoint, not the staging copy
             fmt = "megatron-lm torch_dist" if is_megatron_lm_dir(original) else "megatron-lm torch"
             plan.meta["resharded_from"].update(path=str(original.resolve()), format=fmt)

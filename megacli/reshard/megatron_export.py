@@ -13,19 +13,27 @@ from megacli.errors import UserError
 from megacli.checkpoint.legacy_args import scale_scheduler
 
 
-def check_exportable(recipe, where) -> None:
-    """Refuse, before anything is written, a model Megatron-LM's GPT arguments cannot describe."""
+def check_exportable(recipe, where, spec: str | None = None) -> None:
+    """Refuse, before anything is written, a model Megatron-LM's GPT arguments cannot describe, or
+    one its ``spec`` (te or local) cannot build."""
     problems = unsupported(recipe)
     if problems:
         raise UserError(f"{where}: cannot write a Megatron-LM checkpoint: " + "; ".join(problems))
+    if spec is None:
+        return
+    if spec not in mlw.SPECS:
+        raise UserError(f"--spec {spec!r}: expected one of {', '.join(mlw.SPECS)}")
+    if spec == "local" and recipe.model.position_embedding == "relative":
+        raise UserError(f"{where}: --spec local with model.position_embedding relative: Megatron-LM core_v0.16.1 "
+                        f"builds T5's relative position biases with Transformer Engine only (its validate_args "
+                        f"refuses them with --transformer-impl local, and the local spec's attention takes no "
+                        f"bias); write --spec te")
 
 
 def export(plan, root: Path, *, spec: str = "te", trust_pickle: bool = False, progress=None) -> list[str]:
     """Write ``plan`` under ``root`` (an existing empty directory) as a Megatron-LM checkpoint with the ``spec`` layer names (te or local). Returns notes for the user."""
     recipe = plan.recipe
-    check_exportable(recipe, plan.source.path)
-    if spec not in mlw.SPECS:
-        raise UserError(f"--spec {spec!r}: expected one of {', '.join(mlw.SPECS)}")
+    check_exportable(recipe, plan.source.path, spec)
     iteration = int(plan.meta.get("iteration", 0))
     gbs = recipe.train.global_batch_size
     consumed = int(plan.meta.get("consumed_samples", iteration * gbs))
@@ -46,6 +54,9 @@ def export(plan, root: Path, *, spec: str = "te", trust_pickle: bool = False, pr
     if "optimizer" not in plan.common:
         notes.append("weights only (the source has no optimizer state): load with --finetune or --no-load-optim "
                      "--no-load-rng")
+    if m.add_bias_linear and m.activation in ("gelu", "squared_relu"):
+        notes.append(f"{m.activation} with biases: in Megatron-LM pass --no-bias-gelu-fusion (its fused bias-GeLU, on "
+                     f"by default, is the tanh approximation; --use-checkpoint-args does not carry the option)")
     rng = plan.source.rng_objects
     if rng and plan.source.reader.read_object(next(iter(rng.values())))[0].get("cuda") is None:
         notes.append("RNG state is the CPU backend's (CPU generator states): in Megatron-LM on CUDA, load with "

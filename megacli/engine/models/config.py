@@ -96,7 +96,8 @@ def transformer_config(*, model, parallel, precision: str, on_cuda: bool, **over
         calculate_per_token_loss=True,
         apply_query_key_layer_scaling=False,
         gradient_accumulation_fusion=False,  # needs Apex's fused weight-gradient kernel
-        bias_activation_fusion=on_cuda and model.activation in ("gelu", "swiglu") and model.add_bias_linear,
+        # Megatron-Core's fused bias-GeLU is the tanh approximation: fused for swiglu only
+        bias_activation_fusion=on_cuda and model.activation == "swiglu" and model.add_bias_linear,
         bias_dropout_fusion=on_cuda,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
