@@ -459,6 +459,25 @@ def test_ctrl_c_removes_partial_files(tmp_path, hf_dir):
     assert [p.name for p in tmp_path.iterdir()] == ["big.jsonl"]
 
 
+def test_a_worker_that_fails_or_dies_stops_the_run_with_no_partial_files(tmp_path, corpus, monkeypatch):
+    """A worker's error is raised in the parent; a worker that dies (killed, out of memory) stops the
+    run with its exit code rather than leaving the parent waiting for its chunk."""
+    import os
+
+    from megacli.data import preprocess
+
+    def fail(chunk):
+        raise ValueError(f"cannot encode line {chunk.first_line}")
+
+    monkeypatch.setattr(preprocess, "encode_chunk", fail)  # the forked workers call this one
+    with pytest.raises(ValueError, match="cannot encode line"):
+        run(job([corpus], tmp_path / "out", workers=2, chunk_mb=0.001))
+    monkeypatch.setattr(preprocess, "encode_chunk", lambda chunk: os._exit(3))
+    with pytest.raises(RuntimeError, match=r"worker \d+ died \(exit code 3\)"):
+        run(job([corpus], tmp_path / "out", workers=2, chunk_mb=0.001))
+    assert list(tmp_path.iterdir()) == []
+
+
 # ---- Megatron-LM's spellings and --dry-run ----
 def _cli(*args):
     from typer.testing import CliRunner

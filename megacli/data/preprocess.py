@@ -16,7 +16,6 @@ import os
 import signal
 import sys
 import time
-from collections import deque
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from itertools import chain
@@ -73,8 +72,8 @@ _worker: dict = {}
 
 def _init_worker(tokenizer: Tokenizer, options: Options, quiet_signals: bool) -> None:
     if quiet_signals:
-        # Ctrl-C is the parent's to handle; workers are terminated by it (SIGTERM, default action:
-        # the parent's SIGTERM handler, inherited through fork, must not run here).
+        # Ctrl-C is the parent's to handle (it kills the workers); SIGTERM gets its default action
+        # (the parent's handler, inherited through fork, must not run here).
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         if hasattr(signal, "pthread_sigmask"):
@@ -306,27 +305,32 @@ def _chunks(sources, job: Job) -> Iterator[readers.Chunk]:
 
 def _run_sources(sources, prefixes: dict[str, str], tokenizer, options: Options, job: Job, workers: int,
                  stats: Stats, progress: ProgressBar) -> None:
-    with ExitStack() as stack:
-        with _signals_held():  # no Ctrl-C between creating a partial file and owning its cleanup
-            writers = {key: stack.enter_context(indexed.IndexedDatasetWriter(prefix, np.dtype(options.dtype)))
-                       for key, prefix in prefixes.items()}
-            stack.enter_context(_terminate_as_interrupt())
-        for encoded in _encoded(sources, tokenizer, options, job, workers, stack):
-            _check_errors(encoded, job, stats)
-            for key, (tokens, lengths, per_doc) in encoded.arrays.items():
-                writers[key].add_documents(tokens, lengths, per_doc)
-                stats.sequences += len(lengths)
-                stats.tokens += tokens.size
-            stats.documents += encoded.records
-            stats.bytes_in += encoded.nbytes
-            progress.update(encoded.nbytes, stats)
-        for w in writers.values():
-            w.commit()
+    with _interrupts():
+        stack = ExitStack()
+        try:
+            with _signals_held():  # no Ctrl-C between creating a partial file and owning its cleanup
+                writers = {key: stack.enter_context(indexed.IndexedDatasetWriter(prefix, np.dtype(options.dtype)))
+                           for key, prefix in prefixes.items()}
+            for encoded in _encoded(sources, tokenizer, options, job, workers, stack):
+                _check_errors(encoded, job, stats)
+                for key, (tokens, lengths, per_doc) in encoded.arrays.items():
+                    writers[key].add_documents(tokens, lengths, per_doc)
+                    stats.sequences += len(lengths)
+                    stats.tokens += tokens.size
+                stats.documents += encoded.records
+                stats.bytes_in += encoded.nbytes
+                progress.update(encoded.nbytes, stats)
+            with _signals_held():  # every key's dataset, or none
+                for w in writers.values():
+                    w.commit()
+        finally:
+            with _signals_held():  # a second Ctrl-C must not cut the cleanup short
+                stack.close()
 
 
 def _encoded(sources, tokenizer, options, job: Job, workers: int, stack: ExitStack) -> Iterator[Encoded]:
-    """Encoded chunks in input order: in this process when workers == 0, else from a pool with
-    at most 2 chunks per worker in flight."""
+    """Encoded chunks in input order: in this process when workers == 0, else from worker
+    processes with at most 2 chunks per worker in flight."""
     chunks = _chunks(sources, job)
     if workers == 0:
         _init_worker(tokenizer, options, quiet_signals=False)
@@ -336,19 +340,149 @@ def _encoded(sources, tokenizer, options, job: Job, workers: int, stack: ExitSta
     import multiprocessing as mp
 
     ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-    # A Ctrl-C while the pool starts would orphan its workers (and hang the exit).
+    # A Ctrl-C while the workers start would orphan some of them.
     with _signals_held():
-        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer, options, True))
-        stack.callback(pool.join)
-        stack.callback(pool.terminate)
-    pending: deque = deque()
-    for chunk in chunks:
-        pending.append(pool.apply_async(encode_chunk, (chunk,)))
-        if len(pending) >= 2 * workers:
-            yield pending.popleft().get()
-    while pending:
-        yield pending.popleft().get()
+        pool = _Workers(ctx, workers, tokenizer, options)
+        stack.callback(pool.kill)
+    yield from pool.imap(chunks, 2 * workers)
     pool.close()
+
+
+class _Workers:
+    """Worker processes running ``encode_chunk``, each over its own pair of pipes, driven by the
+    calling thread alone: a chunk goes only to an idle worker (one waiting to read it), results are
+    read as they come and handed out in input order. No helper thread, so stopping is a SIGKILL
+    and a reap, which cannot wait on anything.
+
+    (multiprocessing.Pool's terminate() can hang: it joins a task-handler thread that may be
+    blocked writing a large chunk into a pipe whose readers it has just terminated; and a Ctrl-C
+    inside Pool() leaves its worker-handler thread running without a finalizer, re-forking the
+    workers that the exit handler terminates: they outlive the parent and hold its stdout/stderr.)
+    """
+
+    def __init__(self, ctx, n: int, tokenizer: Tokenizer, options: Options) -> None:
+        self._procs, self._tasks, self._results = [], [], []
+        try:
+            for _ in range(n):
+                task_r, task_w = ctx.Pipe(duplex=False)
+                result_r, result_w = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=_work, args=(task_r, result_w, tokenizer, options, os.getpid()),
+                                   daemon=True)
+                proc.start()
+                self._procs.append(proc)
+                self._tasks.append(task_w)
+                self._results.append(result_r)
+                # Only the worker holds its ends now: a dead worker reads as EOF / a broken pipe.
+                task_r.close()
+                result_w.close()
+        except BaseException:
+            self.kill()
+            raise
+
+    def imap(self, chunks: Iterator[readers.Chunk], limit: int) -> Iterator[Encoded]:
+        """``encode_chunk`` of each chunk, in order, with at most ``limit`` chunks taken and not yet
+        handed out."""
+        from multiprocessing.connection import wait
+
+        idle = list(range(len(self._procs)))[::-1]
+        holds: dict[int, int] = {}  # busy worker -> index of its chunk
+        done: dict[int, Encoded] = {}  # index -> result waiting for its turn
+        sent = given = 0
+        more = True
+        while True:
+            while more and idle and sent - given < limit:
+                chunk = next(chunks, None)
+                if chunk is None:
+                    more = False
+                    break
+                worker = idle.pop()
+                self._send(worker, chunk)
+                holds[worker] = sent
+                sent += 1
+            if given in done:
+                yield done.pop(given)
+                given += 1
+                continue
+            if not holds:
+                return
+            busy = {self._results[w]: w for w in holds}
+            # A timeout, so that a Ctrl-C taken by another thread is acted on here within it.
+            for conn in wait(list(busy), timeout=0.2):
+                worker = busy[conn]
+                done[holds.pop(worker)] = self._receive(worker)
+                idle.append(worker)
+
+    def _send(self, worker: int, chunk: readers.Chunk) -> None:
+        try:
+            self._tasks[worker].send(chunk)
+        except (BrokenPipeError, ConnectionResetError):
+            raise self._died(worker) from None
+
+    def _receive(self, worker: int) -> Encoded:
+        try:
+            item = self._results[worker].recv()
+        except EOFError:
+            raise self._died(worker) from None
+        if isinstance(item, _WorkerError):
+            raise item.exc from _RemoteTraceback(item.traceback)
+        return item
+
+    def _died(self, worker: int) -> RuntimeError:
+        proc = self._procs[worker]
+        proc.join(5)
+        return RuntimeError(f"preprocessing worker {proc.pid} died (exit code {proc.exitcode})")
+
+    def close(self) -> None:
+        """After the last result: let the workers exit."""
+        for conn in self._tasks:
+            conn.send(None)
+        for proc in self._procs:
+            proc.join()
+
+    def kill(self) -> None:
+        """Stop the workers now (an error, Ctrl-C) and reap them; a no-op after ``close``."""
+        for proc in self._procs:
+            if proc.exitcode is None:
+                proc.kill()
+        for proc in self._procs:
+            proc.join()
+        for conn in self._tasks + self._results:
+            conn.close()
+
+
+@dataclass
+class _WorkerError:
+    exc: BaseException
+    traceback: str
+
+
+class _RemoteTraceback(Exception):
+    def __str__(self) -> str:
+        return f"in a preprocessing worker:\n{self.args[0]}"
+
+
+def _work(tasks, results, tokenizer: Tokenizer, options: Options, parent: int) -> None:
+    """A worker's loop: chunk in, Encoded (or the error) out, until None or the parent is gone."""
+    import traceback
+
+    _init_worker(tokenizer, options, quiet_signals=True)
+    while True:
+        while not tasks.poll(1.0):
+            if os.getppid() != parent:  # the parent was killed: nothing will come
+                return
+        chunk = tasks.recv()
+        if chunk is None:
+            return
+        try:
+            item = encode_chunk(chunk)
+        except Exception as exc:
+            item = _WorkerError(exc, traceback.format_exc())
+        try:
+            results.send(item)
+        except Exception as exc:  # an unpicklable error, or one holding an unpicklable value
+            if not isinstance(item, _WorkerError):
+                raise
+            results.send(_WorkerError(RuntimeError(f"{type(exc).__name__}: {exc}"), item.traceback))
 
 
 def _check_errors(encoded: Encoded, job: Job, stats: Stats) -> None:
@@ -365,34 +499,58 @@ def _check_errors(encoded: Encoded, job: Job, stats: Stats) -> None:
 
 
 class _signals_held:
-    """Defer SIGINT/SIGTERM (delivered on exit) around setup steps that must not be cut in two."""
+    """Defer SIGINT/SIGTERM around steps that must not be cut in two (within ``_interrupts``);
+    one that arrives meanwhile raises KeyboardInterrupt when the outermost hold ends.
+
+    The signals are also blocked, for the processes forked meanwhile; but blocking is per thread,
+    the kernel hands the signal to a thread that does not block it (a tokenizer's thread pool),
+    and Python then runs the handler in the main thread anyway: hence the handler's check of
+    ``depth``."""
+
+    depth = 0  # holds open (main thread)
+    caught = False
 
     def __enter__(self):
-        self._held = None
+        _signals_held.depth += 1
+        self._mask = None
         if hasattr(signal, "pthread_sigmask"):
-            self._held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+            self._mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         return self
 
     def __exit__(self, *exc):
-        if self._held is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, self._held)
+        if self._mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, self._mask)
+        _signals_held.depth -= 1
+        if not _signals_held.depth and _signals_held.caught:
+            _signals_held.caught = False
+            raise KeyboardInterrupt
 
 
-class _terminate_as_interrupt:
-    """SIGTERM raises KeyboardInterrupt while writing, so partial files are removed as for Ctrl-C."""
+class _interrupts:
+    """While writing: SIGTERM, and SIGINT where Python's default handler has it, raise
+    KeyboardInterrupt (so partial files are removed as for Ctrl-C), deferred inside ``_signals_held``."""
 
     def __enter__(self):
         import threading
 
-        self._old = None
+        self._old = {}
+        _signals_held.caught = False
         if threading.current_thread() is threading.main_thread():
-            self._old = signal.signal(signal.SIGTERM, self._handler)
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                old = signal.getsignal(signum)
+                # Handlers set outside Python (None) cannot be put back; an ignored SIGINT stays ignored.
+                if old is not None and (signum == signal.SIGTERM or old is signal.default_int_handler):
+                    self._old[signum] = old
+                    signal.signal(signum, self._handler)
         return self
 
     @staticmethod
     def _handler(signum, frame):
-        raise KeyboardInterrupt
+        if _signals_held.depth:
+            _signals_held.caught = True
+        else:
+            raise KeyboardInterrupt
 
     def __exit__(self, *exc):
-        if self._old is not None:
-            signal.signal(signal.SIGTERM, self._old)
+        for signum, old in self._old.items():
+            signal.signal(signum, old)
