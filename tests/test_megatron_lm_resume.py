@@ -240,7 +240,10 @@ def test_reshard_carries_the_layout_free_optimizer_state(chain, tmp_path):
                                        "--pipeline", "1", "--verify"], env={"COLUMNS": "200"})
         assert res.exit_code == 0 and "verify: OK" in res.output, res.output
         assert ("optimizer state not carried" in res.output) != carried and "RNG state not carried" in res.output
-        keys = TorchDistReader(tmp_path / name / "iter_0000002").tensors
+        written = TorchDistReader(tmp_path / name / "iter_0000002")
+        keys = written.tensors
+        # the modules' extra state, which Megatron-Core's model asks for when the engine loads the output
+        assert "decoder.layers.self_attention.linear_qkv._extra_state/shard_1_2" in written.objects, sorted(written.objects)
         assert any(k.startswith("optimizer.state.exp_avg.decoder.layers.self_attention.linear_qkv.layer_norm_weight")
                    for k in keys) == carried, sorted(keys)[:5]
         res = CliRunner().invoke(app, ["reshard", "verify", str(root / f"mlm_{name}"), str(tmp_path / name)])
