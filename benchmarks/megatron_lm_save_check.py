@@ -10,16 +10,26 @@ e.g. ``... /path/to/Megatron-LM out_plain`` and ``... /path/to/Megatron-LM out_d
    with pretrain_gpt.py's ``model_provider`` + ``gpt_builder``, trained ``SAVE_AT`` steps by
    Megatron-LM's ``train_step`` on pretrain_gpt.py's mock data (its ``forward_step`` and dataset
    provider, the iterator ``build_train_valid_test_data_iterators`` builds), saved by its
-   ``save_checkpoint`` into OUT/ckpt; then one more ``train_step`` (step SAVE_AT + 1, its loss kept
-   for the comparison below; nothing saved after it). Written to OUT/megatron_lm.pt: the losses, and
-   the model's logits (eval, fp32) on fixed random tokens, taken right after the save.
-2. megacli (this process): the stored keys (stacked: ``decoder.layers.mlp.router.weight`` with a
-   leading layer axis); ``megacli convert OUT/ckpt OUT/hf --to hf`` and the HF model's logits against
-   Megatron-LM's; the engine's logits loaded directly from OUT/ckpt; ``megacli reshard OUT/ckpt
-   OUT/resharded`` and its engine logits; ``megacli reshard inspect``; ``megacli pretrain`` resumed
-   from OUT/ckpt (``checkpoint.resume``, the recipe ``reshard inspect`` prints, mock data,
-   ``model.padded_vocab_in_loss=true`` as Megatron-LM computes its loss) for one step: the iteration
-   it resumes at, and its loss against Megatron-LM's step SAVE_AT + 1.
+   ``save_checkpoint`` into OUT/ckpt. Right after the save: the model's logits (eval, fp32) on fixed
+   random tokens and a greedy continuation (whole sequence recomputed per token). Then ``AFTER``
+   more ``train_step`` calls from that state (nothing saved), on the batches megacli's resumed run
+   reads (see ``_megacli_batches``: megacli's mock data differs from Megatron-LM's for a
+   NullTokenizer run). All of it in OUT/megatron_lm.pt.
+2. megacli (this process, the CLI in subprocesses): the stored MoE keys (stacked:
+   ``decoder.layers.mlp.router.weight`` with a leading layer axis); ``megacli convert OUT/ckpt
+   OUT/hf --to hf``, the HF model's logits and greedy continuation against Megatron-LM's; the
+   engine's logits from OUT/ckpt as stored; ``megacli reshard OUT/ckpt OUT/resharded --tensor 1``
+   and the engine's logits of its output; ``megacli generate -c OUT/ckpt`` (greedy) against
+   Megatron-LM's continuation; ``megacli pretrain`` resumed from OUT/ckpt (``checkpoint.resume``,
+   the recipe the args map to as ``reshard inspect`` prints it, ``model.padded_vocab_in_loss=true``
+   as Megatron-LM computes its loss, the mock split Megatron-LM used) for ``AFTER`` steps: the
+   iteration it resumes at and its losses against Megatron-LM's (step SAVE_AT + 2 depends on the
+   restored optimizer state and scheduler).
+
+Phase 1 is skipped when OUT/megatron_lm.pt exists (the megacli side again). Megatron-LM's run
+needs two things a source checkout lacks on a CPU-only machine, supplied here without changing
+the checkout: its triton batch-invariant kernels (stubbed, never used) and the compiled dataset
+index helpers (the installed Megatron-Core's, when its helpers.cpp is the same file).
 """
 
 from __future__ import annotations
@@ -54,7 +64,7 @@ def main() -> None:
         return
     checkout, out = sys.argv[1], Path(sys.argv[2])
     extra = sys.argv[3:]
-    if not (out / "megatron_lm.pt").exists():  # phase 1 done already: only the megacli side again
+    if not (out / "megatron_lm.pt").exists():  # else phase 1 ran already: only the megacli side again
         subprocess.run([sys.executable, __file__, "--megatron-lm", checkout, str(out), *extra], check=True)
     megacli_side(out)
 
@@ -81,9 +91,13 @@ def megatron_lm(checkout: str, out: Path, extra: list[str]) -> None:
 
     dist.init_process_group("gloo", rank=0, world_size=1)
     sys.argv = ["pretrain_gpt.py", *MODEL, *CPU, "--save", str(out / "ckpt"), "--save-interval", str(SAVE_AT), *extra]
-    from megatron.core import parallel_state as mpu, tensor_parallel
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
     from megatron.core.enums import ModelType
-    from megatron.core.rerun_state_machine import initialize_rerun_state_machine, RerunMode
+    from megatron.core.rerun_state_machine import (
+        RerunMode,
+        initialize_rerun_state_machine,
+    )
     from megatron.training import get_args, get_timers
     from megatron.training.arguments import parse_args, validate_args
     from megatron.training.global_vars import set_global_variables
@@ -107,8 +121,11 @@ def megatron_lm(checkout: str, out: Path, extra: list[str]) -> None:
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.utils import get_model_config
     from megatron.training.checkpointing import save_checkpoint
-    from megatron.training.training import (build_train_valid_test_data_iterators, setup_model_and_optimizer,
-                                            train_step)
+    from megatron.training.training import (
+        build_train_valid_test_data_iterators,
+        setup_model_and_optimizer,
+        train_step,
+    )
     from megatron.training.utils import unwrap_model
 
     model, optimizer, scheduler = setup_model_and_optimizer(partial(pretrain_gpt.model_provider, pretrain_gpt.gpt_builder),
@@ -222,12 +239,12 @@ def _installed_dataset_helpers(checkout: str) -> None:
 
 
 def megacli_side(out: Path) -> None:
+    import shutil
+
     import torch
 
     from megacli.checkpoint.megatron_lm import MegatronLMCheckpoint
     from megacli.checkpoint.torch_dist import TorchDistReader
-
-    import shutil
 
     for name in ("hf", "resharded", "resumed"):  # the megacli side's outputs, when it runs again
         shutil.rmtree(out / name, ignore_errors=True)
@@ -241,7 +258,7 @@ def megacli_side(out: Path) -> None:
         if ".mlp." in k and not k.startswith("optimizer."):
             print(f"   {k} {tuple(stored[k].shape)}")
     router = stored.get("decoder.layers.mlp.router.weight")
-    assert router is not None and tuple(router.shape)[0] == 2, "the layers are not stacked"
+    assert router is not None and router.shape[0] == 2, "the layers are not stacked"
     print(f"   optimizer-state tensors: {sum(k.startswith('optimizer.') for k in stored)}")
 
     print("\n== megacli convert -> HF")
@@ -307,7 +324,7 @@ RESUME_SETS = ["data.split=1,1,1"]
 def _megacli(*argv: str, env: dict | None = None) -> str:
     cmd = [sys.executable, "-m", "megacli", *argv]
     print("   $ megacli " + " ".join(argv), flush=True)
-    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200", **(env or {})})
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200", **(env or {})})
     if done.returncode != 0:
         print(done.stdout[-4000:], done.stderr[-6000:])
         sys.exit(f"megacli {argv[0]} failed ({done.returncode})")
@@ -351,7 +368,7 @@ def _engine_logits(ckpt: Path, tokens):
     with tempfile.TemporaryDirectory() as tmp:
         torch.save(tokens, f"{tmp}/tokens.pt")
         done = subprocess.run([sys.executable, "-c", code, str(ckpt), f"{tmp}/tokens.pt", f"{tmp}/logits.pt"],
-                              capture_output=True, text=True)
+                              check=False, capture_output=True, text=True)
         if done.returncode != 0:
             print(done.stderr[-6000:])
             sys.exit("the engine could not load the checkpoint")

@@ -38,7 +38,6 @@ from megacli.checkpoint.torch_dist import BACKEND_META, STACKED
 from megacli.errors import UserError
 from megacli.reshard.legacy import STAGING_PREFIX
 
-
 _STACKED_OBJECT = re.compile(r"^(?P<head>(?:.+\.)?layers\.)(?P<module>(?!\d)[^/]+)/shard_(?P<offsets>[\d.]+)_(?P<shape>[\d.]+)$")
 
 
