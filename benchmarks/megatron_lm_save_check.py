@@ -14,7 +14,7 @@ e.g. ``... /path/to/Megatron-LM out_plain`` and ``... /path/to/Megatron-LM out_d
    random tokens and a greedy continuation (whole sequence recomputed per token). Then ``AFTER``
    more ``train_step`` calls from that state (nothing saved), on the batches megacli's resumed run
    reads (see ``_megacli_batches``: megacli's mock data differs from Megatron-LM's for a
-   NullTokenizer run). All of it in OUT/megatron_lm.pt.
+   NullTokenizer run). All of it (tokens, logits, greedy continuation, losses) in OUT/logits.pt.
 2. megacli (this process, the CLI in subprocesses): the stored MoE keys (stacked:
    ``decoder.layers.mlp.router.weight`` with a leading layer axis); ``megacli convert OUT/ckpt
    OUT/hf --to hf``, the HF model's logits and greedy continuation against Megatron-LM's; the
@@ -26,7 +26,7 @@ e.g. ``... /path/to/Megatron-LM out_plain`` and ``... /path/to/Megatron-LM out_d
    iteration it resumes at and its losses against Megatron-LM's (step SAVE_AT + 2 depends on the
    restored optimizer state and scheduler).
 
-Phase 1 is skipped when OUT/megatron_lm.pt exists (the megacli side again). Megatron-LM's run
+Phase 1 is skipped when OUT/logits.pt exists (the megacli side again). Megatron-LM's run
 needs two things a source checkout lacks on a CPU-only machine, supplied here without changing
 the checkout: its triton batch-invariant kernels (stubbed, never used) and the compiled dataset
 index helpers (the installed Megatron-Core's, when its helpers.cpp is the same file).
@@ -64,7 +64,7 @@ def main() -> None:
         return
     checkout, out = sys.argv[1], Path(sys.argv[2])
     extra = sys.argv[3:]
-    if not (out / "megatron_lm.pt").exists():  # else phase 1 ran already: only the megacli side again
+    if not (out / "logits.pt").exists():  # else phase 1 ran already: only the megacli side again
         subprocess.run([sys.executable, __file__, "--megatron-lm", checkout, str(out), *extra], check=True)
     megacli_side(out)
 
@@ -179,7 +179,7 @@ def megatron_lm(checkout: str, out: Path, extra: list[str]) -> None:
         iteration = step(iteration)
     torch.save({"tokens": tokens, "logits": logits, "losses": losses, "prompt": prompt, "greedy": greedy, "padded_vocab_size": args.padded_vocab_size,
                 "vocab_size": args.vocab_size, "use_distributed_optimizer": args.use_distributed_optimizer},
-               out / "megatron_lm.pt")
+               out / "logits.pt")
     dist.destroy_process_group()
 
 
@@ -248,7 +248,7 @@ def megacli_side(out: Path) -> None:
 
     for name in ("hf", "resharded", "resumed"):  # the megacli side's outputs, when it runs again
         shutil.rmtree(out / name, ignore_errors=True)
-    ref = torch.load(out / "megatron_lm.pt")
+    ref = torch.load(out / "logits.pt")
     tokens, mlm_logits, vocab = ref["tokens"], ref["logits"], ref["padded_vocab_size"]
     ckpt = out / "ckpt"
     src = MegatronLMCheckpoint(ckpt)
