@@ -14,7 +14,8 @@ One spawned process, tiny models (hidden 32, 2 layers, 4 experts, top 2):
   --moe-layer-freq 1 (every layer MoE: the layers stacked under one key, the MoE pre-MLP norms
   under the local spec's ``mlp.linear_fc1.layer_norm_weight``), with Megatron-LM's common.pt.
   Converted to HF (the source's logits) and to megacli (bitwise); used directly: resharded to
-  megacli (bitwise with the conversion) and run by the engine (the source's logits);
+  megacli (bitwise with the conversion, the modules' extra state per layer; the engine runs the
+  output) and run by the engine (the source's logits);
 * resumed: an all-MoE megacli run (4 steps, checkpoint at 2) saved at step 2 as Megatron-LM saves
   a run with --moe-layer-freq 1 (layers stacked, plain optimizer): `pretrain` resumed from it
   continues the run's steps 3-4 within 1e-5; reshard gives back the step-2 checkpoint bitwise,
@@ -229,8 +230,11 @@ def _moe(rank, world, root: str):
     reshard(ReshardSection(source=str(mlm), output=str(root / "mix_resharded"), progress=False))
     got = canonical(root / "mix_resharded")
     out["mix_resharded"] = sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    out["mix_resharded_extra"] = sorted(k for k in TorchDistReader(find_checkpoint(root / "mix_resharded")).objects
+                                        if k.startswith("decoder.layers.1.") and "_extra_state" in k)
     with megatron_process():
         out["mix_engine_logits"] = cm.max_diff(cm.megacli_logits(mlm, toks)[..., :cm.VOCAB], mix_ref)
+        out["mix_resharded_logits"] = cm.max_diff(cm.megacli_logits(root / "mix_resharded", toks)[..., :cm.VOCAB], mix_ref)
 
     # ---- resumed: the all-MoE run's step 2, saved by Megatron-LM with its layers stacked
     stacked = root / "mlm_all"
@@ -330,6 +334,12 @@ def test_megatron_lm_moe_with_stacked_layers_is_read(moe):
     assert moe["mix_hf_logits"] < TOL, moe["mix_hf_logits"]
     assert moe["mix_back"]
     assert moe["mix_resharded"]  # staged per layer, resharded to megacli: the conversion's tensors, bitwise
+    # with the modules' extra state the model asks for, per layer (without it the engine cannot load it)
+    assert moe["mix_resharded_extra"] == [
+        *(f"decoder.layers.1.mlp.experts.experts.linear_fc{i}._extra_state/shard_{e}_4" for i in (1, 2) for e in range(4)),
+        "decoder.layers.1.self_attention.linear_proj._extra_state/shard_0_1",
+        "decoder.layers.1.self_attention.linear_qkv._extra_state/shard_0_1"]
+    assert moe["mix_resharded_logits"] < TOL, moe["mix_resharded_logits"]
     assert moe["mix_engine_logits"] < TOL, moe["mix_engine_logits"]  # the engine loads it as stored
 
 

@@ -248,6 +248,8 @@ def test_reshard_carries_the_layout_free_optimizer_state(chain, tmp_path):
         assert sorted(rng["tracker"]) == sorted(saved["rng_tracker_states"]) and all(
             torch.equal(rng["tracker"][k], saved["rng_tracker_states"][k]) for k in rng["tracker"])
         keys = written.tensors
+        # the modules' extra state, which Megatron-Core's model asks for when the engine loads the output
+        assert "decoder.layers.self_attention.linear_qkv._extra_state/shard_1_2" in written.objects, sorted(written.objects)
         assert any(k.startswith("optimizer.state.exp_avg.decoder.layers.self_attention.linear_qkv.layer_norm_weight")
                    for k in keys) == carried, sorted(keys)[:5]
         res = CliRunner().invoke(app, ["reshard", "verify", str(root / f"mlm_{name}"), str(tmp_path / name)])

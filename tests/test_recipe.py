@@ -189,6 +189,21 @@ def test_tokenizer_type_none_and_its_old_spelling_null(spelling):
     assert "tokenizer.type: none needs an explicit model.vocab_size" in problem([spelling])
 
 
+def test_tokenizer_type_none_holds_model_vocab_size_ids_end_of_document_included():
+    """model.vocab_size rows hold every id NullTokenizer makes (it appends the end-of-document id),
+    as Megatron-LM's --vocab-size V builds a V + 1 vocabulary."""
+    from megacli.data.tokenizers import load_tokenizer
+    from megacli.errors import UserError
+
+    tok = load_tokenizer(type="none", path=None, vocab_size=256)
+    assert (tok.vocab_size, tok.eod) == (256, 255)
+    assert tok.encode_batch(["0 254"]) == [[0, 254]]
+    with pytest.raises(ValueError, match="outside"):
+        tok.encode_batch(["256"])
+    with pytest.raises(UserError, match="model.vocab_size"):
+        load_tokenizer(type="none", path=None, vocab_size=1)
+
+
 def test_tokenizer_type_null_in_a_file_is_none(tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text("tokenizer:\n  type: null\nmodel:\n  vocab_size: 1000\ndata:\n  mock: true\n")

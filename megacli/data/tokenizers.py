@@ -19,7 +19,8 @@ Megatron-LM's ``tools/preprocess_data.py`` builds:
   256 ``<eod>``, 257 ``<bos>``, 258 ``<pad>``, 259 ``<cls>``, 260 ``<sep>``, 261 ``<mask>``;
   vocab_size 262.
 * none: text is whitespace-separated ids below ``vocab_size``; eod = vocab_size, so the
-  vocabulary holds vocab_size + 1 ids (as Megatron-LM's NullTokenizer).
+  vocabulary holds vocab_size + 1 ids (as Megatron-LM's NullTokenizer). A recipe's
+  model.vocab_size counts them all: ``load_tokenizer`` builds ``NullTokenizer(model.vocab_size - 1)``.
 
 Every tokenizer pickles, so worker processes can receive it.
 """
@@ -402,13 +403,16 @@ class WordPieceTokenizer(Tokenizer):
 
 
 def load_tokenizer(*, type: str, path: str | None, vocab_size: int | None = None) -> Tokenizer:
-    """Build the tokenizer a ``tokenizer:`` recipe section names (``vocab_size`` only for none)."""
+    """Build the tokenizer a ``tokenizer:`` recipe section names (``vocab_size``, for none only: the
+    model's vocabulary, end-of-document id included)."""
     if type == "byte":
         return ByteTokenizer()
     if type == "none":
-        if not vocab_size:
-            raise UserError("tokenizer type none needs a vocabulary size (model.vocab_size)")
-        return NullTokenizer(vocab_size)
+        if not vocab_size or vocab_size < 2:
+            raise UserError("tokenizer type none needs a vocabulary size of at least 2 (model.vocab_size)")
+        # model.vocab_size is the embedding's rows: the ids and the end-of-document id after them
+        # (Megatron-LM's --vocab-size is the ids alone: the checkpoint readers add the 1).
+        return NullTokenizer(vocab_size - 1)
     if type not in TOKENIZER_TYPES:
         raise UserError(f"tokenizer.type = {type!r}: expected one of {', '.join(TOKENIZER_TYPES)}")
     if not path:

@@ -99,7 +99,8 @@ class TokenizerSection(Section):
     type: Literal["huggingface", "byte", "sentencepiece", "wordpiece", "none"] = "huggingface"
     """huggingface (a directory with tokenizer.json), byte (no files: 256 bytes + specials),
     sentencepiece (a .model file), wordpiece (a BERT vocab.txt), none (no tokenizer: data is ids
-    already, Megatron-LM's NullTokenizer; needs model.vocab_size). The old spelling null, which
+    already, Megatron-LM's NullTokenizer; needs model.vocab_size, which counts the ids and the
+    end-of-document id after them, Megatron-LM's --vocab-size + 1). The old spelling null, which
     YAML reads as no value, still means none."""
     path: Optional[str] = None
     """Tokenizer directory or file (not needed for byte/none)."""

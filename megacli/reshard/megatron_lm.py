@@ -6,12 +6,14 @@ keys under megacli's canonical names, the layout-free optimizer state kept), a m
 ``common.pt`` (optimizer param groups; the scheduler in iterations), ``recipe.yaml`` (from the run's
 args) and ``megacli.json``. The reshard then reads it like any other. A MoE model whose layers are
 stacked under one key (--moe-layer-freq 1) is staged with each layer under its own key, as megacli
-keys its MoE models.
+keys its MoE models. The modules' ``_extra_state`` objects (Megatron-Core's model asks for them
+when it loads, both layer specs) are kept, under the per-layer keys in that case.
 
 The RNG state is carried (megacli's field names; data-parallel rank 0's where Megatron-LM kept one
-per data-parallel rank) and remapped like a megacli checkpoint's. Not carried: Transformer Engine's
-``_extra_state`` entries, and distributed-optimizer state in Megatron-LM's default ``dp_reshardable`` format (laid out by the saving run's gradient buckets, readable only under its
-own tensor/pipeline layout: resume it in place with checkpoint.resume, or reshard its weights).
+per data-parallel rank) and remapped like a megacli checkpoint's. Not carried: distributed-optimizer
+state in Megatron-LM's default ``dp_reshardable`` format (laid out by the saving run's gradient
+buckets, readable only under its own tensor/pipeline layout: resume it in place with
+checkpoint.resume, or reshard its weights).
 """
 
 from __future__ import annotations
@@ -38,6 +40,20 @@ from megacli.checkpoint.safe_pickle import DCP_METADATA
 from megacli.checkpoint.torch_dist import BACKEND_META, STACKED
 from megacli.errors import UserError
 from megacli.reshard.legacy import STAGING_PREFIX
+
+_STACKED_OBJECT = re.compile(r"^(?P<head>(?:.+\.)?layers\.)(?P<module>(?!\d)[^/]+)/shard_(?P<offsets>[\d.]+)_(?P<shape>[\d.]+)$")
+
+
+def _object_per_layer(key: str) -> str:
+    """A layer-stacked sharded object's key under its own layer, as a model keyed per layer names
+    it: ``decoder.layers.mlp.experts.experts.linear_fc1._extra_state/shard_1.3_2.4`` (layer 1,
+    expert 3) -> ``decoder.layers.1.mlp.experts.experts.linear_fc1._extra_state/shard_3_4``."""
+    m = _STACKED_OBJECT.match(key)
+    if m is None:
+        return key
+    layer, *offsets = m["offsets"].split(".")
+    _, *shape = m["shape"].split(".")
+    return f"{m['head']}{layer}.{m['module']}/shard_{'.'.join(offsets) or '0'}_{'.'.join(shape) or '1'}"
 
 
 _RNG_FILE = "rng.distcp"  # the staged RNG objects, in megacli's format (the only file not linked)
@@ -160,6 +176,9 @@ def import_to_staging(path: Path, *, where: Path, trust_pickle: bool = False) ->
                 name = canonical_key(base, stored)
                 if name is not None:
                     renames[key] = f"{OPT_PREFIX}{state}.{name}"
+    for key in src.reader.objects:
+        if "._extra_state/" in key:
+            renames[key] = _object_per_layer(key) if src.moe_layers_stacked else key
     rng = _rng_objects(src, notes)
 
     where.mkdir(parents=True, exist_ok=True)
