@@ -6,6 +6,7 @@ recipe as plan.estimate computes it."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,13 +30,16 @@ def on_device(device: str, precision: str, *, deterministic: bool = False) -> li
     return [f"launch.device={device}", f"train.precision={precision}", f"train.deterministic={str(deterministic).lower()}"]
 
 
-def pretrain(run_dir: Path, overrides: list[str], recipe: Path | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
+def pretrain(run_dir: Path, overrides: list[str], recipe: Path | None = None, timeout: int = 900,
+             in_process: bool = False) -> subprocess.CompletedProcess:
     """`megacli pretrain [recipe] --set ...` in a fresh process; fails the test with the run's output
-    when it fails."""
+    when it fails. ``in_process``: a one-worker run's worker runs in that process (the CLI's
+    in-process path) instead of one the launcher starts."""
     sets = [*overrides, f"run.dir={run_dir}"]
     args = [sys.executable, "-m", "megacli", "pretrain", *([str(recipe)] if recipe else []),
             *[x for s in sets for x in ("--set", s)]]
-    out = subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    env = dict(os.environ, MEGACLI_IN_PROCESS="1") if in_process else None
+    out = subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out
 

@@ -12,6 +12,7 @@ Losses are read back from metrics.jsonl (log_interval 1: one record per step).""
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -46,10 +47,16 @@ def make_corpus(path: Path, docs: int = 240, seed: int = 0) -> Path:
     return path
 
 
-def run(args: list[str]) -> subprocess.CompletedProcess:
-    out = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=ROOT)
+def run(args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    out = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out
+
+
+def one_worker_env(overrides: list[str]) -> dict | None:
+    """One worker: run it in the launcher's process (the CLI's in-process path), sparing a worker start."""
+    nproc = [x for x in overrides if x.startswith("launch.nproc=")][-1:]
+    return dict(os.environ, MEGACLI_IN_PROCESS="1") if nproc == ["launch.nproc=1"] else None
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +101,7 @@ def layout(tp=1, pp=1, nproc=None, sp=False, dist_opt=False, recompute="none"):
 
 def pretrain(data: dict, run_dir: Path, overrides: list[str]) -> None:
     sets = [*common(data), *overrides, f"run.dir={run_dir}"]
-    run([sys.executable, "-m", "megacli", "pretrain", *[x for s in sets for x in ("--set", s)]])
+    run([sys.executable, "-m", "megacli", "pretrain", *[x for s in sets for x in ("--set", s)]], env=one_worker_env(sets))
 
 
 def records(run_dir: Path) -> dict[int, dict]:
@@ -195,7 +202,15 @@ def test_resume_reproduces_uninterrupted_run(arch, data, bert_trained, t5_traine
 
 
 def reshard(src: Path, dst: Path, *flags: str) -> str:
-    return run([sys.executable, "-m", "megacli", "reshard", str(src), str(dst), *flags, "--verify"]).stdout
+    """`megacli reshard SRC DST FLAGS --verify` in this process (the command itself, through its CLI)."""
+    from typer.testing import CliRunner
+
+    from megacli.cli import _register, app
+
+    _register()
+    res = CliRunner().invoke(app, ["reshard", str(src), str(dst), *flags, "--verify"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output[-3000:]
+    return res.stdout
 
 
 @pytest.mark.slow
@@ -215,7 +230,7 @@ def test_reshard_then_resume_continues_the_loss_curve(arch, data, bert_single, t
     if arch == "t5":  # the checkpoint holds distributed-optimizer state: a standard run says how to convert it
         fail = subprocess.run([sys.executable, "-m", "megacli", "pretrain", *[x for s in [*common(data), *model, *layout(),
                                f"run.dir={tmp_path / 'wrong'}", f"checkpoint.resume={ck_a / 'iter_0000003'}"] for x in ("--set", s)]],
-                              capture_output=True, text=True, timeout=600, cwd=ROOT)
+                              capture_output=True, text=True, timeout=600, cwd=ROOT, env=one_worker_env(layout()))
         assert fail.returncode == 2 and "--no-distributed-optimizer" in fail.stderr, fail.stderr[-2000:]
     kind = ["--no-distributed-optimizer"] if arch == "t5" else []
     out = reshard(ck_a / "iter_0000003", tmp_path / "r1", "--tensor", "1", "--pipeline", "1", *kind)

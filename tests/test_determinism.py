@@ -14,7 +14,8 @@ from tests._gpu import TINY_GPT, assert_bitwise, assert_loss_falls, on_device, p
 def test_two_deterministic_runs_are_bitwise_identical(tmp_path):
     runs = []
     for name in ("first", "second"):
-        pretrain(tmp_path / name, [*TINY_GPT, "train.iters=6", *on_device("cpu", "fp32", deterministic=True)])
+        pretrain(tmp_path / name, [*TINY_GPT, "train.iters=6", *on_device("cpu", "fp32", deterministic=True)],
+                 in_process=True)  # each run in its own fresh process, with no separate worker to start
         runs.append(steps(tmp_path / name))
     assert sorted(runs[0]) == list(range(1, 7))
     assert_loss_falls(runs[0], by=0.3)

@@ -150,14 +150,22 @@ def _megacli_eval(*args, timeout=900):
                           timeout=timeout)
 
 
-def _run_ours(root: Path, name: str, out: Path, *layout: str) -> dict:
+def _eval_args(root: Path, name: str, out: Path, *layout: str) -> list[str]:
     """``layout``: more command-line arguments (--tensor, --pipeline, --set)."""
-    res = _megacli_eval(root / name / "mc", "--tasks", ",".join(TASKS), "--include-path", root / "tasks",
-                        "--limit", LIMIT, "--batch-size", 3, "-o", out, *layout, "--set", "eval.log_samples=true",
-                        "--set", "eval.bootstrap_iters=0", "--set", f"run.dir={out.parent / 'run'}")
+    return [str(a) for a in (root / name / "mc", "--tasks", ",".join(TASKS), "--include-path", root / "tasks",
+                             "--limit", LIMIT, "--batch-size", 3, "-o", out, *layout, "--set", "eval.log_samples=true",
+                             "--set", "eval.bootstrap_iters=0", "--set", f"run.dir={out.parent / 'run'}")]
+
+
+def _run_ours(root: Path, name: str, out: Path, *layout: str) -> dict:
+    res = _megacli_eval(*_eval_args(root, name, out, *layout))
     assert res.returncode == 0, res.stderr[-4000:]
+    return _read_ours(res.stdout, out)
+
+
+def _read_ours(stdout: str, out: Path) -> dict:
     for task in TASKS:
-        assert task in res.stdout and f"{task}: " in res.stdout  # the table and the speed line
+        assert task in stdout and f"{task}: " in stdout  # the table and the speed line
     record = json.loads(out.read_text())
     assert set(record["megacli"]["timing"]) == set(TASKS)
     assert all(t["tokens"] > 0 and t["tokens_per_second"] > 0 for t in record["megacli"]["timing"].values())
@@ -187,12 +195,37 @@ def _assert_same(ours: dict, ref: dict) -> None:
                     assert _close(a[0], b[0]) and a[1] == b[1], (task, doc, a, b)
 
 
+# The one-process `megacli eval` runs (each model at TP=1, and GPT-2 with eval.add_bos), one after the
+# other in one interpreter (the command's single-process path runs in the process that calls it);
+# each run's console output is told apart by a marker line.
+_TP1_SCRIPT = ("import sys, json\nfrom megacli.cli import _register, app\n_register()\n"
+               "for key, args in json.loads(sys.argv[1]):\n"
+               "    print(f'@@run {key}', flush=True)\n"
+               "    app(['eval', *args], standalone_mode=False)\n"
+               "    sys.stdout.flush()\n")
+
+
+@pytest.fixture(scope="module")
+def tp1_runs(prepared, tmp_path_factory):
+    root, _ = prepared
+    base = tmp_path_factory.mktemp("eval_tp1")
+    runs = {name: (name, ()) for name in [*NAMES, MOE]}
+    runs["gpt2+bos"] = ("gpt2", ("--set", "eval.add_bos=true"))
+    args = [[key, _eval_args(root, name, base / key.replace("+", "_") / "results.json", *extra)]
+            for key, (name, extra) in runs.items()]
+    res = subprocess.run([sys.executable, "-c", _TP1_SCRIPT, json.dumps(args)], capture_output=True, text=True,
+                         timeout=1800)
+    assert res.returncode == 0, res.stderr[-4000:]
+    outputs = dict(part.split("\n", 1) for part in res.stdout.split("@@run ")[1:])
+    assert sorted(outputs) == sorted(runs), res.stdout[-2000:]
+    return {key: _read_ours(outputs[key], base / key.replace("+", "_") / "results.json") for key in runs}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [*NAMES, MOE])
-def test_tp1_equals_the_harness_hf_backend(prepared, name, tmp_path):
-    root, refs = prepared
-    ours = _run_ours(root, name, tmp_path / "results.json")
-    _assert_same(ours, refs[name])
+def test_tp1_equals_the_harness_hf_backend(prepared, tp1_runs, name):
+    _, refs = prepared
+    _assert_same(tp1_runs[name], refs[name])
     assert any(text for text in refs[name]["tiny_generate"]["answers"]), "something was generated"
 
 
@@ -204,14 +237,23 @@ def test_tp2_pp2_equals_the_harness_hf_backend(prepared, tmp_path):
 
 
 @pytest.mark.slow
-def test_add_bos_equals_the_hf_backend_with_add_bos_token(prepared, tmp_path):
+def test_add_bos_equals_the_hf_backend_with_add_bos_token(prepared, tp1_runs):
     """eval.add_bos puts the BOS token first in every context as the hf backend's add_bos_token
     does; the two references differ, so a run that ignored add_bos would fail here."""
-    root, refs = prepared
+    _, refs = prepared
     with_bos, without = refs["gpt2+bos"], refs["gpt2"]
     assert all(with_bos[t]["answers"] != without[t]["answers"] for t in TASKS), "BOS changes every task's answers"
-    ours = _run_ours(root, "gpt2", tmp_path / "results.json", "--set", "eval.add_bos=true")
-    _assert_same(ours, with_bos)
+    _assert_same(tp1_runs["gpt2+bos"], with_bos)
+
+
+def _eval_here(*args):
+    """`megacli eval ARGS` in this process, through its CLI (these runs stop before any model loads)."""
+    from typer.testing import CliRunner
+
+    from megacli.cli import _register, app
+
+    _register()
+    return CliRunner().invoke(app, ["eval", *map(str, args)], env={"COLUMNS": "400"})
 
 
 @pytest.mark.slow
@@ -219,16 +261,16 @@ def test_errors_come_before_the_model_loads(prepared, tmp_path):
     root, _ = prepared
     tasks = write_tasks(tmp_path, missing=True)
     ckpt = root / "gpt2" / "mc"
-    res = _megacli_eval(ckpt, "--tasks", "tiny_missing", "--include-path", tasks, "--set", f"run.dir={tmp_path / 'run'}")
-    assert res.returncode == 2 and "task tiny_missing" in res.stderr and "nowhere.jsonl" in res.stderr, res.stderr
+    res = _eval_here(ckpt, "--tasks", "tiny_missing", "--include-path", tasks, "--set", f"run.dir={tmp_path / 'run'}")
+    assert res.exit_code == 2 and "task tiny_missing" in res.stderr and "nowhere.jsonl" in res.stderr, res.stderr
     assert "Traceback" not in res.stderr and not (tmp_path / "run").exists()
-    res = _megacli_eval(ckpt, "--tasks", "tiny_lambada,no_such_task", "--include-path", tasks)
-    assert res.returncode == 2 and "unknown lm-evaluation-harness task(s) no_such_task" in res.stderr, res.stderr
+    res = _eval_here(ckpt, "--tasks", "tiny_lambada,no_such_task", "--include-path", tasks)
+    assert res.exit_code == 2 and "unknown lm-evaluation-harness task(s) no_such_task" in res.stderr, res.stderr
     recipe = tmp_path / "eval.yaml"
     recipe.write_text(f"eval:\n  checkpoint: {ckpt}\n  include_path: {tasks}\n  tasks: [tiny_lambada, no_such_task]\n")
-    res = _megacli_eval("--recipe", recipe)
-    assert res.returncode == 2 and "unknown lm-evaluation-harness task(s) no_such_task" in res.stderr, res.stderr
-    res = _megacli_eval(ckpt, "--include-path", tasks)
-    assert res.returncode == 2 and "eval.tasks" in res.stderr, res.stderr
-    res = _megacli_eval(tmp_path, "--tasks", "tiny_lambada")
-    assert res.returncode == 2 and "not a megacli checkpoint" in res.stderr, res.stderr
+    res = _eval_here("--recipe", recipe)
+    assert res.exit_code == 2 and "unknown lm-evaluation-harness task(s) no_such_task" in res.stderr, res.stderr
+    res = _eval_here(ckpt, "--include-path", tasks)
+    assert res.exit_code == 2 and "eval.tasks" in res.stderr, res.stderr
+    res = _eval_here(tmp_path, "--tasks", "tiny_lambada")
+    assert res.exit_code == 2 and "not a megacli checkpoint" in res.stderr, res.stderr

@@ -172,9 +172,14 @@ def chain(tmp_path_factory):
     out = {"root": root}
     res, out["A"] = pretrain(root / "run_a", layout() + [f"checkpoint.dir={root / 'ck_a'}", "checkpoint.save_interval=2"])
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
-    res = subprocess.run([sys.executable, "-m", "megacli", "reshard", str(root / "ck_a" / "iter_0000002"),
-                          str(root / "std"), "--no-distributed-optimizer"], capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout + res.stderr
+    from typer.testing import CliRunner
+
+    from megacli.cli import _register, app
+
+    _register()  # the reshard command in this process: no interpreter to start
+    res = CliRunner().invoke(app, ["reshard", str(root / "ck_a" / "iter_0000002"), str(root / "std"),
+                                   "--no-distributed-optimizer"])
+    assert res.exit_code == 0, res.output
     spawn(_write, 4, str(root), timeout=900)
     for name, dist_opt in (("dist", True), ("plain", False)):
         res, out[name] = pretrain(root / f"run_{name}", layout(dist_opt=dist_opt)

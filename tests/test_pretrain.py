@@ -36,7 +36,10 @@ def layout(tp=1, pp=1, vp=None, nproc=None, sp=False, dist_opt=False):
 def pretrain(tmp: Path, name: str, overrides: list[str], check=True) -> subprocess.CompletedProcess:
     sets = [*TINY, *overrides, f"run.dir={tmp / name}"]
     args = [sys.executable, "-m", "megacli", "pretrain", *[x for s in sets for x in ("--set", s)]]
-    out = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    # One worker: run it in the launcher's process (the CLI's in-process path), sparing a worker start.
+    nproc = [x for x in sets if x.startswith("launch.nproc=")][-1:]
+    env = dict(os.environ, MEGACLI_IN_PROCESS="1") if nproc == ["launch.nproc=1"] else None
+    out = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
     if check:
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out

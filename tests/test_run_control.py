@@ -84,33 +84,28 @@ def test_time_limit_saves_and_exits_0(tmp_path):
 
 
 @pytest.mark.slow
-def test_workers_die_with_a_killed_launcher(tmp_path):
+def test_a_second_job_on_the_same_run_dir_is_refused_and_workers_die_with_a_killed_launcher(tmp_path):
+    """One running job: a second job on its run directory is refused; the launcher is killed and its
+    workers die with it; the killed launcher's lock is stale and the next job takes it over."""
     proc = start(tmp_path / "run", *FOREVER)
-    wait_for_steps(proc, tmp_path / "run", 1)
-    workers = workers_of(proc)
-    assert workers
-    proc.stdout.close()  # the workers hold the pipes too
-    proc.stderr.close()
-    proc.kill()
-    proc.wait()
-    _, alive = psutil.wait_procs(workers, timeout=10)
-    for p in alive:
-        p.kill()
-    assert not alive, "workers outlived their launcher"
-
-
-@pytest.mark.slow
-def test_a_second_job_on_the_same_run_dir_is_refused(tmp_path):
-    proc = start(tmp_path / "run", *FOREVER)
+    workers = []
     try:
         wait_for_steps(proc, tmp_path / "run", 1)
+        workers = workers_of(proc)
+        assert workers
         out = subprocess.run(command(tmp_path / "run"), capture_output=True, text=True, timeout=300)
         assert out.returncode == 2 and "Traceback" not in out.stderr
         assert f"{(tmp_path / 'run').resolve()} is in use by job" in " ".join(out.stderr.split())
         assert f"pid {proc.pid}" in out.stderr
     finally:
+        proc.stdout.close()  # the workers hold the pipes too
+        proc.stderr.close()
         proc.kill()
         proc.wait()
+        _, alive = psutil.wait_procs(workers, timeout=10)
+        for p in alive:
+            p.kill()
+    assert not alive, "workers outlived their launcher"
     # The launcher was killed: its lock is stale and the next job takes it over.
     out = subprocess.run(command(tmp_path / "run", "train.iters=2"), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
