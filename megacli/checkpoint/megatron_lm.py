@@ -24,7 +24,7 @@ from megacli.checkpoint.layout import is_megatron_lm_dir, is_torch_dist_iteratio
 from megacli.checkpoint.legacy_args import (ArgsDescribed, arg, model_section_from_args, moe_refusals,
                                           t5_refusals)
 from megacli.checkpoint.safe_pickle import COMMON, DCP_METADATA, torch_load
-from megacli.checkpoint.torch_dist import NOT_MODEL, STACKED, TorchDistReader
+from megacli.checkpoint.torch_dist import NOT_MODEL, STACKED, TorchDistReader, is_extra_state
 from megacli.errors import UserError
 
 __all__ = ["FORMAT", "MegatronLMCheckpoint", "canonical_key", "is_megatron_lm_dir", "recipe_for_weights",
@@ -57,7 +57,7 @@ def canonical_key(key: str, stored: set[str]) -> str | None:
     (a MoE layer's pre-MLP norm stays separate). Megatron-Core's local spec maps
     ``pre_mlp_layernorm.`` to ``mlp.linear_fc1.layer_norm_`` on save in every layer, so a MoE
     layer's norm (its MLP has no linear_fc1) is stored under that name: renamed back."""
-    if key.endswith("_extra_state") or "._extra_state/" in key:
+    if is_extra_state(key):
         return None
     moe = _MOE_LOCAL_NORM.search(key)
     if moe is not None:

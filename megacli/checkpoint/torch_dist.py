@@ -34,6 +34,12 @@ from megacli.errors import UserError
 # A layer-stacked key (``decoder.layers.self_attention...``): its tensors have a leading layer axis.
 STACKED = re.compile(r"(?:^|\.)layers\.(?!\d)")
 
+def is_extra_state(key: str) -> bool:
+    """A module's ``_extra_state`` entry (Transformer Engine's FP8 bookkeeping; None in the local
+    spec), stored as a sharded object (``..._extra_state/shard_...``): not a weight."""
+    return key.endswith("_extra_state") or "._extra_state/" in key
+
+
 # First key components of the checkpoint entries that are not model weights.
 NOT_MODEL = ("optimizer", "rng_state", "scheduler")
 

@@ -33,7 +33,7 @@ from megacli.checkpoint.layout import (
     tmp_sibling,
 )
 from megacli.checkpoint.safe_pickle import torch_load
-from megacli.checkpoint.torch_dist import write_torch_dist
+from megacli.checkpoint.torch_dist import is_extra_state, write_torch_dist
 from megacli.errors import UserError
 from megacli.reshard.digest import Digest, bytes_digest, object_digest
 from megacli.checkpoint.megacli_checkpoint import Checkpoint
@@ -382,10 +382,11 @@ def _verify_against(plan: Plan, tgt: Checkpoint, progress=None) -> VerifyReport:
             done(key)
             continue
         try:
-            if RNG_KEY.match(key) or "._extra_state/" in key:
+            extra = is_extra_state(key)
+            if RNG_KEY.match(key) or extra:
                 got, want = reader.read_object(key), torch_load(io.BytesIO(entry.produce()), trust=reader.trust_pickle,
                                                                 name=f"the planned {key}")
-                if "._extra_state/" in key:
+                if extra:
                     # Transformer Engine's FP8 bookkeeping, not weights: compared where both sides
                     # record some (a local-spec checkpoint records none for a TE-spec one's).
                     got, want = _extra_state(got), _extra_state(want)

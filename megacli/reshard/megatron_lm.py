@@ -37,7 +37,7 @@ from megacli.checkpoint.megacli_checkpoint import OPT_PREFIX, split_optimizer_ke
 from megacli.checkpoint.megatron_lm import MegatronLMCheckpoint, canonical_key
 from megacli.checkpoint.megatron_lm_write import RNG_FIELDS
 from megacli.checkpoint.safe_pickle import DCP_METADATA
-from megacli.checkpoint.torch_dist import BACKEND_META, STACKED
+from megacli.checkpoint.torch_dist import BACKEND_META, STACKED, is_extra_state
 from megacli.errors import UserError
 from megacli.reshard.legacy import STAGING_PREFIX
 
@@ -177,7 +177,7 @@ def import_to_staging(path: Path, *, where: Path, trust_pickle: bool = False) ->
                 if name is not None:
                     renames[key] = f"{OPT_PREFIX}{state}.{name}"
     for key in src.reader.objects:
-        if "._extra_state/" in key:
+        if is_extra_state(key):
             renames[key] = _object_per_layer(key) if src.moe_layers_stacked else key
     rng = _rng_objects(src, notes)
 
