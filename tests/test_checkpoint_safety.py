@@ -114,6 +114,21 @@ def test_reshard_convert_generate_and_resume_refuse_code(poisoned, tmp_path):
     assert not any(p.name not in ("ck",) for p in tmp_path.iterdir()), sorted(p.name for p in tmp_path.iterdir())
 
 
+def test_a_checkpoint_cannot_grant_itself_trust(poisoned, tmp_path):
+    """checkpoint.trust_pickle: true in the checkpoint's own recipe.yaml lifts nothing: generate and eval
+    refuse."""
+    import yaml
+
+    root, marker, which = poisoned
+    saved = root / ITER / "recipe.yaml"
+    raw = yaml.safe_load(saved.read_text())
+    raw["checkpoint"]["trust_pickle"] = True
+    raw["eval"] = {"tasks": ["x"], "trust_task_code": True}
+    saved.write_text(yaml.safe_dump(raw))
+    assert_refused(cli("generate", "-c", root, "--prompt", "x"), marker, which)
+    assert_refused(cli("eval", root, "--tasks", "x"), marker, which)
+
+
 def test_convert_runs_code_only_when_trusted(poisoned, tmp_path):
     root, marker, which = poisoned
     res = cli("convert", root, tmp_path / "hf", "--trust-pickle")

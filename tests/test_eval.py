@@ -274,3 +274,49 @@ def test_errors_come_before_the_model_loads(prepared, tmp_path):
     assert res.exit_code == 2 and "eval.tasks" in res.stderr, res.stderr
     res = _eval_here(tmp_path, "--tasks", "tiny_lambada")
     assert res.exit_code == 2 and "not a megacli checkpoint" in res.stderr, res.stderr
+
+
+def write_code_tasks(root: Path, marker: Path) -> Path:
+    """Task YAMLs naming Python whose import creates ``marker``: fnt (``!function utils.doc_to_text``
+    beside it), inc (no tag itself; it includes ../shared/base.yaml, which has one) and metric (a
+    metric script that Hugging Face evaluate would load)."""
+    tasks, shared = root / "tasks", root / "shared"
+    tasks.mkdir(parents=True)
+    shared.mkdir()
+    data = root / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in LAMBADA))
+    head = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+    body = "output_type: loglikelihood\ndoc_to_target: \"{{' ' + text.split(' ')[-1]}}\"\n"
+    importing = f"open({str(marker)!r}, 'w').close()\ndef doc_to_text(doc):\n    return doc['text']\n"
+    for where in (tasks, shared):
+        (where / "utils.py").write_text(importing)
+    (tasks / "fnt.yaml").write_text("task: fnt\n" + head + body + "doc_to_text: !function utils.doc_to_text\n")
+    (shared / "base.yaml").write_text(head + body + "doc_to_text: !function utils.doc_to_text\n")
+    (tasks / "inc.yaml").write_text("task: inc\ninclude: ../shared/base.yaml\n")
+    return tasks
+
+
+def test_task_code_is_refused_unless_trusted(tmp_path):
+    """`!function` (directly, or in a YAML reached through `include:`) is refused before anything
+    is imported, naming the file and the function; --trust-task-code lets it run."""
+    from megacli.errors import UserError
+    from megacli.inference.evaluate import check_tasks
+    from megacli.inference.task_code import task_code
+    from megacli.recipe.harness import HarnessSection
+
+    marker = tmp_path / "code-ran"
+    tasks = write_code_tasks(tmp_path, marker)
+    (tasks / "metric.yaml").write_text("task: metric\ndataset_path: json\noutput_type: loglikelihood\n"
+                                       f"metric_list:\n  - {{metric: {tmp_path / 'evil.py'}}}\n")
+    found = "\n".join(task_code(tasks))
+    assert f"{tasks / 'fnt.yaml'}: doc_to_text: !function utils.doc_to_text" in found, found
+    assert f"{(tmp_path / 'shared' / 'base.yaml')}: doc_to_text: !function utils.doc_to_text" in found, found
+    assert f"{tasks / 'metric.yaml'}: metric_list.0.metric: metric '{tmp_path / 'evil.py'}'" in found, found
+    assert task_code(write_tasks(tmp_path / "plain")) == []  # harness tasks without code pass
+    for name in ("fnt", "inc"):
+        with pytest.raises(UserError, match=r"fnt\.yaml: doc_to_text: !function utils\.doc_to_text.*--trust-task-code"):
+            check_tasks(HarnessSection(tasks=[name], include_path=str(tasks)))
+    assert not marker.exists()
+    (tasks / "metric.yaml").unlink()
+    check_tasks(HarnessSection(tasks=["fnt"], include_path=str(tasks), trust_task_code=True))
+    assert marker.exists()  # the test's task really imports code

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from megacli.cli.common import SetOpt, guarded
+from megacli.cli.common import TRUST_PICKLE_HELP, TRUST_TASK_CODE_HELP, SetOpt, guarded
 from megacli.cli.root import app
 
 
@@ -29,6 +29,8 @@ def eval_(
     include_path: Annotated[Optional[Path], _opt("Directory of custom task YAMLs (local data).", "--include-path")] = None,
     output: Annotated[Optional[Path], _opt("Write the harness's results JSON here.", "--output", "-o")] = None,
     recipe: Annotated[Optional[Path], _opt("YAML recipe with an `eval:` section (flags override it).", "--recipe")] = None,
+    trust_task_code: Annotated[bool, typer.Option("--trust-task-code", help=TRUST_TASK_CODE_HELP)] = False,
+    trust_pickle: Annotated[bool, typer.Option("--trust-pickle", help=TRUST_PICKLE_HELP)] = False,
     set_: SetOpt = None,
 ) -> None:
     from megacli.cli.generate import build_recipe, launch_job
@@ -39,6 +41,9 @@ def eval_(
     flags = {k: v for k, v in flags.items() if v is not None}
     if tasks is not None:
         flags["tasks"] = [t.strip() for t in tasks.split(",") if t.strip()]
-    job = build_recipe(recipe, flags, tensor=tensor, pipeline=pipeline, overrides=set_ or [], job="eval")
+    if trust_task_code:
+        flags["trust_task_code"] = True
+    job = build_recipe(recipe, flags, tensor=tensor, pipeline=pipeline, overrides=set_ or [], job="eval",
+                       trust_pickle=trust_pickle)
     check_tasks(job.eval)  # before any model is loaded: unknown tasks, data not available
     launch_job(job, "eval")

@@ -56,8 +56,7 @@ def generate(
         flags["use_cache"] = False
     if output:  # before the checkpoint is read at all
         check_writable(output)
-    overrides = (set_ or []) + (["checkpoint.trust_pickle=true"] if trust_pickle else [])
-    job = build_recipe(recipe, flags, tensor=tensor, pipeline=pipeline, overrides=overrides)
+    job = build_recipe(recipe, flags, tensor=tensor, pipeline=pipeline, overrides=set_ or [], trust_pickle=trust_pickle)
     g = job.generate
     if g.output and not output:  # the recipe file's generate.output
         check_writable(Path(g.output))
@@ -71,9 +70,10 @@ def generate(
 
 
 def build_recipe(recipe_path: Optional[Path], flags: dict, *, tensor: Optional[int], pipeline: Optional[int],
-                 overrides: list[str], job: str = "generate"):
-    """The checkpoint's recipe, then the RECIPE file's sections, then the flags (the ``job``
-    section: generate or eval), then --set."""
+                 overrides: list[str], job: str = "generate", trust_pickle: bool = False):
+    """The checkpoint's recipe (less any trust it claims: megacli.trust), then the RECIPE file's
+    sections, then the flags (the ``job`` section: generate or eval), then --set."""
+    from megacli import trust
     from megacli.checkpoint.layout import find_checkpoint
     from megacli.checkpoint.megatron_lm import is_megatron_lm_dir, recipe_for_weights
     from megacli.checkpoint.safe_pickle import check_checkpoint
@@ -82,6 +82,8 @@ def build_recipe(recipe_path: Optional[Path], flags: dict, *, tensor: Optional[i
     from megacli.recipe.jobs import recipe_model
 
     given = base.read_yaml(recipe_path) if recipe_path else {}
+    if trust_pickle:
+        given["checkpoint"] = {**(given.get("checkpoint") or {}), "trust_pickle": True}
     section = {**(given.get(job) or {}), **flags}
     source = section.get("checkpoint")
     if not source:
@@ -91,12 +93,12 @@ def build_recipe(recipe_path: Optional[Path], flags: dict, *, tensor: Optional[i
     if ckpt is not None:
         carried = base.read_yaml(ckpt / "recipe.yaml")
     elif is_megatron_lm_dir(Path(source)):  # the model from its run's args
-        trust = bool((given.get("checkpoint") or {}).get("trust_pickle")) or "checkpoint.trust_pickle=true" in overrides
-        ckpt, carried = recipe_for_weights(Path(source), trust_pickle=trust)
+        user = base.apply_overrides(given, overrides)
+        ckpt, carried = recipe_for_weights(Path(source), trust_pickle=trust.granted(user, "checkpoint", "trust_pickle"))
     else:
         raise UserError(f"{source}: not a megacli checkpoint (no `latest` or megacli.json) nor a Megatron-LM torch_dist "
                         f"one; convert a Hugging Face model with `megacli convert` first")
-    raw = _merge(carried, given)
+    raw = _merge(trust.carried(carried), given)
     raw[job] = section
     if job != "generate":  # the inference runner loads generate.checkpoint
         raw["generate"] = {**(given.get("generate") or {}), "checkpoint": source}

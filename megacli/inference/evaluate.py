@@ -23,8 +23,11 @@ def import_harness():
 def task_manager(ev):
     from lm_eval.tasks import TaskManager
 
+    from megacli.inference.task_code import check_task_code
+
     if ev.include_path and not Path(ev.include_path).is_dir():
         raise UserError(f"eval.include_path = {ev.include_path!r}: no such directory")
+    check_task_code(ev)  # before the harness reads (and imports from) any task YAML
     if ev.include_path:
         # Indexing the harness's own ~15k task YAMLs takes half a minute: skip it when the
         # include path alone defines (and loads) every task asked for.

@@ -1,0 +1,30 @@
+"""Who may lift megacli's guards against code in what it reads from outside: only the user.
+
+Two guards: the pickle allow-list (megacli.checkpoint.safe_pickle; lifted by ``--trust-pickle`` /
+``checkpoint.trust_pickle``) and the refusal of harness task YAMLs that import Python
+(megacli.inference.task_code; lifted by ``--trust-task-code`` / ``eval.trust_task_code``). A flag on
+the command line, the recipe file the user passed and ``--set`` may lift them. A recipe read out of a
+checkpoint, a run directory or a tracker file goes through ``carried`` before it is merged with the
+user's, so a downloaded checkpoint cannot grant itself trust.
+"""
+
+from __future__ import annotations
+
+# (section, field) of every recipe field that lifts a guard.
+FIELDS = (("checkpoint", "trust_pickle"), ("convert", "trust_pickle"), ("reshard", "trust_pickle"),
+          ("eval", "trust_task_code"))
+
+
+def carried(raw: dict) -> dict:
+    """``raw``, a recipe read from a checkpoint or run directory, without any trust it claims."""
+    out = dict(raw)
+    for section, field in FIELDS:
+        if isinstance(out.get(section), dict) and field in out[section]:
+            out[section] = {k: v for k, v in out[section].items() if k != field}
+    return out
+
+
+def granted(user: dict, section: str, field: str) -> bool:
+    """Whether the user's own recipe (their file with --set and flags applied; never a carried one)
+    sets ``section.field`` to true."""
+    return (user.get(section) or {}).get(field) is True
