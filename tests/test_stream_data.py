@@ -412,3 +412,40 @@ def test_a_samples_loss_mask_does_not_depend_on_what_was_read_before(tmp_path):
         want = (labels != tok.pad).float()
         assert torch.equal(alone[k]["loss_mask"], want), k
         assert torch.equal(after_a_padded_one[k]["loss_mask"], want), k
+
+
+def test_a_pickle_in_the_index_cache_is_refused(tmp_path):
+    """Megatron-Core loads its cached index files with numpy.load(allow_pickle=True): a pickle saved
+    under such a name is refused, naming it, and never unpickled."""
+    import pickle
+
+    from megacli.data.preprocess import Job, run
+    from megacli.data.tokenizers import load_tokenizer
+    from megacli.engine.data import build_gpt_datasets
+    from megacli.errors import UserError
+
+    corpus = write_jsonl(tmp_path / "c.jsonl", ["ab", "cde", "fghij"] * 10)
+    run(Job(inputs=[str(corpus)], output_prefix=str(tmp_path / "c"), keys=["text"], tokenizer_type="byte",
+            tokenizer_path=None, append_eod=True, workers=0, progress=False))
+    tok, cache, marker = load_tokenizer(type="byte", path=None), tmp_path / "cache", tmp_path / "code-ran"
+
+    def build():
+        return build_gpt_datasets(data=DataSection(path=str(tmp_path / "c_text_document"), split="1,0,0"), seq_length=SEQ,
+                                  seed=1, tokenizer=tok, train_samples=4, valid_samples=0, cache_dir=str(cache)).train
+
+    built = len(build())
+    index = sorted(cache.glob("*document_index.npy"))[0]
+
+    class Payload:
+        def __reduce__(self):
+            return eval, (f"open({str(marker)!r}, 'w').close() or __import__('numpy').arange(3)",)
+
+    index.write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(UserError, match=rf"{index.name}: not a \.npy array file .*loading it could run code"):
+        build()
+    np.save(index, np.array([{"x": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(UserError, match=rf"{index.name}: an array of Python objects"):
+        build()
+    assert not marker.exists()
+    index.unlink()
+    assert len(build()) == built  # a deleted index is rebuilt

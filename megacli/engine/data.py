@@ -37,6 +37,42 @@ class Splits:
     test: object | None
 
 
+def build_megatron_splits(cls, sizes: list, config) -> tuple:
+    """Megatron-Core's BlendedMegatronDatasetBuilder, its index cache checked first."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+
+    if config.path_to_cache:
+        check_index_cache(Path(config.path_to_cache))
+    return BlendedMegatronDatasetBuilder(cls, sizes, is_built_on_rank, config).build()
+
+
+def check_index_cache(cache_dir: Path) -> None:
+    """Refuse a cached index that is not a plain numpy array file: Megatron-Core loads them with
+    ``numpy.load(allow_pickle=True)``, so a pickle saved under a cache file's name would run code."""
+    for path in sorted(cache_dir.glob("*.npy")) if cache_dir.is_dir() else []:
+        problem = _not_plain_array(path)
+        if problem:
+            raise UserError(f"{path}: {problem}, not an index Megatron-Core could have written; loading it could run "
+                            f"code. Delete it (the index is rebuilt) or use another data.cache_dir")
+
+
+def _not_plain_array(path: Path) -> str | None:
+    import stat
+
+    if not stat.S_ISREG(path.stat().st_mode):
+        return "not a regular file"
+    readers = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+    try:
+        with open(path, "rb") as fh:
+            version = np.lib.format.read_magic(fh)
+            if version not in readers:
+                return f"a .npy file of format version {version}"
+            dtype = readers[version](fh)[2]
+    except (ValueError, OSError) as exc:
+        return f"not a .npy array file ({exc})"
+    return "an array of Python objects" if dtype.hasobject else None
+
+
 def megatron_blend(data) -> tuple[list[str], list[float] | None]:
     """The data section as Megatron's blend: (prefixes, weights); weights None for one dataset."""
     if data.path:
@@ -61,7 +97,6 @@ def stream_data(*, data, tokenizer_section, tokenizer, vocab_size: int | None, s
 
 def build_gpt_datasets(*, data, seq_length: int, seed: int, tokenizer, train_samples: int, valid_samples: int,
                        cache_dir: str) -> Splits:
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
     ds_tok = DatasetTokenizer(vocab_size=tokenizer.vocab_size, eod=tokenizer.eod, pad=getattr(tokenizer, "pad", None),
@@ -84,7 +119,7 @@ def build_gpt_datasets(*, data, seq_length: int, seed: int, tokenizer, train_sam
         mmap_bin_files=True,
     )
     cls = MockGPTDataset if data.mock else GPTDataset
-    train, valid, test = BlendedMegatronDatasetBuilder(cls, [train_samples, valid_samples, 0], is_built_on_rank, config).build()
+    train, valid, test = build_megatron_splits(cls, [train_samples, valid_samples, 0], config)
     if train is None:
         raise UserError(f"data.split = {data.split!r} leaves no training documents")
     for split in (train, valid, test):
@@ -135,7 +170,6 @@ def named_validation_sets(*, data, sft, train, tokenizer, tokenizer_path: str | 
 def build_named_gpt_sets(*, sets: dict[str, str], seq_length: int, tokenizer, cache_dir: str) -> dict:
     """data.valid: name -> the whole dataset of its prefix as Megatron's validation split (split
     0,1,0 through BlendedMegatronDatasetBuilder), its samples in file order."""
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
     ds_tok = DatasetTokenizer(vocab_size=tokenizer.vocab_size, eod=tokenizer.eod, pad=getattr(tokenizer, "pad", None),
@@ -151,8 +185,7 @@ def build_named_gpt_sets(*, sets: dict[str, str], seq_length: int, tokenizer, ca
                                   path_to_cache=cache_dir, tokenizer=ds_tok, reset_position_ids=False,
                                   reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
                                   mmap_bin_files=True)
-        _, valid, _ = BlendedMegatronDatasetBuilder(sequential_gpt_dataset_class(), [0, None, 0], is_built_on_rank,
-                                                    config).build()
+        _, valid, _ = build_megatron_splits(sequential_gpt_dataset_class(), [0, None, 0], config)
         own_masks_per_sample(valid)
         out[name] = valid
     return out
@@ -307,7 +340,6 @@ def build_masked_datasets(*, arch: str, data, masking, seq_length: int, decoder_
     """Megatron-Core's BERTMaskedWordPieceDataset (masked LM + sentence order) or
     T5MaskedWordPieceDataset (span corruption) over sentence-split indexed datasets."""
     from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDatasetConfig
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDatasetConfig
 
     tokenizer.require(arch)
@@ -336,7 +368,7 @@ def build_masked_datasets(*, arch: str, data, masking, seq_length: int, decoder_
     else:
         config = T5MaskedWordPieceDatasetConfig(sequence_length_decoder=decoder_seq_length, **common)
     cls = masked_dataset_classes()[arch]
-    train, valid, test = BlendedMegatronDatasetBuilder(cls, [train_samples, valid_samples, 0], is_built_on_rank, config).build()
+    train, valid, test = build_megatron_splits(cls, [train_samples, valid_samples, 0], config)
     if train is None:
         raise UserError(f"data.split = {data.split!r} leaves no training documents")
     return Splits(train, valid, test)
