@@ -136,6 +136,72 @@ def test_convert_runs_code_only_when_trusted(poisoned, tmp_path):
     assert marker.exists() == (which == ".metadata")  # a conversion never reads the common state
 
 
+def _copy(clean: Path, tmp_path: Path) -> tuple[Path, Path]:
+    import shutil
+
+    shutil.copytree(clean, tmp_path / "ck")
+    it = tmp_path / "ck" / ITER
+    return it, sorted(it.glob("*.distcp"))[0]
+
+
+@pytest.mark.parametrize("relative", ["/etc/passwd", "../outside.distcp", "a/../../outside.distcp"])
+def test_metadata_may_not_name_files_outside_the_checkpoint(clean, tmp_path, relative):
+    from megacli.checkpoint.safe_pickle import check_torch_dist
+    from megacli.errors import UserError
+
+    it, shard = _copy(clean, tmp_path)
+    (tmp_path / "outside.distcp").write_bytes(shard.read_bytes())
+    metadata = pickle.loads((it / ".metadata").read_bytes())
+    for storage in metadata.storage_data.values():
+        storage.relative_path = relative
+    (it / ".metadata").write_bytes(pickle.dumps(metadata))
+    res = cli("reshard", "inspect", tmp_path / "ck")
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and f"names the file '{relative}', which is outside {it}" in text, res.output
+    with pytest.raises(UserError, match="outside"):
+        check_torch_dist(it, trust=True)  # trusting pickles does not lift it
+
+
+def test_a_symlinked_shard_leaving_the_checkpoint_is_refused(clean, tmp_path):
+    it, shard = _copy(clean, tmp_path)
+    elsewhere = tmp_path / "elsewhere.distcp"
+    shard.rename(elsewhere)
+    shard.symlink_to(elsewhere)
+    res = cli("reshard", "inspect", tmp_path / "ck", "--trust-pickle")
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and f"{shard}: a symbolic link to {elsewhere}, outside the checkpoint" in text, res.output
+    shard.unlink()
+    (it / "moved").mkdir()
+    elsewhere.rename(it / "moved" / shard.name)
+    shard.symlink_to(Path("moved") / shard.name)  # a link that stays inside is read
+    assert cli("reshard", "inspect", tmp_path / "ck").exit_code == 0
+
+
+def test_a_fifo_in_place_of_a_shard_is_refused_not_waited_on(clean, tmp_path):
+    """Nothing ever writes to the FIFO: opening it would block forever (the alarm stops the test)."""
+    import os
+    import signal
+
+    it, shard = _copy(clean, tmp_path)
+    shard.unlink()
+    os.mkfifo(shard)
+
+    def hung(signum, frame):
+        raise TimeoutError("megacli waited on the FIFO")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)
+    try:
+        for args in (("generate", "-c", tmp_path / "ck", "--prompt", "x", "--trust-pickle"),
+                     ("reshard", "inspect", tmp_path / "ck")):
+            res = cli(*args)
+            text = " ".join(res.output.split())
+            assert res.exit_code == 2 and f"{shard}: a FIFO (named pipe), not a regular file" in text, (args, res.output)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def test_rng_objects_are_restricted_too(tmp_path):
     """Sharded objects (RNG state) are unpickled by torch's reader without restriction: checked first."""
     from megacli.checkpoint.safe_pickle import check_torch_dist

@@ -20,6 +20,7 @@ import argparse
 import enum
 import functools
 import io
+import os
 import pickle
 import re
 import signal
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from megacli.checkpoint.files import check_members, named_inside, require_regular
 from megacli.errors import UserError
 
 DCP_METADATA = ".metadata"
@@ -124,6 +126,8 @@ def allow_checked_globals():
 def torch_load(source, *, trust: bool, name, mmap: bool = False):
     """``torch.load`` of a file or file object ``source`` (``name``: the file, for messages),
     restricted to tensors and the allow-listed globals unless ``trust``."""
+    if isinstance(source, (str, Path)):
+        require_regular(Path(source))
     if trust:
         return torch.load(source, map_location="cpu", weights_only=False, mmap=mmap)
     megatron = False
@@ -180,13 +184,19 @@ def _unsafe_globals(source, exc: Exception, megatron: bool) -> str | None:
 def check_torch_dist(ckpt: Path, *, trust: bool):
     """Refuse a torch_dist checkpoint directory whose pickles (``.metadata``, ``common.pt``, the
     sharded objects) need globals beyond the allow-lists, before Megatron or torch unpickles
-    them without restriction. Corrupt files are refused too, naming the file. Returns the
-    checkpoint's metadata."""
+    them without restriction. Corrupt files are refused too, naming the file, and so (trusted or
+    not) are files that are not regular or lie outside the checkpoint (megacli.checkpoint.files).
+    Returns the checkpoint's metadata."""
+    check_members(ckpt)
+    metadata = load_metadata(ckpt / DCP_METADATA, trust=trust)
+    for relative in sorted({s.relative_path for s in getattr(metadata, "storage_data", {}).values()}, key=str):
+        shard = named_inside(ckpt, relative, named_by=str(ckpt / DCP_METADATA))
+        if os.path.lexists(shard):  # a missing one: the reader names it
+            require_regular(shard)
     if trust:
-        return load_metadata(ckpt / DCP_METADATA, trust=True)
+        return metadata
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    metadata = load_metadata(ckpt / DCP_METADATA, trust=False)
     if (ckpt / COMMON).is_file():
         torch_load(ckpt / COMMON, trust=False, name=ckpt / COMMON)
     for index, storage in metadata.storage_data.items():

@@ -71,9 +71,9 @@ def generate(
 
 def build_recipe(recipe_path: Optional[Path], flags: dict, *, tensor: Optional[int], pipeline: Optional[int],
                  overrides: list[str], job: str = "generate", trust_pickle: bool = False):
-    """The checkpoint's recipe (less any trust it claims: megacli.trust), then the RECIPE file's
+    """The checkpoint's recipe (less any trust it claims: megacli.recipe.trust), then the RECIPE file's
     sections, then the flags (the ``job`` section: generate or eval), then --set."""
-    from megacli import trust
+    from megacli.recipe import trust
     from megacli.checkpoint.layout import find_checkpoint
     from megacli.checkpoint.megatron_lm import is_megatron_lm_dir, recipe_for_weights
     from megacli.checkpoint.safe_pickle import check_checkpoint

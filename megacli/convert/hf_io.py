@@ -18,6 +18,7 @@ from typing import Iterable
 
 import torch
 
+from megacli.checkpoint.files import named_inside, require_regular
 from megacli.errors import UserError
 
 CONFIG = "config.json"
@@ -111,22 +112,17 @@ class HFWeights:
         for index in (SAFE_INDEX, BIN_INDEX):
             if (self.root / index).is_file():
                 weight_map = read_json(self.root / index).get("weight_map", {})
-                files = sorted({self._inside(index, name) for name in weight_map.values()})
-                missing = [f.name for f in files if not f.is_file()]
+                files = sorted({named_inside(self.root, name, named_by=str(self.root / index))
+                                for name in weight_map.values()})
+                missing = [f.name for f in files if not os.path.lexists(f)]
                 if missing:
                     raise UserError(f"{self.root / index} names shards that are missing: {', '.join(missing)}")
-                return files
-        safe = sorted(self.root.glob("*.safetensors"))
-        return safe or sorted(self.root.glob("pytorch_model*.bin"))
-
-    def _inside(self, index: str, name) -> Path:
-        """A shard the index names, refused unless its path stays inside the model directory (judged
-        by the name: shards may be symlinks elsewhere, as in the Hugging Face cache)."""
-        inside = isinstance(name, str) and name and not os.path.isabs(name) and not name.startswith("~")
-        if not inside or Path(os.path.normpath(name)).parts[0] == "..":
-            raise UserError(f"{self.root / index} names the shard {name!r}, which is outside {self.root}; "
-                            f"an index may only name files in the model directory")
-        return self.root / name
+                break
+        else:
+            files = sorted(self.root.glob("*.safetensors")) or sorted(self.root.glob("pytorch_model*.bin"))
+        for f in files:
+            require_regular(f)
+        return files
 
     def _keys_of(self, f: Path) -> list[str]:
         if f.suffix == ".safetensors":
