@@ -217,6 +217,25 @@ def test_verify_catches_a_corrupted_shard(chain, tmp_path):
     assert res.stdout.startswith("verify: FAILED") and key in res.stdout, res.output
 
 
+def test_verify_reads_megatron_lm_exports_and_weights_only_targets(chain, tmp_path):
+    """verify SRC MLM and MLM SRC (a TE-spec export against a source without extra state) pass; against
+    a weights-only checkpoint the missing optimizer state is one line, the weights still compared."""
+    from megacli.convert import convert
+
+    mlm, weights = tmp_path / "mlm", tmp_path / "weights"
+    res = cli("reshard", chain["r1"], mlm, "--format", "megatron", "--no-progress")
+    assert res.exit_code == 0, res.output
+    convert(mlm, weights, to="megacli", say=lambda *_: None)
+    for src, dst in ((chain["r1"], mlm), (mlm, chain["r1"])):
+        res = cli("reshard", "verify", src, dst)
+        assert res.exit_code == 0 and res.stdout.startswith("verify: OK"), (src, dst, res.output)
+    res = cli("reshard", "verify", chain["r1"], weights)
+    text = " ".join(res.stdout.split())
+    assert res.exit_code == 1 and text.startswith("verify: FAILED - 1 mismatch(es): "), res.output
+    assert "has no optimizer state (weights only): its weights were compared" in text, res.output
+    assert not list(tmp_path.glob(".megacli-*")), "the staging directories are removed"
+
+
 @pytest.mark.slow
 def test_refuses_to_overwrite_and_an_interrupted_reshard_leaves_no_checkpoint(chain, tmp_path):
     from megacli.recipe.reshard import ReshardSection

@@ -4,7 +4,9 @@ read; a name that leaves the directory would read any file of the machine.
 
 Symbolic links: a Hugging Face model directory may hold shards linked elsewhere (its cache links
 snapshots to blobs), so there only the name is judged; a torch_dist checkpoint (megacli's,
-Megatron-LM's) has no such convention, and a link that leaves it is refused.
+Megatron-LM's) has no such convention, and a link that leaves it is refused - except in a staging
+directory this process built (``staged``), whose links point at the files of a checkpoint it has
+already checked.
 """
 
 from __future__ import annotations
@@ -36,13 +38,23 @@ def require_regular(path: Path) -> None:
         raise UserError(f"{path}: {_kind(mode)}, not a regular file; a checkpoint may only hold regular files")
 
 
+_staged: set[Path] = set()
+
+
+def staged(directory: Path) -> Path:
+    """Mark ``directory`` as a staging directory this process built, linking to checked files."""
+    _staged.add(directory.resolve())
+    return directory
+
+
 def check_members(root: Path) -> None:
     """Refuse a torch_dist checkpoint directory holding anything but regular files and directories,
-    or a symbolic link that leaves it."""
+    or a symbolic link that leaves it (unless the directory is ``staged``)."""
     top = root.resolve()
     for entry in sorted(os.scandir(root), key=lambda e: e.name):
         path = Path(entry.path)
-        if entry.is_symlink() and not Path(os.path.realpath(path)).is_relative_to(top):
+        leaves = entry.is_symlink() and not Path(os.path.realpath(path)).is_relative_to(top)
+        if leaves and top not in _staged:
             raise UserError(f"{path}: a symbolic link to {os.path.realpath(path)}, outside the checkpoint {root}; "
                             f"copy the file into the checkpoint instead")
         try:

@@ -36,7 +36,7 @@ from megacli.checkpoint.safe_pickle import torch_load
 from megacli.checkpoint.torch_dist import is_extra_state, write_torch_dist
 from megacli.errors import UserError
 from megacli.reshard.digest import Digest, bytes_digest, object_digest
-from megacli.checkpoint.megacli_checkpoint import Checkpoint
+from megacli.checkpoint.megacli_checkpoint import OPT_PREFIX, Checkpoint
 from megacli.reshard.plan import Plan, Target, build_plan, resolve_target
 
 
@@ -288,7 +288,7 @@ def verify(source: str | Path, target: str | Path, *, trust_pickle: bool = False
 
 def _verify(source, target, *, trust_pickle: bool, progress) -> VerifyReport:
     from megacli.checkpoint.layout import find_checkpoint
-    from megacli.reshard import legacy
+    from megacli.reshard import legacy, megatron_lm
 
     src_dir = find_source(source)
     tgt_path = Path(target)
@@ -296,8 +296,10 @@ def _verify(source, target, *, trust_pickle: bool, progress) -> VerifyReport:
     if tgt_dir is None:
         if tgt_path.exists() and is_legacy_dir(tgt_path):
             tgt_dir = legacy.import_to_staging(tgt_path, where=tgt_path.resolve().parent, trust_pickle=trust_pickle, progress=progress)
+        elif tgt_path.exists() and is_megatron_lm_dir(tgt_path):
+            tgt_dir, _ = megatron_lm.import_to_staging(tgt_path, where=tgt_path.resolve().parent, trust_pickle=trust_pickle)
         else:
-            raise UserError(f"{target}: not a checkpoint")
+            raise UserError(f"{target}: not a checkpoint (megacli, Megatron-LM torch_dist or legacy)")
     staged_src = src_dir
     if is_legacy_dir(src_dir) or is_megatron_lm_dir(src_dir):
         try:
@@ -333,15 +335,27 @@ def _verify_against(plan: Plan, tgt: Checkpoint, progress=None) -> VerifyReport:
     reader = tgt.reader
     want_t = {t.key: t for t in plan.tensors}
     want_o = {o.key: o for o in plan.objects}
+    weights_only = (any(k.startswith(OPT_PREFIX) for k in want_t)
+                    and not any(k.startswith(OPT_PREFIX) for k in reader.tensors))
+    if weights_only:  # one line, not one per optimizer tensor, RNG object and the data position
+        mismatches.append(f"{tgt.path} has no optimizer state (weights only): its weights were compared, not the "
+                          f"source's optimizer state, RNG state and data position")
+        want_t = {k: t for k, t in want_t.items() if not k.startswith(OPT_PREFIX)}
+        want_o = {k: o for k, o in want_o.items() if not (RNG_KEY.match(k) and k not in reader.objects)}
     for key in sorted(set(want_t) - set(reader.tensors)):
         mismatches.append(f"{key} missing")
     for key in sorted(set(reader.tensors) - set(want_t)):
         mismatches.append(f"{key} unexpected")
+    # A module's extra state that records nothing (None, empty) is the same as none stored: a
+    # local-spec checkpoint stores none where a TE-spec one stores empty ones.
     for key in sorted(set(want_o) - set(reader.objects)):
-        mismatches.append(f"{key} missing")
+        if not (is_extra_state(key) and _records_nothing(lambda: torch_load(
+                io.BytesIO(want_o[key].produce()), trust=reader.trust_pickle, name=f"the planned {key}"))):
+            mismatches.append(f"{key} missing")
     for key in sorted(set(reader.objects) - set(want_o)):
-        mismatches.append(f"{key} unexpected")
-    for k in ("iteration", "consumed_samples"):
+        if not (is_extra_state(key) and _records_nothing(lambda: reader.read_object(key))):
+            mismatches.append(f"{key} unexpected")
+    for k in ("iteration",) if weights_only else ("iteration", "consumed_samples"):
         if tgt.meta.get(k) != plan.source.meta.get(k):
             mismatches.append(f"{META} {k} {tgt.meta.get(k)} != {plan.source.meta.get(k)}")
     if tgt.layout != plan.target.layout:
@@ -405,12 +419,19 @@ def _verify_against(plan: Plan, tgt: Checkpoint, progress=None) -> VerifyReport:
             mismatches.append(f"{key}: checksum differs")
         done(key)
     try:
-        if object_digest(tgt.common) != object_digest(plan.common):
+        if not weights_only and object_digest(tgt.common) != object_digest(plan.common):
             mismatches.append("common.pt (optimizer param groups / scheduler) differs")
     except UserError as exc:
         mismatches.append(str(exc))
     return VerifyReport(tensors=len(want_t), objects=len(want_o), bytes=nbytes, mismatches=mismatches,
                         seconds=time.perf_counter() - start)
+
+
+def _records_nothing(read) -> bool:
+    try:
+        return _extra_state(read()) is None
+    except UserError:
+        return False
 
 
 def _extra_state(stored):

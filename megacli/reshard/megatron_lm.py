@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from megacli.checkpoint.files import staged
 from megacli.checkpoint.layout import META, RECIPE, iter_name
 from megacli.checkpoint.legacy_args import arg, scale_scheduler
 from megacli.checkpoint.megacli_checkpoint import OPT_PREFIX, split_optimizer_key
@@ -183,7 +184,7 @@ def import_to_staging(path: Path, *, where: Path, trust_pickle: bool = False) ->
 
     where.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=where))
-    it_dir = staging / iter_name(src.iteration)
+    it_dir = staged(staging / iter_name(src.iteration))
     it_dir.mkdir()
     meta = copy.copy(src.reader.metadata)  # read with the checked unpickler
     meta.state_dict_metadata = {renames[k]: v for k, v in meta.state_dict_metadata.items() if k in renames}
