@@ -129,6 +129,20 @@ def test_a_checkpoint_cannot_grant_itself_trust(poisoned, tmp_path):
     assert_refused(cli("eval", root, "--tasks", "x"), marker, which)
 
 
+def test_trust_is_not_written_into_a_checkpoint(clean, tmp_path):
+    """A recipe written with a checkpoint (here a reshard's) leaves the trust fields out, so a user resuming
+    with it (as reshard suggests) does not inherit the source's trust."""
+    import yaml
+
+    it, _ = _copy(clean, tmp_path)
+    raw = yaml.safe_load((it / "recipe.yaml").read_text())
+    raw["checkpoint"]["trust_pickle"] = True
+    (it / "recipe.yaml").write_text(yaml.safe_dump(raw))
+    assert cli("reshard", tmp_path / "ck", tmp_path / "out", "--tensor", "2").exit_code == 0
+    written = yaml.safe_load((tmp_path / "out" / ITER / "recipe.yaml").read_text())
+    assert "trust_pickle" not in written["checkpoint"] and written["model"]["hidden_size"] == TINY_MODEL["hidden_size"]
+
+
 def test_convert_runs_code_only_when_trusted(poisoned, tmp_path):
     root, marker, which = poisoned
     res = cli("convert", root, tmp_path / "hf", "--trust-pickle")

@@ -157,7 +157,7 @@ def write_checkpoint(*, recipe, dst: Path, iteration: int, fetch: Callable[[str]
                 state[state_key] = _with_data(sh, tensor.to(sh.data.dtype))
                 del tensor
         return checkpoint.save(ckpt_dir=dst, iteration=iteration, consumed_samples=0, chunks=[_FilledModel(state)],
-                               optimizer=None, scheduler=None, recipe_yaml=dump(recipe), extra_meta=extra_meta)
+                               optimizer=None, scheduler=None, recipe_yaml=dump(recipe, carried=True), extra_meta=extra_meta)
 
 
 def _with_data(sh, tensor: torch.Tensor):

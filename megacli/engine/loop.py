@@ -303,7 +303,7 @@ def _train(recipe, runtime, *, harness=None) -> None:
             log.say(f"nothing to train: the checkpoint is at iteration {start_iter} and train.iters = {t.iters} "
                     f"(raise train.iters, or set checkpoint.resume: none to start over)")
 
-    recipe_yaml = dump(recipe)
+    recipe_yaml = dump(recipe, carried=True)
     run_tasks = harness(recipe, trainer, tokenizer) if harness is not None and recipe.eval is not None else None
     iterators = data_iterators(trainer, trainer.train_data, start_sample=consumed)
     watch = Stopwatch(runtime.device)

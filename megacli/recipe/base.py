@@ -176,8 +176,12 @@ def load(model: type[R], path: str | Path | None, overrides: Iterable[str] = (),
     return validate(model, raw, source)
 
 
-def dump(recipe: BaseModel) -> str:
+def dump(recipe: BaseModel, *, carried: bool = False) -> str:
     """The resolved recipe as block YAML (every field, defaults included) in declaration order,
-    one field per line and no line folded, however long its value."""
-    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False, default_flow_style=False,
+    one field per line and no line folded, however long its value. ``carried``: for a recipe a
+    checkpoint carries, without the trust fields (megacli.recipe.trust: trust is never passed on)."""
+    from megacli.recipe import trust
+
+    raw = recipe.model_dump(mode="json")
+    return yaml.safe_dump(trust.carried(raw) if carried else raw, sort_keys=False, default_flow_style=False,
                           width=float("inf"), allow_unicode=True)

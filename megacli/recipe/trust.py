@@ -5,7 +5,8 @@ Two guards: the pickle allow-list (megacli.checkpoint.safe_pickle; lifted by ``-
 (megacli.inference.task_code; lifted by ``--trust-task-code`` / ``eval.trust_task_code``). A flag on
 the command line, the recipe file the user passed and ``--set`` may lift them. A recipe read out of a
 checkpoint, a run directory or a tracker file goes through ``carried`` before it is merged with the
-user's, so a downloaded checkpoint cannot grant itself trust.
+user's, so a downloaded checkpoint cannot grant itself trust; and a recipe written into a checkpoint
+(``dump(recipe, carried=True)``) leaves them out, so trust is never passed on with one.
 """
 
 from __future__ import annotations

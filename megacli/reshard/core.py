@@ -255,7 +255,7 @@ def write_plan(plan: Plan, it_dir: Path, progress=None) -> None:
 
     done = progress("writing", len(plan.tensors) + len(plan.objects)) if progress else (lambda key: None)
     write_torch_dist(it_dir, plan.tensors, plan.objects, plan.common, on_done=done)
-    (it_dir / RECIPE).write_text(dump(plan.recipe))
+    (it_dir / RECIPE).write_text(dump(plan.recipe, carried=True))
     (it_dir / META).write_text(json.dumps(plan.meta, indent=2) + "\n")
     fsync_dir(it_dir)
 

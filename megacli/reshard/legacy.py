@@ -180,7 +180,7 @@ def import_to_staging(path: Path, *, where: Path, trust_pickle: bool = False, pr
             "format": "torch_dist", "imported_from": {"path": str(Path(path).resolve()), "format": "megatron-lm torch"}}
     if not src.has_optimizer:
         meta["has_optimizer"] = False
-    (it_dir / "recipe.yaml").write_text(dump(recipe))
+    (it_dir / "recipe.yaml").write_text(dump(recipe, carried=True))
     (it_dir / "megacli.json").write_text(json.dumps(meta, indent=2) + "\n")
     return it_dir
 

@@ -209,7 +209,7 @@ def import_to_staging(path: Path, *, where: Path, trust_pickle: bool = False) ->
                                                   str(src.it_dir / "common.pt"))
     torch.save(common, it_dir / "common.pt")
     shutil.copyfile(src.it_dir / BACKEND_META, it_dir / BACKEND_META)
-    (it_dir / RECIPE).write_text(dump(recipe))
+    (it_dir / RECIPE).write_text(dump(recipe, carried=True))
     dp = int(arg(src.args, "data_parallel_size", 1) or 1)
     layout = {"tensor": src.tp, "pipeline": src.pp, "virtual_pipeline": src.vp if src.vp > 1 else None, "data": dp,
               "context": int(arg(src.args, "context_parallel_size", 1) or 1)}
