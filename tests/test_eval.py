@@ -313,6 +313,13 @@ def test_task_code_is_refused_unless_trusted(tmp_path):
     assert f"{(tmp_path / 'shared' / 'base.yaml')}: doc_to_text: !function utils.doc_to_text" in found, found
     assert f"{tasks / 'metric.yaml'}: metric_list.0.metric: metric '{tmp_path / 'evil.py'}'" in found, found
     assert task_code(write_tasks(tmp_path / "plain")) == []  # harness tasks without code pass
+    import lm_eval.tasks
+
+    builtin = sorted(Path(lm_eval.tasks.__file__).parent.glob("**/*.yaml"))
+    builtin = next(f for f in builtin if "!function" in f.read_text())  # the harness's own code: not counted
+    (tmp_path / "uses_builtin").mkdir()
+    (tmp_path / "uses_builtin" / "b.yaml").write_text(f"task: b\ninclude: {builtin}\n")
+    assert task_code(tmp_path / "uses_builtin") == []
     for name in ("fnt", "inc"):
         with pytest.raises(UserError, match=r"fnt\.yaml: doc_to_text: !function utils\.doc_to_text.*--trust-task-code"):
             check_tasks(HarnessSection(tasks=[name], include_path=str(tasks)))

@@ -5,7 +5,8 @@ The harness imports code a task YAML names: ``!function module.name`` (``module.
 or any importable module; ``class: !function ...`` builds a whole task) and, through Hugging Face
 ``evaluate.load``, a metric it does not register itself (a script path or a Hub metric). Every
 ``*.yaml`` the harness would index under the include path is parsed here with a safe loader that only
-records such tags, following ``include:`` into the files it names, wherever they are.
+records such tags, following ``include:`` into the files it names, wherever they are. The harness's
+own task files (installed with it, like its code) are not counted.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def check_task_code(ev) -> None:
 
 def _scan(path: Path, found: list[str], seen: set[Path]) -> None:
     path = path.expanduser().resolve()
-    if path in seen or not path.is_file():
+    if path in seen or not path.is_file() or path.is_relative_to(_harness_tasks()):
         return
     seen.add(path)
     try:
@@ -76,6 +77,12 @@ def _scan(path: Path, found: list[str], seen: set[Path]) -> None:
     for inc in includes if isinstance(includes, list) else [includes]:
         if isinstance(inc, str):
             _scan(Path(inc) if Path(inc).is_absolute() else path.parent / inc, found, seen)
+
+
+def _harness_tasks() -> Path:
+    import lm_eval.tasks
+
+    return Path(lm_eval.tasks.__file__).resolve().parent
 
 
 def _functions(node, where: tuple):
