@@ -22,8 +22,9 @@ class HarnessSection(Section):
     include_path: Optional[str] = None
     """Directory of the harness's custom task YAMLs (with their local data files)."""
     trust_task_code: bool = False
-    """Allow include_path's task YAMLs to import Python (``!function``, ``class:``); without it such
-    a task is refused before anything is imported. Only for task files you trust."""
+    """Allow include_path's task YAMLs to run Python (``!function``, or a metric Hugging Face evaluate
+    would load); without it such a task is refused before anything is imported. Only for task files
+    you trust."""
     max_gen_toks: PositiveInt = 256
     """generate_until tasks: tokens to generate at most when the task does not say."""
     add_bos: bool = False
