@@ -246,3 +246,17 @@ def test_readme_test_command_is_what_ci_runs():
 
 def test_readme_fits_in_two_screens():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 250
+
+
+def test_every_page_is_in_the_navigation():
+    """mkdocs build --strict (in .ci/run) refuses a page left out of nav; this says so without mkdocs."""
+    import yaml
+
+    def pages(nav):
+        for entry in nav:
+            for value in entry.values() if isinstance(entry, dict) else [entry]:
+                yield from pages(value) if isinstance(value, list) else [value]
+
+    nav = list(pages(yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]))
+    on_disk = sorted(str(p.relative_to(ROOT / "docs")) for p in (ROOT / "docs").rglob("*.md"))
+    assert sorted(nav) == on_disk and len(set(nav)) == len(nav)
