@@ -7,11 +7,12 @@
 2. ``parse_args`` + ``validate_args`` for a small GPT given on the command line (bf16, fp16, fp32), against
    ``megatron_args`` of the same model as a megacli recipe: field names, and the values of every
    field (a difference is printed with both values);
-3. every row of FLAGS (the README's "Coming from Megatron-LM" table): its spelling is an option
+3. every row of FLAGS (the docs' flag table, docs/megatron-lm/flags.md): its spelling is an option
    string of the parser ``parse_args`` builds, the option's ``dest`` is the row's field, a switch
    stores True, or False for a row marked ``off`` (and parsing the option alone gives that value),
    a value option takes a value; the row read from the environment (WORLD_SIZE) is read by
-   ``parse_args``; then every ``--option`` the README's section names that the parser lacks;
+   ``parse_args``; then every ``--option`` the "Coming from Megatron-LM" pages (docs/megatron-lm/)
+   name that the parser lacks;
 4. megacli preprocess's Megatron-LM spellings (megacli/cli/megatron_spellings.py) against
    tools/preprocess_data.py's parser: the options it accepts and the tokenizer types it maps are
    core_v0.16.1's, and which of the options it refuses by name core_v0.16.1 has.
@@ -140,10 +141,10 @@ def check_flags(parse_args) -> None:
     print(f"   rows that are not core_v0.16.1's option for their field: {len(bad)}")
     for line in bad:
         print(f"     {line}")
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
-    section = readme.split("## Coming from Megatron-LM", 1)[1].split("\n## ", 1)[0]
-    named = sorted(set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", section)) - set(options))
-    print(f"   --options the README's section names that core_v0.16.1's parser lacks (megacli's own): {named}")
+    pages = sorted((Path(__file__).resolve().parent.parent / "docs" / "megatron-lm").glob("*.md"))
+    text = "\n".join(page.read_text(encoding="utf-8") for page in pages)
+    named = sorted(set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text)) - set(options))
+    print(f"   --options the Coming from Megatron-LM pages name that core_v0.16.1's parser lacks (megacli's own): {named}")
 
 
 def check_preprocess_spellings(checkout: str) -> None:

@@ -1,4 +1,4 @@
-"""The README's convert example and recipes/llama3_1b_sft.yaml, run as written on a directory whose
+"""The convert example of docs/commands/convert.md and recipes/llama3_1b_sft.yaml, run as written on a directory whose
 config.json is Llama-3.2-1B's (rope_scaling block included) with smaller sizes and random weights."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import yaml
 
 ROOT = Path(__file__).parent.parent
 RECIPE = ROOT / "recipes" / "llama3_1b_sft.yaml"
+PAGE = ROOT / "docs/commands/convert.md"
 # meta-llama/Llama-3.2-1B's config.json; only the sizes (marked) are smaller.
 CONFIG = {
     "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 128000,
@@ -50,18 +51,18 @@ def _megacli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_readme_and_sft_recipe_commands_run_on_a_llama_3_2_config(tmp_path):
-    readme = [c for c in _commands((ROOT / "README.md").read_text(), "megacli convert hf/Llama-3.2-1B")]
+def test_docs_and_sft_recipe_commands_run_on_a_llama_3_2_config(tmp_path):
+    docs = [c for c in _commands(PAGE.read_text(), "megacli convert hf/Llama-3.2-1B")]
     recipe_text = RECIPE.read_text()
     header = _commands("\n".join(line.lstrip("# ") for line in recipe_text.splitlines() if line.startswith("#")), "megacli ")
-    assert len(readme) == 1 and [c[0] for c in header] == ["convert", "finetune"], (readme, header)
+    assert len(docs) == 1 and [c[0] for c in header] == ["convert", "finetune"], (docs, header)
     _write_llama_3_2(tmp_path / "hf" / "Llama-3.2-1B")
     shutil.copytree(tmp_path / "hf" / "Llama-3.2-1B", tmp_path / header[0][1])
     (tmp_path / "recipes").mkdir()
     shutil.copy(RECIPE, tmp_path / "recipes" / RECIPE.name)
     (tmp_path / "my_instructions.jsonl").write_text('{"prompt": "hi", "response": "hello"}\n')
 
-    for args in (readme[0], header[0]):
+    for args in (docs[0], header[0]):
         done = _megacli(args, tmp_path)
         assert done.returncode == 0, done.stdout + done.stderr
     converted = yaml.safe_load((tmp_path / header[0][2] / "iter_0000000" / "recipe.yaml").read_text())["model"]

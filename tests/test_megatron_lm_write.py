@@ -131,16 +131,15 @@ def test_args_map_back_to_the_recipe(changes):
         assert back.moe is None
 
 
-def test_readme_flag_table_is_the_mapping():
-    """The README's table is FLAGS row for row, and each row's option can be a real one: a switch
+def test_flag_table_page_is_the_mapping():
+    """The docs' flag table (docs/megatron-lm/flags.md) is FLAGS row for row, and each row's option can be a real one: a switch
     whose field parse_args defaults to True is set by an option that turns it off (marked "(off)").
     That every spelling is an option of core_v0.16.1's parser setting that field with that sign is
     checked against a checkout by benchmarks/megatron_lm_args_check.py."""
     from megacli.checkpoint.megatron_lm_args import FLAGS, PARSE_ARGS_DEFAULTS, flag_table
 
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = text.split("## Coming from Megatron-LM", 1)[1].split("\n## ", 1)[0]
-    table = section.split("| Megatron-LM | recipe |\n|---|---|\n", 1)[1].split("\n\n", 1)[0]
+    text = (ROOT / "docs" / "megatron-lm" / "flags.md").read_text(encoding="utf-8")
+    table = text.split("| Megatron-LM | recipe |\n|---|---|\n", 1)[1].split("\n\n", 1)[0]
     rows = [tuple(cell.strip() for cell in line.strip("|").split(" | ")) for line in table.splitlines()]
     assert rows == flag_table()
     assert len({f.option for f in FLAGS}) == len(FLAGS)

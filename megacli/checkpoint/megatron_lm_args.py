@@ -3,8 +3,8 @@
 ``PARSE_ARGS_DEFAULTS`` lists every field Megatron-LM core_v0.16.1's ``parse_args`` defines, with
 its default (``benchmarks/megatron_lm_args_check.py CHECKOUT`` compares it with a checkout). A
 written ``args`` starts from these, drops what ``validate_args`` deletes, and sets what the recipe
-implies through ``FLAGS``: the one table of Megatron-LM argument <-> recipe key (the README's
-"Coming from Megatron-LM" table is generated from it), then the fields ``validate_args`` and
+implies through ``FLAGS``: the one table of Megatron-LM argument <-> recipe key (the docs' flag
+table, docs/megatron-lm/flags.md, is generated from it), then the fields ``validate_args`` and
 training derive (data-parallel size, params dtype, padded vocabulary, iteration, ...).
 The reverse direction (args -> recipe) is megacli.checkpoint.legacy_args; tests check that both
 agree on every model field.
@@ -713,8 +713,8 @@ class Flag:
     def from_environment(self) -> bool:
         return not self.option.startswith("--")
 
-    def readme(self) -> str:
-        """The README's cell: ``--disable-bias-linear`` (off), ``WORLD_SIZE`` (environment)."""
+    def table_cell(self) -> str:
+        """The flag table's cell: ``--disable-bias-linear`` (off), ``WORLD_SIZE`` (environment)."""
         if self.from_environment:
             return f"`{self.option}` (environment: nodes × processes per node, set by torchrun)"
         return f"`{self.option}` (off)" if self.off else f"`{self.option}`"
@@ -1015,5 +1015,5 @@ def _tokenizer_vocab(recipe) -> int | None:
 
 
 def flag_table() -> list[tuple[str, str]]:
-    """(Megatron-LM option as the README shows it, recipe key), one row per option, in FLAGS order."""
-    return [(f.readme(), f"`{f.key}`") for f in FLAGS]
+    """(Megatron-LM option as docs/megatron-lm/flags.md shows it, recipe key), one row per option, in FLAGS order."""
+    return [(f.table_cell(), f"`{f.key}`") for f in FLAGS]
