@@ -86,7 +86,12 @@ def lift_param_sync_hooks(ddp, layers) -> None:
             continue
         for m in inner:
             handles[m].remove()
-        lifted = layer.register_forward_pre_hook(lambda _layer, _args, inner=inner: [wait(m) for m in inner] and None)
+
+        def wait_for_layer(_layer, _args, inner=inner):
+            for m in inner:
+                wait(m)
+
+        lifted = layer.register_forward_pre_hook(wait_for_layer)
         for m in inner:  # DDP's disable_forward_pre_hook removes the lifted hook (removing twice is a no-op)
             handles[m] = lifted
 
