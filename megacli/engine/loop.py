@@ -101,7 +101,8 @@ def build_trainer(recipe, runtime) -> tuple[Trainer, object]:
 
         for c in chunks:
             lift_param_sync_hooks(c, compiled)
-    optimizer = build_optimizer(chunks, optim=recipe.optim, precision=t.precision, distributed_optimizer=p.distributed_optimizer)
+    optimizer = build_optimizer(chunks, optim=recipe.optim, precision=t.precision, distributed_optimizer=p.distributed_optimizer,
+                                on_cuda=runtime.is_cuda)
     scheduler = build_scheduler(optimizer, optim=recipe.optim, train_iters=t.iters)
 
     # The hooks Megatron's schedules call (as Megatron-LM's training loop wires them).
