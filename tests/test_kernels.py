@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 TINY = [
     "data.mock=true", "tokenizer.type=byte", "tokenizer.path=null", "model.num_layers=4", "model.hidden_size=32",
@@ -135,3 +136,55 @@ def test_kernel_option_refusals():
 
     with pytest.raises(UserError, match="cudnn' is a CUDA kernel; this run is on cpu"):
         choose_attention("cudnn", torch.device("cpu"))
+
+
+def _mlp_outputs_and_grads(rank, world):
+    """For gelu_tanh and geglu, a GPT MLP with biases as megacli configures it on CUDA (fused) and
+    on CPU (plain), on the same weights and input: its output and gradients."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+
+    from megacli.backend import cpu
+    from megacli.engine.models.config import transformer_config
+    from megacli.recipe.model import ModelSection
+    from megacli.recipe.sections import ParallelSection
+
+    cpu.enable()
+    dist.init_process_group("gloo")
+    parallel_state.initialize_model_parallel(1, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    results = {}
+    for activation in ("gelu_tanh", "geglu"):
+        model = ModelSection(activation=activation, add_bias_linear=True, hidden_size=32, num_attention_heads=4,
+                             ffn_hidden_size=64)
+        for fused in (True, False):
+            config = transformer_config(model=model, parallel=ParallelSection(), precision="fp32", on_cuda=fused)
+            assert config.bias_activation_fusion is fused
+            mlp = MLP(config, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
+            g = torch.Generator().manual_seed(0)
+            with torch.no_grad():
+                for p in mlp.parameters():
+                    p.copy_(torch.randn(p.shape, generator=g))
+            x = torch.randn(8, 2, 32, generator=g, requires_grad=True)
+            out, bias = mlp(x)
+            (out + bias).square().sum().backward()
+            results[activation, fused] = {"out": out + bias, "x": x.grad, **{n: p.grad for n, p in mlp.named_parameters()}}
+    return results
+
+
+def test_fused_bias_gelu_computes_the_unfused_tanh_gelu():
+    """CUDA's config routes gelu_tanh/geglu through Megatron-Core's fused bias-GeLU/GeGLU: the same
+    function and gradients as the unfused path (its constants are rounded to 8 digits: fp32 rounding)."""
+    from tests._dist import spawn
+
+    (results,) = spawn(_mlp_outputs_and_grads, 1)
+    for activation in ("gelu_tanh", "geglu"):
+        fused, plain = results[activation, True], results[activation, False]
+        assert fused.keys() == plain.keys()
+        for name in plain:
+            # fp32 rounding, relative to each tensor's scale (measured ~8e-8); a different function
+            # (exact GeLU, a dropped bias) differs by >1e-3 of it
+            error = (fused[name] - plain[name]).abs().max() / plain[name].abs().max()
+            assert error < 1e-6, (activation, name, error.item())
