@@ -171,16 +171,35 @@ def _mlp_outputs_and_grads(rank, world):
             out, bias = mlp(x)
             (out + bias).square().sum().backward()
             results[activation, fused] = {"out": out + bias, "x": x.grad, **{n: p.grad for n, p in mlp.named_parameters()}}
+    # The loss as GPTModel computes it under each config: fused (CUDA) or plain vocab-parallel
+    # cross-entropy, on logits whose padded vocabulary rows are masked as models.common does.
+    from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(16, 2, 64, generator=g).bfloat16()
+    logits[..., 60:] = torch.finfo(logits.dtype).min
+    labels = torch.randint(0, 60, (2, 16), generator=g)
+    # its backward rounds the gradient to bf16 whatever the logits' dtype: CUDA fuses bf16 runs only
+    assert not transformer_config(model=model, parallel=ParallelSection(), precision="fp32", on_cuda=True).cross_entropy_loss_fusion
+    for fused in (True, False):
+        config = transformer_config(model=model, parallel=ParallelSection(), precision="bf16", on_cuda=fused)
+        assert config.cross_entropy_loss_fusion is fused and config.cross_entropy_fusion_impl == "native"
+        x = logits.clone().requires_grad_()
+        ce = (fused_vocab_parallel_cross_entropy(x, labels.t().contiguous(), parallel_state.get_tensor_model_parallel_group())
+              if fused else tensor_parallel.vocab_parallel_cross_entropy(x, labels.t().contiguous()))
+        ce.sum().backward()
+        results["cross_entropy", fused] = {"loss": ce, "logits": x.grad.float()}
     return results
 
 
-def test_fused_bias_gelu_computes_the_unfused_tanh_gelu():
-    """CUDA's config routes gelu_tanh/geglu through Megatron-Core's fused bias-GeLU/GeGLU: the same
-    function and gradients as the unfused path (its constants are rounded to 8 digits: fp32 rounding)."""
+def test_cuda_fusions_compute_the_unfused_functions():
+    """CUDA's config routes gelu_tanh/geglu through Megatron-Core's fused bias-GeLU/GeGLU and the
+    loss through its native fused cross-entropy: the same functions and gradients as the unfused
+    paths (the GeLU kernels' constants are rounded to 8 digits: fp32 rounding)."""
     from tests._dist import spawn
 
     (results,) = spawn(_mlp_outputs_and_grads, 1)
-    for activation in ("gelu_tanh", "geglu"):
+    for activation in ("gelu_tanh", "geglu", "cross_entropy"):
         fused, plain = results[activation, True], results[activation, False]
         assert fused.keys() == plain.keys()
         for name in plain:

@@ -111,6 +111,10 @@ def transformer_config(*, model, parallel, precision: str, on_cuda: bool, **over
         apply_query_key_layer_scaling=False,
         gradient_accumulation_fusion=False,  # needs Apex's fused weight-gradient kernel
         bias_activation_fusion=fuse_activation,
+        # Megatron-Core's own fused vocab-parallel cross-entropy (no Transformer Engine) returns the
+        # logits' gradient in bf16 whatever their dtype: the same maths for bf16 logits only
+        cross_entropy_loss_fusion=on_cuda and precision == "bf16",
+        cross_entropy_fusion_impl="native",
         bias_dropout_fusion=on_cuda,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
