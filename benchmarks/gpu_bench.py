@@ -12,6 +12,7 @@
     python benchmarks/gpu_bench.py [--sizes 124m,350m,1.3b] [--steps 10] [--warmup 3] [--json out.json]
     python benchmarks/gpu_bench.py --tiny --device cpu --steps 2 --warmup 1      # a smoke test on CPU
     python benchmarks/gpu_bench.py --megacli-set train.compile=true              # megacli with an option
+    python benchmarks/gpu_bench.py --variants default,unfused,compile             # every option in one call
 
 Every size at sequence length 2048, bf16 (fp32 with --tiny). Each side runs in a process of its
 own; each number is the median over --steps timed optimizer steps after --warmup untimed ones (the
@@ -42,6 +43,13 @@ SIZES = {"124m": 8, "350m": 8, "1.3b": 4}  # size -> micro-batch size at sequenc
 TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.vocab_size=512",
         "model.seq_length=64", "model.max_position_embeddings=64", "train.precision=fp32"]
 SIDES = ("megacli", "megatron", "pytorch")
+# megacli's speed options, each a megacli run of its own in the same call: the default CUDA configuration
+# (fused AdamW, fused bias-GeLU, fused cross-entropy in bf16) and what each option adds or takes away.
+VARIANTS = {
+    "default": [],
+    "unfused": ["optim.fused=false"],
+    "compile": ["train.compile=true"],
+}
 
 
 def recipe_overrides(args, size: str) -> list[str]:
@@ -82,9 +90,9 @@ def summary(step_times: list[float], peak_bytes: float, recipe, peak_tflops: flo
 # ---------------------------------------------------------------- megacli
 
 
-def megacli_side(args, size: str, workdir: Path) -> dict:
-    run_dir = workdir / f"megacli_{size}"
-    sets = [*recipe_overrides(args, size), *args.megacli_set, f"run.dir={run_dir}"]
+def megacli_side(args, size: str, workdir: Path, variant: str = "default") -> dict:
+    run_dir = workdir / f"megacli_{size}_{variant}"
+    sets = [*recipe_overrides(args, size), *VARIANTS[variant], *args.megacli_set, f"run.dir={run_dir}"]
     cmd = [sys.executable, "-m", "megacli", "pretrain", str(ROOT / "recipes" / f"gpt2_{size}.yaml"),
            *[x for s in sets for x in ("--set", s)]]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
@@ -93,7 +101,8 @@ def megacli_side(args, size: str, workdir: Path) -> dict:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timed = [r["step_time_s"] for r in records if "step_time_s" in r and r["iteration"] > args.warmup]
     peak = max(r["memory_gib"] for r in records if "memory_gib" in r) * 1024**3
-    return summary(timed, peak, load_recipe(args, size), args.peak_tflops, final_loss=records[-1]["loss"])
+    return summary(timed, peak, load_recipe(args, size), args.peak_tflops, final_loss=records[-1]["loss"],
+                   megacli_sets=[*VARIANTS[variant], *args.megacli_set])
 
 
 # ---------------------------------------------------------------- raw Megatron-Core
@@ -147,6 +156,11 @@ def megatron_side(args, size: str) -> dict:
         optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
         adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=t.precision == "bf16",
         fp16=t.precision == "fp16", params_dtype=config.params_dtype, use_distributed_optimizer=p.distributed_optimizer), [model])
+    if o.fused_on(cuda):  # the optimizer kernel megacli's default configuration uses
+        from megacli.engine.optim import torch_optimizers, use_fused_kernels
+
+        for inner in torch_optimizers(optimizer):
+            use_fused_kernels(inner)
     config.grad_scale_func = optimizer.scale_loss
     config.finalize_model_grads_func = finalize_model_grads
     if p.overlap_grad_reduce:
@@ -294,9 +308,9 @@ def peak_memory(cuda: bool) -> float:
 
 
 def run_side(args, side: str, size: str, workdir: Path) -> dict:
-    """One side in a process of its own (the megacli side is the CLI's)."""
-    if side == "megacli":
-        return megacli_side(args, size, workdir)
+    """One side in a process of its own (a megacli side, "megacli" or "megacli:VARIANT", is the CLI's)."""
+    if side.startswith("megacli"):
+        return megacli_side(args, size, workdir, side.partition(":")[2] or "default")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side, "--size", size, *passthrough(args)]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(
         filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
@@ -313,15 +327,32 @@ def passthrough(args) -> list[str]:
     return flags + (["--tiny"] if args.tiny else [])
 
 
+def side_names(args) -> list[str]:
+    """The sides of one size in run order: a megacli side per variant (plain "megacli" when only the
+    default runs), then raw Megatron-Core and PyTorch."""
+    wanted = args.sides.split(",")
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    megacli = (["megacli"] if variants == ["default"] else [f"megacli:{v}" for v in variants]) if "megacli" in wanted else []
+    return megacli + [x for x in SIDES[1:] if x in wanted]
+
+
+def ratios(sides: dict) -> dict:
+    """tokens/s of each megacli side over raw Megatron-Core's and PyTorch's."""
+    return {f"{name}_over_{other}": sides[name]["tokens_per_s"] / sides[other]["tokens_per_s"]
+            for name in sides if name.startswith("megacli") for other in SIDES[1:] if other in sides}
+
+
 def table(results: dict) -> str:
-    rows = [f"{'size':>6} {'side':>9} {'tokens/s':>12} {'TFLOP/s':>9} {'MFU':>7} {'peak GiB':>9} {'step s':>8}"]
+    width = max([9] + [len(side) for sides in results.values() for side in sides])
+    rows = [f"{'size':>6} {'side':>{width}} {'tokens/s':>12} {'TFLOP/s':>9} {'MFU':>7} {'peak GiB':>9} {'step s':>8}"]
     for size, sides in results.items():
-        for side in [x for x in SIDES if x in sides]:
-            r = sides[side]
-            rows.append(f"{size:>6} {side:>9} {r['tokens_per_s']:>12,.0f} {r['tflops']:>9.1f} {r['mfu'] * 100:>6.1f}% "
+        for side, r in sides.items():
+            if side == "ratios":
+                continue
+            rows.append(f"{size:>6} {side:>{width}} {r['tokens_per_s']:>12,.0f} {r['tflops']:>9.1f} {r['mfu'] * 100:>6.1f}% "
                         f"{r['peak_memory_gib']:>9.2f} {r['step_time_s']:>8.4f}")
-        ratios = ", ".join(f"{name.replace('_over_', '/')} {value:.3f}" for name, value in sides["ratios"].items())
-        rows.append(f"{size:>6} {'ratios':>9} {ratios} (tokens/s)")
+        for name, value in sides["ratios"].items():
+            rows.append(f"{size:>6} {'ratio':>{width}} {name.replace('_over_', '/')} {value:.3f} (tokens/s)")
     return "\n".join(rows)
 
 
@@ -344,6 +375,8 @@ def main(argv=None) -> int:
                     help="megacli side: one more recipe override (repeatable), e.g. train.compile=true, "
                          "train.attention_backend=cudnn, train.grad_reduce_in_bf16=true")
     ap.add_argument("--sides", default=",".join(SIDES), help="comma-separated sides to run (megacli, megatron, pytorch)")
+    ap.add_argument("--variants", default="default",
+                    help=f"comma-separated megacli variants, each a megacli side in this call ({', '.join(VARIANTS)})")
     ap.add_argument("--side", choices=SIDES[1:], help=argparse.SUPPRESS)
     ap.add_argument("--size", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -357,7 +390,10 @@ def main(argv=None) -> int:
     unknown = [x for x in sizes if x not in SIZES]
     if unknown:
         ap.error(f"unknown size {unknown[0]!r}: choose from {', '.join(SIZES)}")
-    run_sides = [x for x in SIDES if x in args.sides.split(",")]
+    unknown = [v for v in args.variants.split(",") if v.strip() and v.strip() not in VARIANTS]
+    if unknown:
+        ap.error(f"unknown variant {unknown[0]!r}: choose from {', '.join(VARIANTS)}")
+    run_sides = side_names(args)
     if not run_sides:
         ap.error(f"--sides: choose from {', '.join(SIDES)}")
     results = {}
@@ -369,12 +405,11 @@ def main(argv=None) -> int:
                 sides[side] = run_side(args, side, size, Path(tmp))
                 print(f"{size} {side}: {sides[side]['tokens_per_s']:,.0f} tokens/s, MFU {sides[side]['mfu'] * 100:.1f}% "
                       f"({time.perf_counter() - began:.0f} s)", flush=True)
-            sides["ratios"] = {f"megacli_over_{other}": sides["megacli"]["tokens_per_s"] / sides[other]["tokens_per_s"]
-                               for other in ("megatron", "pytorch") if "megacli" in sides and other in sides}
+            sides["ratios"] = ratios(sides)
             results[size] = sides
     report = {"device": device_name(args.device), "sequence_length": 64 if args.tiny else 2048, "tiny": args.tiny,
               "steps": args.steps, "warmup": args.warmup, "accum": args.accum, "peak_tflops": args.peak_tflops,
-              "megacli_sets": args.megacli_set,
+              "megacli_sets": args.megacli_set, "variants": {v: VARIANTS[v] for v in args.variants.split(",") if v},
               "flops_formula": "6*N + 12*L*h*s per token (megacli.plan.flops_per_token)", "results": results}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -54,3 +54,12 @@ def test_fused_optimizer_gives_the_default_losses(tmp_path):
     assert sorted(runs["fused"]) == [1, 2, 3, 4]
     assert_close(runs["fused"], runs["default"], range(1, 5), rel=1e-5)
     assert_close(runs["fused"], runs["default"], range(1, 5), rel=1e-4, key="grad_norm")
+
+
+def test_fused_kernel_is_the_default_on_cuda_only():
+    from megacli.recipe.sections import OptimSection
+
+    default = OptimSection()
+    assert default.fused is None and default.fused_on(True) and not default.fused_on(False)
+    assert not OptimSection(fused=False).fused_on(True)
+    assert OptimSection(fused=True).fused_on(False)

@@ -77,7 +77,7 @@ def test_resume_reproduces_uninterrupted_run(bf16, tmp_path):
 KERNEL_NAMES = {"flash": "flash", "cudnn": "cuDNN", "efficient": "efficient"}
 
 
-@pytest.mark.parametrize("option", ["train.compile=true", "train.grad_reduce_in_bf16=true", "train.attention_backend=flash",
+@pytest.mark.parametrize("option", ["train.compile=true", "optim.fused=false", "train.grad_reduce_in_bf16=true", "train.attention_backend=flash",
                                     "train.attention_backend=cudnn", "train.attention_backend=efficient"])
 def test_kernel_options_stay_on_the_plain_curve(option, bf16, tmp_path):
     """Each option trains the plain run's curve: bf16 rounding differs (a fused kernel rounds once

@@ -1,5 +1,5 @@
 """Training's kernel options on CPU, each against the default path in fp32 (bf16 for the bf16
-gradient reduce): train.compile (torch.compile of every transformer layer, with no graph break),
+gradient reduce): train.compile (torch.compile of every transformer layer, with no graph break and one graph for all layers),
 train.attention_backend (the kernel logged at start, and torch's switches set to it) and
 train.grad_reduce_in_bf16 (data-parallel, two ranks)."""
 
@@ -11,13 +11,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 TINY = [
-    "data.mock=true", "tokenizer.type=byte", "tokenizer.path=null", "model.num_layers=2", "model.hidden_size=32",
+    "data.mock=true", "tokenizer.type=byte", "tokenizer.path=null", "model.num_layers=4", "model.hidden_size=32",
     "model.num_attention_heads=4", "model.ffn_hidden_size=64", "model.seq_length=32", "train.iters=4",
     "train.micro_batch_size=2", "train.global_batch_size=4", "train.eval_interval=0", "train.log_interval=1",
     "optim.warmup_iters=0", "optim.lr=1e-2", "train.precision=fp32", "parallel.tensor=1", "parallel.pipeline=1",
     "parallel.sequence_parallel=false", "launch.nproc=1", "checkpoint.dir=null",
+    # Megatron's DDP then hooks every module (the parameter all-gather wait), which compile must not trace per layer
+    "parallel.distributed_optimizer=true", "parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true",
 ]
 
 # Three one-process runs in one interpreter (the CLI's in-process path), then what torch recorded.
@@ -30,8 +33,11 @@ os.environ["MEGACLI_IN_PROCESS"] = "1"
 for args in json.loads(sys.argv[1]):
     app(args, standalone_mode=False)
     print("SWITCHES", json.dumps([torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled()]))
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.utils import counters
-print("DYNAMO", json.dumps({"graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values())}))
+from megatron.core.transformer.transformer_layer import TransformerLayer
+print("DYNAMO", json.dumps({"graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values()),
+                            "layer_entries": len(_debug_get_cache_entry_list(TransformerLayer.forward.__code__))}))
 """
 
 
@@ -58,7 +64,9 @@ def test_compile_and_attention_backend_equal_the_default_path(tmp_path):
     switches = [json.loads(line.split(" ", 1)[1]) for line in out.splitlines() if line.startswith("SWITCHES")]
     assert switches == [[True, True], [True, True], [False, True]]
     dynamo = json.loads(out.split("DYNAMO ", 1)[1].splitlines()[0])
-    assert dynamo["graphs"] >= 1 and dynamo["breaks"] == 0, dynamo  # compiled whole, not partly eager
+    # One graph serves all four layers (a recompile per layer would add cache entries and graphs), and
+    # each layer is compiled whole, not partly eager.
+    assert dynamo == {"graphs": 1, "breaks": 0, "layer_entries": 1}, dynamo
     assert "train.compile: each transformer layer runs through torch.compile" in out
     default = _losses(tmp_path / "default")
     assert len(default) == 4
@@ -128,3 +136,74 @@ def test_kernel_option_refusals():
 
     with pytest.raises(UserError, match="cudnn' is a CUDA kernel; this run is on cpu"):
         choose_attention("cudnn", torch.device("cpu"))
+
+
+def _mlp_outputs_and_grads(rank, world):
+    """For gelu_tanh and geglu, a GPT MLP with biases as megacli configures it on CUDA (fused) and
+    on CPU (plain), on the same weights and input: its output and gradients."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+
+    from megacli.backend import cpu
+    from megacli.engine.models.config import transformer_config
+    from megacli.recipe.model import ModelSection
+    from megacli.recipe.sections import ParallelSection
+
+    cpu.enable()
+    dist.init_process_group("gloo")
+    parallel_state.initialize_model_parallel(1, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    results = {}
+    for activation in ("gelu_tanh", "geglu"):
+        model = ModelSection(activation=activation, add_bias_linear=True, hidden_size=32, num_attention_heads=4,
+                             ffn_hidden_size=64)
+        for fused in (True, False):
+            config = transformer_config(model=model, parallel=ParallelSection(), precision="fp32", on_cuda=fused)
+            assert config.bias_activation_fusion is fused
+            mlp = MLP(config, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
+            g = torch.Generator().manual_seed(0)
+            with torch.no_grad():
+                for p in mlp.parameters():
+                    p.copy_(torch.randn(p.shape, generator=g))
+            x = torch.randn(8, 2, 32, generator=g, requires_grad=True)
+            out, bias = mlp(x)
+            (out + bias).square().sum().backward()
+            results[activation, fused] = {"out": out + bias, "x": x.grad, **{n: p.grad for n, p in mlp.named_parameters()}}
+    # The loss as GPTModel computes it under each config: fused (CUDA) or plain vocab-parallel
+    # cross-entropy, on logits whose padded vocabulary rows are masked as models.common does.
+    from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(16, 2, 64, generator=g).bfloat16()
+    logits[..., 60:] = torch.finfo(logits.dtype).min
+    labels = torch.randint(0, 60, (2, 16), generator=g)
+    # its backward rounds the gradient to bf16 whatever the logits' dtype: CUDA fuses bf16 runs only
+    assert not transformer_config(model=model, parallel=ParallelSection(), precision="fp32", on_cuda=True).cross_entropy_loss_fusion
+    for fused in (True, False):
+        config = transformer_config(model=model, parallel=ParallelSection(), precision="bf16", on_cuda=fused)
+        assert config.cross_entropy_loss_fusion is fused and config.cross_entropy_fusion_impl == "native"
+        x = logits.clone().requires_grad_()
+        ce = (fused_vocab_parallel_cross_entropy(x, labels.t().contiguous(), parallel_state.get_tensor_model_parallel_group())
+              if fused else tensor_parallel.vocab_parallel_cross_entropy(x, labels.t().contiguous()))
+        ce.sum().backward()
+        results["cross_entropy", fused] = {"loss": ce, "logits": x.grad.float()}
+    return results
+
+
+def test_cuda_fusions_compute_the_unfused_functions():
+    """CUDA's config routes gelu_tanh/geglu through Megatron-Core's fused bias-GeLU/GeGLU and the
+    loss through its native fused cross-entropy: the same functions and gradients as the unfused
+    paths (the GeLU kernels' constants are rounded to 8 digits: fp32 rounding)."""
+    from tests._dist import spawn
+
+    (results,) = spawn(_mlp_outputs_and_grads, 1)
+    for activation in ("gelu_tanh", "geglu", "cross_entropy"):
+        fused, plain = results[activation, True], results[activation, False]
+        assert fused.keys() == plain.keys()
+        for name in plain:
+            # fp32 rounding, relative to each tensor's scale (measured ~8e-8); a different function
+            # (exact GeLU, a dropped bias) differs by >1e-3 of it
+            error = (fused[name] - plain[name]).abs().max() / plain[name].abs().max()
+            assert error < 1e-6, (activation, name, error.item())

@@ -252,14 +252,23 @@ def test_flops_count_each_layers_attention_span_and_widths():
 
 
 def test_cuda_fuses_the_bias_activation_only_where_the_fused_kernel_is_the_same_function():
-    """Megatron-Core's fused bias-GeLU (megatron/core/fusions/fused_bias_gelu.py) computes the tanh
-    approximation, not model.activation gelu's exact GeLU: on CUDA only SwiGLU (exact in its fused
-    kernel) takes the fusion."""
+    """Megatron-Core's fused bias-GeLU and bias-GeGLU (megatron/core/fusions/fused_bias_gelu.py,
+    fused_bias_geglu.py) compute the tanh approximation: on CUDA they serve gelu_tanh and geglu (the
+    same function) in a GPT's dense MLP, never exact GeLU; SwiGLU's fused kernel is exact. The tanh
+    kernels are selected by activation_func F.gelu, so the config carries it only where fused."""
+    import torch.nn.functional as F
+
     from megacli.engine.models.config import transformer_config
     from megacli.recipe.model import ModelSection
     from megacli.recipe.sections import ParallelSection
 
-    fused = {a: transformer_config(model=ModelSection(activation=a, add_bias_linear=True), parallel=ParallelSection(),
-                                   precision="fp32", on_cuda=True).bias_activation_fusion
-             for a in ("gelu", "gelu_tanh", "swiglu", "squared_relu")}
-    assert fused == {"gelu": False, "gelu_tanh": False, "swiglu": True, "squared_relu": False}
+    def config(**model):
+        return transformer_config(model=ModelSection(add_bias_linear=True, **model), parallel=ParallelSection(),
+                                  precision="fp32", on_cuda=True)
+
+    fused = {a: config(activation=a).bias_activation_fusion for a in ("gelu", "gelu_tanh", "geglu", "swiglu", "squared_relu")}
+    assert fused == {"gelu": False, "gelu_tanh": True, "geglu": True, "swiglu": True, "squared_relu": False}
+    assert config(activation="gelu_tanh").activation_func is F.gelu
+    assert config(activation="gelu").activation_func is F.gelu  # exact GeLU, unfused
+    assert config(activation="gelu_tanh", arch="bert").activation_func is not F.gelu  # BERT's head calls it unfused
+    assert not config(activation="gelu_tanh", arch="bert").bias_activation_fusion

@@ -54,17 +54,46 @@ def describe_attention(recipe, device: torch.device) -> str:
     return f"attention: SDPA {attention_kernel(recipe, device)} kernel on {device.type.upper()} ({how})"
 
 
-def compile_layers(chunks) -> int:
-    """train.compile: torch.compile each transformer layer of the model chunks in place (their
-    parameters stay where they are, so wrappers, optimizer and checkpoints see the same tensors).
-    Returns how many layers were compiled."""
+def compile_layers(chunks) -> list:
+    """train.compile: torch.compile each transformer layer's forward in place (their parameters
+    stay where they are, so wrappers, optimizer and checkpoints see the same tensors). The forward,
+    not the module call: the layer's own hooks run outside the graph (see lift_param_sync_hooks).
+    Every layer shares one compiled graph: they run the same code on tensors of the same shapes.
+    Returns the compiled layers."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     _quiet_group_defaults()
     layers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, TransformerLayer)]
     for layer in layers:
-        layer.compile()
-    return len(layers)
+        layer.forward = torch.compile(layer.forward)
+    return layers
+
+
+def lift_param_sync_hooks(ddp, layers) -> None:
+    """With parallel.overlap_param_gather, Megatron's DDP puts a forward pre-hook on every module
+    that waits for its parameters' all-gather. Traced inside a compiled layer, each hook guards on
+    the identity of that layer's parameters, so every layer recompiles the graph (and past torch's
+    recompile limit runs eager). The same waits, for all the modules of a layer at once, in one
+    hook on the layer itself, which runs before the compiled forward. ``layers`` may hold other
+    model chunks' layers."""
+    handles = ddp.remove_forward_pre_hook_handles
+    if not handles:
+        return
+    wait = ddp._make_forward_pre_hook()
+    for layer in layers:
+        inner = [m for m in layer.modules() if m in handles]  # none for another model chunk's layers
+        if not inner:
+            continue
+        for m in inner:
+            handles[m].remove()
+
+        def wait_for_layer(_layer, _args, inner=inner):
+            for m in inner:
+                wait(m)
+
+        lifted = layer.register_forward_pre_hook(wait_for_layer)
+        for m in inner:  # DDP's disable_forward_pre_hook removes the lifted hook (removing twice is a no-op)
+            handles[m] = lifted
 
 
 def _quiet_group_defaults() -> None:

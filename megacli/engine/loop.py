@@ -78,10 +78,11 @@ def build_trainer(recipe, runtime) -> tuple[Trainer, object]:
 
         freeze_base(chunks)
     chunks = [c.to(runtime.device) for c in chunks]
+    compiled = []
     if t.compile:
         from megacli.engine.kernels import compile_layers
 
-        compile_layers(chunks)
+        compiled = compile_layers(chunks)
     if t.precision != "fp32":
         from megatron.core.transformer.module import Float16Module
 
@@ -95,7 +96,13 @@ def build_trainer(recipe, runtime) -> tuple[Trainer, object]:
     )
     chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
               for i, c in enumerate(chunks)]
-    optimizer = build_optimizer(chunks, optim=recipe.optim, precision=t.precision, distributed_optimizer=p.distributed_optimizer)
+    if compiled:
+        from megacli.engine.kernels import lift_param_sync_hooks
+
+        for c in chunks:
+            lift_param_sync_hooks(c, compiled)
+    optimizer = build_optimizer(chunks, optim=recipe.optim, precision=t.precision, distributed_optimizer=p.distributed_optimizer,
+                                on_cuda=runtime.is_cuda)
     scheduler = build_scheduler(optimizer, optim=recipe.optim, train_iters=t.iters)
 
     # The hooks Megatron's schedules call (as Megatron-LM's training loop wires them).

@@ -7,7 +7,7 @@ import torch
 from megacli.precision import params_dtype
 
 
-def build_optimizer(chunks, *, optim, precision: str, distributed_optimizer: bool):
+def build_optimizer(chunks, *, optim, precision: str, distributed_optimizer: bool, on_cuda: bool):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     config = OptimizerConfig(
@@ -26,7 +26,7 @@ def build_optimizer(chunks, *, optim, precision: str, distributed_optimizer: boo
         use_distributed_optimizer=distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(config, chunks)
-    if optim.fused:
+    if optim.fused_on(on_cuda):
         for inner in torch_optimizers(optimizer):
             use_fused_kernels(inner)
     return optimizer

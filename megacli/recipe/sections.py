@@ -450,9 +450,13 @@ class OptimSection(Section):
     """Adam epsilon."""
     initial_loss_scale: PositiveFloat = 2.0**16
     """fp16: starting dynamic loss scale."""
-    fused: bool = False
+    fused: Optional[bool] = None
     """torch's fused optimizer kernel (AdamW or SGD: each step in one kernel per device and dtype,
-    instead of one per operation over a list of tensors)."""
+    instead of one per operation over a list of tensors); the same maths. null: on with CUDA, off on CPU."""
+
+    def fused_on(self, on_cuda: bool) -> bool:
+        """Whether this run's optimizer uses torch's fused kernel."""
+        return on_cuda if self.fused is None else self.fused
 
     @model_validator(mode="after")
     def _lr_order(self):

@@ -24,6 +24,17 @@ def _activation(name: str):
     }[name]
 
 
+def bias_activation_fusion(model, on_cuda: bool) -> bool:
+    """Whether the MLP adds its bias and applies the activation in one of Megatron-Core's fused
+    kernels. Its bias-GeLU and bias-GeGLU kernels compute the tanh approximation, so they serve
+    gelu_tanh and geglu (GPT-2's activation, the same maths), never exact GeLU; only a GPT's dense
+    MLP calls them (BERT's head and MoE experts call ``activation_func`` itself)."""
+    if not (on_cuda and model.add_bias_linear):
+        return False
+    tanh_gelu = model.activation in ("gelu_tanh", "geglu") and model.arch == "gpt" and model.moe is None
+    return model.activation == "swiglu" or tanh_gelu
+
+
 def _drawn_later(tensor):
     """Init method placeholder: init_weights draws every weight by name after the model is built."""
     return tensor
@@ -45,6 +56,9 @@ def transformer_config(*, model, parallel, precision: str, on_cuda: bool, **over
     from megacli.engine.models import mla
 
     activation, gated = _activation(model.activation)
+    fuse_activation = bias_activation_fusion(model, on_cuda)
+    if fuse_activation and model.activation in ("gelu_tanh", "geglu"):
+        activation = F.gelu  # what selects the fused (tanh) kernels in Megatron-Core's MLP
     dtype = params_dtype(precision)
     recompute = None if parallel.recompute == "none" else parallel.recompute
     kwargs = dict(
@@ -96,8 +110,11 @@ def transformer_config(*, model, parallel, precision: str, on_cuda: bool, **over
         calculate_per_token_loss=True,
         apply_query_key_layer_scaling=False,
         gradient_accumulation_fusion=False,  # needs Apex's fused weight-gradient kernel
-        # Megatron-Core's fused bias-GeLU is the tanh approximation: fused for swiglu only
-        bias_activation_fusion=on_cuda and model.activation == "swiglu" and model.add_bias_linear,
+        bias_activation_fusion=fuse_activation,
+        # Megatron-Core's own fused vocab-parallel cross-entropy (no Transformer Engine) returns the
+        # logits' gradient in bf16 whatever their dtype: the same maths for bf16 logits only
+        cross_entropy_loss_fusion=on_cuda and precision == "bf16",
+        cross_entropy_fusion_impl="native",
         bias_dropout_fusion=on_cuda,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
