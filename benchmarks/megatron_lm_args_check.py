@@ -1,9 +1,12 @@
 """By hand, beside the project: megacli's Megatron-LM ``args`` against Megatron-LM's own ``parse_args``.
 
-    python benchmarks/megatron_lm_args_check.py MEGATRON_LM_CHECKOUT
+    python benchmarks/megatron_lm_args_check.py MEGATRON_LM_CHECKOUT [--write-defaults]
+
+``--write-defaults`` first writes megacli/checkpoint/megatron_lm_defaults.json (every field
+``parse_args`` defines with its default, enums by member name) from the checkout, then checks.
 
 1. ``parse_args`` with no options: every field name and default against
-   megacli.checkpoint.megatron_lm_args.PARSE_ARGS_DEFAULTS;
+   megacli.checkpoint.megatron_lm_args.parse_args_defaults();
 2. ``parse_args`` + ``validate_args`` for a small GPT given on the command line (bf16, fp16, fp32), against
    ``megatron_args`` of the same model as a megacli recipe: field names, and the values of every
    field (a difference is printed with both values);
@@ -49,6 +52,7 @@ RECIPE = ["data.mock=true", "tokenizer.type=byte", "model.num_layers=2", "model.
 
 def main() -> None:
     checkout = sys.argv[1]
+    write_defaults = "--write-defaults" in sys.argv[2:]
     sys.path.insert(0, checkout)
     stub = types.ModuleType("megatron.core.transformer.custom_layers.batch_invariant_kernels")
     stub.enable_batch_invariant_mode = lambda *a, **k: None  # triton kernels a CPU-only torch cannot import
@@ -60,17 +64,25 @@ def main() -> None:
 
     from megatron.training.arguments import parse_args, validate_args
 
-    from megacli.checkpoint.megatron_lm_args import PARSE_ARGS_DEFAULTS, megatron_args
+    from megacli.checkpoint.megatron_lm_args import parse_args_defaults, megatron_args
     from megacli.recipe.base import apply_overrides, validate
     from megacli.recipe.pretrain import TrainingRecipe
 
     sys.argv = ["pretrain_gpt.py"]
     defaults = vars(parse_args())
     theirs = {k: getattr(v, "name", v) for k, v in defaults.items()}
-    print(f"1. parse_args defines {len(theirs)} fields, megacli's table {len(PARSE_ARGS_DEFAULTS)}")
-    print(f"   only in Megatron-LM: {sorted(set(theirs) - set(PARSE_ARGS_DEFAULTS))}")
-    print(f"   only in megacli: {sorted(set(PARSE_ARGS_DEFAULTS) - set(theirs))}")
-    print(f"   defaults that differ: { {k: (PARSE_ARGS_DEFAULTS[k], theirs[k]) for k in theirs if k in PARSE_ARGS_DEFAULTS and PARSE_ARGS_DEFAULTS[k] != theirs[k]} }")
+    if write_defaults:
+        import json
+
+        from megacli.checkpoint import megatron_lm_args
+
+        megatron_lm_args._DEFAULTS_FILE.write_text(json.dumps(theirs, indent=1, sort_keys=True) + "\n")
+        megatron_lm_args.parse_args_defaults.cache_clear()
+        print(f"wrote {megatron_lm_args._DEFAULTS_FILE}")
+    print(f"1. parse_args defines {len(theirs)} fields, megacli's table {len(parse_args_defaults())}")
+    print(f"   only in Megatron-LM: {sorted(set(theirs) - set(parse_args_defaults()))}")
+    print(f"   only in megacli: {sorted(set(parse_args_defaults()) - set(theirs))}")
+    print(f"   defaults that differ: { {k: (parse_args_defaults()[k], theirs[k]) for k in theirs if k in parse_args_defaults() and parse_args_defaults()[k] != theirs[k]} }")
 
     for precision in ("bf16", "fp16", "fp32"):
         argv = [a for a in ARGV if a != "--bf16"] + ([f"--{precision}"] if precision != "fp32" else [])

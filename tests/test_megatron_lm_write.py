@@ -49,11 +49,11 @@ def recipe(**model):
 def test_args_hold_every_field_parse_args_defines_with_the_recipes_values():
     import torch
 
-    from megacli.checkpoint.megatron_lm_args import DERIVED, DROPPED_BY_VALIDATION, PARSE_ARGS_DEFAULTS, megatron_args
+    from megacli.checkpoint.megatron_lm_args import DERIVED, DROPPED_BY_VALIDATION, parse_args_defaults, megatron_args
 
     args = vars(megatron_args(recipe(), iteration=7, consumed_samples=14, padded_vocab_size=320, vocab_size=VOCAB,
                               transformer_impl="local"))
-    assert set(args) == (set(PARSE_ARGS_DEFAULTS) - set(DROPPED_BY_VALIDATION)) | set(DERIVED)
+    assert set(args) == (set(parse_args_defaults()) - set(DROPPED_BY_VALIDATION)) | set(DERIVED)
     assert len(args) > 650
     # what Megatron-LM's loaders and checkpoint converters read
     want = dict(num_layers=2, hidden_size=32, num_attention_heads=4, group_query_attention=True, num_query_groups=2,
@@ -136,7 +136,7 @@ def test_flag_table_page_is_the_mapping():
     whose field parse_args defaults to True is set by an option that turns it off (marked "(off)").
     That every spelling is an option of core_v0.16.1's parser setting that field with that sign is
     checked against a checkout by benchmarks/megatron_lm_args_check.py."""
-    from megacli.checkpoint.megatron_lm_args import FLAGS, PARSE_ARGS_DEFAULTS, flag_table
+    from megacli.checkpoint.megatron_lm_args import FLAGS, parse_args_defaults, flag_table
 
     text = (ROOT / "docs" / "megatron-lm" / "flags.md").read_text(encoding="utf-8")
     table = text.split("| Megatron-LM | recipe |\n|---|---|\n", 1)[1].split("\n\n", 1)[0]
@@ -144,7 +144,7 @@ def test_flag_table_page_is_the_mapping():
     assert rows == flag_table()
     assert len({f.option for f in FLAGS}) == len(FLAGS)
     for f in FLAGS:
-        default = PARSE_ARGS_DEFAULTS[f.arg]
+        default = parse_args_defaults()[f.arg]
         if f.from_environment:
             assert re.fullmatch(r"[A-Z_]+", f.option) and not f.off, f
             continue
@@ -538,10 +538,10 @@ def test_weights_and_optimizer_bitwise_and_the_same_logits(exported, name):
 
 
 def test_the_legacy_export_carries_the_full_args_and_imports_back(exported):
-    from megacli.checkpoint.megatron_lm_args import DERIVED, DROPPED_BY_VALIDATION, PARSE_ARGS_DEFAULTS
+    from megacli.checkpoint.megatron_lm_args import DERIVED, DROPPED_BY_VALIDATION, parse_args_defaults
 
     _, out = exported
-    assert set(out["legacy_args"]) == (set(PARSE_ARGS_DEFAULTS) - set(DROPPED_BY_VALIDATION)) | set(DERIVED)
+    assert set(out["legacy_args"]) == (set(parse_args_defaults()) - set(DROPPED_BY_VALIDATION)) | set(DERIVED)
     got, want = out["legacy_model"]
     fields = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "seq_length",
               "position_embedding", "normalization", "activation", "add_bias_linear", "untie_embeddings",
