@@ -3,7 +3,9 @@ of several nodes, the run-directory lock, signals, stalled ranks and the death o
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -237,3 +239,28 @@ def test_a_timed_out_asynchronous_collective_is_named_where_it_was_waited_on():
         raise RuntimeError("connection timeout")  # not a collective's
     except RuntimeError as exc:
         assert stall_error(exc, rank=0, timeout_minutes=0.2) is None
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS])
+def test_an_unwritable_directory_is_named_and_nothing_is_left_behind(tmp_path, monkeypatch, code):
+    """A full filesystem creates the lock's draft and fails to write it (a 0-byte file was left); a
+    read-only one fails to create it. Simulated in-process (a real read-only or full tmpfs needs root)."""
+    from megacli import rundir
+    from megacli.errors import UserError
+
+    real_write = Path.write_text
+
+    def write_text(self, *args, **kwargs):
+        if self.parent.name == "ck":
+            if code == errno.ENOSPC:
+                self.touch()
+            raise OSError(code, os.strerror(code))
+        return real_write(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    (tmp_path / "run").mkdir()
+    with pytest.raises(UserError) as err:
+        with rundir.locked({"run.dir": str(tmp_path / "run"), "checkpoint.dir": str(tmp_path / "ck")}, job_id="j"):
+            raise AssertionError("the block ran without the lock")
+    assert str(err.value).startswith(f"checkpoint.dir {(tmp_path / 'ck').resolve()}: cannot write there ({os.strerror(code)})")
+    assert list(tmp_path.rglob("*")) == [tmp_path / "run"], "the run.dir lock or a draft was left behind"

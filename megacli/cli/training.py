@@ -27,7 +27,8 @@ def run_training_job(job: str, recipe_path: Path | None, overrides: list[str], d
     check_inputs(recipe)
     ln = recipe.launch
     job_id = launch.job_id(given=ln.job_id, rdzv_endpoint=ln.rdzv_endpoint)
-    with rundir.locked([recipe.run.dir, *([recipe.checkpoint.dir] if recipe.checkpoint.dir else [])], job_id=job_id):
+    directories = {"run.dir": recipe.run.dir, **({"checkpoint.dir": recipe.checkpoint.dir} if recipe.checkpoint.dir else {})}
+    with rundir.locked(directories, job_id=job_id):
         _run(job, recipe, job_id)
 
 
