@@ -238,6 +238,69 @@ def test_fim_names_missing_tokens():
         fim_ids(load_tokenizer(type="byte", path=None), fim_sections())
 
 
+def first_sample_or_error(stream: RankStream, timeout: float = 30):
+    """next(stream) in a thread, so that a stream that never yields fails the test instead of hanging it."""
+    import threading
+
+    got = {}
+
+    def read():
+        try:
+            got["sample"] = next(stream)
+        except Exception as exc:
+            got["error"] = exc
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout)
+    stream.close()
+    assert got, f"no sample and no error within {timeout} s"
+    return got.get("sample"), got.get("error")
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_documents_without_text_are_refused_not_hung(tmp_path, world):
+    """Empty documents give no tokens, not even EOD: packing waited for tokens forever. With 2
+    data-parallel ranks, rank 0's documents are the empty ones."""
+    from megacli.errors import UserError
+
+    texts_ = [""] * 50 if world == 1 else ["", "x"] * 25
+    path = write_jsonl(tmp_path / "empty.jsonl", texts_)
+    stream = RankStream([jsonl_source(path)], spec=BYTE, seq_length=SEQ, rank=0, world=world, workers=0)
+    sample, error = first_sample_or_error(stream)
+    assert isinstance(error, UserError), (sample, error)
+    whose = "25 documents of data-parallel rank 0 of 2" if world == 2 else "50 documents"
+    assert str(error) == f"on-the-fly data {[str(path)]!r}: all {whose} have an empty 'text': nothing to train on"
+
+
+def test_pretrain_and_its_dry_run_refuse_a_corpus_without_text(tmp_path):
+    from typer.testing import CliRunner
+
+    from megacli.cli import _register, app
+    from tests.test_pretrain import TINY
+
+    path = write_jsonl(tmp_path / "empty.jsonl", [""] * 50)
+    sets = [*TINY, "data.mock=false", "data.source=jsonl", f"data.files=[{path}]", f"run.dir={tmp_path / 'run'}"]
+    _register()
+    for dry_run in (["--dry-run"], []):
+        out = CliRunner().invoke(app, ["pretrain", *dry_run, *[x for s in sets for x in ("--set", s)]],
+                                 env={"COLUMNS": "400", "MEGACLI_IN_PROCESS": "1"})
+        assert out.exit_code == 2, (dry_run, out.output)
+        assert f"all 50 documents have an empty 'text'" in out.output and str(path) in out.output, out.output
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_line_that_is_not_utf8_is_named_with_file_and_line(tmp_path):
+    from megacli.data.stream import texts
+    from megacli.errors import UserError
+
+    path = write_jsonl(tmp_path / "c.jsonl", ["one", "two"])
+    path.write_bytes(path.read_bytes() + b'{"text": "caf\xe9"}\n')
+    with pytest.raises(UserError) as err:
+        list(texts(jsonl_source(path)))
+    assert str(err.value) == f"{path}:3: not UTF-8 (invalid continuation byte at byte 13)"
+
+
 # ---------------------------------------------------------------- recipe
 
 @pytest.mark.parametrize("fields, message", [

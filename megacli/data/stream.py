@@ -57,11 +57,17 @@ def jsonl_paths(patterns: list[str]) -> list[Path]:
 
 
 def _jsonl_texts(paths: list[Path], field: str) -> Iterator[str]:
+    from megacli.data.readers import not_utf8
+
     for path in paths:
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
+        with open(path, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                if not raw.strip():
                     continue
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise UserError(f"{path}:{n}: {not_utf8(e)}") from None
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as e:
@@ -120,20 +126,45 @@ def texts(source) -> Iterator[str]:
     return _hf_texts(source)
 
 
+def _where(source) -> str:
+    return f"on-the-fly data {source.files if source.source == 'jsonl' else source.name!r}"
+
+
+def _all_empty(source, documents: int, whose: str = "") -> UserError:
+    """Empty documents give no tokens (not even EOD): packing would wait for tokens forever."""
+    return UserError(f"{_where(source)}: all {documents} documents{whose} have an empty {source.text_field!r}: "
+                     f"nothing to train on")
+
+
 def shard_texts(source, *, rank: int, world: int) -> Iterator[str]:
     """This rank's documents (i mod world == rank), pass after pass, without end."""
     i = 0
     while True:
-        seen = False
+        mine = with_text = 0
         for text in texts(source):
             if i % world == rank:
-                seen = True
+                mine += 1
+                with_text += bool(text)
                 yield text
             i += 1
-        if not seen:
-            where = source.files if source.source == "jsonl" else source.name
-            raise UserError(f"on-the-fly data {where!r}: no document for data-parallel rank {rank} of {world} "
+        if not mine:
+            raise UserError(f"{_where(source)}: no document for data-parallel rank {rank} of {world} "
                             f"({i} documents in all)")
+        if not with_text:
+            raise _all_empty(source, mine, f" of data-parallel rank {rank} of {world}" if world > 1 else "")
+
+
+def check_has_text(source) -> None:
+    """Refuse a jsonl source without a document that has text (read up to the first that has some;
+    hf sources are checked as they are read: opening one may download it)."""
+    if source.source != "jsonl":
+        return
+    documents = 0
+    for text in texts(source):
+        if text:
+            return
+        documents += 1
+    raise _all_empty(source, documents)
 
 
 # ------------------------------------------------------------------------------ tokenizing ahead
