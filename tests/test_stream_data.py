@@ -353,6 +353,70 @@ def test_pretrain_resume_mid_stream_equals_uninterrupted_run(tmp_path, dp):
         assert resumed[i] == pytest.approx(whole[i], rel=1e-6, abs=0), f"step {i}"
 
 
+def test_a_sources_fingerprint_changes_with_its_documents(tmp_path):
+    from megacli.data.stream import EDGE_BYTES, change, fingerprint
+
+    big = ["x" * 1000 + f" doc{i}" for i in range(3000)]  # > 2 MiB: only the first and last MiB are hashed
+    path = write_jsonl(tmp_path / "c.jsonl", big)
+    source = jsonl_source(path)
+    saved = json.loads(json.dumps(fingerprint(source)))  # as megacli.json keeps it
+    assert change(saved, fingerprint(source)) is None
+    path.touch()  # a new modification time, the same documents
+    assert change(saved, fingerprint(source)) is None
+    for changed in (big[:-1], big + ["one more"], [big[1], big[0], *big[2:]], [*big[:-2], big[-1], big[-2]]):
+        write_jsonl(path, changed)
+        assert change(saved, fingerprint(source)).startswith(f"{path} differs from the file read then"), changed[:1]
+    write_jsonl(path, big)
+    assert change(saved, fingerprint(source)) is None
+    assert path.stat().st_size > 2 * EDGE_BYTES
+    two = StreamSource(source="jsonl", files=[str(path), str(path)])
+    assert change(saved, fingerprint(two)) == "it has 2 files, the checkpoint's had 1"
+    assert change(saved, fingerprint(StreamSource(source="jsonl", files=[str(path)], text_field="body"))).startswith(
+        "it reads {'source': 'jsonl', 'name': None, 'config': None, 'hf_split': 'train', 'text_field': 'body'}")
+
+
+def test_a_resume_on_changed_sources_is_refused_naming_the_source(tmp_path, monkeypatch):
+    """Training saved its position in a.jsonl and b.jsonl; the sources reordered, or a.jsonl
+    replaced, would apply that position to other documents: refused, unless
+    data.restart_changed_sources, which reads the changed source from its first document."""
+    from typer.testing import CliRunner
+
+    from megacli.cli import _register, app
+    from tests.test_pretrain import TINY, layout
+
+    a = write_jsonl(tmp_path / "a.jsonl", documents(200))
+    b = write_jsonl(tmp_path / "b.jsonl", [t.upper() for t in documents(100)])
+    ck = tmp_path / "ck"
+    monkeypatch.setenv("MEGACLI_IN_PROCESS", "1")
+    _register()
+
+    def pretrain(first, second, *sets):
+        every = [*TINY, *layout(), "data.mock=false", "data.tokenizer_workers=0", "train.iters=4", f"checkpoint.dir={ck}",
+                 f"data.sources=[{{source: jsonl, files: [{first}]}}, {{source: jsonl, files: [{second}]}}]",
+                 f"run.dir={tmp_path / 'run'}", *sets]
+        return CliRunner().invoke(app, ["pretrain", *[x for s in every for x in ("--set", s)]], env={"COLUMNS": "400"})
+
+    out = pretrain(a, b, "train.exit_after_iters=2")
+    assert out.exit_code == 0, out.output
+    saved = json.loads((ck / "iter_0000002" / "megacli.json").read_text())["stream_sources"]
+    assert [s["files"][0]["path"] for s in saved] == [str(a), str(b)]
+    assert saved[0]["files"][0]["size"] == a.stat().st_size and len(saved[0]["files"][0]["edges_xxh3"]) == 16
+
+    out = pretrain(b, a)
+    assert out.exit_code == 2 and "Traceback" not in out.output, out.output
+    said = " ".join(out.output.split())
+    assert said.startswith(f"error: data.sources[0]: {b} differs from the file read then ({a}:") and \
+        "data.restart_changed_sources: true" in said, said
+    write_jsonl(a, ["short"] + documents(199)[1:])  # another first document
+    out = pretrain(a, b, "data.restart_changed_sources=true")
+    assert out.exit_code == 0, out.output
+    assert f"data.sources[0]: {a} differs from the file read then" in " ".join(out.output.split())
+    assert "read from its first document (data.restart_changed_sources)" in " ".join(out.output.split())
+    resumed = json.loads((ck / "iter_0000004" / "megacli.json").read_text())["stream"][0]["positions"]
+    assert resumed[0]["documents"] < json.loads((ck / "iter_0000002" / "megacli.json").read_text())["stream"][0][
+        "positions"][0]["documents"] + 3, "data.sources[0] did not start over"
+
+
 @pytest.mark.parametrize("layout", ["save_to_disk", "parquet", "jsonl", "streaming parquet"])
 def test_hf_local_copies_read_like_jsonl(tmp_path, layout):
     import datasets

@@ -167,6 +167,59 @@ def check_has_text(source) -> None:
     raise _all_empty(source, documents)
 
 
+# ------------------------------------------------------------------------------ noticing a changed source
+
+EDGE_BYTES = 1 << 20  # a file's first and last MiB are hashed
+
+
+def _file_print(path: Path) -> dict:
+    import xxhash
+
+    size = path.stat().st_size
+    digest = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        digest.update(f.read(EDGE_BYTES))
+        if size > EDGE_BYTES:
+            f.seek(max(EDGE_BYTES, size - EDGE_BYTES))
+            digest.update(f.read())
+    return {"path": str(path), "size": size, "edges_xxh3": digest.hexdigest()}
+
+
+def _local_files(source) -> list[Path]:
+    """The local files a source reads, in order (none for a dataset named on the Hub)."""
+    if source.source == "jsonl":
+        return jsonl_paths(source.files)
+    name = Path(source.name)
+    if name.is_dir():
+        return sorted(p for p in name.rglob("*") if p.is_file())
+    return [Path(f) for f in (sorted(glob.glob(source.name)) if glob.has_magic(source.name) else [source.name])
+            if Path(f).is_file()]
+
+
+def fingerprint(source) -> dict:
+    """What a checkpoint keeps of a source to notice that it changed: what is read (kind, name,
+    split, text field) and each local file's path, size and xxh3-64 of its first and last MiB.
+    Replacing, truncating, appending to or reordering files changes it; the modification time is
+    left out (a copy or a restore changes it, not the documents), and the whole file is not hashed
+    (a large corpus would be read at every start). A dataset named on the Hub is known by its name."""
+    read = {k: getattr(source, k) for k in ("source", "name", "config", "hf_split", "text_field")}
+    return {"read": read, "files": [_file_print(p) for p in _local_files(source)]}
+
+
+def change(saved: dict, now: dict) -> str | None:
+    """How a source's fingerprint differs from the saved one (None: the same documents)."""
+    if saved.get("read") != now["read"]:
+        return f"it reads {now['read']}, the checkpoint's read {saved.get('read')}"
+    before, after = saved.get("files", []), now["files"]
+    for old, new in zip(before, after):
+        if (old.get("size"), old.get("edges_xxh3")) != (new["size"], new["edges_xxh3"]):
+            return (f"{new['path']} differs from the file read then ({old.get('path')}: "
+                    f"{old.get('size')} bytes, now {new['size']})")
+    if len(before) != len(after):
+        return f"it has {len(after)} files, the checkpoint's had {len(before)}"
+    return None
+
+
 # ------------------------------------------------------------------------------ tokenizing ahead
 
 _worker_tokenizer = None

@@ -125,6 +125,10 @@ class DataSection(StreamFields):
     """Weighted mixture of on-the-fly sources, each {source, weight, files | name, ...}; leave data.source unset."""
     tokenizer_workers: NonNegativeInt = 1
     """On-the-fly data: processes tokenizing ahead of training (0: a background thread does it)."""
+    restart_changed_sources: bool = False
+    """On-the-fly data: resume although a source changed since the checkpoint (files replaced,
+    truncated, appended to or reordered; sources reordered), reading each changed source from its
+    first document. false: such a resume is refused, naming the source."""
     reset_position_ids: bool = False
     """Position ids restart after each end-of-document token (Megatron-LM's --reset-position-ids)."""
     reset_attention_mask: bool = False
