@@ -315,7 +315,9 @@ def _train(recipe, runtime, *, harness=None) -> None:
     memory_reported = False
     last_good, skipped = source, 0  # the newest checkpoint with finite weights; steps dropped as non-finite
     run_id = run_id or uuid.uuid4().hex  # carried across resumes: keep_last prunes only this run's checkpoints
-    stops = StopRequests(save_on_signal=ck.save_on_signal, time_limit_minutes=t.time_limit_minutes, device=runtime.device)
+    # Half the time the launcher gives workers after a signal goes to reaching a step boundary, half to the save.
+    stops = StopRequests(save_on_signal=ck.save_on_signal, time_limit_minutes=t.time_limit_minutes, device=runtime.device,
+                         max_wait_s=recipe.launch.timeout_minutes * 60 / 2, run_dir=recipe.run.dir)
     stopped = None
     try:
         while iteration < stop_at:

@@ -499,7 +499,8 @@ class CheckpointSection(Section):
     same iteration and move `latest`); without it such a run is refused."""
     save_on_signal: bool = True
     """On SIGTERM or SIGUSR1 (what Slurm sends before preemption or the time limit), save a checkpoint
-    at the next step boundary and exit 0; a second signal stops at once. false: stop at once."""
+    at the next step boundary and exit 0; copies of the signal within 5 s are one request, a signal
+    after that stops at once. false: stop at once."""
     trust_pickle: bool = False
     """Unpickle any object the checkpoints loaded (resume, pretrained, LoRA base) hold; by default
     only tensors and known-safe types, since a pickle can run code. Only for checkpoints you trust."""
