@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -211,9 +212,18 @@ def test_wandb_without_an_api_key_keeps_the_run_offline_and_says_how_to_sync(tmp
         trackers.close()
     (offline,) = (run_dir / "wandb").glob("offline-run-*")
     assert len(said) == 1 and said[0].endswith(f"kept offline in {offline}: upload it with `wandb sync {offline}`"), said
+    run_file = offline / f"run-{offline.name.rsplit('-', 1)[1]}.wandb"
+    deadline = time.monotonic() + 60  # W&B's own process finishes writing the file after finish() returns
+    while True:
+        try:
+            written = list(wandb_records(run_file))
+        except (OSError, AssertionError, ValueError):  # not there yet, or its last record half-written
+            written = []
+        if any(r.WhichOneof("record_type") == "exit" for r in written) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     history = [{i.nested_key[0] if i.nested_key else i.key: json.loads(i.value_json) for i in r.history.item}
-               for r in wandb_records(offline / f"run-{offline.name.rsplit('-', 1)[1]}.wandb")
-               if r.WhichOneof("record_type") == "history"]
+               for r in written if r.WhichOneof("record_type") == "history"]
     assert [h["loss"] for h in history] == [2.5]
 
 
