@@ -193,6 +193,8 @@ def test_an_unreadable_trackers_file_is_one_warning_and_the_trackers_start(tmp_p
 
 def test_wandb_without_an_api_key_keeps_the_run_offline_and_says_how_to_sync(tmp_path, monkeypatch):
     """No WANDB_MODE, no key anywhere (env, netrc, settings): the run is kept offline, never turned off."""
+    from google.protobuf.message import DecodeError
+
     from megacli.engine.trackers import Trackers
 
     for var in [v for v in os.environ if v.startswith("WANDB_")]:
@@ -217,7 +219,7 @@ def test_wandb_without_an_api_key_keeps_the_run_offline_and_says_how_to_sync(tmp
     while True:
         try:
             written = list(wandb_records(run_file))
-        except (OSError, AssertionError, ValueError):  # not there yet, or its last record half-written
+        except (OSError, AssertionError, DecodeError):  # not there yet, or its last record half-written
             written = []
         if any(r.WhichOneof("record_type") == "exit" for r in written) or time.monotonic() > deadline:
             break
