@@ -371,6 +371,8 @@ def test_a_sources_fingerprint_changes_with_its_documents(tmp_path):
     assert path.stat().st_size > 2 * EDGE_BYTES
     two = StreamSource(source="jsonl", files=[str(path), str(path)])
     assert change(saved, fingerprint(two)) == "it has 2 files, the checkpoint's had 1"
+    for damaged in ([], {"files": 3}, {"files": [1]}):
+        assert change(damaged, fingerprint(source)) == "the checkpoint's record of it is unreadable"
     assert change(saved, fingerprint(StreamSource(source="jsonl", files=[str(path)], text_field="body"))).startswith(
         "it reads {'source': 'jsonl', 'name': None, 'config': None, 'hf_split': 'train', 'text_field': 'body'}")
 

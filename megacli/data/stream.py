@@ -208,9 +208,12 @@ def fingerprint(source) -> dict:
 
 def change(saved: dict, now: dict) -> str | None:
     """How a source's fingerprint differs from the saved one (None: the same documents)."""
+    files = saved.get("files") if isinstance(saved, dict) else None
+    if not isinstance(files, list) or not all(isinstance(f, dict) for f in files):
+        return "the checkpoint's record of it is unreadable"
     if saved.get("read") != now["read"]:
         return f"it reads {now['read']}, the checkpoint's read {saved.get('read')}"
-    before, after = saved.get("files", []), now["files"]
+    before, after = files, now["files"]
     for old, new in zip(before, after):
         if (old.get("size"), old.get("edges_xxh3")) != (new["size"], new["edges_xxh3"]):
             return (f"{new['path']} differs from the file read then ({old.get('path')}: "

@@ -107,7 +107,9 @@ def resumed_state(stream: StreamData, meta: dict, *, checkpoint, dp_rank: int, d
         return state, []
     now = stream.fingerprints
     mixture = bool(stream.data.sources)
-    if len(saved) != len(now):
+    if not isinstance(saved, list):
+        changed = {None: "the checkpoint's record of the sources is unreadable"}
+    elif len(saved) != len(now):
         changed = {None: f"data.sources has {len(now)} sources, the checkpoint's run read {len(saved)}"}
     else:
         changed = {i: why for i, (old, new) in enumerate(zip(saved, now)) if (why := change(old, new))}
@@ -120,9 +122,9 @@ def resumed_state(stream: StreamData, meta: dict, *, checkpoint, dp_rank: int, d
                         f"its saved position (documents read, tokens used) would be applied to other documents. Restore "
                         f"the data, or set data.restart_changed_sources: true to read the changed sources from their "
                         f"first document")
-    notes = [f"{why}: read from its first document (data.restart_changed_sources)" for why in named.values()]
     if None in changed:
-        return None, notes
+        return None, [f"{named[None]}: every source read from its first document (data.restart_changed_sources)"]
+    notes = [f"{why}: read from its first document (data.restart_changed_sources)" for why in named.values()]
     positions = [{} if i in changed else p for i, p in enumerate(state["positions"])]
     return {**state, "positions": positions}, notes
 
