@@ -48,23 +48,52 @@ def versions() -> dict[str, str | None]:
 def prepare(recipe, run_dir: str | Path) -> Path:
     """Create the run directory and write the resolved recipe and versions; return the recipe path."""
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     recipe_file = run_dir / RECIPE_FILE
     draft = run_dir / f".{RECIPE_FILE}.{os.getpid()}"  # workers on other nodes may be reading it
-    draft.write_text(dump(recipe))
-    draft.replace(recipe_file)
-    (run_dir / VERSIONS_FILE).write_text(json.dumps(versions(), indent=2) + "\n")
+    with unwritable_names(run_dir, "run.dir", draft):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        draft.write_text(dump(recipe))
+        draft.replace(recipe_file)
+        (run_dir / VERSIONS_FILE).write_text(json.dumps(versions(), indent=2) + "\n")
     return recipe_file
 
 
 @contextmanager
-def locked(directories, *, job_id: str):
-    """Hold the job's lock on each directory while the block runs. Every rank and node of one job
-    (the same job id) shares it; another job is refused. The process that created a lock removes it."""
+def unwritable_names(directory: Path, field: str, *drafts: Path):
+    """An OSError while writing in ``directory`` (read-only or full filesystem, no permission) as one
+    error naming it; the block's ``drafts``, and ``directory`` when the block created it, are removed then."""
+    from megacli.errors import UserError
+
+    existed = directory.exists()
+    try:
+        yield
+    except OSError as exc:
+        for leftover in drafts:
+            try:
+                leftover.unlink(missing_ok=True)
+            except OSError:
+                pass
+        if not existed:
+            try:
+                directory.rmdir()
+            except OSError:
+                pass
+        cause = exc.strerror or type(exc).__name__
+        raise UserError(f"{field} {directory}: cannot write there ({cause}); give a writable directory with free space") from None
+
+
+@contextmanager
+def locked(directories: dict[str, str], *, job_id: str):
+    """Hold the job's lock on each directory ({field: path}) while the block runs. Every rank and node
+    of one job (the same job id) shares it; another job is refused. The process that created a lock
+    removes it."""
     created = []
     try:
-        for directory in dict.fromkeys(Path(d).resolve() for d in directories):
-            if _acquire(directory, job_id):
+        seen = {}
+        for field, directory in directories.items():
+            seen.setdefault(Path(directory).resolve(), field)
+        for directory, field in seen.items():
+            if _acquire(directory, job_id, field):
                 created.append(directory)
         yield
     finally:
@@ -74,16 +103,23 @@ def locked(directories, *, job_id: str):
                 (directory / LOCK_FILE).unlink(missing_ok=True)
 
 
-def _acquire(directory: Path, job_id: str) -> bool:
+def _acquire(directory: Path, job_id: str, field: str) -> bool:
     """Take the lock; True when this process created it, False when the job already holds it."""
-    from megacli.errors import UserError
-
-    directory.mkdir(parents=True, exist_ok=True)
     path = directory / LOCK_FILE
     mine = {"job_id": job_id, "host": socket.gethostname(), "pid": os.getpid(),
             "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     draft = directory / f".{LOCK_FILE}.{os.getpid()}"
-    draft.write_text(json.dumps(mine) + "\n")
+    with unwritable_names(directory, field, draft):
+        directory.mkdir(parents=True, exist_ok=True)
+        draft.write_text(json.dumps(mine) + "\n")
+        return _link(draft, path, mine, job_id)
+
+
+def _link(draft: Path, path: Path, mine: dict, job_id: str) -> bool:
+    """Make ``draft`` the lock at ``path`` unless another live job holds it."""
+    from megacli.errors import UserError
+
+    directory = path.parent
     try:
         for _ in range(3):
             try:

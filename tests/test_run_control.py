@@ -3,7 +3,9 @@ of several nodes, the run-directory lock, signals, stalled ranks and the death o
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -62,9 +64,15 @@ def workers_of(launcher: subprocess.Popen) -> list[psutil.Process]:
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 def test_signal_saves_at_the_next_step_and_exits_0(tmp_path, sig):
+    """SIGTERM as systemd, Kubernetes and Slurm send it, to every process of the job at once: the
+    worker gets it twice (once passed on by the launcher), and that is one stop request. SIGUSR1 to
+    the launcher alone, which passes it on."""
     ck = tmp_path / "ck"
     proc = start(tmp_path / "run", *FOREVER, f"checkpoint.dir={ck}")
     wait_for_steps(proc, tmp_path / "run", 2)
+    if sig == signal.SIGTERM:
+        (worker,) = workers_of(proc)
+        worker.send_signal(sig)
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-3000:] + err[-3000:]
@@ -111,6 +119,83 @@ def test_a_second_job_on_the_same_run_dir_is_refused_and_workers_die_with_a_kill
     assert out.returncode == 0, out.stderr[-3000:]
     assert "taking over its lock" in out.stderr
     assert not (tmp_path / "run" / "megacli.lock").exists()
+
+
+def test_copies_of_a_stop_signal_are_one_request_and_a_later_one_stops_at_once():
+    """The signal a worker got from the scheduler and the launcher's copy of it, in either order and
+    of either kind, are one request (a second signal used to stop the worker before it could save);
+    a signal after REPEAT_WINDOW_S (shortened here) stops the process at once."""
+    code = ("import os, signal, time\n"
+            "from megacli.engine import stop\n"
+            "stop.REPEAT_WINDOW_S = 1.0\n"
+            "requests = stop.StopRequests(save_on_signal=True, time_limit_minutes=None, device='cpu', max_wait_s=600,\n"
+            "                             give_up=lambda *args: print('gave up', flush=True))\n"
+            "for sig in (signal.SIGTERM, signal.SIGTERM, signal.SIGUSR1):\n"
+            "    os.kill(os.getpid(), sig)\n"
+            "print('one request:', requests.received.name, flush=True)\n"
+            "time.sleep(1.5)\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "time.sleep(5)\n"
+            "print('still running', flush=True)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout == "one request: SIGTERM\n", out.stdout + out.stderr
+    assert out.returncode == -signal.SIGTERM
+
+
+def test_no_step_boundary_within_the_wait_gives_up(monkeypatch):
+    from megacli.engine import stop
+
+    monkeypatch.setattr(stop, "MIN_BOUNDARY_WAIT_S", 0.3)
+    given_up = []
+    requests = stop.StopRequests(save_on_signal=True, time_limit_minutes=None, device="cpu", max_wait_s=600,
+                                 give_up=lambda sig, waited: given_up.append((sig, waited)))
+    try:
+        assert requests.boundary_wait_s() == 0.3
+        requests.slowest_interval = 1.0  # three of the slowest intervals between two step boundaries
+        assert requests.boundary_wait_s() == 3.0
+        requests.max_wait_s = 0.5  # at most half of launch.timeout_minutes
+        assert requests.boundary_wait_s() == 0.5
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while not given_up and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        requests.close()
+    assert given_up == [(signal.SIGTERM, 0.5)]
+
+
+def hang_from_call(losses, *, labels, loss_mask, call):
+    """A train.loss that never returns from its ``call``-th call on: a run that cannot reach a step boundary."""
+    hang_from_call.calls = getattr(hang_from_call, "calls", 0) + 1
+    while hang_from_call.calls >= call:
+        time.sleep(1)
+    return losses
+
+
+@pytest.mark.slow
+def test_a_run_stuck_before_a_step_boundary_ends_after_a_signal_saying_nothing_was_saved(tmp_path):
+    """Stuck in step 3 (4 micro-batches a step), on a SIGTERM: it ends within half of
+    launch.timeout_minutes, saying why nothing was saved (it used to run on until the launcher's
+    SIGKILL, 10 minutes by default; for ever without a launcher)."""
+    run_dir = tmp_path / "run"
+    sets = [*FOREVER, f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.save_interval=0", "launch.timeout_minutes=0.2",
+            "train.loss=tests.test_run_control:hang_from_call", "train.loss_kwargs={call: 9}"]
+    proc = subprocess.Popen(command(run_dir, *sets), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, MEGACLI_IN_PROCESS="1"))
+    try:
+        wait_for_steps(proc, run_dir, 2)
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    took = time.monotonic() - sent
+    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err[-3000:]
+    assert "stopped on SIGTERM: no step boundary was reached within 6 s of the signal" in err and \
+        "nothing could be saved" in err, err[-3000:]
+    assert 5 < took < 30, took
+    assert not (tmp_path / "ck" / "latest").exists()
 
 
 def test_one_job_id_for_every_node():
@@ -237,3 +322,28 @@ def test_a_timed_out_asynchronous_collective_is_named_where_it_was_waited_on():
         raise RuntimeError("connection timeout")  # not a collective's
     except RuntimeError as exc:
         assert stall_error(exc, rank=0, timeout_minutes=0.2) is None
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS])
+def test_an_unwritable_directory_is_named_and_nothing_is_left_behind(tmp_path, monkeypatch, code):
+    """A full filesystem creates the lock's draft and fails to write it (a 0-byte file was left); a
+    read-only one fails to create it. Simulated in-process (a real read-only or full tmpfs needs root)."""
+    from megacli import rundir
+    from megacli.errors import UserError
+
+    real_write = Path.write_text
+
+    def write_text(self, *args, **kwargs):
+        if self.parent.name == "ck":
+            if code == errno.ENOSPC:
+                self.touch()
+            raise OSError(code, os.strerror(code))
+        return real_write(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    (tmp_path / "run").mkdir()
+    with pytest.raises(UserError) as err:
+        with rundir.locked({"run.dir": str(tmp_path / "run"), "checkpoint.dir": str(tmp_path / "ck")}, job_id="j"):
+            raise AssertionError("the block ran without the lock")
+    assert str(err.value).startswith(f"checkpoint.dir {(tmp_path / 'ck').resolve()}: cannot write there ({os.strerror(code)})")
+    assert list(tmp_path.rglob("*")) == [tmp_path / "run"], "the run.dir lock or a draft was left behind"

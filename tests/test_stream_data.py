@@ -238,6 +238,69 @@ def test_fim_names_missing_tokens():
         fim_ids(load_tokenizer(type="byte", path=None), fim_sections())
 
 
+def first_sample_or_error(stream: RankStream, timeout: float = 30):
+    """next(stream) in a thread, so that a stream that never yields fails the test instead of hanging it."""
+    import threading
+
+    got = {}
+
+    def read():
+        try:
+            got["sample"] = next(stream)
+        except Exception as exc:
+            got["error"] = exc
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout)
+    stream.close()
+    assert got, f"no sample and no error within {timeout} s"
+    return got.get("sample"), got.get("error")
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_documents_without_text_are_refused_not_hung(tmp_path, world):
+    """Empty documents give no tokens, not even EOD: packing waited for tokens forever. With 2
+    data-parallel ranks, rank 0's documents are the empty ones."""
+    from megacli.errors import UserError
+
+    texts_ = [""] * 50 if world == 1 else ["", "x"] * 25
+    path = write_jsonl(tmp_path / "empty.jsonl", texts_)
+    stream = RankStream([jsonl_source(path)], spec=BYTE, seq_length=SEQ, rank=0, world=world, workers=0)
+    sample, error = first_sample_or_error(stream)
+    assert isinstance(error, UserError), (sample, error)
+    whose = "25 documents of data-parallel rank 0 of 2" if world == 2 else "50 documents"
+    assert str(error) == f"on-the-fly data {[str(path)]!r}: all {whose} have an empty 'text': nothing to train on"
+
+
+def test_pretrain_and_its_dry_run_refuse_a_corpus_without_text(tmp_path):
+    from typer.testing import CliRunner
+
+    from megacli.cli import _register, app
+    from tests.test_pretrain import TINY
+
+    path = write_jsonl(tmp_path / "empty.jsonl", [""] * 50)
+    sets = [*TINY, "data.mock=false", "data.source=jsonl", f"data.files=[{path}]", f"run.dir={tmp_path / 'run'}"]
+    _register()
+    for dry_run in (["--dry-run"], []):
+        out = CliRunner().invoke(app, ["pretrain", *dry_run, *[x for s in sets for x in ("--set", s)]],
+                                 env={"COLUMNS": "400", "MEGACLI_IN_PROCESS": "1"})
+        assert out.exit_code == 2, (dry_run, out.output)
+        assert f"all 50 documents have an empty 'text'" in out.output and str(path) in out.output, out.output
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_line_that_is_not_utf8_is_named_with_file_and_line(tmp_path):
+    from megacli.data.stream import texts
+    from megacli.errors import UserError
+
+    path = write_jsonl(tmp_path / "c.jsonl", ["one", "two"])
+    path.write_bytes(path.read_bytes() + b'{"text": "caf\xe9"}\n')
+    with pytest.raises(UserError) as err:
+        list(texts(jsonl_source(path)))
+    assert str(err.value) == f"{path}:3: not UTF-8 (invalid continuation byte at byte 13)"
+
+
 # ---------------------------------------------------------------- recipe
 
 @pytest.mark.parametrize("fields, message", [
@@ -288,6 +351,72 @@ def test_pretrain_resume_mid_stream_equals_uninterrupted_run(tmp_path, dp):
     assert sorted(resumed) == list(range(1, 7))
     for i in range(1, 7):
         assert resumed[i] == pytest.approx(whole[i], rel=1e-6, abs=0), f"step {i}"
+
+
+def test_a_sources_fingerprint_changes_with_its_documents(tmp_path):
+    from megacli.data.stream import EDGE_BYTES, change, fingerprint
+
+    big = ["x" * 1000 + f" doc{i}" for i in range(3000)]  # > 2 MiB: only the first and last MiB are hashed
+    path = write_jsonl(tmp_path / "c.jsonl", big)
+    source = jsonl_source(path)
+    saved = json.loads(json.dumps(fingerprint(source)))  # as megacli.json keeps it
+    assert change(saved, fingerprint(source)) is None
+    path.touch()  # a new modification time, the same documents
+    assert change(saved, fingerprint(source)) is None
+    for changed in (big[:-1], big + ["one more"], [big[1], big[0], *big[2:]], [*big[:-2], big[-1], big[-2]]):
+        write_jsonl(path, changed)
+        assert change(saved, fingerprint(source)).startswith(f"{path} differs from the file read then"), changed[:1]
+    write_jsonl(path, big)
+    assert change(saved, fingerprint(source)) is None
+    assert path.stat().st_size > 2 * EDGE_BYTES
+    two = StreamSource(source="jsonl", files=[str(path), str(path)])
+    assert change(saved, fingerprint(two)) == "it has 2 files, the checkpoint's had 1"
+    for damaged in ([], {"files": 3}, {"files": [1]}):
+        assert change(damaged, fingerprint(source)) == "the checkpoint's record of it is unreadable"
+    assert change(saved, fingerprint(StreamSource(source="jsonl", files=[str(path)], text_field="body"))).startswith(
+        "it reads {'source': 'jsonl', 'name': None, 'config': None, 'hf_split': 'train', 'text_field': 'body'}")
+
+
+def test_a_resume_on_changed_sources_is_refused_naming_the_source(tmp_path, monkeypatch):
+    """Training saved its position in a.jsonl and b.jsonl; the sources reordered, or a.jsonl
+    replaced, would apply that position to other documents: refused, unless
+    data.restart_changed_sources, which reads the changed source from its first document."""
+    from typer.testing import CliRunner
+
+    from megacli.cli import _register, app
+    from tests.test_pretrain import TINY, layout
+
+    a = write_jsonl(tmp_path / "a.jsonl", documents(200))
+    b = write_jsonl(tmp_path / "b.jsonl", [t.upper() for t in documents(100)])
+    ck = tmp_path / "ck"
+    monkeypatch.setenv("MEGACLI_IN_PROCESS", "1")
+    _register()
+
+    def pretrain(first, second, *sets):
+        every = [*TINY, *layout(), "data.mock=false", "data.tokenizer_workers=0", "train.iters=4", f"checkpoint.dir={ck}",
+                 f"data.sources=[{{source: jsonl, files: [{first}]}}, {{source: jsonl, files: [{second}]}}]",
+                 f"run.dir={tmp_path / 'run'}", *sets]
+        return CliRunner().invoke(app, ["pretrain", *[x for s in every for x in ("--set", s)]], env={"COLUMNS": "400"})
+
+    out = pretrain(a, b, "train.exit_after_iters=2")
+    assert out.exit_code == 0, out.output
+    saved = json.loads((ck / "iter_0000002" / "megacli.json").read_text())["stream_sources"]
+    assert [s["files"][0]["path"] for s in saved] == [str(a), str(b)]
+    assert saved[0]["files"][0]["size"] == a.stat().st_size and len(saved[0]["files"][0]["edges_xxh3"]) == 16
+
+    out = pretrain(b, a)
+    assert out.exit_code == 2 and "Traceback" not in out.output, out.output
+    said = " ".join(out.output.split())
+    assert said.startswith(f"error: data.sources[0]: {b} differs from the file read then ({a}:") and \
+        "data.restart_changed_sources: true" in said, said
+    write_jsonl(a, ["short"] + documents(199)[1:])  # another first document
+    out = pretrain(a, b, "data.restart_changed_sources=true")
+    assert out.exit_code == 0, out.output
+    assert f"data.sources[0]: {a} differs from the file read then" in " ".join(out.output.split())
+    assert "read from its first document (data.restart_changed_sources)" in " ".join(out.output.split())
+    resumed = json.loads((ck / "iter_0000004" / "megacli.json").read_text())["stream"][0]["positions"]
+    assert resumed[0]["documents"] < json.loads((ck / "iter_0000002" / "megacli.json").read_text())["stream"][0][
+        "positions"][0]["documents"] + 3, "data.sources[0] did not start over"
 
 
 @pytest.mark.parametrize("layout", ["save_to_disk", "parquet", "jsonl", "streaming parquet"])

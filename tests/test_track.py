@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -173,6 +174,59 @@ def test_a_tracker_with_a_bad_uri_says_why_and_the_others_start(tmp_path, monkey
         trackers.log({"iteration": 1, "loss": 2.0, "grad_norm": None, "skipped_step": True})
     finally:
         trackers.close()
+
+
+@pytest.mark.parametrize("saved", [b'{"wandb": "ab', b'\xff\xfe{}', b'["wandb"]', b'{"wandb": 12}'])
+def test_an_unreadable_trackers_file_is_one_warning_and_the_trackers_start(tmp_path, saved):
+    from megacli.engine.trackers import IDS_FILE, Trackers
+
+    (tmp_path / IDS_FILE).write_bytes(saved)
+    said = []
+    trackers = Trackers(names=["tensorboard"], run_dir=str(tmp_path), run_name=None, recipe={}, versions={},
+                        resumed=True, warn=said.append)
+    try:
+        assert [t.name for t in trackers.active] == ["tensorboard"]
+        assert len(said) == 1 and said[0].startswith(f"{tmp_path / IDS_FILE}: ") and "start new runs" in said[0], said
+    finally:
+        trackers.close()
+
+
+def test_wandb_without_an_api_key_keeps_the_run_offline_and_says_how_to_sync(tmp_path, monkeypatch):
+    """No WANDB_MODE, no key anywhere (env, netrc, settings): the run is kept offline, never turned off."""
+    from google.protobuf.message import DecodeError
+
+    from megacli.engine.trackers import Trackers
+
+    for var in [v for v in os.environ if v.startswith("WANDB_")]:
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("NETRC", str(tmp_path / "home" / ".netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "home" / "wandb"))
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing listens there: no network either
+    run_dir = tmp_path / "run"
+    said = []
+    trackers = Trackers(names=["wandb"], run_dir=str(run_dir), run_name=None, recipe={"train": {"iters": 2}},
+                        versions={}, resumed=False, warn=said.append)
+    try:
+        assert [t.name for t in trackers.active] == ["wandb"], said
+        trackers.log({"iteration": 1, "loss": 2.5})
+    finally:
+        trackers.close()
+    (offline,) = (run_dir / "wandb").glob("offline-run-*")
+    assert len(said) == 1 and said[0].endswith(f"kept offline in {offline}: upload it with `wandb sync {offline}`"), said
+    run_file = offline / f"run-{offline.name.rsplit('-', 1)[1]}.wandb"
+    deadline = time.monotonic() + 60  # W&B's own process finishes writing the file after finish() returns
+    while True:
+        try:
+            written = list(wandb_records(run_file))
+        except (OSError, AssertionError, DecodeError):  # not there yet, or its last record half-written
+            written = []
+        if any(r.WhichOneof("record_type") == "exit" for r in written) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    history = [{i.nested_key[0] if i.nested_key else i.key: json.loads(i.value_json) for i in r.history.item}
+               for r in written if r.WhichOneof("record_type") == "history"]
+    assert [h["loss"] for h in history] == [2.5]
 
 
 def test_recipe_loggers_and_the_older_tensorboard_flag():

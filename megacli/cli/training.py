@@ -20,6 +20,7 @@ def run_training_job(job: str, recipe_path: Path | None, overrides: list[str], d
     if dry_run:
         from megacli.cli.plan_view import print_plan
 
+        check_stream_sources(recipe)
         print_plan(recipe)
         return
     from megacli import launch, rundir
@@ -27,7 +28,8 @@ def run_training_job(job: str, recipe_path: Path | None, overrides: list[str], d
     check_inputs(recipe)
     ln = recipe.launch
     job_id = launch.job_id(given=ln.job_id, rdzv_endpoint=ln.rdzv_endpoint)
-    with rundir.locked([recipe.run.dir, *([recipe.checkpoint.dir] if recipe.checkpoint.dir else [])], job_id=job_id):
+    directories = {"run.dir": recipe.run.dir, **({"checkpoint.dir": recipe.checkpoint.dir} if recipe.checkpoint.dir else {})}
+    with rundir.locked(directories, job_id=job_id):
         _run(job, recipe, job_id)
 
 
@@ -68,12 +70,7 @@ def check_inputs(recipe) -> None:
         if missing:
             raise UserError(f"{field} {prefix!r}: missing {' and '.join(missing)} "
                             f"(build it with `megacli preprocess`; the prefix is the path without .bin/.idx)")
-    if recipe.data.on_the_fly:
-        from megacli.data.stream import jsonl_paths
-
-        for source in recipe.data.stream_sources():
-            if source.source == "jsonl":
-                jsonl_paths(source.files)  # names a pattern without files
+    check_stream_sources(recipe)
     sft = getattr(recipe, "sft", None)
     files = [("sft data", sft.train), ("sft data", sft.valid_file),
              *((f"sft.valid.{name}", path) for name, path in sft.named_valid.items())] if sft else []
@@ -91,6 +88,16 @@ def check_inputs(recipe) -> None:
     tok = recipe.tokenizer
     if tok.type in ("huggingface", "sentencepiece", "wordpiece") and not Path(tok.path).exists():
         raise UserError(f"tokenizer.path {tok.path!r} does not exist")
+
+
+def check_stream_sources(recipe) -> None:
+    """On-the-fly jsonl sources: every pattern names files, and some document has text (the dry run
+    checks this too)."""
+    if recipe.data.on_the_fly:
+        from megacli.data.stream import check_has_text
+
+        for source in recipe.data.stream_sources():
+            check_has_text(source)
 
 
 def _check_pickles(ck) -> None:

@@ -231,6 +231,11 @@ def _whole_text_file(source: Source, keys: list[str]) -> Iterator[Chunk]:
     yield Chunk(source, 1, "columns", {keys[0]: [text]}, source.size)
 
 
+def not_utf8(exc: UnicodeDecodeError) -> str:
+    """What is wrong with a line that is not UTF-8."""
+    return f"not UTF-8 ({exc.reason} at byte {exc.start})"
+
+
 def _columns(table_or_batch, keys: list[str], where: str) -> dict[str, list]:
     names = table_or_batch.schema.names
     missing = [k for k in keys if k not in names]
@@ -356,7 +361,7 @@ def parse_chunk(chunk: Chunk, keys: list[str]) -> Parsed:
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
-            out.errors.append((chunk.first_line + i, f"not UTF-8 ({exc.reason} at byte {exc.start})"))
+            out.errors.append((chunk.first_line + i, not_utf8(exc)))
             continue
         if as_text:
             out.values[keys[0]].append(line[:-1] if line.endswith("\r") else line)

@@ -57,11 +57,17 @@ def jsonl_paths(patterns: list[str]) -> list[Path]:
 
 
 def _jsonl_texts(paths: list[Path], field: str) -> Iterator[str]:
+    from megacli.data.readers import not_utf8
+
     for path in paths:
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
+        with open(path, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                if not raw.strip():
                     continue
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise UserError(f"{path}:{n}: {not_utf8(e)}") from None
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as e:
@@ -120,20 +126,101 @@ def texts(source) -> Iterator[str]:
     return _hf_texts(source)
 
 
+def _where(source) -> str:
+    return f"on-the-fly data {source.files if source.source == 'jsonl' else source.name!r}"
+
+
+def _all_empty(source, documents: int, whose: str = "") -> UserError:
+    """Empty documents give no tokens (not even EOD): packing would wait for tokens forever."""
+    return UserError(f"{_where(source)}: all {documents} documents{whose} have an empty {source.text_field!r}: "
+                     f"nothing to train on")
+
+
 def shard_texts(source, *, rank: int, world: int) -> Iterator[str]:
     """This rank's documents (i mod world == rank), pass after pass, without end."""
     i = 0
     while True:
-        seen = False
+        mine = with_text = 0
         for text in texts(source):
             if i % world == rank:
-                seen = True
+                mine += 1
+                with_text += bool(text)
                 yield text
             i += 1
-        if not seen:
-            where = source.files if source.source == "jsonl" else source.name
-            raise UserError(f"on-the-fly data {where!r}: no document for data-parallel rank {rank} of {world} "
+        if not mine:
+            raise UserError(f"{_where(source)}: no document for data-parallel rank {rank} of {world} "
                             f"({i} documents in all)")
+        if not with_text:
+            raise _all_empty(source, mine, f" of data-parallel rank {rank} of {world}" if world > 1 else "")
+
+
+def check_has_text(source) -> None:
+    """Refuse a jsonl source without a document that has text (read up to the first that has some;
+    hf sources are checked as they are read: opening one may download it)."""
+    if source.source != "jsonl":
+        return
+    documents = 0
+    for text in texts(source):
+        if text:
+            return
+        documents += 1
+    raise _all_empty(source, documents)
+
+
+# ------------------------------------------------------------------------------ noticing a changed source
+
+EDGE_BYTES = 1 << 20  # a file's first and last MiB are hashed
+
+
+def _file_print(path: Path) -> dict:
+    import xxhash
+
+    size = path.stat().st_size
+    digest = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        digest.update(f.read(EDGE_BYTES))
+        if size > EDGE_BYTES:
+            f.seek(max(EDGE_BYTES, size - EDGE_BYTES))
+            digest.update(f.read())
+    return {"path": str(path), "size": size, "edges_xxh3": digest.hexdigest()}
+
+
+def _local_files(source) -> list[Path]:
+    """The local files a source reads, in order (none for a dataset named on the Hub)."""
+    if source.source == "jsonl":
+        return jsonl_paths(source.files)
+    name = Path(source.name)
+    if name.is_dir():
+        return sorted(p for p in name.rglob("*") if p.is_file())
+    return [Path(f) for f in (sorted(glob.glob(source.name)) if glob.has_magic(source.name) else [source.name])
+            if Path(f).is_file()]
+
+
+def fingerprint(source) -> dict:
+    """What a checkpoint keeps of a source to notice that it changed: what is read (kind, name,
+    split, text field) and each local file's path, size and xxh3-64 of its first and last MiB.
+    Replacing, truncating, appending to or reordering files changes it; the modification time is
+    left out (a copy or a restore changes it, not the documents), and the whole file is not hashed
+    (a large corpus would be read at every start). A dataset named on the Hub is known by its name."""
+    read = {k: getattr(source, k) for k in ("source", "name", "config", "hf_split", "text_field")}
+    return {"read": read, "files": [_file_print(p) for p in _local_files(source)]}
+
+
+def change(saved: dict, now: dict) -> str | None:
+    """How a source's fingerprint differs from the saved one (None: the same documents)."""
+    files = saved.get("files") if isinstance(saved, dict) else None
+    if not isinstance(files, list) or not all(isinstance(f, dict) for f in files):
+        return "the checkpoint's record of it is unreadable"
+    if saved.get("read") != now["read"]:
+        return f"it reads {now['read']}, the checkpoint's read {saved.get('read')}"
+    before, after = files, now["files"]
+    for old, new in zip(before, after):
+        if (old.get("size"), old.get("edges_xxh3")) != (new["size"], new["edges_xxh3"]):
+            return (f"{new['path']} differs from the file read then ({old.get('path')}: "
+                    f"{old.get('size')} bytes, now {new['size']})")
+    if len(before) != len(after):
+        return f"it has {len(after)} files, the checkpoint's had {len(before)}"
+    return None
 
 
 # ------------------------------------------------------------------------------ tokenizing ahead

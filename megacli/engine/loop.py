@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -260,7 +260,8 @@ def _train(recipe, runtime, *, harness=None) -> None:
                                    trust_pickle=ck.trust_pickle)
         start_iter, consumed, run_id = restored.iteration, restored.consumed_samples, restored.run_id
         if recipe.data.on_the_fly and (restored.path / checkpoint.META).is_file():
-            _resume_stream(trainer, checkpoint.read_meta(restored.path).get("stream"))
+            stream_notes = _resume_stream(trainer, checkpoint.read_meta(restored.path), restored.path)
+            restored = replace(restored, notes=(*restored.notes, *stream_notes))
     elif pretrained is not None:
         checkpoint.load(ckpt=pretrained, chunks=trainer.chunks, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
                         load_optimizer=False, verify=ck.verify, trust_pickle=ck.trust_pickle)
@@ -321,7 +322,9 @@ def _train(recipe, runtime, *, harness=None) -> None:
     memory_reported = False
     last_good, skipped = source, 0  # the newest checkpoint with finite weights; steps dropped as non-finite
     run_id = run_id or uuid.uuid4().hex  # carried across resumes: keep_last prunes only this run's checkpoints
-    stops = StopRequests(save_on_signal=ck.save_on_signal, time_limit_minutes=t.time_limit_minutes, device=runtime.device)
+    # Half the time the launcher gives workers after a signal goes to reaching a step boundary, half to the save.
+    stops = StopRequests(save_on_signal=ck.save_on_signal, time_limit_minutes=t.time_limit_minutes, device=runtime.device,
+                         max_wait_s=recipe.launch.timeout_minutes * 60 / 2, run_dir=recipe.run.dir)
     stopped = None
     try:
         while iteration < stop_at:
@@ -398,13 +401,15 @@ def _train(recipe, runtime, *, harness=None) -> None:
         log.say(f"{skipped} step(s) skipped for a non-finite loss or gradients (train.on_nonfinite = skip)")
 
 
-def _resume_stream(trainer: Trainer, saved) -> None:
+def _resume_stream(trainer: Trainer, meta: dict, path) -> list[str]:
     from megatron.core import parallel_state as ps
 
-    from megacli.engine.stream_data import state_of_rank
+    from megacli.engine.stream_data import resumed_state
 
-    trainer.train_data.start_state = state_of_rank(saved, dp_rank=ps.get_data_parallel_rank(),
-                                                   dp_size=ps.get_data_parallel_world_size())
+    trainer.train_data.start_state, notes = resumed_state(
+        trainer.train_data, meta, checkpoint=path, dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size())
+    return notes
 
 
 def _stream_meta(trainer: Trainer) -> dict | None:
@@ -413,7 +418,7 @@ def _stream_meta(trainer: Trainer) -> dict | None:
         return None
     from megacli.engine.stream_data import gathered_states
 
-    return {"stream": gathered_states(trainer.train_data)}
+    return {"stream": gathered_states(trainer.train_data), "stream_sources": trainer.train_data.fingerprints}
 
 
 def _stopped_nonfinite(what: str, last_good):

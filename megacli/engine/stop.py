@@ -1,41 +1,77 @@
 """Stopping a run at a step boundary, with a checkpoint: on SIGTERM or SIGUSR1 (what Slurm sends
 before preemption or the time limit) when checkpoint.save_on_signal is on, or at
 train.time_limit_minutes. Saving is collective, so every rank must stop after the same step: the
-decision is all-reduced once per step. A second signal stops the process at once."""
+decision is all-reduced once per step.
+
+One stop request per job: schedulers signal every process of a job (the launcher and its workers)
+and the launcher passes its signal on, so a worker gets copies of one request. Copies that arrive
+within REPEAT_WINDOW_S of the first are that request; a signal after it (a person insisting) stops
+the process at once. A worker that cannot reach a step boundary (stuck in data loading, say) gives
+up after a bounded wait, saying that nothing could be saved."""
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 
-import torch
-
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+REPEAT_WINDOW_S = 5.0
+MIN_BOUNDARY_WAIT_S = 60.0
+SLOWEST_INTERVAL_FACTOR = 3  # a step boundary is expected within this many of the slowest intervals between two
 
 
 class StopRequests:
-    def __init__(self, *, save_on_signal: bool, time_limit_minutes: float | None, device):
+    """``max_wait_s``: at most this long from a signal to the next step boundary (the launcher kills
+    a worker later than that). ``give_up(signal, waited_s)`` runs, in another thread, when the wait
+    is over; by default it records the error for the launcher and exits the process."""
+
+    def __init__(self, *, save_on_signal: bool, time_limit_minutes: float | None, device, max_wait_s: float,
+                 run_dir: str | None = None, give_up=None):
         self.device = device
         self.time_limit_minutes = time_limit_minutes
         self.deadline = time.monotonic() + time_limit_minutes * 60 if time_limit_minutes else None
         self.received: signal.Signals | None = None
+        self.received_at = 0.0
+        self.max_wait_s = max_wait_s
+        self.last_boundary = time.monotonic()
+        self.slowest_interval = 0.0  # between two step boundaries (a step, an evaluation, a save)
+        self.reached = threading.Event()  # the stop was decided at a step boundary, or the run ended
+        self.give_up = give_up or (lambda sig, waited: exit_unsaved(sig, waited, run_dir))
         # Python takes signal handlers only in the main thread (a run driven from another thread has none).
         handles = save_on_signal and threading.current_thread() is threading.main_thread()
         self.previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS} if handles else {}
 
+    def boundary_wait_s(self) -> float:
+        return min(self.max_wait_s, max(MIN_BOUNDARY_WAIT_S, SLOWEST_INTERVAL_FACTOR * self.slowest_interval))
+
     def _on_signal(self, signum, frame) -> None:
-        if self.received is not None:  # the second signal: stop now, as without a handler
-            signal.signal(signum, signal.SIG_DFL)
+        now = time.monotonic()
+        if self.received is not None:
+            if now - self.received_at < REPEAT_WINDOW_S:
+                return  # a copy of the same request
+            signal.signal(signum, signal.SIG_DFL)  # insisted on: stop now, as without a handler
             os.kill(os.getpid(), signum)
             return
-        self.received = signal.Signals(signum)
+        self.received, self.received_at = signal.Signals(signum), now
+        wait = self.boundary_wait_s()
+        threading.Thread(target=self._watch, args=(self.received, wait), daemon=True, name="megacli-stop-watch").start()
+
+    def _watch(self, sig: signal.Signals, wait: float) -> None:
+        if not self.reached.wait(wait):
+            self.give_up(sig, wait)
 
     def reason(self) -> str | None:
         """Why every rank stops after this step, or None (collective: call it on every rank)."""
+        now = time.monotonic()
+        self.slowest_interval = max(self.slowest_interval, now - self.last_boundary)
+        self.last_boundary = now
         if not self.previous and self.deadline is None:
             return None
+        import torch
+
         code = 0
         if self.received is not None:
             code = STOP_SIGNALS.index(self.received) + 1
@@ -46,11 +82,33 @@ class StopRequests:
         code = int(flag.item())
         if code == 0:
             return None
+        self.reached.set()
         if code <= len(STOP_SIGNALS):
             return STOP_SIGNALS[code - 1].name
         return f"the time limit (train.time_limit_minutes = {self.time_limit_minutes:g})"
 
     def close(self) -> None:
+        self.reached.set()
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
         self.previous = {}
+
+
+def exit_unsaved(sig: signal.Signals, waited_s: float, run_dir: str | None) -> None:
+    """End this worker: no step boundary came within ``waited_s`` of ``sig``. The error is
+    recorded for the launcher (said here when there is none) and the process exits at once: its
+    main thread is stuck."""
+    from megacli.errors import UserError
+    from megacli.launch import record_worker_error
+    from megacli.lifetime import LAUNCHER_PID_VAR
+
+    err = UserError(f"stopped on {sig.name}: no step boundary was reached within {waited_s:.0f} s of the signal "
+                    f"(the run is stuck, e.g. reading data): nothing could be saved")
+    err.exit_code = 128 + int(sig)
+    try:
+        if run_dir is not None:
+            record_worker_error(run_dir, err, "")
+        if not os.environ.get(LAUNCHER_PID_VAR):
+            print(f"error: {err}", file=sys.stderr, flush=True)
+    finally:
+        os._exit(err.exit_code)

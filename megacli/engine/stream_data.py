@@ -9,7 +9,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from megacli.data.stream import RankStream, TokenizerSpec
+from megacli.data.stream import RankStream, TokenizerSpec, change, fingerprint
 from megacli.engine.batches import to_device
 from megacli.errors import UserError
 
@@ -26,6 +26,14 @@ class StreamData:
     fim_ids: object = None  # data.fim's token ids (megacli.data.fim.FIMIds), None without FIM
     start_state: dict | None = None
     streams: list | None = None
+    _fingerprints: list | None = None
+
+    @property
+    def fingerprints(self) -> list[dict]:
+        """Each source's fingerprint (megacli.data.stream.fingerprint), taken once."""
+        if self._fingerprints is None:
+            self._fingerprints = [fingerprint(s) for s in self.data.stream_sources()]
+        return self._fingerprints
 
     def iterators(self, count: int, *, micro_batch_size: int, dp_rank: int, dp_size: int, device) -> list:
         """``count`` iterators over the same micro-batches (one per model chunk)."""
@@ -88,6 +96,37 @@ def gathered_states(stream: StreamData) -> list:
     states = [None] * ps.get_data_parallel_world_size()
     torch.distributed.all_gather_object(states, stream.state(), group=ps.get_data_parallel_group())
     return states
+
+
+def resumed_state(stream: StreamData, meta: dict, *, checkpoint, dp_rank: int, dp_size: int) -> tuple[dict | None, list[str]]:
+    """This rank's position from a checkpoint's megacli.json, and notes; refused when a source
+    changed since the checkpoint unless data.restart_changed_sources (then those start over)."""
+    state = state_of_rank(meta.get("stream"), dp_rank=dp_rank, dp_size=dp_size)
+    saved = meta.get("stream_sources")
+    if state is None or saved is None:  # saved without fingerprints: nothing to compare
+        return state, []
+    now = stream.fingerprints
+    mixture = bool(stream.data.sources)
+    if not isinstance(saved, list):
+        changed = {None: "the checkpoint's record of the sources is unreadable"}
+    elif len(saved) != len(now):
+        changed = {None: f"data.sources has {len(now)} sources, the checkpoint's run read {len(saved)}"}
+    else:
+        changed = {i: why for i, (old, new) in enumerate(zip(saved, now)) if (why := change(old, new))}
+    if not changed:
+        return state, []
+    named = {i: f"{f'data.sources[{i}]' if mixture else 'data'}: {why}" if i is not None else why
+             for i, why in changed.items()}
+    if not stream.data.restart_changed_sources:
+        raise UserError(f"{next(iter(named.values()))}: the on-the-fly data changed since checkpoint {checkpoint}, and "
+                        f"its saved position (documents read, tokens used) would be applied to other documents. Restore "
+                        f"the data, or set data.restart_changed_sources: true to read the changed sources from their "
+                        f"first document")
+    if None in changed:
+        return None, [f"{named[None]}: every source read from its first document (data.restart_changed_sources)"]
+    notes = [f"{why}: read from its first document (data.restart_changed_sources)" for why in named.values()]
+    positions = [{} if i in changed else p for i, p in enumerate(state["positions"])]
+    return {**state, "positions": positions}, notes
 
 
 def state_of_rank(saved: list | None, *, dp_rank: int, dp_size: int) -> dict | None:

@@ -56,16 +56,27 @@ class TensorBoard:
 
 class WandB:
     """A W&B run in <run.dir>/wandb (WANDB_MODE=offline: synced later with `wandb sync`); the
-    project is WANDB_PROJECT (default megacli), the entity WANDB_ENTITY."""
+    project is WANDB_PROJECT (default megacli), the entity WANDB_ENTITY. Without WANDB_MODE, a run
+    that cannot start online (no API key, no network) is kept offline, and ``note`` says how to sync it."""
 
     name = "wandb"
 
     def __init__(self, *, run_dir: Path, run_name: str, config: dict, run_id: str | None, **_):
         import wandb
 
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "megacli"), name=run_name, dir=str(run_dir),
-                              id=run_id, resume="allow" if run_id else None, config=config, allow_val_change=True,
-                              reinit="create_new", settings=wandb.Settings(console="off"))
+        options = dict(project=os.environ.get("WANDB_PROJECT", "megacli"), name=run_name, dir=str(run_dir), id=run_id,
+                       resume="allow" if run_id else None, config=config, allow_val_change=True, reinit="create_new",
+                       settings=wandb.Settings(console="off"))
+        self.note = None
+        try:
+            self.run = wandb.init(**options)
+        except Exception as exc:
+            if os.environ.get("WANDB_MODE"):  # the mode the user chose failed
+                raise
+            self.run = wandb.init(mode="offline", **options)
+            synced = self.run.settings.sync_dir
+            self.note = (f"wandb: could not start online ({_why(exc)}); the run is kept offline in {synced}: "
+                         f"upload it with `wandb sync {synced}`")
         self.id = self.run.id
 
     def log(self, record: dict) -> None:
@@ -129,6 +140,20 @@ def _why(exc: BaseException) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
+def saved_ids(path: Path, warn: Callable[[str], None]) -> dict[str, str]:
+    """The tracker run ids a run directory keeps ({tracker: id}); an unreadable file is one warning
+    and no ids (the trackers start new runs)."""
+    try:
+        ids = json.loads(path.read_bytes())
+    except (OSError, ValueError) as exc:  # ValueError: not JSON, or not UTF-8
+        warn(f"{path}: unreadable ({_why(exc)}); the trackers start new runs")
+        return {}
+    if not isinstance(ids, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in ids.items()):
+        warn(f"{path}: expected {{tracker: run id}} strings; the trackers start new runs")
+        return {}
+    return ids
+
+
 class Trackers:
     """The trackers that started; one that fails while logging is closed and dropped."""
 
@@ -137,7 +162,7 @@ class Trackers:
         self.active = []
         run_dir = Path(run_dir)
         ids_path = run_dir / IDS_FILE
-        ids = json.loads(ids_path.read_text()) if resumed and ids_path.is_file() else {}
+        ids = saved_ids(ids_path, warn) if resumed and ids_path.is_file() else {}
         config = {"recipe": recipe, "versions": versions, "run_dir": str(run_dir.resolve())}
         for name in names:
             try:
@@ -150,10 +175,15 @@ class Trackers:
                 warn(f"{name} logger off: could not start: {_why(exc)}")
                 continue
             self.active.append(tracker)
+            if getattr(tracker, "note", None):
+                warn(tracker.note)
             if tracker.id is not None:
                 ids[name] = tracker.id
         if ids:
-            ids_path.write_text(json.dumps(ids, indent=2) + "\n")
+            try:
+                ids_path.write_text(json.dumps(ids, indent=2) + "\n")
+            except OSError as exc:
+                warn(f"{ids_path}: not written ({_why(exc)}); a resumed run will start new tracker runs")
 
     def log(self, record: dict) -> None:
         for tracker in list(self.active):

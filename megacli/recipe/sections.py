@@ -125,6 +125,10 @@ class DataSection(StreamFields):
     """Weighted mixture of on-the-fly sources, each {source, weight, files | name, ...}; leave data.source unset."""
     tokenizer_workers: NonNegativeInt = 1
     """On-the-fly data: processes tokenizing ahead of training (0: a background thread does it)."""
+    restart_changed_sources: bool = False
+    """On-the-fly data: resume although a source changed since the checkpoint (files replaced,
+    truncated, appended to or reordered; sources reordered), reading each changed source from its
+    first document. false: such a resume is refused, naming the source."""
     reset_position_ids: bool = False
     """Position ids restart after each end-of-document token (Megatron-LM's --reset-position-ids)."""
     reset_attention_mask: bool = False
@@ -499,7 +503,8 @@ class CheckpointSection(Section):
     same iteration and move `latest`); without it such a run is refused."""
     save_on_signal: bool = True
     """On SIGTERM or SIGUSR1 (what Slurm sends before preemption or the time limit), save a checkpoint
-    at the next step boundary and exit 0; a second signal stops at once. false: stop at once."""
+    at the next step boundary and exit 0; copies of the signal within 5 s are one request, a signal
+    after that stops at once. false: stop at once."""
     trust_pickle: bool = False
     """Unpickle any object the checkpoints loaded (resume, pretrained, LoRA base) hold; by default
     only tensors and known-safe types, since a pickle can run code. Only for checkpoints you trust."""
