@@ -304,6 +304,15 @@ class ArgsDescribed:
     def tokenizer_dir(self) -> Path | None:
         return tokenizer_dir(self.args)
 
+    def tokenizer_not_found(self) -> list[str]:
+        """The run's tokenizer, when its files are not on this machine (a recipe cannot name them)."""
+        tok = arg(self.args, "tokenizer_type")
+        if not tok or self.tokenizer_dir() is not None or self.wordpiece_vocab() is not None:
+            return []
+        where = arg(self.args, "tokenizer_model") or arg(self.args, "vocab_file")
+        return [f"tokenizer {tok}" + (f" ({where}: not found on this machine)" if where else "")
+                + "; set tokenizer.type and tokenizer.path"]
+
     def wordpiece_vocab(self) -> Path | None:
         return wordpiece_vocab(self.args)
 
