@@ -29,6 +29,7 @@ not listed here: `megacli recipe explain FIELD` prints the ones that involve a f
 
 
 def _cell(text: str) -> str:
+    """Table cell text (pipes inside code spans need no escape: Python-Markdown's tables skip them)."""
     return text.replace("|", "\\|").replace("\n", " ") if text else ""
 
 
@@ -81,5 +82,5 @@ def _table(children: list[FieldDoc], prefix: str, anchors: dict[type, str]) -> s
         else:
             name = f"`{name}`"
         default = c.default if c.default == SECTION_DEFAULTS else _code(c.default)
-        rows.append(f"| {name} | {_cell(_code(c.type))} | {_cell(default)} | {_cell(c.doc)} |")
+        rows.append(f"| {name} | {_code(c.type)} | {default} | {_cell(c.doc)} |")
     return "\n".join(rows) + "\n"
