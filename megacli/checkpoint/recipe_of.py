@@ -59,6 +59,7 @@ def _from_megacli(ckpt: Path) -> CheckpointRecipe:
 
 def _from_megatron_lm(src: Path, kind: str, *, trust_pickle: bool) -> CheckpointRecipe:
     from megacli.checkpoint.legacy_args import arg, recipe_from_args
+    from megacli.checkpoint.megatron_lm_args import args_not_reproduced
 
     if kind == "megatron-lm":
         from megacli.checkpoint.megatron_lm import MegatronLMCheckpoint
@@ -86,7 +87,9 @@ def _from_megatron_lm(src: Path, kind: str, *, trust_pickle: bool) -> Checkpoint
     steps.append(f"to continue this run: --set checkpoint.resume={src}")
     if arg(ck.args, "tokenizer_type") and not ck.tokenizer_not_found():
         steps.append(f"tokenizer: {raw['tokenizer'].get('path')} (found from the run's args)")
-    return CheckpointRecipe(_validated(raw, source), source, not_mapped, steps)
+    recipe = _validated(raw, source)
+    not_mapped += args_not_reproduced(ck.args, recipe)
+    return CheckpointRecipe(recipe, source, not_mapped, steps)
 
 
 def _from_hf(src: Path, *, trust_pickle: bool) -> CheckpointRecipe:
