@@ -192,3 +192,40 @@ def test_show_prints_the_resolved_recipe_only(tmp_path):
     assert res.exit_code == 0 and yaml.safe_load(res.output)["preprocess"]["output_prefix"] == "data/corpus"
     res = cli("recipe", "show", str(ROOT / "recipes" / "gpt_tiny.yaml"), "--set", "parallel.tensor=3")
     assert res.exit_code == 2 and "parallel.tensor = 3: must divide" in res.output
+
+
+PAGE = ROOT / "docs" / "commands" / "recipe.md"
+BLOCK = re.compile(r'^```\w* title="Run by tests/test_recipe_schema.py"\n(.*?)^```', re.MULTILINE | re.DOTALL)
+
+
+def _page_examples() -> list[tuple[list[str], str | None]]:
+    """(arguments after `megacli`, the output the page shows or None) of each example this file runs."""
+    import shlex
+
+    examples = []
+    for body in BLOCK.findall(PAGE.read_text(encoding="utf-8")):
+        lines = body.rstrip("\n").split("\n")
+        if lines[0].startswith("$ "):
+            examples.append((shlex.split(lines[0][2:]), "\n".join(lines[1:])))
+        else:
+            examples += [(shlex.split(line), None) for line in lines if line.strip()]
+    return examples
+
+
+def test_the_recipe_page_examples_run_as_shown(monkeypatch, tmp_path):
+    examples = _page_examples()
+    assert len(examples) == 4
+    monkeypatch.chdir(ROOT)
+    for args, shown in examples:
+        assert args[0] == "megacli", args
+        args = args[1:]
+        target = None
+        if ">" in args:  # the example's redirection
+            args, target = args[:args.index(">")], args[args.index(">") + 1]
+        res = cli(*args)
+        want_code = 2 if shown is not None and shown.startswith("error:") else 0
+        assert res.exit_code == want_code, (args, res.output)
+        if shown is not None:
+            assert res.output.strip() == shown.strip(), args
+        if target is not None:
+            assert json.loads(res.output)["title"] == "megacli pretrain recipe", target

@@ -15,7 +15,7 @@ DIALECT = "https://json-schema.org/draft/2020-12/schema"
 def recipe_schema(kind: str) -> dict:
     """The JSON Schema a ``kind`` recipe (pretrain, finetune, preprocess, ...) validates against."""
     schema = recipe_model(kind).model_json_schema(mode="validation")
-    return {"$schema": DIALECT, "title": f"megacli {schema_kind(kind)} recipe", **schema}
+    return {"$schema": DIALECT, **schema, "title": f"megacli {schema_kind(kind)} recipe"}
 
 
 def schema_text(kind: str) -> str:
