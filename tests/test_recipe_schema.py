@@ -134,18 +134,26 @@ def test_recipe_schema_prints_the_shipped_schema():
     assert res.exit_code == 2 and "expected one of pretrain, finetune" in res.output and "Traceback" not in res.output
 
 
-def test_explain_gives_type_default_docstring_and_the_rules_from_the_checks():
-    res = cli("recipe", "explain", "model.ffn_hidden_size")
+def explained(field: str, *options: str) -> str:
+    """`megacli recipe explain` output with its line wrapping undone."""
+    res = cli("recipe", "explain", field, *options)
     assert res.exit_code == 0, res.output
-    text = res.output
-    assert "type:     int > 0 | null" in text and "default:  null" in text and "MLP inner width" in text
+    return " ".join(res.output.split())
+
+
+def test_explain_gives_type_default_docstring_and_the_rules_from_the_checks():
+    text = explained("model.ffn_hidden_size")
+    assert "type: int > 0 | null default: null MLP inner width" in text
     # The rule TrainingRecipe._check_arithmetic raises for it, as the code writes it.
-    assert "model.ffn_hidden_size: must be divisible by parallel.tensor = {tp}" in text
-    assert "when m.ffn_size % tp" in text and "(pretrain.TrainingRecipe._check_arithmetic)" in text
-    # A field the message names, not the field raised on; a field set by a loop over literal names.
-    assert "parallel.sequence_parallel: needs parallel.tensor > 1" in cli("recipe", "explain", "parallel.tensor").output
-    assert "model.{name}: is for bert, not {m.arch}" in cli("recipe", "explain", "model.bert_token_types").output
-    assert "allowed:  learned, rope, alibi, relative, none" in cli("recipe", "explain", "model.position_embedding").output
+    assert ("model.ffn_hidden_size: must be divisible by parallel.tensor = {tp} when m.ffn_size % tp "
+            "(pretrain.TrainingRecipe._check_arithmetic)") in text
+    # A field the message names, not the field raised on.
+    assert "parallel.sequence_parallel: needs parallel.tensor > 1" in explained("parallel.tensor")
+    # A field named by a loop over literal names, or by an assignment.
+    assert "model.norm_position or model.bert_token_types: is for bert, not {m.arch}" in explained("model.bert_token_types")
+    assert ("parallel.first_stage_layers or parallel.last_stage_layers: uneven stages need parallel.pipeline >= 2"
+            in explained("parallel.last_stage_layers"))
+    assert "allowed: learned, rope, alibi, relative, none" in explained("model.position_embedding")
 
 
 def test_explain_rules_follow_the_code(monkeypatch, tmp_path):
@@ -174,8 +182,8 @@ def test_explain_an_unknown_field_exits_2_with_close_matches():
 
 
 def test_explain_other_kinds_and_list_items():
-    res = cli("recipe", "explain", "preprocess.keep_newlines", "--kind", "preprocess")
-    assert res.exit_code == 0 and "preprocess.keep_newlines: only applies with preprocess.split_sentences: true" in res.output
+    text = explained("preprocess.keep_newlines", "--kind", "preprocess")
+    assert "preprocess.keep_newlines: only applies with preprocess.split_sentences: true" in text
     res = cli("recipe", "explain", "data.sources.0.weight")
     assert res.exit_code == 0 and res.output.startswith("data.sources[].weight  (pretrain recipe)"), res.output
 

@@ -35,7 +35,8 @@ def explain(path: str, kind: str = "pretrain") -> str:
     out += ["", f"rules that involve it ({len(rules)}, read from the recipe checks):" if rules
             else "rules that involve it: none besides its type"]
     for rule in rules:
-        out.append(_wrap(f"{rule.field}: {rule.says}" if rule.field else rule.says, "  - ", "    "))
+        field = " or ".join(rule.field_choices) or rule.field
+        out.append(_wrap(f"{field}: {rule.says}" if field else rule.says, "  - ", "    "))
         if rule.when:
             out.append(_wrap(f"when {rule.when}", "    ", "      "))
         out.append(f"    ({rule.where})")

@@ -82,9 +82,26 @@ def _loop_values(placeholder: str, loops: list[ast.For], fn: ast.FunctionDef | N
     return ()
 
 
+def _assigned(name: str, fn: ast.FunctionDef | None) -> tuple[str, ...]:
+    """The dotted names among the string constants ``fn`` assigns to ``name`` (``field, value =
+    ("parallel.first_stage_layers", first) if ... else ("parallel.last_stage_layers", last)``)."""
+    found: list[str] = []
+    for stmt in ast.walk(fn) if fn is not None else ():
+        if not isinstance(stmt, ast.Assign):
+            continue
+        targets = [n for t in stmt.targets for n in ([t] if isinstance(t, ast.Name) else getattr(t, "elts", []))]
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            found += [c.value for c in ast.walk(stmt.value) if isinstance(c, ast.Constant) and isinstance(c.value, str)
+                      and DOTTED.fullmatch(c.value)]
+    return tuple(dict.fromkeys(found))
+
+
 def _field(node: ast.AST, loops: list[ast.For], fn) -> tuple[str | None, tuple[str, ...]]:
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return node.value, ()
+    if isinstance(node, ast.Name):
+        choices = _loop_values(node.id, loops, fn) or _assigned(node.id, fn)
+        return ("{" + node.id + "}", choices) if choices else (None, ())
     if isinstance(node, ast.JoinedStr):
         pattern = _text(node)
         holes = [v.value.id for v in node.values if isinstance(v, ast.FormattedValue) and isinstance(v.value, ast.Name)]
