@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from megacli.recipe import base
 from megacli.recipe.jobs import recipe_model
+from megacli.recipe.regenerate import generated
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -29,14 +30,14 @@ def cli(*args: str):
     return CliRunner().invoke(app, list(args))
 
 
-@pytest.mark.parametrize("path", sorted(__import__("megacli.recipe.regenerate", fromlist=["x"]).generated()),
-                         ids=lambda p: p.name)
-def test_generated_file_is_current(path):
-    from megacli.recipe.regenerate import ROOT as GEN_ROOT, generated
+GENERATED = generated()  # each generated file -> the text the models give it now
 
-    assert path.is_file(), f"{path.relative_to(GEN_ROOT)} missing: run python -m megacli.recipe.regenerate"
-    assert path.read_text(encoding="utf-8") == generated()[path], \
-        f"{path.relative_to(GEN_ROOT)} is stale: run python -m megacli.recipe.regenerate"
+
+@pytest.mark.parametrize("path", sorted(GENERATED), ids=lambda p: p.name)
+def test_generated_file_is_current(path):
+    name = path.relative_to(ROOT)
+    assert path.is_file(), f"{name} missing: run python -m megacli.recipe.regenerate"
+    assert path.read_text(encoding="utf-8") == GENERATED[path], f"{name} is stale: run python -m megacli.recipe.regenerate"
 
 
 def test_regenerate_check_reports_a_stale_file(tmp_path, monkeypatch, capsys):

@@ -78,8 +78,8 @@ def type_text(annotation, metadata=()) -> str:
     if origin is typing.Annotated:
         return type_text(args[0], annotation.__metadata__)
     bounds = _bounds(metadata)
-    if origin in (Union, types.UnionType):
-        return " | ".join(dict.fromkeys(type_text(a) for a in args))
+    if origin in (Union, types.UnionType):  # Field(ge=...) bounds the non-null members
+        return " | ".join(dict.fromkeys(type_text(a, () if a is type(None) else metadata) for a in args))
     if origin is Literal:
         text = " | ".join(_yaml(a) for a in args)
     elif origin in (list, tuple, set):
