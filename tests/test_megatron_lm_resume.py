@@ -23,15 +23,13 @@ reshard and verify take all three directly.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.conftest import pretrain_losses
 from tests.test_megatron_lm import llama_args
 
 TOL = 1e-5
@@ -54,16 +52,8 @@ def layout(tp=2, pp=2, dist_opt=True):
 
 
 def pretrain(run_dir: Path, overrides: list[str]) -> tuple[subprocess.CompletedProcess, dict[int, float]]:
-    sets = [*TINY, *overrides, f"run.dir={run_dir}"]
-    env = {**os.environ, "COLUMNS": "400"}  # long tmp paths must not wrap a message
-    if "launch.nproc=1" in overrides:
-        env["MEGACLI_IN_PROCESS"] = "1"
-    out = subprocess.run([sys.executable, "-m", "megacli", "pretrain", *[x for s in sets for x in ("--set", s)]],
-                         capture_output=True, text=True, timeout=900, env=env)
-    if out.returncode != 0:
-        return out, {}
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return out, {r["iteration"]: r["loss"] for r in records if "loss" in r}
+    sets = [*TINY, *overrides]
+    return pretrain_losses([x for s in sets for x in ("--set", s)], run_dir, in_process="launch.nproc=1" in overrides)
 
 
 def megatron_lm_args(recipe, *, iteration: int, vocab: int) -> argparse.Namespace:

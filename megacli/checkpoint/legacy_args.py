@@ -254,6 +254,9 @@ def recipe_from_args(src) -> dict:
         data = {"blend": [[float(data_path[i]), str(data_path[i + 1])] for i in range(0, len(data_path), 2)], "mock": False}
     else:
         data = {"mock": True}
+    if arg(a, "split"):
+        data["split"] = str(a.split).replace(" ", "")
+    data.update(reset_position_ids=bool(arg(a, "reset_position_ids", False)), eod_mask_loss=bool(arg(a, "eod_mask_loss", False)))
     extra = {}
     if model["arch"] == "t5" and arg(a, "vocab_extra_ids", 0):  # the T5 span-masking sentinels
         extra["masking"] = {"sentinel_tokens": int(a.vocab_extra_ids)}
@@ -271,7 +274,8 @@ def recipe_from_args(src) -> dict:
         "train": {"iters": int(train_iters), "micro_batch_size": mbs, "global_batch_size": gbs,
                   "seed": int(arg(a, "seed", 1234)),
                   "precision": "bf16" if arg(a, "bf16", False) else "fp16" if arg(a, "fp16", False) else "fp32",
-                  "eval_interval": arg(a, "eval_interval", 1000), "eval_iters": int(arg(a, "eval_iters", 10) or 10),
+                  # None: the run evaluated never (megacli writes train.eval_interval: null so)
+                  "eval_interval": getattr(a, "eval_interval", 1000), "eval_iters": int(arg(a, "eval_iters", 10) or 10),
                   "log_interval": int(arg(a, "log_interval", 100) or 100)},
         "optim": {"optimizer": str(arg(a, "optimizer", "adam")), "lr": float(arg(a, "lr", 3e-4)),
                   "min_lr": float(arg(a, "min_lr", 0.0)), "warmup_iters": int(warmup),
@@ -279,6 +283,7 @@ def recipe_from_args(src) -> dict:
                   "decay_iters": arg(a, "lr_decay_iters"), "weight_decay": float(arg(a, "weight_decay", 0.01)),
                   "clip_grad": float(arg(a, "clip_grad", 1.0)), "adam_beta1": float(arg(a, "adam_beta1", 0.9)),
                   "adam_beta2": float(arg(a, "adam_beta2", 0.999)), "adam_eps": float(arg(a, "adam_eps", 1e-8))},
+        "checkpoint": {"save_interval": arg(a, "save_interval")},
     }
 
 
@@ -303,6 +308,15 @@ class ArgsDescribed:
 
     def tokenizer_dir(self) -> Path | None:
         return tokenizer_dir(self.args)
+
+    def tokenizer_not_found(self) -> list[str]:
+        """The run's tokenizer, when its files are not on this machine (a recipe cannot name them)."""
+        tok = arg(self.args, "tokenizer_type")
+        if not tok or self.tokenizer_dir() is not None or self.wordpiece_vocab() is not None:
+            return []
+        where = arg(self.args, "tokenizer_model") or arg(self.args, "vocab_file")
+        return [f"tokenizer {tok}" + (f" ({where}: not found on this machine)" if where else "")
+                + "; set tokenizer.type and tokenizer.path"]
 
     def wordpiece_vocab(self) -> Path | None:
         return wordpiece_vocab(self.args)

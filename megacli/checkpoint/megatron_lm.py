@@ -175,13 +175,7 @@ class MegatronLMCheckpoint(ArgsDescribed):
 
     def not_mapped(self) -> list[str]:
         """What of the run the recipe leaves out (the tokenizer when its files are not on this machine)."""
-        out = self.unmapped()
-        tok = arg(self.args, "tokenizer_type")
-        if tok and self.tokenizer_dir() is None and self.wordpiece_vocab() is None:
-            where = arg(self.args, "tokenizer_model") or arg(self.args, "vocab_file")
-            out.append(f"tokenizer {tok}" + (f" ({where}: not found on this machine)" if where else "")
-                       + "; set tokenizer.type and tokenizer.path")
-        return out
+        return self.unmapped() + self.tokenizer_not_found()
 
 
 def weights_dir(path: Path, *, trust_pickle: bool = False) -> Path:

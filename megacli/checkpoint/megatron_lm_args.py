@@ -376,3 +376,28 @@ def _tokenizer_vocab(recipe) -> int | None:
 def flag_table() -> list[tuple[str, str]]:
     """(Megatron-LM option as docs/megatron-lm/flags.md shows it, recipe key), one row per option, in FLAGS order."""
     return [(f.table_cell(), f"`{f.key}`") for f in FLAGS]
+
+
+def args_not_reproduced(args, recipe) -> list[str]:
+    """The mapped Megatron-LM arguments (FLAGS) whose value in a run's ``args`` the validated
+    ``recipe`` does not give back: what a recipe made from those args leaves out or changes."""
+    out = []
+    for flag in FLAGS:
+        if flag.arg in ("vocab_size", "tokenizer_type", "tokenizer_model", "vocab_file", "data_path", "mock_data",
+                        "world_size"):
+            continue  # the vocabulary, tokenizer, data and world are the recipe reader's own notes
+        if not hasattr(args, flag.arg):
+            continue
+        given, mapped = getattr(args, flag.arg), flag.value(recipe)
+        if _same_arg(given, mapped):
+            continue
+        out.append(f"{flag.option} {given!r} (the recipe's {flag.key} gives {mapped!r})")
+    return out
+
+
+def _same_arg(a, b) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_arg(x, y) for x, y in zip(a, b))
+    if isinstance(a, str) and isinstance(b, str):
+        return a.replace(" ", "") == b.replace(" ", "")
+    return a == b

@@ -15,6 +15,7 @@ def _register() -> None:
     import megacli.cli.eval  # noqa: F401
     import megacli.cli.convert  # noqa: F401
     import megacli.cli.reshard  # noqa: F401
+    import megacli.cli.recipe  # noqa: F401
 
 
 def main() -> None:

@@ -21,6 +21,22 @@ TRUST_TASK_CODE_HELP = ("Let --include-path task YAMLs run Python (!function, or
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the resolved recipe, layout and memory estimate; do not run.")]
 
 
+# Into a file or pipe rich assumes 80 columns and folds table cells to fit; this is wider than any
+# table, so each is laid out at its content's width and no cell (a tensor name, a path) wraps.
+UNWRAPPED_WIDTH = 100_000
+
+
+def output_console(**kwargs):
+    """The console tables and plans print to: as wide as the terminal, or unwrapped into a file or
+    pipe (one table row per line, for grep and for reading)."""
+    from rich.console import Console
+
+    console = Console(highlight=False, **kwargs)
+    if not console.is_terminal:
+        console.width = UNWRAPPED_WIDTH
+    return console
+
+
 def fail(message: str, code: int = 2) -> "typer.Exit":
     """Print one error line; the message is plain text (paths and values may hold "[x]" or ":smile:")."""
     from rich.console import Console

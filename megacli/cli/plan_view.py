@@ -29,17 +29,6 @@ def run_device(recipe) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def dry_run_console():
-    """The console the dry runs print to: as wide as the terminal, or 160 columns into a file or
-    pipe (rich assumes 80 there), so paths and table rows stay on one line for grep."""
-    from rich.console import Console
-
-    console = Console(highlight=False)
-    if not console.is_terminal:
-        console.width = 160
-    return console
-
-
 def print_recipe(recipe, console) -> None:
     """The resolved recipe as block YAML: highlighted on a terminal, plain and never cut otherwise."""
     from rich.syntax import Syntax
@@ -58,7 +47,9 @@ def print_plan(recipe) -> None:
 
     from megacli import plan
 
-    console = dry_run_console()
+    from megacli.cli.common import output_console
+
+    console = output_console()
     print_recipe(recipe, console)
     p, m, t = recipe.parallel, recipe.model, recipe.train
     vocab, vocab_src = vocab_size_of(recipe)

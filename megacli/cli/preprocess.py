@@ -7,7 +7,7 @@ from typing import Annotated, List, Optional
 import typer
 
 from megacli.cli.root import app
-from megacli.cli.common import DefaultCommandGroup, RecipeArg, SetOpt, fail, guarded
+from megacli.cli.common import DefaultCommandGroup, RecipeArg, SetOpt, fail, guarded, output_console
 
 
 class PreprocessGroup(DefaultCommandGroup):
@@ -110,7 +110,7 @@ def run_command(
         return
 
     result = run_job(job_from_recipe(resolved))
-    out = Console(highlight=False)
+    out = output_console()
     out.print(summary_table(result))
     stats = result.stats
     err = Console(stderr=True, highlight=False, emoji=False)
@@ -148,8 +148,6 @@ def inspect_command(
     docs: Annotated[int, typer.Option("--docs", "-n", help="How many documents to show.")] = 3,
     chars: Annotated[int, typer.Option("--chars", help="Characters to show per document.")] = 400,
 ) -> None:
-    from rich.console import Console
-
     from megacli.data.inspect import inspect_dataset, render
     from megacli.data.tokenizers import guess_tokenizer_type, load_tokenizer
 
@@ -157,5 +155,5 @@ def inspect_command(
     if tokenizer is not None:
         kind, path = guess_tokenizer_type(tokenizer)
         tok = load_tokenizer(type=kind, path=path)
-    render(inspect_dataset(prefix, tok, docs=docs, max_chars=chars), Console(highlight=False))
+    render(inspect_dataset(prefix, tok, docs=docs, max_chars=chars), output_console())
 

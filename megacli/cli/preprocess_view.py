@@ -17,14 +17,15 @@ def print_preprocess_plan(recipe) -> None:
     from rich.table import Table
     from rich.text import Text
 
-    from megacli.cli.plan_view import dry_run_console, print_recipe
+    from megacli.cli.common import output_console
+    from megacli.cli.plan_view import print_recipe
     from megacli.data import indexed, readers
     from megacli.data.fast_tokenize import accelerate, describe_encoder
     from megacli.data.preprocess import default_workers, job_from_recipe, sample_texts
     from megacli.data.survey import count_records
     from megacli.data.tokenizers import describe_specials, load_tokenizer
 
-    console = dry_run_console()
+    console = output_console()
     print_recipe(recipe, console)
     job = job_from_recipe(recipe)
     sources = readers.resolve_sources(job.inputs, job.input_format, job.split)

@@ -80,14 +80,13 @@ def run_command(
 
 
 def run_reshard(job) -> None:
-    from rich.console import Console
-
+    from megacli.cli.common import output_console
     from megacli.reshard import reshard
     from megacli.reshard.view import progress_bars, print_result
 
     with progress_bars(job.progress) as bars:
         result = reshard(job, progress=bars)
-    print_result(result, Console(highlight=False))
+    print_result(result, output_console())
 
 
 @reshard_app.command("inspect", help="Show a checkpoint: format, layout, iteration, recipe and its tensors (global shape, "
@@ -100,16 +99,15 @@ def inspect_command(
 ) -> None:
     import json
 
-    from rich.console import Console
-
     from megacli.checkpoint.inspect import inspect
+    from megacli.cli.common import output_console
     from megacli.reshard.inspect import render
 
     info = inspect(checkpoint, trust_pickle=trust_pickle)
     if as_json:
         typer.echo(json.dumps(info, indent=2, default=str))
     else:
-        render(info, Console(highlight=False))
+        render(info, output_console())
 
 
 @reshard_app.command("verify", help="Check that DST holds SRC's state: each checkpoint's files against its manifest, then "

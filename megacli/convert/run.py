@@ -177,7 +177,8 @@ def pipeline_split(recipe, *, asked) -> str:
     return text
 
 
-def _tokenizer_section(final_hf_dir: Path, copied: list[str]) -> dict:
+def tokenizer_section(final_hf_dir: Path, copied: list[str]) -> dict:
+    """The recipe's tokenizer for a Hugging Face directory holding the ``copied`` tokenizer files."""
     if "tokenizer.json" in copied:
         return {"type": "huggingface", "path": str(final_hf_dir)}
     if "tokenizer.model" in copied:
@@ -206,7 +207,7 @@ def _hf_to_megacli(src: Path, work: Path, final: Path, *, parallel, dtype: str |
     if (src / hf_io.GENERATION_CONFIG).is_file():
         shutil.copy2(src / hf_io.GENERATION_CONFIG, hf_dir / hf_io.GENERATION_CONFIG)
     copied = hf_io.copy_tokenizer_files(src, hf_dir)
-    tokenizer = _tokenizer_section(final / HF_DIR, copied)
+    tokenizer = tokenizer_section(final / HF_DIR, copied)
     recipe = converted_recipe(model=model, parallel=parallel, precision=precision, tokenizer=tokenizer, resume=final)
     table = family.table(recipe.model)
     by_name = {table.normalize_hf(k): k for k in weights.keys()}
@@ -244,7 +245,7 @@ def _legacy_to_megacli(legacy, work: Path, final: Path, *, parallel, dtype: str 
     target = params_dtype(precision)
     hf_dir = work / HF_DIR
     copied = hf_io.copy_tokenizer_files(legacy.tokenizer_dir(), hf_dir) if legacy.tokenizer_dir() else []
-    tokenizer = _tokenizer_section(final / HF_DIR, copied)
+    tokenizer = tokenizer_section(final / HF_DIR, copied)
     if legacy.wordpiece_vocab() is not None:
         hf_dir.mkdir(exist_ok=True)
         shutil.copy2(legacy.wordpiece_vocab(), hf_dir / "vocab.txt")
@@ -346,7 +347,7 @@ def _merge_lora(source: Source, work: Path, final: Path, *, parallel, dtype: str
                 shutil.copy2(hf / name, work / HF_DIR / name)
         copied = hf_io.copy_tokenizer_files(hf, work / HF_DIR)
         if copied:
-            tokenizer = _tokenizer_section(final / HF_DIR, copied)
+            tokenizer = tokenizer_section(final / HF_DIR, copied)
     out = converted_recipe(model={**recipe.model.model_dump(), "vocab_size": vocab}, parallel=parallel, precision=precision,
                            tokenizer=tokenizer, resume=final)
     target = params_dtype(precision)

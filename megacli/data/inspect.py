@@ -89,7 +89,7 @@ def render(report: Report, console) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    head = Table(title=f"{report.prefix}", show_header=False, title_justify="left")
+    head = Table(title=f"{report.prefix}", show_header=False, title_justify="left", min_width=len(str(report.prefix)))
     head.add_column(style="bold")
     head.add_column(justify="right")
     head.add_row("documents", f"{report.documents:,}")

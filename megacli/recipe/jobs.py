@@ -7,6 +7,33 @@ from pathlib import Path
 from megacli.recipe import base
 
 
+# The recipe kinds, each with its model (finetune recipes are pretrain recipes: one model, one schema).
+KINDS = ("pretrain", "finetune", "preprocess", "generate", "eval", "reshard", "convert")
+SCHEMA_KINDS = ("pretrain", "preprocess", "generate", "eval", "reshard", "convert")
+
+
+def schema_kind(kind: str) -> str:
+    """The kind whose schema file describes ``kind``'s recipes."""
+    return "pretrain" if kind == "finetune" else kind
+
+
+def kind_of_recipe(path: str | Path) -> str:
+    """The kind a recipe file declares by its schema line (``# yaml-language-server:
+    $schema=.../<kind>.json``), else pretrain."""
+    import re
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            head = [f.readline() for _ in range(3)]
+    except (OSError, UnicodeDecodeError):
+        return "pretrain"  # loading the recipe reports what is wrong with the file
+    for line in head:
+        found = re.match(r"#\s*yaml-language-server:\s*\$schema=\S*?(\w+)\.json\s*$", line)
+        if found and found.group(1) in KINDS:
+            return found.group(1)
+    return "pretrain"
+
+
 def recipe_model(job: str):
     if job in ("pretrain", "finetune"):
         from megacli.recipe.pretrain import TrainingRecipe
@@ -28,6 +55,10 @@ def recipe_model(job: str):
         from megacli.recipe.reshard import ReshardRecipe
 
         return ReshardRecipe
+    if job == "convert":
+        from megacli.recipe.convert import ConvertRecipe
+
+        return ConvertRecipe
     raise ValueError(f"unknown job {job!r}")
 
 

@@ -15,7 +15,8 @@ def render(info: dict, console) -> None:
     m = (info.get("recipe") or {}).get("model") or {}
     t = (info.get("recipe") or {}).get("train") or {}
     p = (info.get("recipe") or {}).get("parallel") or {}
-    head = Table(title=f"checkpoint {info['path']}", show_header=False, title_justify="left")
+    title = f"checkpoint {info['path']}"
+    head = Table(title=title, show_header=False, title_justify="left", min_width=len(title))  # the path on one line
     head.add_row("format", info["format"])
     head.add_row("layout", f"{info['layout_text']}  (world size {info['world_size']})")
     head.add_row("iteration", f"{info['iteration']}  ({info['consumed_samples']} samples consumed)")

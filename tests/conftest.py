@@ -1,0 +1,23 @@
+"""Helpers several test files share."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def pretrain_losses(args: list[str], run_dir: Path, *, in_process: bool) -> tuple[subprocess.CompletedProcess, dict[int, float]]:
+    """`megacli pretrain ARGS --set run.dir=RUN_DIR` in a fresh interpreter (its one worker in the CLI's
+    process with ``in_process``): the finished process and the loss of each logged step."""
+    env = {**os.environ, "COLUMNS": "400"}  # long tmp paths must not wrap a message
+    if in_process:
+        env["MEGACLI_IN_PROCESS"] = "1"
+    out = subprocess.run([sys.executable, "-m", "megacli", "pretrain", *args, "--set", f"run.dir={run_dir}"],
+                         capture_output=True, text=True, timeout=900, env=env)
+    if out.returncode != 0:
+        return out, {}
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return out, {r["iteration"]: r["loss"] for r in records if "loss" in r}
