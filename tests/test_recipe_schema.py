@@ -203,7 +203,7 @@ def test_show_prints_the_resolved_recipe_only(tmp_path):
     assert res.exit_code == 2 and "parallel.tensor = 3: must divide" in res.output
 
 
-PAGE = ROOT / "docs" / "commands" / "recipe.md"
+PAGE = ROOT / "docs/commands/recipe.md"
 BLOCK = re.compile(r'^```\w* title="Run by tests/test_recipe_schema.py"\n(.*?)^```', re.MULTILINE | re.DOTALL)
 
 
