@@ -68,11 +68,43 @@ def test_nonfinite_loss_stops_naming_iteration_and_last_good_checkpoint(tmp_path
     assert sorted(p.name for p in ck.iterdir()) == ["iter_0000002", "latest"]
 
 
-def test_infinite_lr_never_saves_nonfinite_weights(tmp_path):
+OVERFLOWING_STEP = """
+import sys, torch
+from megacli.engine import loop
+
+real = loop.train_step
+
+def overflowing(trainer, iterators):
+    out = real(trainer, iterators)
+    with torch.no_grad():
+        next(trainer.chunks[0].parameters()).fill_(float("inf"))
+    return out
+
+loop.train_step = overflowing
+from megacli.cli import main
+sys.argv[0] = "megacli"
+main()
+"""
+
+
+@pytest.mark.parametrize("on_nonfinite", ["stop", "skip"])
+def test_nonfinite_weights_are_never_saved(tmp_path, on_nonfinite):
+    ck = tmp_path / "ck"
+    sets = [*TINY, f"train.on_nonfinite={on_nonfinite}", f"checkpoint.dir={ck}", "checkpoint.save_interval=1",
+            f"run.dir={tmp_path / 'run'}"]
+    out = subprocess.run([sys.executable, "-c", OVERFLOWING_STEP, "pretrain", *[x for s in sets for x in ("--set", s)]],
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ, MEGACLI_IN_PROCESS="1"))
+    message = refused(out, "weights are not finite after iteration 1", "no good checkpoint")
+    # with skip already set, the message does not suggest setting it
+    assert ("train.on_nonfinite = skip drops such steps instead" in message) == (on_nonfinite == "stop"), message
+    assert not (ck / "iter_0000001").exists() and not (ck / "latest").exists()
+
+
+def test_an_infinite_lr_is_refused_before_anything_runs(tmp_path):
     ck = tmp_path / "ck"
     out = pretrain(tmp_path / "run", ["optim.lr=.inf", f"checkpoint.dir={ck}", "checkpoint.save_interval=1"])
-    refused(out, "weights are not finite after iteration 1", "no good checkpoint")
-    assert not (ck / "iter_0000001").exists() and not (ck / "latest").exists()
+    refused(out, "optim.lr = inf: Input should be a finite number")
+    assert not ck.exists() and not (tmp_path / "run").exists()
 
 
 def test_nonfinite_skip_drops_the_step_and_counts_it(tmp_path):
