@@ -429,3 +429,34 @@ def test_a_safetensors_header_is_checked_before_it_is_read(tmp_path, header, exp
     shard.write_bytes(header)
     with pytest.raises(UserError, match=expected):
         read_safetensors_header(shard)
+
+
+def test_a_tensor_shard_that_is_a_hostile_pickle_is_refused_by_megacli_not_torch(tmp_path):
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    from megacli.checkpoint.torch_dist import TorchDistReader
+
+    ckpt = _torch_dist_dir(tmp_path)
+    marker = tmp_path / MARKER
+    evil = ckpt / "evil.distcp"
+    torch.save(_Payload(*_payloads(marker)[1]), evil)
+    metadata = pickle.loads((ckpt / ".metadata").read_bytes())
+    index = next(i for i in metadata.storage_data if i.fqn == "w")
+    metadata.storage_data[index] = _StorageInfo(relative_path="evil.distcp", offset=0, length=evil.stat().st_size)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(UserError) as info:
+        TorchDistReader(ckpt).read("w")
+    message = str(info.value)
+    assert "refused to unpickle builtins.exec" in message and "evil.distcp" in message, message
+    assert "Weights only load failed" not in message and not marker.exists()
+
+
+@pytest.mark.parametrize("content", [b"[]", b"{not json"])
+def test_a_malformed_metadata_json_beside_a_torch_dist_checkpoint_is_named(tmp_path, content):
+    from megacli.checkpoint.torch_dist import TorchDistReader
+
+    ckpt = _torch_dist_dir(tmp_path)
+    (ckpt / "metadata.json").write_bytes(content)
+    with pytest.raises(UserError, match="metadata.json"):
+        TorchDistReader(ckpt)
