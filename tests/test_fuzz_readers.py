@@ -97,6 +97,18 @@ def test_recipe_yaml(tmp_path, data):
     outcome(base.load, TrainingRecipe, path)
 
 
+@given(inputs(GOOD_RECIPE))
+@example(b"- a list\n")
+@example(b"model: [1, 2]\n")
+def test_a_checkpoints_recipe_in_the_resume_check(tmp_path, data):
+    from megacli.engine.compat import check_resumable
+    from megacli.recipe import base
+    from megacli.recipe.pretrain import TrainingRecipe
+
+    (tmp_path / "recipe.yaml").write_bytes(data)
+    outcome(check_resumable, tmp_path, base.load(TrainingRecipe, None, ["data.mock=true"]))
+
+
 @given(st.text(max_size=60))
 def test_set_overrides(value):
     from megacli.recipe import base
@@ -460,3 +472,14 @@ def test_a_malformed_metadata_json_beside_a_torch_dist_checkpoint_is_named(tmp_p
     (ckpt / "metadata.json").write_bytes(content)
     with pytest.raises(UserError, match="metadata.json"):
         TorchDistReader(ckpt)
+
+
+@pytest.mark.parametrize("content, expected", [(b"- a list\n", "not a recipe"), (b"model: [1,\n", "cannot read")])
+def test_a_checkpoints_recipe_that_is_not_a_recipe_is_named_on_resume(tmp_path, content, expected):
+    from megacli.engine.compat import check_resumable
+    from megacli.recipe import base
+    from megacli.recipe.pretrain import TrainingRecipe
+
+    (tmp_path / "recipe.yaml").write_bytes(content)
+    with pytest.raises(UserError, match=rf"{tmp_path / 'recipe.yaml'}: {expected}"):
+        check_resumable(tmp_path, base.load(TrainingRecipe, None, ["data.mock=true"]))

@@ -73,9 +73,12 @@ def read_recipe(ckpt: Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        return yaml.safe_load(path.read_text()) or {}
+        recipe = yaml.safe_load(path.read_text()) or {}
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise UserError(f"{path}: cannot read ({exc})") from None
+    if not isinstance(recipe, dict):
+        raise UserError(f"{path}: not a recipe (a mapping of sections)")
+    return recipe
 
 
 def lora_base_of(ckpt: Path) -> Path | None:
