@@ -151,6 +151,32 @@ def test_keep_last_prunes_only_this_runs_checkpoints(earlier_run, tmp_path):
     assert (ck / "iter_0000002" / "megacli.json").is_file()
 
 
+def test_a_tensor_shard_that_would_run_code_is_refused_by_megacli_on_resume(earlier_run, tmp_path):
+    """check_torch_dist reads the pickled objects; tensor shards are read by torch's weights-only
+    loader inside Megatron's load, whose refusal megacli reports in its own words."""
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    class Payload:
+        def __reduce__(self):
+            return exec, (f"open({str(tmp_path / 'ran')!r}, 'w').close()",)
+
+    ck = copy_of(earlier_run, tmp_path)
+    it = ck / "iter_0000004"
+    torch.save(Payload(), it / "evil.distcp")
+    metadata = pickle.loads((it / ".metadata").read_bytes())
+    index = next(i for i in metadata.storage_data
+                 if isinstance(metadata.state_dict_metadata[i.fqn], TensorStorageMetadata))
+    metadata.storage_data[index] = _StorageInfo("evil.distcp", 0, (it / "evil.distcp").stat().st_size)
+    (it / ".metadata").write_bytes(pickle.dumps(metadata))
+    out = pretrain(tmp_path / "run", [f"checkpoint.dir={ck}", "checkpoint.verify=false", "train.iters=5"])
+    refused(out, f"{it}: refused to unpickle builtins.exec: loading it could run code")
+    assert "Weights only load failed" not in out.stderr and not (tmp_path / "ran").exists()
+
+
 def test_resume_auto_without_latest_takes_the_newest_complete_checkpoint(earlier_run, tmp_path):
     ck = copy_of(earlier_run, tmp_path)
     (ck / "latest").unlink()
