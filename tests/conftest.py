@@ -1,4 +1,4 @@
-"""Helpers several test files share."""
+"""Helpers and settings several test files share."""
 
 from __future__ import annotations
 
@@ -21,3 +21,14 @@ def pretrain_losses(args: list[str], run_dir: Path, *, in_process: bool) -> tupl
         return out, {}
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return out, {r["iteration"]: r["loss"] for r in records if "loss" in r}
+
+
+try:
+    from hypothesis import HealthCheck, settings
+except ImportError:  # the [test] extra brings it; without it the property tests are skipped
+    pass
+else:
+    # Deterministic property tests: the same examples on every run, nothing stored between runs.
+    settings.register_profile("megacli", derandomize=True, database=None, deadline=None, max_examples=60,
+                              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    settings.load_profile("megacli")

@@ -327,3 +327,58 @@ def test_task_code_is_refused_unless_trusted(tmp_path):
     (tasks / "metric.yaml").unlink()
     check_tasks(HarnessSection(tasks=["fnt"], include_path=str(tasks), trust_task_code=True))
     assert marker.exists()  # the test's task really imports code
+
+
+def _bare_checkpoint(root: Path) -> Path:
+    """A directory that passes for a megacli checkpoint up to its weights (megacli.json, recipe.yaml):
+    enough for the checks that come before any model loads."""
+    from megacli.recipe import base
+    from megacli.recipe.pretrain import TrainingRecipe
+
+    ckpt = root / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "megacli.json").write_text("{}")
+    (ckpt / "recipe.yaml").write_text(base.dump(base.load(TrainingRecipe, None, ["data.mock=true"])))
+    return ckpt
+
+
+def test_an_existing_directory_as_output_is_refused_before_the_model_loads(tmp_path):
+    ckpt = _bare_checkpoint(tmp_path)
+    res = _eval_here(ckpt, "--tasks", "tiny_lambada", "-o", tmp_path)
+    assert res.exit_code == 2 and f"eval.output = '{tmp_path}': is a directory" in res.stderr, res.stderr
+    (tmp_path / "file").write_text("")
+    res = _eval_here(ckpt, "--tasks", "tiny_lambada", "-o", tmp_path / "file" / "results.json")
+    assert res.exit_code == 2 and "is a file, not a directory" in res.stderr, res.stderr
+
+
+def test_recipe_errors_name_the_recipe_the_user_gave(tmp_path):
+    ckpt = _bare_checkpoint(tmp_path)
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text(f"eval:\n  checkpoint: {ckpt}\n  tasks: [tiny_lambada]\n  limit: 0\n")
+    res = _eval_here("--recipe", recipe)
+    assert res.exit_code == 2 and f"invalid recipe {recipe} (over {ckpt / 'recipe.yaml'})" in res.stderr, res.stderr
+    assert "eval.limit = 0" in res.stderr, res.stderr
+
+
+def test_the_harness_run_prints_no_git_error_outside_a_repository(tmp_path, monkeypatch, capfd):
+    from lm_eval.api.model import LM
+
+    from megacli.inference.evaluate import evaluate
+    from megacli.recipe.eval import EvalSection
+
+    class Certain(LM):
+        def loglikelihood(self, requests):
+            return [(-1.0, True) for _ in requests]
+
+        def loglikelihood_rolling(self, requests):
+            return [-1.0 for _ in requests]
+
+        def generate_until(self, requests):
+            return ["" for _ in requests]
+
+    tasks = write_tasks(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    ev = EvalSection(tasks=["tiny_lambada"], include_path=str(tasks), limit=2, bootstrap_iters=0)
+    results = evaluate(Certain(), ev)
+    assert results["results"]["tiny_lambada"]["acc,none"] == 1.0 and results["git_hash"] is None
+    assert "not a git repository" not in capfd.readouterr().err

@@ -226,3 +226,43 @@ def test_checkpoint_recipes_resolve_sequence_parallel_auto_for_the_target_layout
     assert resolve_target(src, {"sequence_parallel": "auto"}, tensor=2).sequence_parallel
     assert not resolve_target(src, {"sequence_parallel": "auto"}).sequence_parallel
     assert not resolve_target(src, {"sequence_parallel": False}, tensor=2).sequence_parallel
+
+
+@pytest.mark.parametrize("overrides, field, words", [
+    (["optim.lr=inf"], "optim.lr", "finite number"),
+    (["optim.lr=.nan"], "optim.lr", "finite number"),
+    (["optim.clip_grad=-.inf"], "optim.clip_grad", "finite number"),
+    (["train.iters=true"], "train.iters = True", "expected a number, not true/false"),
+    (["data.blend=[[true, a], [1, b]]"], "data.blend", "not true/false"),
+])
+def test_numbers_are_finite_and_never_true_or_false(overrides, field, words):
+    msg = problem(overrides)
+    assert field in msg and words in msg, msg
+
+
+def test_a_key_given_twice_in_a_recipe_is_refused_naming_file_line_and_key(tmp_path):
+    path = tmp_path / "twice.yaml"
+    path.write_text("train:\n  iters: 5\n  micro_batch_size: 1\n  iters: 7\n")
+    with pytest.raises(RecipeErrors) as info:
+        base.load(TrainingRecipe, path)
+    assert str(path) in info.value.render() and "line 4" in info.value.render() and "'iters'" in info.value.render()
+
+
+def test_a_yaml_merge_may_override_the_keys_it_brings(tmp_path):
+    path = tmp_path / "merge.yaml"
+    path.write_text("train: &t\n  iters: 5\nfinetune_like:\n  <<: *t\n  iters: 7\n")
+    assert base.read_yaml(path)["finetune_like"] == {"iters": 7}
+
+
+@pytest.mark.parametrize("override", ["data.files=[a.jsonl", "run.name='abc", "train.iters={a: 1, a: 2}"])
+def test_an_unterminated_or_doubled_set_value_is_a_yaml_error(override):
+    msg = problem([override])
+    assert "--set" in msg and override in msg and "should be a valid" not in msg, msg
+
+
+def test_a_set_value_with_a_colon_inside_stays_text():
+    assert base.parse_override("run.name=a: b: c")[1] == "a: b: c"
+
+
+def test_data_source_null_is_the_default_indexed_source():
+    assert load(["data.source=null", "data.mock=true"]).data.source == "indexed"

@@ -578,3 +578,49 @@ def test_a_pickle_in_the_index_cache_is_refused(tmp_path):
     assert not marker.exists()
     index.unlink()
     assert len(build()) == built  # a deleted index is rebuilt
+
+
+def _pretrain_dry_run(sets: list[str]):
+    from typer.testing import CliRunner
+
+    from megacli.cli import _register, app
+
+    _register()
+    return CliRunner().invoke(app, ["pretrain", *[x for s in sets for x in ("--set", s)], "--dry-run"],
+                              env={"COLUMNS": "300"})
+
+
+@pytest.mark.parametrize("case", ["fim_tokens", "hf_glob", "hf_file_type"])
+def test_on_the_fly_sources_are_checked_by_the_dry_run_and_before_workers_start(tmp_path, case):
+    from megacli.cli.training import check_inputs
+    from megacli.errors import UserError
+    from megacli.recipe import base
+    from megacli.recipe.pretrain import TrainingRecipe
+    from tests.test_pretrain import TINY
+
+    corpus = write_jsonl(tmp_path / "c.jsonl", documents(4))
+    (tmp_path / "c.csv").write_text("text\nx\n")
+    source = {"fim_tokens": ["data.source=jsonl", f"data.files=[{corpus}]", "data.fim={}"],
+              "hf_glob": ["data.source=hf", f"data.name={tmp_path / 'shards' / '*.parquet'}"],
+              "hf_file_type": ["data.source=hf", f"data.name={tmp_path / '*.csv'}"]}[case]
+    sets = [*TINY, "data.mock=false", *source, f"run.dir={tmp_path / 'run'}"]
+    expected = {"fim_tokens": "data.fim.prefix_token", "hf_glob": "matches no file",
+                "hf_file_type": "c.csv: unknown file type"}[case]
+    out = _pretrain_dry_run(sets)
+    assert out.exit_code == 2 and expected in out.output, out.output
+    with pytest.raises(UserError, match=expected):
+        check_inputs(base.load(TrainingRecipe, None, sets))
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_text_field_that_is_not_a_string_is_named_with_its_type(tmp_path):
+    from megacli.data.stream import texts
+    from megacli.errors import UserError
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"text": "fine"}\n{"text": 12345}\n')
+    with pytest.raises(UserError, match=rf"{corpus}:2: field 'text' is int 12345, not a string"):
+        list(texts(StreamSource(source="jsonl", files=[str(corpus)])))
+    corpus.write_text('["text"]\n')
+    with pytest.raises(UserError, match=rf"{corpus}:1: not a JSON object"):
+        list(texts(StreamSource(source="jsonl", files=[str(corpus)])))

@@ -340,6 +340,41 @@ def test_plot_ascii_draws_the_loss_curve(tmp_path):
     assert not (tmp_path / "plot.png").exists() and not Path("plot.png").exists()
 
 
+@pytest.mark.parametrize("output", ["plot.png", "plot.html", None])
+def test_plot_leaves_out_what_cannot_be_drawn_and_says_so(tmp_path, output):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text(
+        '{"iteration": 1, "loss": 5.0, "lr": 1e-3}\n{"iteration": 2, "loss": Infinity, "lr": NaN}\n'
+        '{"iteration": 3, "loss": -1e308, "lr": 1e-3}\n{"iteration": 4, "loss": 1e308}\n'
+        '{"iteration": 5, "loss": 3.0, "lr": true}\n')
+    out = cli("plot", run_dir, *(["-o", tmp_path / output] if output else ["--ascii"]), "--metrics", "loss,lr")
+    assert out.exit_code == 0, out.output
+    assert "loss at iteration 2, 3, 4" in out.output and "lr at iteration 2" in out.output, out.output
+    if output:
+        assert (tmp_path / output).stat().st_size > 0
+    else:
+        rows = [line.split("|", 1) for line in out.output.splitlines() if "|" in line]
+        assert rows[0][0].strip() == "5" and rows[-1][0].strip() == "3", "drawn from the finite losses"
+    from megacli.plot.series import read_runs
+
+    (run,) = read_runs([run_dir])
+    assert run.curves["loss"].values == [5.0, 3.0] and run.curves["lr"].iterations == [1, 3], "true is not a number"
+
+
+@pytest.mark.parametrize("content, expected", [
+    (b'{"iteration": 1, "loss": 2.0}\n{"iteration": 2, "loss": 1.0, "note": "\xff"}\n', "line 2: not UTF-8 text"),
+    (b'{"iteration": true, "loss": 2.0}\n', "line 1: not a metrics record"),
+    (b'{"iteration": -3, "loss": 2.0}\n', "line 1: not a metrics record"),
+])
+def test_plot_unreadable_records_are_named_by_line(tmp_path, content, expected):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_bytes(content)
+    out = cli("plot", run_dir, "--ascii")
+    assert out.exit_code == 2 and expected in out.output and str(run_dir / "metrics.jsonl") in out.output, out.output
+
+
 @pytest.mark.parametrize("case", ["no_metrics_file", "unknown_metric", "bad_extension", "broken_record"])
 def test_plot_bad_input_exits_2_with_one_message(tmp_path, case):
     run_dir = write_run(tmp_path / "run", RESUMED_LOG)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -67,11 +68,43 @@ def test_nonfinite_loss_stops_naming_iteration_and_last_good_checkpoint(tmp_path
     assert sorted(p.name for p in ck.iterdir()) == ["iter_0000002", "latest"]
 
 
-def test_infinite_lr_never_saves_nonfinite_weights(tmp_path):
+OVERFLOWING_STEP = """
+import sys, torch
+from megacli.engine import loop
+
+real = loop.train_step
+
+def overflowing(trainer, iterators):
+    out = real(trainer, iterators)
+    with torch.no_grad():
+        next(trainer.chunks[0].parameters()).fill_(float("inf"))
+    return out
+
+loop.train_step = overflowing
+from megacli.cli import main
+sys.argv[0] = "megacli"
+main()
+"""
+
+
+@pytest.mark.parametrize("on_nonfinite", ["stop", "skip"])
+def test_nonfinite_weights_are_never_saved(tmp_path, on_nonfinite):
+    ck = tmp_path / "ck"
+    sets = [*TINY, f"train.on_nonfinite={on_nonfinite}", f"checkpoint.dir={ck}", "checkpoint.save_interval=1",
+            f"run.dir={tmp_path / 'run'}"]
+    out = subprocess.run([sys.executable, "-c", OVERFLOWING_STEP, "pretrain", *[x for s in sets for x in ("--set", s)]],
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ, MEGACLI_IN_PROCESS="1"))
+    message = refused(out, "weights are not finite after iteration 1", "no good checkpoint")
+    # with skip already set, the message does not suggest setting it
+    assert ("train.on_nonfinite = skip drops such steps instead" in message) == (on_nonfinite == "stop"), message
+    assert not (ck / "iter_0000001").exists() and not (ck / "latest").exists()
+
+
+def test_an_infinite_lr_is_refused_before_anything_runs(tmp_path):
     ck = tmp_path / "ck"
     out = pretrain(tmp_path / "run", ["optim.lr=.inf", f"checkpoint.dir={ck}", "checkpoint.save_interval=1"])
-    refused(out, "weights are not finite after iteration 1", "no good checkpoint")
-    assert not (ck / "iter_0000001").exists() and not (ck / "latest").exists()
+    refused(out, "optim.lr = inf: Input should be a finite number")
+    assert not ck.exists() and not (tmp_path / "run").exists()
 
 
 def test_nonfinite_skip_drops_the_step_and_counts_it(tmp_path):
@@ -116,6 +149,32 @@ def test_keep_last_prunes_only_this_runs_checkpoints(earlier_run, tmp_path):
     assert (ck / "latest").read_text().strip() == "iter_0000002"
     assert sorted(p.name for p in ck.iterdir()) == ["iter_0000002", "iter_0000003", "iter_0000004", "latest"]
     assert (ck / "iter_0000002" / "megacli.json").is_file()
+
+
+def test_a_tensor_shard_that_would_run_code_is_refused_by_megacli_on_resume(earlier_run, tmp_path):
+    """check_torch_dist reads the pickled objects; tensor shards are read by torch's weights-only
+    loader inside Megatron's load, whose refusal megacli reports in its own words."""
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    class Payload:
+        def __reduce__(self):
+            return exec, (f"open({str(tmp_path / 'ran')!r}, 'w').close()",)
+
+    ck = copy_of(earlier_run, tmp_path)
+    it = ck / "iter_0000004"
+    torch.save(Payload(), it / "evil.distcp")
+    metadata = pickle.loads((it / ".metadata").read_bytes())
+    index = next(i for i in metadata.storage_data
+                 if isinstance(metadata.state_dict_metadata[i.fqn], TensorStorageMetadata))
+    metadata.storage_data[index] = _StorageInfo("evil.distcp", 0, (it / "evil.distcp").stat().st_size)
+    (it / ".metadata").write_bytes(pickle.dumps(metadata))
+    out = pretrain(tmp_path / "run", [f"checkpoint.dir={ck}", "checkpoint.verify=false", "train.iters=5"])
+    refused(out, f"{it}: refused to unpickle builtins.exec: loading it could run code")
+    assert "Weights only load failed" not in out.stderr and not (tmp_path / "ran").exists()
 
 
 def test_resume_auto_without_latest_takes_the_newest_complete_checkpoint(earlier_run, tmp_path):
@@ -234,7 +293,9 @@ def test_disk_full_while_saving_is_named_and_leaves_no_partial_save(tmp_path):
     sets = [*TINY, f"checkpoint.dir={ck}", "checkpoint.save_interval=2", f"run.dir={tmp_path / 'run'}"]
     out = subprocess.run([sys.executable, "-c", ENOSPC_WRITER, "pretrain", *[x for s in sets for x in ("--set", s)]],
                          capture_output=True, text=True, timeout=600, env=dict(os.environ, MEGACLI_IN_PROCESS="1"))
-    refused(out, f"no space left on device in {ck} (needed ~0.00 GiB, free", "iter_0000004.tmp was removed")
+    message = refused(out, f"no space left on device in {ck} (needed ~", "iter_0000004.tmp was removed")
+    assert re.search(r"needed ~\d+\.\d (KiB|MiB), free \d+\.\d [KMGT]iB", message), message
+    assert "encountered an error" not in out.stderr, out.stderr
     assert sorted(p.name for p in ck.iterdir()) == ["iter_0000002", "latest"]
     assert (ck / "latest").read_text().strip() == "iter_0000002"
 

@@ -57,9 +57,12 @@ def find_checkpoint(path: str | Path) -> Path | None:
 
 def read_meta(ckpt: Path) -> dict:
     try:
-        return json.loads((ckpt / META).read_text())
+        meta = json.loads((ckpt / META).read_text())
     except (OSError, ValueError) as exc:
         raise UserError(f"{ckpt / META}: cannot read ({exc})") from None
+    if not isinstance(meta, dict):
+        raise UserError(f"{ckpt / META}: not a checkpoint record (a JSON object)")
+    return meta
 
 
 def read_recipe(ckpt: Path) -> dict:
@@ -70,18 +73,24 @@ def read_recipe(ckpt: Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        return yaml.safe_load(path.read_text()) or {}
+        recipe = yaml.safe_load(path.read_text()) or {}
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise UserError(f"{path}: cannot read ({exc})") from None
+    if not isinstance(recipe, dict):
+        raise UserError(f"{path}: not a recipe (a mapping of sections)")
+    return recipe
 
 
 def lora_base_of(ckpt: Path) -> Path | None:
     """The base checkpoint of a LoRA run's checkpoint (which holds adapters only), else None."""
     if not (ckpt / META).is_file():  # another writer's checkpoint (Megatron-LM's): full weights
         return None
-    base = read_meta(ckpt).get("lora", {}).get("base")
+    lora = read_meta(ckpt).get("lora") or {}
+    base = lora.get("base") if isinstance(lora, dict) else None
     if base is None:
         return None
+    if not isinstance(base, str):
+        raise UserError(f"{ckpt / META}: lora.base = {base!r} is not a path")
     found = find_checkpoint(base) if Path(base).exists() else None
     if found is None:
         raise UserError(f"{ckpt} holds LoRA adapters for the base checkpoint {base}, which is not there any more")

@@ -78,6 +78,9 @@ def problems(root: Path, *, rank: int = 0, world_size: int = 1) -> list[str]:
         files = json.loads(path.read_text())["files"]
     except (ValueError, KeyError, TypeError):
         return [f"{path}: not a readable manifest"]
+    if not isinstance(files, dict) or not all(_entry_ok(name, want) for name, want in files.items()):
+        return [f"{path}: not a readable manifest (files must map names inside the checkpoint to their size and "
+                f"{ALGORITHM})"]
     share = sorted(files)[rank::world_size]
 
     def check(name: str) -> str | None:
@@ -94,6 +97,12 @@ def problems(root: Path, *, rank: int = 0, world_size: int = 1) -> list[str]:
 
     with ThreadPoolExecutor(_threads(len(share))) as pool:
         return [p for p in pool.map(check, share) if p]
+
+
+def _entry_ok(name: str, want) -> bool:
+    inside = bool(name) and not os.path.isabs(name) and ".." not in Path(name).parts
+    return (inside and isinstance(want, dict) and type(want.get("size")) is int
+            and isinstance(want.get(ALGORITHM), str))
 
 
 def mismatch_error(root: Path, found: list[str]) -> UserError:

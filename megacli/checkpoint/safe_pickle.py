@@ -171,7 +171,11 @@ def _unsafe_globals(source, exc: Exception, megatron: bool) -> str | None:
             unsafe = []
         if unsafe:
             return ", ".join(unsafe)
-    text = str(exc)
+    return _global_named_in(str(exc))
+
+
+def _global_named_in(text: str) -> str | None:
+    """The global torch's weights-only unpickler refused, as its message names it."""
     marker = "Unsupported global: GLOBAL "
     if marker in text:
         name = text.split(marker, 1)[1].split()[0]
@@ -179,6 +183,18 @@ def _unsafe_globals(source, exc: Exception, megatron: bool) -> str | None:
         if _GLOBAL_NAME.fullmatch(name):  # not the garbage a torn file can decode to
             return name
     return None
+
+
+def load_failure(exc: BaseException, where) -> UserError | None:
+    """torch's weights-only refusal, met inside a load that Megatron or torch runs (they read tensor
+    shards with it), as megacli's own message about ``where``; None for any other failure."""
+    text = str(exc)
+    if "Weights only load failed" not in text:
+        return None
+    unsafe = _global_named_in(text)
+    if unsafe is not None:
+        return _refused(where, unsafe)
+    return UserError(f"{where}: cannot read (malformed pickle data); a file is truncated or corrupt")
 
 
 def check_torch_dist(ckpt: Path, *, trust: bool):

@@ -9,7 +9,17 @@ from pathlib import Path
 
 from megacli.errors import UserError
 
-GiB = 1024**3
+UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+def size_text(n: int) -> str:
+    """Bytes in the largest unit that keeps the number at 1 or more: 512 B, 1.5 MiB, 12.3 GiB."""
+    value, unit = float(n), UNITS[0]
+    for unit in UNITS:
+        if abs(value) < 1024 or unit == UNITS[-1]:
+            break
+        value /= 1024
+    return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
 
 
 def state_bytes(state) -> int:
@@ -48,6 +58,6 @@ def disk_full_error(exc: BaseException, *, ckpt_dir: Path, partial: Path, needed
         return None
     if remove:
         shutil.rmtree(partial, ignore_errors=True)
-    return UserError(f"no space left on device in {ckpt_dir} (needed ~{needed / GiB:.2f} GiB, free {free / GiB:.2f} GiB): "
+    return UserError(f"no space left on device in {ckpt_dir} (needed ~{size_text(needed)}, free {size_text(free)}): "
                      f"the partial save {partial.name} was removed and the earlier checkpoints are intact. Free some "
                      f"space (checkpoint.keep_last prunes old checkpoints) or choose another checkpoint.dir")

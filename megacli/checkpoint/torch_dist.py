@@ -80,7 +80,11 @@ class TorchDistReader:
             raise UserError(f"{self.path}: no {DCP_METADATA} (not a torch_dist checkpoint, or an incomplete one)")
         backend = self.path / BACKEND_META
         if backend.is_file():
-            kind = json.loads(backend.read_text()).get("sharded_backend")
+            try:
+                kind = json.loads(backend.read_text())
+            except (OSError, ValueError) as exc:
+                raise UserError(f"{backend}: cannot read ({exc})") from None
+            kind = kind.get("sharded_backend") if isinstance(kind, dict) else None
             if kind != "torch_dist":
                 raise UserError(f"{self.path}: sharded backend {kind!r}; only torch_dist checkpoints can be resharded")
         self.metadata = check_torch_dist(self.path, trust=trust_pickle)
@@ -177,7 +181,8 @@ class TorchDistReader:
                 if f.tell() < storage.offset + storage.length:
                     raise UserError(f"{self.path / storage.relative_path}: truncated ({where} needs bytes up to "
                                     f"{storage.offset + storage.length})")
-                t = torch.load(_RangeFile(f, storage.offset, storage.length), map_location="cpu", weights_only=True)
+                t = torch_load(_RangeFile(f, storage.offset, storage.length), trust=self.trust_pickle,
+                               name=f"{self.path / storage.relative_path} ({where})")
         except UserError:
             raise
         except Exception as exc:  # noqa: BLE001 - a torn or corrupt shard file

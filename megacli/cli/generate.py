@@ -113,7 +113,8 @@ def build_recipe(recipe_path: Optional[Path], flags: dict, *, tensor: Optional[i
     train["global_batch_size"] = train.get("micro_batch_size", 1)  # no training: keep the batch arithmetic trivially valid
     raw.setdefault("run", {})["dir"] = (given.get("run") or {}).get("dir", f"runs/{job}")
     raw = base.apply_overrides(raw, overrides)
-    recipe = base.validate(recipe_model(job), raw, f"{ckpt / 'recipe.yaml'} + {job} options")
+    source = f"{recipe_path} (over {ckpt / 'recipe.yaml'})" if recipe_path else f"{ckpt / 'recipe.yaml'} + {job} options"
+    recipe = base.validate(recipe_model(job), raw, source)
     check_checkpoint(ckpt, trust=recipe.checkpoint.trust_pickle)
     return recipe
 

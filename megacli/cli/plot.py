@@ -26,7 +26,7 @@ AsciiOpt = Annotated[bool, typer.Option("--ascii", help="Draw the loss curve in 
 def plot(run_dirs: RunDirsArg, output: OutputOpt = None, metrics: MetricsOpt = None, ascii_: AsciiOpt = False) -> None:
     from megacli.errors import UserError
     from megacli.plot.figure import FORMATS
-    from megacli.plot.series import choose_metrics, read_runs
+    from megacli.plot.series import choose_metrics, read_runs, skipped_note
 
     if output is None and not ascii_:
         output = Path("plot.png")
@@ -41,6 +41,11 @@ def plot(run_dirs: RunDirsArg, output: OutputOpt = None, metrics: MetricsOpt = N
         raise UserError("--metrics: name at least one metric")
     runs = read_runs(run_dirs)
     panels = choose_metrics(runs, requested)
+    drawn = sorted({*panels, "loss"} if ascii_ else set(panels))
+    for run in runs:
+        note = skipped_note(run, drawn)
+        if note:
+            typer.echo(f"note: {note}", err=True)
     if ascii_:
         from megacli.plot.text import text_chart
 

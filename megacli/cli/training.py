@@ -20,7 +20,10 @@ def run_training_job(job: str, recipe_path: Path | None, overrides: list[str], d
     if dry_run:
         from megacli.cli.plan_view import print_plan
 
-        check_stream_sources(recipe)
+        if recipe.data.on_the_fly:
+            from megacli.data.stream import check_sources
+
+            check_sources(recipe)
         print_plan(recipe)
         return
     from megacli import launch, rundir
@@ -70,7 +73,6 @@ def check_inputs(recipe) -> None:
         if missing:
             raise UserError(f"{field} {prefix!r}: missing {' and '.join(missing)} "
                             f"(build it with `megacli preprocess`; the prefix is the path without .bin/.idx)")
-    check_stream_sources(recipe)
     sft = getattr(recipe, "sft", None)
     files = [("sft data", sft.train), ("sft data", sft.valid_file),
              *((f"sft.valid.{name}", path) for name, path in sft.named_valid.items())] if sft else []
@@ -88,16 +90,10 @@ def check_inputs(recipe) -> None:
     tok = recipe.tokenizer
     if tok.type in ("huggingface", "sentencepiece", "wordpiece") and not Path(tok.path).exists():
         raise UserError(f"tokenizer.path {tok.path!r} does not exist")
-
-
-def check_stream_sources(recipe) -> None:
-    """On-the-fly jsonl sources: every pattern names files, and some document has text (the dry run
-    checks this too)."""
     if recipe.data.on_the_fly:
-        from megacli.data.stream import check_has_text
+        from megacli.data.stream import check_sources
 
-        for source in recipe.data.stream_sources():
-            check_has_text(source)
+        check_sources(recipe)
 
 
 def _check_pickles(ck) -> None:

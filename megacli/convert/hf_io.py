@@ -62,10 +62,14 @@ def parse_size(text: str | int) -> int:
 def read_safetensors_header(f: Path) -> tuple[dict, int]:
     with open(f, "rb") as fh:
         size = int.from_bytes(fh.read(8), "little")
+        if 8 + size > os.fstat(fh.fileno()).st_size:  # read no more than the file holds
+            raise UserError(f"{f}: not a safetensors file (its header length {size} runs past the end)")
         try:
             header = json.loads(fh.read(size))
         except ValueError:
             raise UserError(f"{f}: not a safetensors file (unreadable header)") from None
+    if not isinstance(header, dict):
+        raise UserError(f"{f}: not a safetensors file (its header is not a JSON object)")
     header.pop("__metadata__", None)
     return header, 8 + size
 
@@ -111,7 +115,10 @@ class HFWeights:
     def _weight_files(self) -> list[Path]:
         for index in (SAFE_INDEX, BIN_INDEX):
             if (self.root / index).is_file():
-                weight_map = read_json(self.root / index).get("weight_map", {})
+                weight_map = read_json(self.root / index)
+                weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+                if not isinstance(weight_map, dict):
+                    raise UserError(f"{self.root / index}: no weight_map (a JSON object of tensor name -> shard file)")
                 files = sorted({named_inside(self.root, name, named_by=str(self.root / index))
                                 for name in weight_map.values()})
                 missing = [f.name for f in files if not os.path.lexists(f)]

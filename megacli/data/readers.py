@@ -260,7 +260,14 @@ def _parquet_chunks(source: Source, keys: list[str], chunk_bytes: int) -> Iterat
     if missing:
         raise UserError(f"{source.path}: no column {missing[0]!r} (columns: {', '.join(pf.schema_arrow.names[:12])})")
     row = 1
-    for batch in pf.iter_batches(batch_size=_rows_per_chunk(source.size, rows, chunk_bytes), columns=keys):
+    batches = pf.iter_batches(batch_size=_rows_per_chunk(source.size, rows, chunk_bytes), columns=keys)
+    while True:
+        try:
+            batch = next(batches, None)
+        except Exception as exc:  # noqa: BLE001 - pyarrow raises OSError, ArrowInvalid, ... for a damaged file
+            raise UserError(f"{source.path}: corrupt Parquet data after row {row - 1} ({exc})") from None
+        if batch is None:
+            return
         yield Chunk(source, row, "columns", _columns(batch, keys, source.path), source.size * batch.num_rows // max(rows, 1))
         row += batch.num_rows
 

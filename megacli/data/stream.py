@@ -76,10 +76,19 @@ def _jsonl_texts(paths: list[Path], field: str) -> Iterator[str]:
 
 
 def _text_of(record, field: str, where: str) -> str:
-    text = record.get(field) if isinstance(record, dict) else None
-    if not isinstance(text, str):
+    if not isinstance(record, dict):
+        raise UserError(f"{where}: not a JSON object (a record with a {field!r} field)")
+    if field not in record:
         raise UserError(f"{where}: no text field {field!r} (set data.text_field)")
+    text = record[field]
+    if not isinstance(text, str):
+        raise UserError(f"{where}: field {field!r} is {type(text).__name__} {_short(text)}, not a string")
     return text
+
+
+def _short(value) -> str:
+    shown = json.dumps(value, ensure_ascii=False)
+    return shown if len(shown) <= 40 else shown[:37] + "..."
 
 
 HF_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".jsonl": "json", ".json": "json"}
@@ -99,11 +108,9 @@ def open_hf(source):
             if isinstance(ds, datasets.DatasetDict):
                 ds = ds[source.hf_split]
             return ds.to_iterable_dataset() if source.streaming else ds
-        files = sorted(glob.glob(name)) if glob.has_magic(name) else ([name] if local.is_file() else [])
+        files = hf_files(name)
         if files:
-            builder = HF_BUILDERS.get(Path(files[0]).suffix)
-            if builder is None:
-                raise UserError(f"data.name {name!r}: unknown file type (give {', '.join(HF_BUILDERS)} files)")
+            builder = HF_BUILDERS[Path(files[0]).suffix]
             return datasets.load_dataset(builder, data_files=files, split=source.hf_split, streaming=source.streaming)
         if "/" in name and (name.startswith((".", "/", "~")) or local.parent.exists()):
             raise UserError(f"data.name {name!r}: no such file or directory")
@@ -112,6 +119,41 @@ def open_hf(source):
         raise
     except Exception as e:  # datasets raises many kinds (missing, offline, bad config)
         raise UserError(f"data.name {name!r}: cannot open the dataset ({type(e).__name__}: {e})") from None
+
+
+def hf_files(name: str) -> list[str]:
+    """The data files a hf source's name stands for (a file, or a glob's matches, of a type in
+    HF_BUILDERS); [] for a dataset name or a directory."""
+    if glob.has_magic(name):
+        files = sorted(glob.glob(name))
+        if not files:
+            raise UserError(f"data.name {name!r}: matches no file")
+    elif Path(name).is_file():
+        files = [name]
+    else:
+        return []
+    unknown = next((f for f in files if Path(f).suffix not in HF_BUILDERS), None)
+    if unknown is not None:
+        raise UserError(f"data.name {name!r}: {unknown}: unknown file type (give {', '.join(HF_BUILDERS)} files)")
+    return files
+
+
+def check_sources(recipe) -> None:
+    """What can be known of on-the-fly data before any worker starts (the launcher and --dry-run
+    check it): every jsonl pattern and hf file glob matches files, a jsonl source has a document
+    with text, and data.fim's tokens exist."""
+    for source in recipe.data.stream_sources():
+        if source.source == "jsonl":
+            jsonl_paths(source.files)
+            check_has_text(source)
+        else:
+            hf_files(source.name)
+    if recipe.data.fim is not None:
+        from megacli.data.fim import fim_ids
+        from megacli.data.tokenizers import load_tokenizer
+
+        tok = recipe.tokenizer
+        fim_ids(load_tokenizer(type=tok.type, path=tok.path, vocab_size=recipe.model.vocab_size), recipe.data.fim)
 
 
 def _hf_texts(source) -> Iterator[str]:

@@ -26,7 +26,7 @@ import torch
 from megacli.checkpoint import manifest, space
 from megacli.checkpoint.layout import (LATEST, META, find_checkpoint, is_torch_dist_iteration, iter_name, lora_base_of,
                                       read_meta, read_recipe)
-from megacli.checkpoint.safe_pickle import allow_checked_globals, check_torch_dist
+from megacli.checkpoint.safe_pickle import allow_checked_globals, check_torch_dist, load_failure
 from megacli.errors import UserError
 
 __all__ = ["LATEST", "META", "find_checkpoint", "iter_name", "lora_base_of", "read_meta", "load", "save"]
@@ -341,11 +341,13 @@ def _load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool, kee
         _prepare_distributed_optimizer_load(optimizer)
     state = _sharded_state(chunks, optimizer, scheduler, loading=True, with_optimizer=has_optimizer, with_rng=restore_rng,
                            keep=keep)
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
     try:
         with allow_checked_globals():  # a Megatron-LM common.pt holds its run's args (a Namespace)
             loaded = dist_checkpointing.load(state, str(ckpt))
-    except Exception as exc:
-        raise UserError(f"cannot load checkpoint {ckpt}: {exc}") from exc
+    except (Exception, CheckpointException) as exc:
+        raise load_failure(exc, ckpt) or UserError(f"cannot load checkpoint {ckpt}: {exc}") from exc
     from megacli.engine.models.common import unwrap
 
     for key, chunk in zip(_model_keys(chunks), chunks):

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-
-from megacli.checkpoint.layout import is_torch_dist_iteration
+from megacli.checkpoint.layout import is_torch_dist_iteration, read_recipe
 from megacli.errors import UserError
 
 # Dotted recipe fields that change the meaning (or the shape) of the saved weights.
@@ -47,7 +45,7 @@ def check_resumable(ckpt: Path, recipe) -> str | None:
     saved_file = Path(ckpt) / "recipe.yaml"
     foreign = False
     if saved_file.is_file():
-        saved = yaml.safe_load(saved_file.read_text()) or {}
+        saved = read_recipe(Path(ckpt))
     elif is_torch_dist_iteration(Path(ckpt)):
         saved, foreign = _megatron_lm_recipe(Path(ckpt), recipe.checkpoint.trust_pickle), True
     else:

@@ -44,6 +44,8 @@ def quiet_megatron_imports() -> None:
     import logging
 
     logging.getLogger("megatron").setLevel(logging.ERROR)
+    # The checkpoint writer logs a failed write before raising it; the raised error is what megacli reports.
+    logging.getLogger("megatron.core.dist_checkpointing.strategies.filesystem_async").setLevel(logging.CRITICAL)
 
 
 def setup(*, parallel, launch, seed: int, deterministic: bool = False) -> Runtime:

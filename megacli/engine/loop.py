@@ -332,7 +332,8 @@ def _train(recipe, runtime, *, harness=None) -> None:
                 losses, grad_norm, ok = train_step(trainer, iterators)
             except nonfinite.NonFiniteStep as bad:
                 if t.on_nonfinite == "stop":
-                    raise _stopped_nonfinite(f"{bad} at iteration {iteration + 1} (not applied)", last_good) from None
+                    raise _stopped_nonfinite(f"{bad} at iteration {iteration + 1} (not applied)", last_good,
+                                             t.on_nonfinite) from None
                 skipped += 1
                 log.say(f"iteration {iteration + 1}: {bad}, step skipped ({skipped} so far; train.on_nonfinite = skip)")
                 losses = None
@@ -370,7 +371,8 @@ def _train(recipe, runtime, *, harness=None) -> None:
             path = None
             if ck.dir and (stopped or (ck.save_interval and iteration % ck.save_interval == 0) or iteration == stop_at):
                 if not nonfinite.weights_finite(trainer.chunks):
-                    raise _stopped_nonfinite(f"the weights are not finite after iteration {iteration} (not saved)", last_good)
+                    raise _stopped_nonfinite(f"the weights are not finite after iteration {iteration} (not saved)", last_good,
+                                             t.on_nonfinite)
                 path = checkpoint.save(ckpt_dir=ck.dir, iteration=iteration, consumed_samples=consumed, chunks=trainer.chunks,
                                        optimizer=trainer.optimizer, scheduler=trainer.scheduler, recipe_yaml=recipe_yaml,
                                        keep_last=ck.keep_last, run_id=run_id, lora_base=lora_base,
@@ -421,12 +423,12 @@ def _stream_meta(trainer: Trainer) -> dict | None:
     return {"stream": gathered_states(trainer.train_data), "stream_sources": trainer.train_data.fingerprints}
 
 
-def _stopped_nonfinite(what: str, last_good):
+def _stopped_nonfinite(what: str, last_good, on_nonfinite: str):
     from megacli.errors import UserError
 
     good = f"the last good checkpoint is {last_good}" if last_good else "no good checkpoint was saved"
-    return UserError(f"training stopped: {what}; {good}. Lower optim.lr or check the data "
-                     f"(train.on_nonfinite = skip drops such steps instead)")
+    skip = " (train.on_nonfinite = skip drops such steps instead)" if on_nonfinite == "stop" else ""
+    return UserError(f"training stopped: {what}; {good}. Lower optim.lr or check the data{skip}")
 
 
 def _record_stop(*, run_dir: str, rank: int, reason: str, iteration: int, checkpoint) -> None:

@@ -216,7 +216,7 @@ def load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool, keep
     (iteration, consumed samples, notes); (0, 0, notes) when only the weights were loaded."""
     from megatron.core import dist_checkpointing
 
-    from megacli.checkpoint.safe_pickle import allow_checked_globals
+    from megacli.checkpoint.safe_pickle import allow_checked_globals, load_failure
     from megacli.engine.models.common import unwrap
 
     src = MegatronLMCheckpoint(ckpt, trust_pickle=trust_pickle)
@@ -246,13 +246,15 @@ def load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool, keep
             state["rng_state"] = rng
         else:
             notes.append(f"RNG re-seeded from train.seed: {why}")
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
     try:
         with allow_checked_globals():
             loaded = dist_checkpointing.load(state, str(src.it_dir))
     except UserError:
         raise
-    except Exception as exc:
-        raise UserError(f"cannot load the Megatron-LM checkpoint {src.it_dir}: {exc}") from exc
+    except (Exception, CheckpointException) as exc:
+        raise load_failure(exc, src.it_dir) or UserError(f"cannot load the Megatron-LM checkpoint {src.it_dir}: {exc}") from exc
     for key, chunk in zip(model_keys(chunks), chunks):
         missing, unexpected = unwrap(chunk).load_state_dict(loaded[key], strict=keep is None)
         left = [k for k in missing if keep(k)] if keep is not None else []

@@ -106,13 +106,31 @@ def _run(recipe, runtime) -> None:
 def evaluate(lm, ev, *, manager=None, log_samples: bool | None = None, bootstrap_iters: int | None = None) -> dict:
     """The harness's simple_evaluate on ``lm`` (log_samples and bootstrap_iters: the eval
     section's unless given)."""
+    from unittest import mock
+
+    import lm_eval.evaluator
     from lm_eval import simple_evaluate
 
-    return simple_evaluate(model=lm, tasks=list(ev.tasks), num_fewshot=ev.num_fewshot, limit=ev.limit,
-                           task_manager=manager or task_manager(ev),
-                           log_samples=ev.log_samples if log_samples is None else log_samples, random_seed=ev.seed,
-                           numpy_random_seed=ev.seed, torch_random_seed=ev.seed, fewshot_random_seed=ev.seed,
-                           bootstrap_iters=ev.bootstrap_iters if bootstrap_iters is None else bootstrap_iters)
+    with mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", _git_commit_hash):
+        return simple_evaluate(model=lm, tasks=list(ev.tasks), num_fewshot=ev.num_fewshot, limit=ev.limit,
+                               task_manager=manager or task_manager(ev),
+                               log_samples=ev.log_samples if log_samples is None else log_samples, random_seed=ev.seed,
+                               numpy_random_seed=ev.seed, torch_random_seed=ev.seed, fewshot_random_seed=ev.seed,
+                               bootstrap_iters=ev.bootstrap_iters if bootstrap_iters is None else bootstrap_iters)
+
+
+def _git_commit_hash() -> str | None:
+    """The commit of the working directory, for the results JSON, as the harness records it, but
+    without git's "fatal: not a git repository" on the terminal when there is none."""
+    import subprocess
+
+    try:
+        done = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if done.returncode != 0:
+        return None
+    return done.stdout.strip() or None
 
 
 def metrics(results: dict) -> dict[str, float]:

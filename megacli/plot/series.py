@@ -5,13 +5,17 @@ one starts a new segment: what the earlier segment logged from that iteration on
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from megacli.errors import UserError
 from megacli.rundir import METRICS_FILE
 
 DEFAULT_METRICS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "mfu")
+DRAWABLE = 1e300
+"""Values beyond ±DRAWABLE are left out: an axis spanning them overflows a float."""
+MAX_ITERATION = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,22 @@ class Curve:
 class Run:
     label: str
     curves: dict[str, Curve]
+    skipped: dict[str, list[int]] = field(default_factory=dict)
+    """Per metric, the iterations whose value could not be drawn (inf, NaN, beyond ±DRAWABLE)."""
+
+
+def is_number(value) -> bool:
+    """A JSON number (true/false are not numbers)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def drawable(value) -> float | None:
+    """``value`` as a float when it can be drawn, else None."""
+    try:
+        number = float(value)
+    except OverflowError:  # an integer beyond float's range
+        return None
+    return number if math.isfinite(number) and abs(number) <= DRAWABLE else None
 
 
 def read_records(run_dir: Path) -> list[dict]:
@@ -35,7 +55,12 @@ def read_records(run_dir: Path) -> list[dict]:
     if not path.is_file():
         what = "is not a directory" if not run_dir.is_dir() else f"has no {METRICS_FILE}"
         raise UserError(f"{run_dir}: {what} (give a run directory of `megacli pretrain` or `megacli finetune`)")
-    text = path.read_text()
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise UserError(f"{path}, line {line}: not UTF-8 text (byte 0x{data[exc.start]:02x})") from None
     lines = text.split("\n")
     if not text.endswith("\n"):
         lines = lines[:-1]
@@ -47,8 +72,9 @@ def read_records(run_dir: Path) -> list[dict]:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
             raise UserError(f"{path}, line {number}: not a JSON record ({exc.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("iteration"), int):
-            raise UserError(f"{path}, line {number}: not a metrics record (no integer 'iteration')")
+        iteration = record.get("iteration") if isinstance(record, dict) else None
+        if not (is_number(iteration) and isinstance(iteration, int) and 0 <= iteration <= MAX_ITERATION):
+            raise UserError(f"{path}, line {number}: not a metrics record (no integer 'iteration' >= 0)")
         records.append(record)
     return records
 
@@ -66,18 +92,24 @@ def join_segments(records: list[dict]) -> list[dict]:
     return kept
 
 
-def curves(records: list[dict]) -> dict[str, Curve]:
-    """One curve per numeric field (missing values, such as grad_norm null, are left out)."""
+def curves(records: list[dict]) -> tuple[dict[str, Curve], dict[str, list[int]]]:
+    """One curve per numeric field (missing values, such as grad_norm null, are left out), and per
+    field the iterations whose number cannot be drawn (inf, NaN, beyond ±DRAWABLE)."""
     points: dict[str, tuple[list, list, bool]] = {}
+    skipped: dict[str, list[int]] = {}
     for record in records:
         evaluation = "loss" not in record
         for key, value in record.items():
-            if key == "iteration" or not isinstance(value, (int, float)):
+            if key == "iteration" or not is_number(value):
+                continue
+            y = drawable(value)
+            if y is None:
+                skipped.setdefault(key, []).append(record["iteration"])
                 continue
             xs, ys, _ = points.setdefault(key, ([], [], evaluation))
             xs.append(record["iteration"])
-            ys.append(float(value))
-    return {k: Curve(iterations=xs, values=ys, evaluation=ev) for k, (xs, ys, ev) in points.items()}
+            ys.append(y)
+    return {k: Curve(iterations=xs, values=ys, evaluation=ev) for k, (xs, ys, ev) in points.items()}, skipped
 
 
 def read_runs(run_dirs: list[Path]) -> list[Run]:
@@ -88,14 +120,28 @@ def read_runs(run_dirs: list[Path]) -> list[Run]:
         records = read_records(Path(run_dir))
         if not records:
             raise UserError(f"{Path(run_dir) / METRICS_FILE}: no records yet")
-        runs.append(Run(label=label, curves=curves(join_segments(records))))
+        drawn, skipped = curves(join_segments(records))
+        runs.append(Run(label=label, curves=drawn, skipped=skipped))
     return runs
+
+
+def skipped_note(run: Run, metrics: list[str]) -> str | None:
+    """One line naming the values of ``metrics`` that were left out of the plot, None when none were."""
+    parts = []
+    for metric in metrics:
+        its = run.skipped.get(metric)
+        if its:
+            shown = ", ".join(map(str, its[:5])) + (f", ... ({len(its)} in all)" if len(its) > 5 else "")
+            parts.append(f"{metric} at iteration {shown}")
+    if not parts:
+        return None
+    return f"{run.label}: left out values that cannot be drawn (inf, NaN or beyond ±{DRAWABLE:g}): {'; '.join(parts)}"
 
 
 def choose_metrics(runs: list[Run], requested: list[str] | None) -> list[str]:
     """The panels: the requested metrics (each must be in some run), or those of DEFAULT_METRICS
     the runs have."""
-    present = {name for run in runs for name in run.curves}
+    present = {name for run in runs for name in (*run.curves, *run.skipped)}
     if requested is None:
         return [m for m in DEFAULT_METRICS if m in present]
     unknown = [m for m in requested if m not in present]

@@ -12,13 +12,28 @@ from pathlib import Path
 from typing import Any, Iterable, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
+
+
+def _admits(annotation: Any, kinds: tuple[type, ...]) -> bool:
+    """Whether a field annotation (through Optional, Union, Annotated, list[...]) admits any of ``kinds``."""
+    if annotation in kinds:
+        return True
+    return any(_admits(arg, kinds) for arg in getattr(annotation, "__args__", ()) if arg is not Ellipsis)
+
+
+def _holds_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_holds_bool(v) for v in value)
+    return False
 
 
 class Section(BaseModel):
     """Base of every recipe section: unknown keys are errors, every field documents itself
     (the attribute docstring becomes the field description), and values never change after
-    validation."""
+    validation. Numbers are numbers: true/false is not read as 1/0, and inf/NaN are refused."""
 
     model_config = ConfigDict(
         extra="forbid",
@@ -26,7 +41,17 @@ class Section(BaseModel):
         use_attribute_docstrings=True,
         validate_default=True,
         protected_namespaces=(),
+        allow_inf_nan=False,
     )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        if _holds_bool(value):
+            annotation = cls.model_fields[info.field_name].annotation
+            if _admits(annotation, (int, float)) and not _admits(annotation, (bool,)):
+                raise ValueError("expected a number, not true/false")
+        return value
 
 
 class RecipeError(Exception):
@@ -65,6 +90,45 @@ class RecipeErrors(Exception):
 R = TypeVar("R", bound=BaseModel)
 
 
+class DuplicateKey(yaml.YAMLError):
+    def __init__(self, key: Any, line: int):
+        self.key, self.line = key, line
+        super().__init__(f"line {line}: key {key!r} appears twice in one mapping")
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a mapping holding the same key twice (plain YAML keeps the last one)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` then overriding keys is meant
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                duplicate = key in seen
+            except TypeError:  # an unhashable key: the constructor below says so
+                continue
+            if duplicate:
+                raise DuplicateKey(key, key_node.start_mark.line + 1)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml_text(text: str) -> Any:
+    """``yaml.safe_load`` that refuses duplicate keys (raising DuplicateKey, a YAMLError)."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """One line for a YAML error: where, and what."""
+    if isinstance(exc, DuplicateKey):
+        return f"{exc}; keep one"
+    mark = getattr(exc, "problem_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+    return f"{where}not valid YAML ({getattr(exc, 'problem', None) or exc})"
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``a.b.c=value`` -> (["a", "b", "c"], parsed value). The value is read as YAML, so
     ``3`` is an int, ``true`` a bool, ``[1, 2]`` a list and ``null`` clears a field."""
@@ -75,8 +139,15 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not key or any(not part for part in key.split(".")):
         raise RecipeErrors("--set", [f"{text!r}: expected dotted.key=value"])
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+        value = load_yaml_text(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        # A bare word with YAML punctuation inside (a: b) is meant as text; a value that opens a list,
+        # a mapping or a quoted string and does not close it is a typo.
+        if isinstance(exc, DuplicateKey):
+            raise RecipeErrors("--set", [f"{text!r}: {yaml_problem(exc)}"]) from None
+        if raw.strip()[:1] in "[{\"'":
+            raise RecipeErrors("--set", [f"{text!r}: {yaml_problem(exc)}; close it, or quote the whole value "
+                                         f"to pass it as text"]) from None
         value = raw
     return key.split("."), value
 
@@ -111,11 +182,9 @@ def read_yaml(path: str | Path) -> dict:
         raise RecipeErrors(str(path), [f"line {line}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
                                        f"{exc.start}); save the recipe as UTF-8"]) from None
     try:
-        data = yaml.safe_load(text) or {}
+        data = load_yaml_text(text) or {}
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        raise RecipeErrors(str(path), [f"{where}not valid YAML ({getattr(exc, 'problem', exc)})"]) from None
+        raise RecipeErrors(str(path), [yaml_problem(exc)]) from None
     if not isinstance(data, dict):
         raise RecipeErrors(str(path), ["the top level must be a mapping of sections"])
     return data

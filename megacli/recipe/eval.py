@@ -7,9 +7,10 @@ section from the command-line flags (and `generate.checkpoint`, which the infere
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
-from pydantic import NonNegativeInt, model_validator
+from pydantic import NonNegativeInt, field_validator, model_validator
 
 from megacli.recipe.base import RecipeError
 from megacli.recipe.generate import GenerateRecipe
@@ -25,6 +26,20 @@ class EvalSection(HarnessSection):
     """Also write every document's requests and the model's answers into the results JSON."""
     bootstrap_iters: NonNegativeInt = 100000
     """Bootstrap resamples for the standard errors of metrics without a closed form (0 = none)."""
+
+    @field_validator("output")
+    @classmethod
+    def _output_is_a_file(cls, v: Optional[str]) -> Optional[str]:
+        """Checked here, before any model loads: the results are written only after the whole run."""
+        if v is None:
+            return v
+        path = Path(v)
+        if path.is_dir():
+            raise ValueError(f"is a directory; give a file path, such as {path / 'results.json'}")
+        parent = next((p for p in path.parents if p.exists()), None)
+        if parent is not None and not parent.is_dir():
+            raise ValueError(f"{parent} is a file, not a directory")
+        return v
 
 
 class EvalRecipe(GenerateRecipe):

@@ -119,8 +119,9 @@ class TokenizerSection(Section):
 
 class DataSection(StreamFields):
     source: Literal["indexed", "hf", "jsonl"] = "indexed"
-    """indexed: Megatron .bin/.idx files (data.path or data.blend); jsonl or hf: documents read and
-    tokenized while training (files / name), packed like Megatron's GPTDataset without shuffling."""
+    """indexed (the default; null means it too): Megatron .bin/.idx files (data.path or data.blend);
+    jsonl or hf: documents read and tokenized while training (files / name), packed like Megatron's
+    GPTDataset without shuffling."""
     sources: Optional[list[StreamSource]] = None
     """Weighted mixture of on-the-fly sources, each {source, weight, files | name, ...}; leave data.source unset."""
     tokenizer_workers: NonNegativeInt = 1
@@ -154,6 +155,11 @@ class DataSection(StreamFields):
     into model.seq_length windows). At each evaluation every set gives val_loss/<name> and
     val_ppl/<name> beside the split-based val_loss: over train.eval_iters global batches, or the
     whole set when it holds fewer. Names are identifiers (letters, digits, _)."""
+
+    @field_validator("source", mode="before")
+    @classmethod
+    def _null_source_is_indexed(cls, v):
+        return "indexed" if v is None else v
 
     @field_validator("split")
     @classmethod
