@@ -22,7 +22,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from megacli.errors import UserError
-from megacli.rundir import STOPPED_FILE
+from megacli.rundir import STOPPED_FILE, error_dir
 
 # Set by torchrun / torch.distributed.run for every worker.
 _LAUNCHED_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -84,10 +84,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def error_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "errors"
 
 
 def job_id(*, given: str | None, rdzv_endpoint: str | None, env=os.environ) -> str:
@@ -234,18 +230,3 @@ def first_worker_error(run_dir: str | Path, fallback: BaseException | None = Non
                         f"(every rank's error is in {error_dir(run_dir)})")
         err.exit_code = 1
     return err
-
-
-def record_worker_error(run_dir: str | Path, exc: BaseException, tb: str) -> int:
-    """Write this rank's error for the launcher; return the exit code to use."""
-    import time
-
-    user_error = isinstance(exc, UserError)
-    exit_code = getattr(exc, "exit_code", 2) if user_error else 1
-    path = error_dir(run_dir)
-    path.mkdir(parents=True, exist_ok=True)
-    rank = int(os.environ.get("RANK", "0"))
-    payload = {"rank": rank, "time": time.time(), "type": type(exc).__name__, "message": str(exc),
-               "traceback": "" if user_error else tb, "user_error": user_error, "exit_code": exit_code}
-    (path / f"rank{rank}.json").write_text(json.dumps(payload))
-    return exit_code

@@ -164,3 +164,23 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def error_dir(run_dir: str | Path) -> Path:
+    """Where each rank records the error that ended it, for the launcher."""
+    return Path(run_dir) / "errors"
+
+
+def record_worker_error(run_dir: str | Path, exc: BaseException, tb: str) -> int:
+    """Write this rank's error for the launcher; return the exit code to use."""
+    from megacli.errors import UserError
+
+    user_error = isinstance(exc, UserError)
+    exit_code = getattr(exc, "exit_code", 2) if user_error else 1
+    path = error_dir(run_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    rank = int(os.environ.get("RANK", "0"))
+    payload = {"rank": rank, "time": time.time(), "type": type(exc).__name__, "message": str(exc),
+               "traceback": "" if user_error else tb, "user_error": user_error, "exit_code": exit_code}
+    (path / f"rank{rank}.json").write_text(json.dumps(payload))
+    return exit_code

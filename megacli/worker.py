@@ -34,7 +34,7 @@ def run_job(job: str, recipe) -> None:
 
 def run_guarded(job: str, recipe) -> int:
     """run_job, recording an error for the launcher instead of printing a traceback on every rank."""
-    from megacli.launch import record_worker_error
+    from megacli.rundir import record_worker_error
 
     try:
         run_job(job, recipe)

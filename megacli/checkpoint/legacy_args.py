@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from megacli.errors import UserError
+from megacli.recipe.model import every_nth_global
 
 
 def arg(args, name, default=None):
@@ -61,7 +62,7 @@ def _sliding_window(args, num_layers: int) -> dict:
         raise UserError(f"window_size {window}: only causal sliding windows (w, 0) with w >= 0 are supported")
     skip = arg(args, "window_attn_skip_freq")
     if isinstance(skip, int):
-        windowed = [int((i + 1) % skip != 0) for i in range(num_layers)]
+        windowed = every_nth_global(skip, num_layers)
     elif skip is None:
         windowed = [1] * num_layers
     else:

@@ -138,9 +138,7 @@ FLAGS: tuple[Flag, ...] = (
          cli="--apply-layernorm-1p"),
     Flag("use_rope_scaling", "model.rope_scaling", lambda r: r.model.rope_scaling is not None),
     Flag("rope_scaling_factor", "model.rope_scaling.factor", lambda r: MEGATRON_ROPE_SCALING["factor"]),
-    # HF's window w (token i sees i-w+1..i) is Megatron's (w - 1, 0); the same skip-frequency rule
-    Flag("window_size", "model.sliding_window",
-         lambda r: None if r.model.sliding_window is None else (r.model.sliding_window - 1, 0)),
+    Flag("window_size", "model.sliding_window", lambda r: r.model.megatron_window),
     Flag("window_attn_skip_freq", "model.sliding_window_layers", _m("sliding_window_layers")),
     Flag("untie_embeddings_and_output_weights", "model.untie_embeddings", _m("untie_embeddings")),
     Flag("hidden_dropout", "model.dropout", _m("dropout")),

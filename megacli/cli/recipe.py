@@ -77,7 +77,7 @@ def from_command(
     force: Annotated[bool, typer.Option("--force", help="Replace an existing --output file.")] = False,
     trust_pickle: Annotated[bool, typer.Option("--trust-pickle", help=TRUST_PICKLE_HELP)] = False,
 ) -> None:
-    from megacli.checkpoint.recipe_of import recipe_of, render
+    from megacli.convert.recipe_of import recipe_of, render
     from megacli.errors import UserError
 
     if output is not None and output.exists() and not force:

@@ -17,7 +17,7 @@ import signal
 import sys
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
 from typing import Iterator, Optional
@@ -25,7 +25,7 @@ from typing import Iterator, Optional
 import numpy as np
 
 from megacli.data import fast_tokenize, indexed, readers
-from megacli.data.preprocess_report import MB, ProgressBar
+from megacli.data.preprocess_report import MB, ProgressBar, Result, Stats
 from megacli.data.tokenizers import Tokenizer, load_tokenizer
 from megacli.errors import UserError
 
@@ -54,16 +54,6 @@ class Encoded:
     errors: list[tuple[int, str]]
     records: int
     nbytes: int
-
-
-@dataclass
-class Stats:
-    documents: int = 0
-    sequences: int = 0
-    tokens: int = 0
-    bytes_in: int = 0
-    skipped: int = 0
-    skipped_examples: list[str] = field(default_factory=list)
 
 
 # ---- worker side ----
@@ -187,18 +177,6 @@ def default_workers() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:
         return max(1, os.cpu_count() or 1)
-
-
-@dataclass
-class Result:
-    outputs: dict[str, str]
-    stats: Stats
-    seconds: float
-    bytes_out: int
-    dtype: np.dtype
-    notes: list[str]
-    tokenizer: str = ""
-    encoder: str = ""  # which code turned text into ids (gigatoken, or the tokenizer's own library)
 
 
 def run(job: Job, console=None) -> Result:

@@ -3,12 +3,37 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
-if TYPE_CHECKING:
-    from megacli.data.preprocess import Result, Stats
+import numpy as np
 
 MB = 1024 * 1024
+
+
+@dataclass
+class Stats:
+    """What a run counted."""
+
+    documents: int = 0
+    sequences: int = 0
+    tokens: int = 0
+    bytes_in: int = 0
+    skipped: int = 0
+    skipped_examples: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Result:
+    """What a run wrote."""
+
+    outputs: dict[str, str]
+    stats: Stats
+    seconds: float
+    bytes_out: int
+    dtype: np.dtype
+    notes: list[str]
+    tokenizer: str = ""
+    encoder: str = ""  # which code turned text into ids (gigatoken, or the tokenizer's own library)
 
 
 class ProgressBar:

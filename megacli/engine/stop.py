@@ -99,7 +99,7 @@ def exit_unsaved(sig: signal.Signals, waited_s: float, run_dir: str | None) -> N
     recorded for the launcher (said here when there is none) and the process exits at once: its
     main thread is stuck."""
     from megacli.errors import UserError
-    from megacli.launch import record_worker_error
+    from megacli.rundir import record_worker_error
     from megacli.lifetime import LAUNCHER_PID_VAR
 
     err = UserError(f"stopped on {sig.name}: no step boundary was reached within {waited_s:.0f} s of the signal "

@@ -10,6 +10,12 @@ from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 from megacli.recipe.base import RecipeError, Section
 
 
+
+def every_nth_global(n: int, num_layers: int) -> list[int]:
+    """Per-layer flags when every n-th layer is global and the others use the sliding window
+    (Megatron's window_attn_skip_freq, Hugging Face's sliding_window_pattern): 1 windowed, 0 global."""
+    return [int((i + 1) % n != 0) for i in range(num_layers)]
+
 class MoESection(Section):
     """Mixture of experts (Megatron-Core's MoELayer): a router sends each token to ``router_topk`` of
     ``num_experts`` MLPs and sums their outputs weighted by the router probabilities. Experts are
@@ -345,6 +351,12 @@ class ModelSection(Section):
                                   "cannot be combined with yarn scaling (its attention factor applies to every layer)")
         return self
 
+    @property
+    def megatron_window(self) -> tuple[int, int] | None:
+        """Megatron's window_size for sliding_window: Hugging Face's window w (token i sees
+        i-w+1..i) is Megatron's (w - 1, 0) (token i sees i-left..i)."""
+        return None if self.sliding_window is None else (self.sliding_window - 1, 0)
+
     def window_layers(self) -> list[int]:
         """1 for each sliding-window layer, 0 for each global one (all 0 without a window)."""
         if self.sliding_window is None:
@@ -353,7 +365,7 @@ class ModelSection(Section):
         if pattern is None:
             return [1] * self.num_layers
         if isinstance(pattern, int):
-            return [int((i + 1) % pattern != 0) for i in range(self.num_layers)]
+            return every_nth_global(pattern, self.num_layers)
         return list(pattern)
 
     @model_validator(mode="after")

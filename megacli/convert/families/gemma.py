@@ -23,6 +23,7 @@ from __future__ import annotations
 from megacli.convert.families import llama, require
 from megacli.convert.mapping import MappingTable, Rule, direct, gate_up, qkv
 from megacli.errors import UserError
+from megacli.recipe.model import every_nth_global
 
 ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 ARCH = "gpt"
@@ -38,7 +39,7 @@ def _layer_flags(c: dict, architecture: str, layers: int) -> list[int]:
             raise UserError(f"{architecture}: layer_types has {len(c['layer_types'])} entries for {layers} layers")
         return llama.window_flags(c["layer_types"], architecture)
     n = c.get("sliding_window_pattern") or c.get("_sliding_window_pattern") or _DEFAULT_PATTERN[architecture]
-    return [int((i + 1) % n != 0) for i in range(layers)]
+    return every_nth_global(n, layers)
 
 
 def _rope(c: dict, architecture: str, windowed: bool) -> dict:

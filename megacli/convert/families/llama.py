@@ -16,6 +16,7 @@ from __future__ import annotations
 from megacli.convert.families import require
 from megacli.convert.mapping import MappingTable, Rule, direct, gate_up, qkv
 from megacli.errors import UserError
+from megacli.recipe.model import every_nth_global
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 ARCH = "gpt"
@@ -94,7 +95,7 @@ def window_pattern(flags: list[int]):
     if all(flags):
         return None
     for n in range(2, len(flags) + 1):
-        if flags == [int((i + 1) % n != 0) for i in range(len(flags))]:
+        if flags == every_nth_global(n, len(flags)):
             return n
     return list(flags)
 

@@ -77,8 +77,7 @@ def transformer_config(*, model, parallel, precision: str, on_cuda: bool, **over
         add_qkv_bias=model.add_qkv_bias,
         qk_layernorm=model.qk_layernorm,
         layernorm_zero_centered_gamma=model.norm_zero_centered_gamma,
-        # HF's window w (i sees i-w+1..i) is Megatron's (w - 1, 0); skip frequency as the recipe says
-        window_size=None if model.sliding_window is None else (model.sliding_window - 1, 0),
+        window_size=model.megatron_window,  # skip frequency as the recipe says
         window_attn_skip_freq=model.sliding_window_layers,
         activation_func=activation,
         gated_linear_unit=gated,
