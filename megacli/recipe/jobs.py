@@ -24,6 +24,10 @@ def recipe_model(job: str):
         from megacli.recipe.eval import EvalRecipe
 
         return EvalRecipe
+    if job == "serve":
+        from megacli.recipe.serve import ServeRecipe
+
+        return ServeRecipe
     if job == "reshard":
         from megacli.recipe.reshard import ReshardRecipe
 
