@@ -92,7 +92,9 @@ class TextSoFar:
 class Metrics:
     """Counters and gauges for /metrics (read by the HTTP thread, written by both)."""
 
-    def __init__(self):
+    def __init__(self, cache=None):
+        self.cache = cache  # the Slots (for its shift count)
+        self.cancelled = 0
         self.requests: dict[tuple[str, int], int] = collections.Counter()
         self.prompt_tokens = 0
         self.generated_tokens = 0
@@ -125,6 +127,9 @@ class Metrics:
                 ("prompt_tokens_total", "counter", "Prompt tokens prefilled.", self.prompt_tokens),
                 ("generated_tokens_total", "counter", "Tokens generated.", self.generated_tokens),
                 ("decode_steps_total", "counter", "Batched decoding steps run.", self.steps),
+                ("cancelled_total", "counter", "Sequences stopped early because their client went away.", self.cancelled),
+                ("cache_shifts_total", "counter", "Times the KV cache's columns were moved to make room.",
+                 self.cache.shifts if self.cache is not None else 0),
                 ("tokens_per_second", "gauge", "Generated tokens per second over the last 10 s.",
                  round(self.tokens_per_second(), 3)),
                 ("queue_length", "gauge", "Requests waiting for a slot.", self.queue_length),
@@ -222,6 +227,7 @@ class Batcher:
             self.waiting.extend(kept)
         for slot, seq in list(self.running.items()):
             if seq.cancelled:
+                self.metrics.cancelled += 1
                 self._release(slot)
 
     def _admit(self) -> None:
@@ -268,7 +274,7 @@ class Batcher:
             token = int(logits.argmax())
         else:
             token = int(sampling.choose(logits[None], temperature=p.temperature, top_k=p.top_k,
-                                        top_p=p.top_p if p.top_p < 1 else 0.0, generator=seq.generator)[0])
+                                        top_p=p.top_p, generator=seq.generator)[0])
         logp = torch.log_softmax(logits.float(), -1) if p.logprobs is not None else None
         seq.generated.append(token)
         self.metrics.tokens_done(1)

@@ -88,7 +88,7 @@ def _serve_http(recipe, model, tok, lockstep, *, key, on_ready) -> None:
     s, g = recipe.serve, recipe.generate
     stop_ids = set(g.stop_tokens) | ({tok.eod} if g.stop_at_eod and tok.eod is not None else set())
     batcher = Batcher(lockstep, tok, max_batch=s.max_batch, max_queue=s.max_queue, stop_ids=stop_ids,
-                      metrics=Metrics(), idle_seconds=IDLE_PING_SECONDS)
+                      metrics=Metrics(cache=lockstep.work), idle_seconds=IDLE_PING_SECONDS)
     name = s.model_name or Path(str(recipe.generate.checkpoint)).resolve().name
     served = Served(name=name, generator=Generator(model, tok, g), context=recipe.model.max_positions, batcher=batcher,
                     default_max_tokens=s.max_tokens, api_key=key, chat_template=chat_template(recipe),

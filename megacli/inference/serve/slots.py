@@ -52,6 +52,7 @@ class Slots:
         self.start: list[int | None] = [None] * max_batch  # first column of each busy slot's tokens
         self.length = [0] * max_batch  # tokens in the cache per slot (= the next token's position)
         self.clock = 0  # the column the next step writes
+        self.shifts = 0  # times the cached columns were moved
         # Megatron allocates the cache (uninitialised) at the first forward: one token through it,
         # then zeros, so that masked columns never hold NaN (0 x NaN would reach the outputs)
         self.admit(0, [0])
@@ -141,3 +142,4 @@ class Slots:
         for s in self.busy():
             self.start[s] += by
         self.clock += by
+        self.shifts += 1
