@@ -23,6 +23,7 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("sse_starlette")
 openai = pytest.importorskip("openai")
+import httpx  # noqa: E402  (openai's; imported here, not first in a client thread)
 
 NAMES = ["gpt2", "llama_tied_gqa"]
 PROMPTS = ["the quick brown", "lazy dog jumps over the", "fox", "over the lazy dog the quick brown fox jumps"]
@@ -124,13 +125,9 @@ class Server:
         return (cls or openai.OpenAI)(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=TIMEOUT)
 
     def get(self, path: str, **kw):
-        import httpx
-
         return httpx.get(self.url + path, timeout=TIMEOUT, **kw)
 
     def post(self, path: str, body, **kw):
-        import httpx
-
         return httpx.post(self.url + path, json=body, timeout=TIMEOUT, **kw)
 
     def metric(self, name: str, headers=None) -> float:
@@ -277,8 +274,6 @@ def test_bad_requests_are_answered_and_the_server_lives(servers):
     _error(server.post("/v1/chat/completions", {"model": "mc", "messages": []}), 400, param="messages")
     _error(server.post("/v1/completions", {"model": "gpt-4", "prompt": "fox"}), 404, "gpt-4", param="model")
     _error(server.get("/v1/nothing"), 404)
-    import httpx
-
     res = httpx.post(server.url + "/v1/completions", content=b"{not json", timeout=TIMEOUT,
                      headers={"content-type": "application/json"})
     _error(res, 400)
@@ -351,7 +346,10 @@ def test_sigterm_finishes_requests_in_flight_then_exits_0(servers):
     result = {}
 
     def long_request():
-        result["r"] = client.completions.create(model="mc", prompt="the", max_tokens=400, temperature=0)
+        try:
+            result["r"] = client.completions.create(model="mc", prompt="the", max_tokens=400, temperature=0)
+        except Exception as exc:  # shown by the assertion below
+            result["error"] = repr(exc)
 
     worker = threading.Thread(target=long_request)
     worker.start()
@@ -361,6 +359,7 @@ def test_sigterm_finishes_requests_in_flight_then_exits_0(servers):
         time.sleep(0.01)
     assert server.stop(timeout=60) == 0
     worker.join(TIMEOUT)
+    assert "r" in result, result
     choice = result["r"].choices[0]
     assert choice.finish_reason == "length" and result["r"].usage.completion_tokens == 400 or choice.finish_reason == "stop"
 

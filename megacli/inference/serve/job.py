@@ -100,6 +100,11 @@ def _serve_http(recipe, model, tok, lockstep, *, key, on_ready) -> None:
     server = uvicorn.Server(config)
     started = threading.Thread(target=_announce, args=(server, name, key, on_ready), daemon=True)
     started.start()
+    if threading.current_thread() is threading.main_thread():
+        # uvicorn handles SIGTERM/SIGINT while it runs, then raises them again for the handlers it
+        # found: these, so that a graceful stop ends the job normally (exit 0)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: None)
     try:
         server.run()
     finally:
