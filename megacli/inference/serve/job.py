@@ -76,6 +76,17 @@ def serve(recipe, runtime, *, on_ready=None) -> None:
         _serve_http(recipe, model, tok, lockstep, key=key, on_ready=on_ready)
     finally:
         lockstep.stop()
+    _record_stop(recipe.run.dir)
+
+
+def _record_stop(run_dir: str) -> None:
+    """Tell the launcher (which passed the signal on) that the workers stopped as asked."""
+    import json
+
+    from megacli.rundir import STOPPED_FILE
+
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    (Path(run_dir) / STOPPED_FILE).write_text(json.dumps({"reason": "signal", "job": "serve"}) + "\n")
 
 
 def _serve_http(recipe, model, tok, lockstep, *, key, on_ready) -> None:
