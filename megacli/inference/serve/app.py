@@ -93,18 +93,14 @@ def build_app(served: Served) -> FastAPI:
         return error_response(500, f"{type(exc).__name__}: {exc}")
 
     @app.middleware("http")
-    async def _count(request: Request, call_next):
-        response = await call_next(request)
+    async def _authorize_and_count(request: Request, call_next):
+        """Everything but /health needs the key (when one is set), before the body is read."""
+        if served.api_key is not None and request.url.path != "/health" and not _key_matches(request, served.api_key):
+            response = error_response(401, "missing or wrong API key (send the header Authorization: Bearer KEY)")
+        else:
+            response = await call_next(request)
         metrics.requests[(request.url.path, response.status_code)] += 1
         return response
-
-    def authorize(request: Request) -> None:
-        if served.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, key = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), served.api_key.encode()):
-            raise ApiError(401, "missing or wrong API key (send the header Authorization: Bearer KEY)")
 
     def check_model(name: str) -> None:
         if name != served.name:
@@ -118,12 +114,10 @@ def build_app(served: Served) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus(request: Request):
-        authorize(request)
         return PlainTextResponse(metrics.text(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models(request: Request):
-        authorize(request)
         return {"object": "list", "data": [{"id": served.name, "object": "model", "created": 0, "owned_by": "megacli"}]}
 
     def encode(prompt, param: str) -> list[int]:
@@ -198,7 +192,6 @@ def build_app(served: Served) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        authorize(request)
         check_model(body.model)
         prompts = body.prompts()
         encoded = [encode(p, "prompt") for p in prompts]
@@ -242,7 +235,6 @@ def build_app(served: Served) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
-        authorize(request)
         check_model(body.model)
         if served.chat_template is None:
             raise ApiError(400, "the model's tokenizer has no chat template (chat_template in its tokenizer_config.json); "
@@ -292,15 +284,21 @@ def build_app(served: Served) -> FastAPI:
     return app
 
 
+def _key_matches(request: Request, key: str) -> bool:
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
+
+
 async def _stream(request: Request, seqs: list[Sequence], choices: list[_Choice]):
     """(choice index, kind, value) as the sequences produce them: ("start", None) once per choice,
     then ("text", delta)... and ("end", finish_reason). A client that goes away (the response task
     is cancelled) cancels every sequence still running."""
     finished = 0
+    pending: dict[asyncio.Future, int] = {}
     try:
         for index in range(len(seqs)):
             yield index, "start", None
-        pending = {asyncio.ensure_future(c.queue.get()): i for i, c in enumerate(choices)}
+        pending.update({asyncio.ensure_future(c.queue.get()): i for i, c in enumerate(choices)})
         while pending:
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for fut in done:
@@ -316,9 +314,9 @@ async def _stream(request: Request, seqs: list[Sequence], choices: list[_Choice]
                 else:
                     pending[asyncio.ensure_future(choices[index].queue.get())] = index
     finally:
+        for fut in pending:
+            fut.cancel()
         if finished < len(seqs):
-            for fut in list(locals().get("pending", {})):
-                fut.cancel()
             for seq in seqs:
                 seq.cancelled = True
 
