@@ -364,6 +364,35 @@ def test_sigterm_finishes_requests_in_flight_then_exits_0(servers):
     assert choice.finish_reason == "length" and result["r"].usage.completion_tokens == 400 or choice.finish_reason == "stop"
 
 
+def test_streamed_text_holds_back_what_may_become_a_stop_string():
+    """Deltas concatenate to the final text, which `megacli generate`'s rule cuts before the first
+    stop string (and after a stop token); a tail that may still become a stop string is not sent."""
+    from megacli.inference.serve.batcher import TextSoFar
+
+    class Chars:  # token id = a character's code
+        @staticmethod
+        def decode(ids):
+            return "".join(map(chr, ids))
+
+    def run(text: str, stop: list[str], stop_ids=frozenset()):
+        so_far, sent, generated = TextSoFar(Chars, stop, set(stop_ids)), [], []
+        for ch in text:
+            generated.append(ord(ch))
+            full, hit = so_far.text(generated)
+            sent.append(so_far.delta(full, final=hit or ch == text[-1]))
+            if hit:
+                break
+        return sent, full
+
+    sent, full = run("ab\ncd\n\nef", ["\n\n"])
+    assert full == "ab\ncd" and "".join(sent) == full
+    assert sent[2] == "" and sent[3] == "\nc", "the newline waits until it cannot start the stop string"
+    sent, full = run("abc\x00", [], stop_ids={0})
+    assert full == "abc" and "".join(sent) == "abc"
+    sent, full = run("xyz", ["yq"])
+    assert full == "xyz" and sent == ["x", "", "yz"]
+
+
 @pytest.mark.slow
 def test_tp2_pp2_equals_generate(prepared, tmp_path):
     """Rank 0 of four (TP=2 x PP=2) serves; the other ranks follow its batches."""

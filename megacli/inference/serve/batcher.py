@@ -53,7 +53,6 @@ class Sequence:
     generated: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     text: "TextSoFar | None" = None
-    queued_at: float = field(default_factory=time.monotonic)
 
 
 class TextSoFar:
