@@ -167,6 +167,7 @@ def _key(name: str) -> str:
     return API_KEY if name == "llama_tied_gqa" else "unused"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_openai_client_equals_generate(prepared, servers, name):
     """Completions, chat, streamed or not, one prompt or several: generate's greedy text, token for token."""
@@ -211,6 +212,7 @@ async def _send(client, body: dict) -> str:
     return res.choices[0].text
 
 
+@pytest.mark.slow
 def test_32_concurrent_clients_get_what_each_gets_alone(servers):
     server = servers["gpt2"]
     requests = _requests()
@@ -233,6 +235,7 @@ def test_32_concurrent_clients_get_what_each_gets_alone(servers):
     assert len({t for t, body in zip(got, requests) if body["temperature"]}) > 10, "sampled texts differ by seed"
 
 
+@pytest.mark.slow
 def test_cancelled_streams_free_their_slots(servers):
     server = servers["llama_tied_gqa"]
     client = server.client(API_KEY)
@@ -262,6 +265,7 @@ def _error(res, status: int, *words, param=None):
     return err
 
 
+@pytest.mark.slow
 def test_bad_requests_are_answered_and_the_server_lives(servers):
     server = servers["gpt2"]
     _error(server.post("/v1/completions", {"model": "mc", "prompt": "fox " * 70, "max_tokens": 4}), 400,
@@ -287,6 +291,7 @@ def test_bad_requests_are_answered_and_the_server_lives(servers):
     assert server.client().completions.create(model="mc", prompt="fox", max_tokens=2, temperature=0).choices[0].text is not None
 
 
+@pytest.mark.slow
 def test_api_key(servers):
     server = servers["llama_tied_gqa"]
     body = {"model": "mc", "prompt": "fox", "max_tokens": 2}
@@ -300,6 +305,7 @@ def test_api_key(servers):
     assert API_KEY not in printed and "sk-…" in printed
 
 
+@pytest.mark.slow
 def test_non_loopback_host_needs_a_key(prepared, tmp_path):
     root, _ = prepared
     res = _cli("serve", root / "gpt2" / "mc", "--host", "0.0.0.0", "--set", f"run.dir={tmp_path}",
@@ -308,6 +314,7 @@ def test_non_loopback_host_needs_a_key(prepared, tmp_path):
     assert res.exception is None or isinstance(res.exception, SystemExit)
 
 
+@pytest.mark.slow
 def test_lm_eval_local_completions_equals_megacli_eval(prepared, servers):
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -339,6 +346,7 @@ def test_lm_eval_local_completions_equals_megacli_eval(prepared, servers):
                     assert abs(a[0] - b[0]) <= 1e-4 * abs(b[0]) and a[1] == b[1], (task, a, b)
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_requests_in_flight_then_exits_0(servers):
     """Last of the file: it stops the Llama server."""
     server = servers["llama_tied_gqa"]
