@@ -1,4 +1,4 @@
-"""The command line: seven subcommands, instant help (no torch/megatron import), recipe errors as
+"""The command line: the subcommands, instant help (no torch/megatron import), recipe errors as
 one message with exit code 2, dry-run arithmetic."""
 
 import subprocess
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-SUBCOMMANDS = ["preprocess", "pretrain", "finetune", "plot", "generate", "eval", "convert", "reshard"]
+SUBCOMMANDS = ["preprocess", "pretrain", "finetune", "plot", "generate", "eval", "serve", "convert", "reshard"]
 
 
 def run(*args, **kw):
