@@ -63,7 +63,10 @@ class _Choice:
         self.loop = loop
 
     def emit(self, kind: str, value) -> None:  # the batcher's thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
+        except RuntimeError:  # the event loop is closed: the server stopped, nobody waits for this
+            pass
 
 
 def build_app(served: Served) -> FastAPI:
