@@ -127,8 +127,8 @@ class Server:
     def get(self, path: str, **kw):
         return httpx.get(self.url + path, timeout=TIMEOUT, **kw)
 
-    def post(self, path: str, body, **kw):
-        return httpx.post(self.url + path, json=body, timeout=TIMEOUT, **kw)
+    def post(self, path: str, body, timeout: float = TIMEOUT, **kw):
+        return httpx.post(self.url + path, json=body, timeout=timeout, **kw)
 
     def metric(self, name: str, headers=None) -> float:
         for line in self.get("/metrics", headers=headers).text.splitlines():
@@ -245,12 +245,15 @@ def test_cancelled_streams_free_their_slots(servers):
         stream = client.completions.create(model="mc", prompt="the quick", max_tokens=1000, temperature=0, stream=True)
         next(iter(stream))
         stream.close()
+    with pytest.raises(httpx.TimeoutException):  # a client that stops waiting for a whole answer
+        server.post("/v1/completions", {"model": "mc", "prompt": "fox", "max_tokens": 1000, "temperature": 0},
+                    headers=auth, timeout=0.5)
     deadline = time.monotonic() + 20
     while server.metric("batch_size", auth) > 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert server.metric("batch_size", auth) == 0
-    assert server.metric("cancelled_total", auth) == cancelled + 4
-    assert server.metric("generated_tokens_total", auth) - tokens < 4 * 1000 / 2
+    assert server.metric("cancelled_total", auth) == cancelled + 5
+    assert server.metric("generated_tokens_total", auth) - tokens < 5 * 1000 / 2
     assert client.completions.create(model="mc", prompt="fox", max_tokens=3, temperature=0).choices[0].finish_reason
 
 

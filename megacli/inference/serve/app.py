@@ -95,15 +95,7 @@ def build_app(served: Served) -> FastAPI:
     async def _unexpected(request: Request, exc: Exception):
         return error_response(500, f"{type(exc).__name__}: {exc}")
 
-    @app.middleware("http")
-    async def _authorize_and_count(request: Request, call_next):
-        """Everything but /health needs the key (when one is set), before the body is read."""
-        if served.api_key is not None and request.url.path != "/health" and not _key_matches(request, served.api_key):
-            response = error_response(401, "missing or wrong API key (send the header Authorization: Bearer KEY)")
-        else:
-            response = await call_next(request)
-        metrics.requests[(request.url.path, response.status_code)] += 1
-        return response
+    app.add_middleware(_Gate, api_key=served.api_key, metrics=metrics)
 
     def check_model(name: str) -> None:
         if name != served.name:
@@ -165,15 +157,20 @@ def build_app(served: Served) -> FastAPI:
     async def gather(request: Request, seqs, choices) -> list[dict]:
         """Every choice's tokens, text and finish reason; a client gone meanwhile cancels them."""
         results = []
+        checked = time.monotonic()
         try:
             for seq, choice in zip(seqs, choices):
                 tokens, text = [], []
                 while True:
                     try:
-                        kind, value = await asyncio.wait_for(choice.queue.get(), timeout=1.0)
+                        kind, value = await asyncio.wait_for(choice.queue.get(), timeout=0.5)
                     except asyncio.TimeoutError:
+                        kind = value = None
+                    if time.monotonic() - checked > 0.5:
+                        checked = time.monotonic()
                         if await request.is_disconnected():
-                            raise asyncio.CancelledError from None
+                            raise ApiError(499, "the client went away")  # nobody reads it; the sequences are cancelled
+                    if kind is None:
                         continue
                     if kind == "token":
                         tokens.append(value)
@@ -287,9 +284,37 @@ def build_app(served: Served) -> FastAPI:
     return app
 
 
-def _key_matches(request: Request, key: str) -> bool:
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
+class _Gate:
+    """ASGI middleware (a plain one: Starlette's BaseHTTPMiddleware would hide a client's disconnect
+    from the routes): everything but /health needs the key, when one is set, before the body is
+    read; every answer is counted by path and status."""
+
+    def __init__(self, app, *, api_key: str | None, metrics):
+        self.app, self.key, self.metrics = app, api_key, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path, status = scope["path"], {}
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            if self.key is not None and path != "/health" and not self._key_matches(scope):
+                response = error_response(401, "missing or wrong API key (send the header Authorization: Bearer KEY)")
+                await response(scope, receive, counted)
+            else:
+                await self.app(scope, receive, counted)
+        finally:
+            self.metrics.requests[(path, status.get("code", 500))] += 1
+
+    def _key_matches(self, scope) -> bool:
+        headers = dict(scope.get("headers") or [])
+        scheme, _, given = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self.key.encode())
 
 
 async def _stream(request: Request, seqs: list[Sequence], choices: list[_Choice]):
