@@ -124,8 +124,8 @@ class Server:
     def client(self, key: str = "unused", cls=None):
         return (cls or openai.OpenAI)(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=TIMEOUT)
 
-    def get(self, path: str, **kw):
-        return httpx.get(self.url + path, timeout=TIMEOUT, **kw)
+    def get(self, path: str, timeout: float = TIMEOUT, **kw):
+        return httpx.get(self.url + path, timeout=timeout, **kw)
 
     def post(self, path: str, body, timeout: float = TIMEOUT, **kw):
         return httpx.post(self.url + path, json=body, timeout=timeout, **kw)
@@ -358,7 +358,7 @@ def test_sigterm_finishes_requests_in_flight_then_exits_0(servers):
 
     def long_request():
         try:
-            result["r"] = client.completions.create(model="mc", prompt="the", max_tokens=400, temperature=0)
+            result["r"] = client.completions.create(model="mc", prompt="the", max_tokens=900, temperature=0)
         except Exception as exc:  # shown by the assertion below
             result["error"] = repr(exc)
 
@@ -368,11 +368,20 @@ def test_sigterm_finishes_requests_in_flight_then_exits_0(servers):
     deadline = time.monotonic() + 20
     while server.metric("batch_size", auth) == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
+    server.proc.send_signal(signal.SIGTERM)
+    refused = False
+    while not refused and time.monotonic() < deadline:
+        try:
+            server.get("/health", timeout=1)
+            time.sleep(0.02)
+        except httpx.ConnectError:
+            refused = "r" not in result  # no new connection while the request in flight still runs
+    assert refused
     assert server.stop(timeout=60) == 0
     worker.join(TIMEOUT)
     assert "r" in result, result
     choice = result["r"].choices[0]
-    assert choice.finish_reason == "length" and result["r"].usage.completion_tokens == 400 or choice.finish_reason == "stop"
+    assert choice.finish_reason == "length" and result["r"].usage.completion_tokens == 900 or choice.finish_reason == "stop"
 
 
 def test_streamed_text_holds_back_what_may_become_a_stop_string():
