@@ -28,6 +28,10 @@ def run_job(job: str, recipe) -> None:
         from megacli.inference.evaluate import run
 
         run(recipe)
+    elif job == "serve":
+        from megacli.inference.serve.job import run
+
+        run(recipe)
     else:
         raise ValueError(f"unknown job {job!r}")
 

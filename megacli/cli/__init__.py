@@ -13,6 +13,7 @@ def _register() -> None:
     import megacli.cli.plot  # noqa: F401
     import megacli.cli.generate  # noqa: F401
     import megacli.cli.eval  # noqa: F401
+    import megacli.cli.serve  # noqa: F401
     import megacli.cli.convert  # noqa: F401
     import megacli.cli.reshard  # noqa: F401
     import megacli.cli.recipe  # noqa: F401

@@ -83,7 +83,8 @@ def run(recipe) -> None:
 
 def _run(recipe, runtime) -> None:
     from megacli.data.tokenizers import load_tokenizer
-    from megacli.inference.lm_eval_backend import Lockstep, MegacliLM, Work
+    from megacli.inference.lm_eval_backend import MegacliLM, Work
+    from megacli.inference.lockstep import Lockstep
     from megacli.inference.runner import Model
     from megacli.plan import model_vocab_size
 
@@ -162,7 +163,8 @@ class InTraining:
     def __call__(self, iteration: int) -> dict[str, float]:
         import torch.distributed as dist
 
-        from megacli.inference.lm_eval_backend import Lockstep, MegacliLM, Work
+        from megacli.inference.lm_eval_backend import MegacliLM, Work
+        from megacli.inference.lockstep import Lockstep
         from megacli.inference.runner import Model
 
         ev, runtime = self.recipe.eval, self.trainer.runtime

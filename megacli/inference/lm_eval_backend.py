@@ -1,6 +1,6 @@
 """lm-evaluation-harness on a megacli ``runner.Model``: ``Work`` is the token-level work (score
-batches, decode batches) that every rank of the TP/PP layout runs in lockstep, ``Lockstep`` sends
-rank 0's calls to the other ranks, and ``MegacliLM`` is the harness's model interface on rank 0,
+batches, decode batches) that every rank of the TP/PP layout runs in lockstep (``lockstep.Lockstep``
+sends rank 0's calls to the other ranks), and ``MegacliLM`` is the harness's model interface on rank 0,
 tokenizing, batching and truncating requests as the harness's own Hugging Face backend does, so
 the two give the same numbers on the same model.
 """
@@ -17,6 +17,7 @@ from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_
 
 from megacli.errors import UserError
 from megacli.inference import sampling
+from megacli.inference.lockstep import Lockstep
 from megacli.inference.runner import left_padded
 
 
@@ -56,38 +57,6 @@ class Work:
                                stopped_by_text=stopped_by_text)
         sampling.sample(self.model, encoded, picks, max_new_tokens=max_new_tokens, use_cache=True)
         return [t[:-1] if t and t[-1] in stop_ids else t for t in picks.tokens]
-
-
-class Lockstep:
-    """Rank 0 broadcasts each call (a ``Work`` method and its arguments); every rank runs it."""
-
-    def __init__(self, work: Work, *, world_size: int):
-        self.work, self.world_size = work, world_size
-
-    def _send(self, message) -> None:
-        if self.world_size > 1:
-            import torch.distributed as dist
-
-            dist.broadcast_object_list([message], src=0)
-
-    def call(self, name: str, *args, **kwargs):
-        self._send((name, args, kwargs))
-        return getattr(self.work, name)(*args, **kwargs)
-
-    def stop(self) -> None:
-        self._send(None)
-
-    def follow(self) -> None:
-        """The other ranks: run rank 0's calls until it stops."""
-        import torch.distributed as dist
-
-        while True:
-            box = [None]
-            dist.broadcast_object_list(box, src=0)
-            if box[0] is None:
-                return
-            name, args, kwargs = box[0]
-            getattr(self.work, name)(*args, **kwargs)
 
 
 class TaskTiming:

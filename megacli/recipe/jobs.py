@@ -8,8 +8,8 @@ from megacli.recipe import base
 
 
 # The recipe kinds, each with its model (finetune recipes are pretrain recipes: one model, one schema).
-KINDS = ("pretrain", "finetune", "preprocess", "generate", "eval", "reshard", "convert")
-SCHEMA_KINDS = ("pretrain", "preprocess", "generate", "eval", "reshard", "convert")
+KINDS = ("pretrain", "finetune", "preprocess", "generate", "eval", "serve", "reshard", "convert")
+SCHEMA_KINDS = ("pretrain", "preprocess", "generate", "eval", "serve", "reshard", "convert")
 
 
 def schema_kind(kind: str) -> str:
@@ -51,6 +51,10 @@ def recipe_model(job: str):
         from megacli.recipe.eval import EvalRecipe
 
         return EvalRecipe
+    if job == "serve":
+        from megacli.recipe.serve import ServeRecipe
+
+        return ServeRecipe
     if job == "reshard":
         from megacli.recipe.reshard import ReshardRecipe
 

@@ -11,6 +11,7 @@ TITLES = {
     "preprocess": "preprocess recipes",
     "generate": "generate recipes",
     "eval": "eval recipes",
+    "serve": "serve recipes",
     "reshard": "reshard recipes",
     "convert": "convert recipes",
 }

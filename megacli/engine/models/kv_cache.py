@@ -26,16 +26,23 @@ class DecodeContext(StaticInferenceContext):
     def __init__(self, max_batch_size: int, max_sequence_length: int):
         super().__init__(max_batch_size, max_sequence_length)
         self.rotary_cos_sin = {}  # id(rotary table) -> (positions, table, cos, sin) of the current step
+        # [b, s] RoPE position of each row's tokens (a ragged batch: megacli serve), or None: the
+        # cache columns sequence_len_offset.. are the positions of every row
+        self.rope_positions: torch.Tensor | None = None
 
 
 def _cos_sin(context, freqs: torch.Tensor, start: int, end: int, dtype):
     if not isinstance(context, DecodeContext):
         part = freqs[start:end]
         return part.cos().to(dtype), part.sin().to(dtype)
+    rows = context.rope_positions
+    where = (start, end) if rows is None else rows
     cached = context.rotary_cos_sin.get(id(freqs))
-    if cached is None or cached[0] != (start, end) or cached[1] is not freqs:
-        part = freqs[start:end]
-        context.rotary_cos_sin[id(freqs)] = cached = ((start, end), freqs, part.cos().to(dtype), part.sin().to(dtype))
+    if cached is None or cached[1] is not freqs or not (
+            cached[0] is where or (rows is None and isinstance(cached[0], tuple) and cached[0] == where)):
+        # freqs: [max_len, 1, 1, d]; per-row positions give [s, b, 1, d]
+        part = freqs[start:end] if rows is None else freqs[rows.t()].squeeze(3)
+        context.rotary_cos_sin[id(freqs)] = cached = (where, freqs, part.cos().to(dtype), part.sin().to(dtype))
     return cached[2], cached[3]
 
 

@@ -1,0 +1,305 @@
+"""Continuous batching on rank 0: requests wait in a bounded queue, join the running batch as
+slots free up (their prompts prefilled one by one), and every busy slot advances one token per
+step (``slots.Slots``, run on every rank through ``lockstep.Lockstep``). Each sequence chooses its
+own tokens (greedy, or sampled with its own seeded generator), so a request decodes as it would
+alone. Results go back to the HTTP side through each sequence's ``emit`` callback, which must be
+thread-safe: the loop runs in its own thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from megacli.inference import sampling
+
+
+class QueueFull(Exception):
+    """More requests are waiting than the server takes (answered 503 with Retry-After)."""
+
+
+@dataclass
+class Sampling:
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None  # alternatives per token (0 = the chosen token's log-probability alone)
+    echo: bool = False  # also the prompt's tokens (with their log-probabilities when logprobs is set)
+
+
+@dataclass
+class Token:
+    id: int
+    logprob: float | None  # None: the prompt's first token
+    top: dict[int, float] | None
+
+
+@dataclass
+class Sequence:
+    """One choice of one request: its prompt, how to decode, and what it produced so far."""
+
+    ids: list[int]
+    params: Sampling
+    emit: Callable[[str, object], None]  # ("token", Token) per token (prompt tokens first with echo), ("end", reason)
+    cancelled: bool = False
+    generated: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    text: "TextSoFar | None" = None
+
+
+class TextSoFar:
+    """A sequence's text as `megacli generate` cuts it (after a stop token, before the first stop
+    string), and the part safe to stream: a tail that could still become a stop string, or an
+    incomplete UTF-8 character, is held back."""
+
+    def __init__(self, tok, stop: list[str], stop_ids: set[int]):
+        self.tok, self.stop, self.stop_ids = tok, stop, stop_ids
+        self.sent = ""
+
+    def text(self, generated: list[int]) -> tuple[str, bool]:
+        """(text, whether a stop string ended it)."""
+        body = generated[:-1] if generated and generated[-1] in self.stop_ids else generated
+        text, hit = self.tok.decode(body), False
+        for s in self.stop:
+            if s in text:
+                text, hit = text[: text.index(s)], True
+        return text, hit
+
+    def delta(self, text: str, final: bool) -> str:
+        safe = text
+        if not final:
+            safe = safe.rstrip("\ufffd")
+            for s in self.stop:
+                for k in range(min(len(s) - 1, len(safe)), 0, -1):
+                    if safe.endswith(s[:k]):
+                        safe = safe[:-k]
+                        break
+        if not safe.startswith(self.sent) or len(safe) <= len(self.sent):
+            return ""
+        out, self.sent = safe[len(self.sent) :], safe
+        return out
+
+
+class Metrics:
+    """Counters and gauges for /metrics (read by the HTTP thread, written by both)."""
+
+    def __init__(self, cache=None):
+        self.cache = cache  # the Slots (for its shift count)
+        self.cancelled = 0
+        self.requests: dict[tuple[str, int], int] = collections.Counter()
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.queue_length = 0
+        self.batch_size = 0
+        self.steps = 0
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens) of recent steps
+
+    def tokens_done(self, n: int) -> None:
+        now = time.monotonic()
+        self.generated_tokens += n
+        self._recent.append((now, n))
+        while self._recent and self._recent[0][0] < now - 10:
+            self._recent.popleft()
+
+    def tokens_per_second(self) -> float:
+        recent = list(self._recent)
+        if not recent:
+            return 0.0
+        span = max(time.monotonic() - recent[0][0], 1e-3)
+        return sum(n for _, n in recent) / span
+
+    def text(self) -> str:
+        """Prometheus' text exposition format."""
+        lines = ["# HELP megacli_requests_total Requests answered, by endpoint and status.",
+                 "# TYPE megacli_requests_total counter"]
+        for (endpoint, status), n in sorted(self.requests.items()):
+            lines.append(f'megacli_requests_total{{endpoint="{endpoint}",status="{status}"}} {n}')
+        for name, kind, help_, value in (
+                ("prompt_tokens_total", "counter", "Prompt tokens prefilled.", self.prompt_tokens),
+                ("generated_tokens_total", "counter", "Tokens generated.", self.generated_tokens),
+                ("decode_steps_total", "counter", "Batched decoding steps run.", self.steps),
+                ("cancelled_total", "counter", "Sequences stopped early because their client went away.", self.cancelled),
+                ("cache_shifts_total", "counter", "Times the KV cache's columns were moved to make room.",
+                 self.cache.shifts if self.cache is not None else 0),
+                ("tokens_per_second", "gauge", "Generated tokens per second over the last 10 s.",
+                 round(self.tokens_per_second(), 3)),
+                ("queue_length", "gauge", "Requests waiting for a slot.", self.queue_length),
+                ("batch_size", "gauge", "Sequences in the running batch.", self.batch_size)):
+            lines += [f"# HELP megacli_{name} {help_}", f"# TYPE megacli_{name} {kind}", f"megacli_{name} {value}"]
+        return "\n".join(lines) + "\n"
+
+
+def _top(logp: torch.Tensor, k: int) -> dict[int, float]:
+    values, ids = torch.topk(logp, k)
+    return {int(i): float(v) for i, v in zip(ids, values)}
+
+
+class Batcher:
+    """The decoding loop: ``submit`` sequences from any thread; ``run`` in one thread until ``stop``."""
+
+    def __init__(self, lockstep, tok, *, max_batch: int, max_queue: int, stop_ids: set[int], metrics: Metrics,
+                 idle_seconds: float = 30.0):
+        self.lockstep, self.tok, self.idle_seconds = lockstep, tok, idle_seconds
+        self.max_batch, self.max_queue, self.stop_ids, self.metrics = max_batch, max_queue, stop_ids, metrics
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: dict[int, Sequence] = {}  # slot -> sequence
+        self.next_token: dict[int, int] = {}  # slot -> the token to feed at the next step
+        self.wakeup = threading.Condition()
+        self.stopping = False
+        self.error: BaseException | None = None
+
+    # ---------------------------------------------------------------- any thread
+
+    def submit(self, seqs: list[Sequence]) -> None:
+        with self.wakeup:
+            if self.stopping:
+                raise QueueFull("the server is shutting down")
+            if len(self.waiting) + len(seqs) > self.max_queue:
+                raise QueueFull(f"{len(self.waiting)} requests are waiting (at most {self.max_queue})")
+            for s in seqs:
+                s.text = TextSoFar(self.tok, s.params.stop, self.stop_ids)
+                if s.params.temperature > 0:
+                    s.generator = torch.Generator()
+                    if s.params.seed is None:
+                        s.generator.seed()
+                    else:
+                        s.generator.manual_seed(s.params.seed)
+            self.waiting.extend(seqs)
+            self.metrics.queue_length = len(self.waiting)
+            self.wakeup.notify()
+
+    def stop(self) -> None:
+        """Finish what is running and waiting, then return from ``run``."""
+        with self.wakeup:
+            self.stopping = True
+            self.wakeup.notify()
+
+    def cancel_all(self) -> None:
+        with self.wakeup:
+            for seq in list(self.waiting) + list(self.running.values()):
+                seq.cancelled = True
+            self.wakeup.notify()
+
+    def cancel(self, seq: Sequence) -> None:
+        seq.cancelled = True
+        with self.wakeup:
+            self.wakeup.notify()
+
+    # ---------------------------------------------------------------- the loop's thread
+
+    def run(self) -> None:
+        try:
+            while True:
+                with self.wakeup:
+                    while not (self.waiting or self.running or self.stopping):
+                        if not self.wakeup.wait(timeout=self.idle_seconds):
+                            self.lockstep.call("ping")
+                    if self.stopping and not (self.waiting or self.running):
+                        return
+                self._drop_cancelled()
+                self._admit()
+                if self.running:
+                    self._step()
+        except BaseException as exc:  # the model failed: answer everyone, keep the reason
+            self.error = exc
+            with self.wakeup:
+                everyone = list(self.waiting) + list(self.running.values())
+                self.waiting.clear()
+                self.running.clear()
+                self.stopping = True
+            for seq in everyone:
+                seq.emit("error", f"the model failed: {type(exc).__name__}: {exc}")
+            raise
+
+    def _drop_cancelled(self) -> None:
+        with self.wakeup:
+            kept = [s for s in self.waiting if not s.cancelled]
+            self.waiting.clear()
+            self.waiting.extend(kept)
+        for slot, seq in list(self.running.items()):
+            if seq.cancelled:
+                self.metrics.cancelled += 1
+                self._release(slot)
+
+    def _admit(self) -> None:
+        while len(self.running) < self.max_batch:
+            with self.wakeup:
+                if not self.waiting:
+                    break
+                seq = self.waiting.popleft()
+                self.metrics.queue_length = len(self.waiting)
+            slot = min(set(range(self.max_batch)) - set(self.running))
+            p = seq.params
+            self.running[slot] = seq
+            self.metrics.prompt_tokens += len(seq.ids)
+            logits = self.lockstep.call("admit", slot, seq.ids, all_logits=p.echo and p.logprobs is not None)
+            if p.echo:
+                self._echo(seq, logits)
+                logits = logits[-1] if logits.dim() == 2 else logits
+            if p.max_tokens == 0:
+                self._finish(slot, "length")
+            else:
+                self._choose(slot, seq, logits)
+        self.metrics.batch_size = len(self.running)
+
+    def _echo(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """The prompt's tokens, each with its log-probability given the ones before it."""
+        k = seq.params.logprobs
+        logp = torch.log_softmax(logits.float(), -1) if k is not None else None
+        for i, t in enumerate(seq.ids):
+            if logp is None or i == 0:
+                seq.emit("token", Token(t, None, None))
+            else:
+                seq.emit("token", Token(t, float(logp[i - 1, t]), _top(logp[i - 1], k) if k else None))
+
+    def _step(self) -> None:
+        logits = self.lockstep.call("step", dict(self.next_token))
+        self.metrics.steps += 1
+        for slot, row in logits.items():
+            self._choose(slot, self.running[slot], row)
+        self.metrics.batch_size = len(self.running)
+
+    def _choose(self, slot: int, seq: Sequence, logits: torch.Tensor) -> None:
+        p = seq.params
+        if p.temperature == 0:
+            token = int(logits.argmax())
+        else:
+            token = int(sampling.choose(logits[None], temperature=p.temperature, top_k=p.top_k,
+                                        top_p=p.top_p, generator=seq.generator)[0])
+        logp = torch.log_softmax(logits.float(), -1) if p.logprobs is not None else None
+        seq.generated.append(token)
+        self.metrics.tokens_done(1)
+        seq.emit("token", Token(token, float(logp[token]) if logp is not None else None,
+                                _top(logp, p.logprobs) if p.logprobs else None))
+        text, hit_stop = seq.text.text(seq.generated)
+        if token in self.stop_ids or hit_stop:
+            self._finish(slot, "stop")
+        elif len(seq.generated) == p.max_tokens:
+            self._finish(slot, "length")
+        else:
+            self.next_token[slot] = token
+            delta = seq.text.delta(text, final=False)
+            if delta:
+                seq.emit("text", delta)
+
+    def _finish(self, slot: int, reason: str) -> None:
+        seq = self.running[slot]
+        text, _ = seq.text.text(seq.generated)
+        delta = seq.text.delta(text, final=True)
+        if delta:
+            seq.emit("text", delta)
+        seq.emit("end", reason)
+        self._release(slot)
+
+    def _release(self, slot: int) -> None:
+        del self.running[slot]
+        self.next_token.pop(slot, None)
+        self.lockstep.call("release", slot)

@@ -1,0 +1,431 @@
+"""`megacli serve`: the official `openai` client against the real command on loopback.
+
+A spawned process builds a tiny GPT-2 and a tiny Llama (Hugging Face, random weights), converts
+them, and records what `megacli generate` and `megacli eval` (their CLIs, in that process) give on
+them. The servers are `megacli serve` subprocesses on free ports; every request has a timeout and
+every server is stopped (SIGTERM) when its tests end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("sse_starlette")
+openai = pytest.importorskip("openai")
+import httpx  # noqa: E402  (openai's; imported here, not first in a client thread)
+
+NAMES = ["gpt2", "llama_tied_gqa"]
+PROMPTS = ["the quick brown", "lazy dog jumps over the", "fox", "over the lazy dog the quick brown fox jumps"]
+CHATS = [[{"role": "user", "content": "the quick brown fox"}],
+         [{"role": "system", "content": "the"}, {"role": "user", "content": "lazy dog"},
+          {"role": "assistant", "content": "jumps"}, {"role": "user", "content": "over the"}]]
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}a:{% endif %}")
+NEW = 12
+EVAL_TASKS = ["tiny_lambada", "tiny_choice", "tiny_generate"]  # tiny_rolling's windows fill the context: no room for max_tokens=1
+API_KEY = "sk-test-0123456789abcdef"
+TIMEOUT = 60
+
+
+def _cli(*args, env: dict | None = None):
+    """`megacli ARGS` in this process, through its CLI."""
+    from typer.testing import CliRunner
+
+    from megacli.cli import _register, app
+
+    _register()
+    return CliRunner().invoke(app, [*map(str, args)], env={"COLUMNS": "400", **(env or {})})
+
+
+def _prepare(rank, world, root: str):
+    """Models, converted checkpoints (tokenizers with a chat template), and `megacli generate` /
+    `megacli eval` outputs on them."""
+    from transformers import AutoTokenizer
+
+    from megacli.convert import convert
+    from tests import _convert_models as cm
+    from tests.test_eval import write_tasks
+
+    root = Path(root)
+    tasks = write_tasks(root)
+    refs = {}
+    for name in NAMES:
+        cm.build_hf(name, root / name / "hf", with_tokenizer=True)
+        convert(root / name / "hf", root / name / "mc", say=lambda *_: None)
+        tok_dir = root / name / "mc" / "hf"
+        config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+        (tok_dir / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+        hf_tok = AutoTokenizer.from_pretrained(tok_dir)
+        chat_prompts = [hf_tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in CHATS]
+        prompts = root / name / "prompts.jsonl"
+        prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS + chat_prompts))
+        out = root / name / "generated.jsonl"
+        res = _cli("generate", "--checkpoint", root / name / "mc", "--prompts", prompts, "-n", NEW, "-o", out,
+                   "--set", f"run.dir={root / name / 'run'}")
+        assert res.exit_code == 0, res.output
+        records = [json.loads(line) for line in out.read_text().splitlines()]
+        refs[name] = {"completions": records[: len(PROMPTS)], "chats": records[len(PROMPTS) :],
+                      "pieces": {r["prompt"]: [hf_tok.decode([t]) for t in r["tokens"]] for r in records}}
+    out = root / "eval.json"
+    res = _cli("eval", root / "gpt2" / "mc", "--tasks", ",".join(EVAL_TASKS), "--include-path", tasks,
+               "-o", out, "--set", "eval.log_samples=true", "--set", "eval.bootstrap_iters=0",
+               "--set", f"run.dir={root / 'eval_run'}")
+    assert res.exit_code == 0, res.output
+    refs["eval"] = json.loads(out.read_text())
+    return refs
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    from tests._dist import spawn
+
+    root = tmp_path_factory.mktemp("serve")
+    return root, spawn(_prepare, 1, str(root), timeout=900)[0]
+
+
+class Server:
+    """`megacli serve ARGS` on a free loopback port, up until stop()."""
+
+    def __init__(self, ckpt: Path, *args, env: dict | None = None):
+        from tests._dist import free_port
+
+        self.port = free_port()
+        cmd = [sys.executable, "-m", "megacli", "serve", ckpt, "--port", self.port,
+               "--set", f"run.dir={ckpt.parent / f'serve_run_{self.port}'}", *args]
+        self.proc = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, **(env or {})})
+        self.lines: list[str] = []
+        ready = threading.Event()
+
+        def read():
+            for line in self.proc.stdout:
+                self.lines.append(line)
+                if line.startswith("serving "):
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not ready.wait(180) or not any(line.startswith("serving ") for line in self.lines):
+            self.stop()
+            raise AssertionError("the server did not start:\n" + "".join(self.lines)[-4000:])
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def client(self, key: str = "unused", cls=None):
+        return (cls or openai.OpenAI)(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=TIMEOUT)
+
+    def get(self, path: str, timeout: float = TIMEOUT, **kw):
+        return httpx.get(self.url + path, timeout=timeout, **kw)
+
+    def post(self, path: str, body, timeout: float = TIMEOUT, **kw):
+        return httpx.post(self.url + path, json=body, timeout=timeout, **kw)
+
+    def metric(self, name: str, headers=None) -> float:
+        for line in self.get("/metrics", headers=headers).text.splitlines():
+            if line.startswith(f"megacli_{name} "):
+                return float(line.split()[1])
+        raise KeyError(name)
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+
+@pytest.fixture(scope="module")
+def servers(prepared):
+    """GPT-2: 8 slots and a cache no longer than the context (so columns shift often); Llama: an
+    API key, and a context raised to 1024 positions (RoPE has no table to outgrow) for long streams."""
+    root, _ = prepared
+    up = {}
+    try:
+        up["gpt2"] = Server(root / "gpt2" / "mc", "--max-batch", 8, "--set", "serve.cache_length=64")
+        up["llama_tied_gqa"] = Server(root / "llama_tied_gqa" / "mc", "--api-key", API_KEY,
+                                      "--set", "model.max_position_embeddings=1024")
+        yield up
+    finally:
+        for server in up.values():
+            server.stop()
+
+
+def _key(name: str) -> str:
+    return API_KEY if name == "llama_tied_gqa" else "unused"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_openai_client_equals_generate(prepared, servers, name):
+    """Completions, chat, streamed or not, one prompt or several: generate's greedy text, token for token."""
+    _, refs = prepared
+    ref, server = refs[name], servers[name]
+    client = server.client(_key(name))
+    assert [m.id for m in client.models.list().data] == ["mc"]
+    for want in ref["completions"]:
+        got = client.completions.create(model="mc", prompt=want["prompt"], max_tokens=NEW, temperature=0, logprobs=0)
+        assert got.choices[0].text == want["text"]
+        assert got.choices[0].logprobs.tokens == ref["pieces"][want["prompt"]]
+        streamed = client.completions.create(model="mc", prompt=want["prompt"], max_tokens=NEW, temperature=0, stream=True)
+        assert "".join(chunk.choices[0].text for chunk in streamed) == want["text"]
+    together = client.completions.create(model="mc", prompt=PROMPTS, max_tokens=NEW, temperature=0)
+    assert [c.text for c in sorted(together.choices, key=lambda c: c.index)] == [r["text"] for r in ref["completions"]]
+    for messages, want in zip(CHATS, ref["chats"]):
+        got = client.chat.completions.create(model="mc", messages=messages, max_tokens=NEW, temperature=0, logprobs=True)
+        assert got.choices[0].message.content == want["text"]
+        assert [t.token for t in got.choices[0].logprobs.content] == ref["pieces"][want["prompt"]]
+        streamed = client.chat.completions.create(model="mc", messages=messages, max_tokens=NEW, temperature=0, stream=True)
+        assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed) == want["text"]
+
+
+def _requests() -> list[dict]:
+    """32 different requests: prompts and lengths vary, half greedy, half sampled with a seed,
+    every other one streamed."""
+    out = []
+    for i in range(32):
+        body = {"model": "mc", "prompt": PROMPTS[i % 4] + " the" * (i % 5), "max_tokens": 4 + (i * 7) % 17}
+        body.update({"temperature": 0} if i % 2 == 0 else {"temperature": 0.9, "top_k": 40, "seed": i})
+        body["stream"] = i % 4 < 2
+        out.append(body)
+    return out
+
+
+async def _send(client, body: dict) -> str:
+    extra = {k: v for k, v in body.items() if k == "top_k"}
+    args = {k: v for k, v in body.items() if k != "top_k"}
+    res = await client.completions.create(**args, extra_body=extra)
+    if body["stream"]:
+        return "".join([chunk.choices[0].text async for chunk in res])
+    return res.choices[0].text
+
+
+@pytest.mark.slow
+def test_32_concurrent_clients_get_what_each_gets_alone(servers):
+    server = servers["gpt2"]
+    requests = _requests()
+
+    async def alone():
+        async with server.client(cls=openai.AsyncOpenAI) as client:
+            return [await _send(client, body) for body in requests]
+
+    async def together():
+        async with server.client(cls=openai.AsyncOpenAI) as client:
+            return await asyncio.wait_for(asyncio.gather(*(_send(client, body) for body in requests)), timeout=120)
+
+    expected = asyncio.run(alone())
+    steps, tokens, shifts = (server.metric(m) for m in ("decode_steps_total", "generated_tokens_total", "cache_shifts_total"))
+    got = asyncio.run(together())
+    assert got == expected
+    steps, tokens = server.metric("decode_steps_total") - steps, server.metric("generated_tokens_total") - tokens
+    assert tokens >= 200 and steps < tokens / 3, (steps, tokens)  # decoded in batches, not one by one
+    assert server.metric("cache_shifts_total") > shifts, "the cache's columns moved while sequences ran"
+    assert len({t for t, body in zip(got, requests) if body["temperature"]}) > 10, "sampled texts differ by seed"
+
+
+@pytest.mark.slow
+def test_cancelled_streams_free_their_slots(servers):
+    server = servers["llama_tied_gqa"]
+    client = server.client(API_KEY)
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    cancelled, tokens = server.metric("cancelled_total", auth), server.metric("generated_tokens_total", auth)
+    for _ in range(4):
+        stream = client.completions.create(model="mc", prompt="the quick", max_tokens=1000, temperature=0, stream=True)
+        next(iter(stream))
+        stream.close()
+    with pytest.raises(httpx.TimeoutException):  # a client that stops waiting for a whole answer
+        server.post("/v1/completions", {"model": "mc", "prompt": "fox", "max_tokens": 1000, "temperature": 0},
+                    headers=auth, timeout=0.5)
+    deadline = time.monotonic() + 20
+    while server.metric("batch_size", auth) > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.metric("batch_size", auth) == 0
+    assert server.metric("cancelled_total", auth) == cancelled + 5
+    assert server.metric("generated_tokens_total", auth) - tokens < 5 * 1000 / 2
+    assert client.completions.create(model="mc", prompt="fox", max_tokens=3, temperature=0).choices[0].finish_reason
+
+
+def _error(res, status: int, *words, param=None):
+    assert res.status_code == status, res.text
+    err = res.json()["error"]
+    assert set(err) >= {"message", "type", "param"}
+    for w in words:
+        assert w in err["message"], err["message"]
+    if param is not None:
+        assert err["param"] == param
+    return err
+
+
+@pytest.mark.slow
+def test_bad_requests_are_answered_and_the_server_lives(servers):
+    server = servers["gpt2"]
+    _error(server.post("/v1/completions", {"model": "mc", "prompt": "fox " * 70, "max_tokens": 4}), 400,
+           "context of 64 tokens", param="prompt")
+    _error(server.post("/v1/completions", {"model": "mc", "prompt": "fox", "max_tokens": 64}), 400,
+           "max_tokens is 64", "64", param="max_tokens")
+    _error(server.post("/v1/completions", {"model": "mc", "prompt": "fox", "temperature": 7}), 400, param="temperature")
+    _error(server.post("/v1/completions", {"model": "mc", "prompt": [5, 999999]}), 400, "outside the vocabulary")
+    _error(server.post("/v1/completions", {"model": "mc", "prompt": "fox", "logit_bias": {"1": 3}}), 400, "logit_bias")
+    _error(server.post("/v1/chat/completions", {"model": "mc", "messages": []}), 400, param="messages")
+    _error(server.post("/v1/completions", {"model": "gpt-4", "prompt": "fox"}), 404, "gpt-4", param="model")
+    _error(server.get("/v1/nothing"), 404)
+    res = httpx.post(server.url + "/v1/completions", content=b"{not json", timeout=TIMEOUT,
+                     headers={"content-type": "application/json"})
+    _error(res, 400)
+    full = server.post("/v1/completions", {"model": "mc", "prompt": ["fox"] * 65, "max_tokens": 2, "temperature": 0})
+    _error(full, 503, "busy")
+    assert full.headers["retry-after"] == "1"
+    assert server.get("/health").json() == {"status": "ok"}
+    metrics = server.get("/metrics").text
+    assert 'megacli_requests_total{endpoint="/v1/completions",status="400"}' in metrics
+    assert "megacli_queue_length 0" in metrics
+    assert server.client().completions.create(model="mc", prompt="fox", max_tokens=2, temperature=0).choices[0].text is not None
+
+
+@pytest.mark.slow
+def test_api_key(servers):
+    server = servers["llama_tied_gqa"]
+    body = {"model": "mc", "prompt": "fox", "max_tokens": 2}
+    _error(server.post("/v1/completions", body), 401, "API key")
+    _error(server.post("/v1/completions", body, headers={"Authorization": "Bearer wrong"}), 401)
+    assert server.post("/v1/completions", body, headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        server.client("wrong").models.list()
+    assert server.get("/health").status_code == 200
+    printed = "".join(server.lines)
+    assert API_KEY not in printed and "sk-…" in printed
+
+
+@pytest.mark.slow
+def test_non_loopback_host_needs_a_key(prepared, tmp_path):
+    root, _ = prepared
+    res = _cli("serve", root / "gpt2" / "mc", "--host", "0.0.0.0", "--set", f"run.dir={tmp_path}",
+               env={"MEGACLI_API_KEY": None})
+    assert res.exit_code == 2 and "0.0.0.0" in res.stderr and "API key" in res.stderr, res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit)
+
+
+@pytest.mark.slow
+def test_lm_eval_local_completions_equals_megacli_eval(prepared, servers):
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    root, refs = prepared
+    server = servers["gpt2"]
+    args = (f"model=mc,base_url={server.url}/v1/completions,tokenizer={root / 'gpt2' / 'mc' / 'hf'},"
+            f"tokenizer_backend=huggingface,max_length=64,num_concurrent=1,max_retries=1,timeout={TIMEOUT}")
+    got = lm_eval.simple_evaluate(model="local-completions", model_args=args, tasks=EVAL_TASKS, batch_size=1,
+                                  task_manager=TaskManager(include_path=str(root / "tasks"), include_defaults=False),
+                                  log_samples=True, bootstrap_iters=0)
+    want = refs["eval"]
+    for task in EVAL_TASKS:
+        mine = {k: v for k, v in got["results"][task].items() if "," in k and "stderr" not in k}
+        theirs = {k: v for k, v in want["results"][task].items() if "," in k and "stderr" not in k}
+        assert set(mine) == set(theirs)
+        for key, value in theirs.items():
+            if key.startswith(("acc", "exact_match")):
+                assert mine[key] == value, (task, key)
+            else:
+                assert abs(mine[key] - value) <= 1e-4 * abs(value), (task, key, mine[key], value)
+        answers = [s["filtered_resps"] for s in sorted(got["samples"][task], key=lambda s: s["doc_id"])]
+        expected = [s["filtered_resps"] for s in sorted(want["samples"][task], key=lambda s: s["doc_id"])]
+        for a_doc, b_doc in zip(answers, expected, strict=True):
+            for a, b in zip(a_doc, b_doc, strict=True):
+                if task == "tiny_generate":
+                    assert a == b
+                else:  # (log-likelihood, is greedy)
+                    assert abs(a[0] - b[0]) <= 1e-4 * abs(b[0]) and a[1] == b[1], (task, a, b)
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_requests_in_flight_then_exits_0(servers):
+    """Last of the file: it stops the Llama server."""
+    server = servers["llama_tied_gqa"]
+    client = server.client(API_KEY)
+    result = {}
+
+    def long_request():
+        try:
+            result["r"] = client.completions.create(model="mc", prompt="the", max_tokens=900, temperature=0)
+        except Exception as exc:  # shown by the assertion below
+            result["error"] = repr(exc)
+
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    deadline = time.monotonic() + 20
+    while server.metric("batch_size", auth) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    server.proc.send_signal(signal.SIGTERM)
+    refused = False
+    while not refused and time.monotonic() < deadline:
+        try:
+            server.get("/health", timeout=1)
+            time.sleep(0.02)
+        except httpx.ConnectError:
+            refused = "r" not in result  # no new connection while the request in flight still runs
+    assert refused
+    assert server.stop(timeout=60) == 0
+    worker.join(TIMEOUT)
+    assert "r" in result, result
+    choice = result["r"].choices[0]
+    assert choice.finish_reason == "length" and result["r"].usage.completion_tokens == 900 or choice.finish_reason == "stop"
+
+
+def test_streamed_text_holds_back_what_may_become_a_stop_string():
+    """Deltas concatenate to the final text, which `megacli generate`'s rule cuts before the first
+    stop string (and after a stop token); a tail that may still become a stop string is not sent."""
+    from megacli.inference.serve.batcher import TextSoFar
+
+    class Chars:  # token id = a character's code
+        @staticmethod
+        def decode(ids):
+            return "".join(map(chr, ids))
+
+    def run(text: str, stop: list[str], stop_ids=frozenset()):
+        so_far, sent, generated = TextSoFar(Chars, stop, set(stop_ids)), [], []
+        for ch in text:
+            generated.append(ord(ch))
+            full, hit = so_far.text(generated)
+            sent.append(so_far.delta(full, final=hit or ch == text[-1]))
+            if hit:
+                break
+        return sent, full
+
+    sent, full = run("ab\ncd\n\nef", ["\n\n"])
+    assert full == "ab\ncd" and "".join(sent) == full
+    assert sent[2] == "" and sent[3] == "\nc", "the newline waits until it cannot start the stop string"
+    sent, full = run("abc\x00", [], stop_ids={0})
+    assert full == "abc" and "".join(sent) == "abc"
+    sent, full = run("xyz", ["yq"])
+    assert full == "xyz" and sent == ["x", "", "yz"]
+
+
+@pytest.mark.slow
+def test_tp2_pp2_equals_generate(prepared, tmp_path):
+    """Rank 0 of four (TP=2 x PP=2) serves; the other ranks follow its batches."""
+    root, refs = prepared
+    for name in NAMES:
+        server = Server(root / name / "mc", "--tensor", 2, "--pipeline", 2, "--set", f"run.dir={tmp_path / name}")
+        try:
+            client = server.client()
+            got = client.completions.create(model="mc", prompt=PROMPTS, max_tokens=NEW, temperature=0)
+            assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [r["text"] for r in refs[name]["completions"]]
+            for messages, want in zip(CHATS, refs[name]["chats"]):
+                streamed = client.chat.completions.create(model="mc", messages=messages, max_tokens=NEW, temperature=0,
+                                                          stream=True)
+                assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed) == want["text"]
+        finally:
+            assert server.stop() == 0
