@@ -62,7 +62,7 @@ def megatron_process():
             dist.destroy_process_group()
 
 
-def canonical_key(state_key: str, sharded_key: str) -> str:
+def unstacked_key(state_key: str, sharded_key: str) -> str:
     """``decoder.layers.3.input_layernorm.weight`` (state dict) with sharded key
     ``decoder.layers.self_attention.linear_qkv.layer_norm_weight`` ->
     ``decoder.layers.3.self_attention.linear_qkv.layer_norm_weight``."""
@@ -79,7 +79,7 @@ def _entries(state: dict) -> list[tuple[str, str, object]]:
     model built at TP=PP=1 (local layer = global layer); extra-state objects left out."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    return [(canonical_key(state_key, sh.key), state_key, sh) for state_key, sh in state.items()
+    return [(unstacked_key(state_key, sh.key), state_key, sh) for state_key, sh in state.items()
             if sh is not None and not isinstance(sh, ShardedObject)]
 
 
