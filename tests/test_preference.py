@@ -256,3 +256,80 @@ def test_loss_rewards_and_gradients_equal_trl(tiny_llama, loss):
         ours = ours[: theirs.shape[0]]  # the padded vocabulary's extra rows
         assert float(theirs.abs().max()) > 1e-6, hf_name
         assert float((ours - theirs).abs().max()) < 1e-5, (hf_name, float((ours - theirs).abs().max()))
+
+
+# ---------------------------------------------------------------- step 0 and the reference modes
+
+
+def _three_steps(rank, world, root: str):
+    """Three DPO steps from the converted checkpoint with each reference mode: full weights with
+    copy and precompute, LoRA with copy and base. Returns each run's per-step metrics."""
+    from megatron.core import parallel_state as ps
+
+    from megacli.engine import checkpoint, distributed
+    from megacli.engine.loop import build_trainer, data_iterators, precomputed_sets, train_step
+    from megacli.engine.preference import precompute
+    from megacli.recipe.base import load
+    from megacli.recipe.pretrain import TrainingRecipe
+
+    base = Path(root) / "base"
+    runs = {"copy": [], "precompute": [], "lora_copy": ["lora.rank=4"], "lora_base": ["lora.rank=4"]}
+    out, runtime = {}, None
+    for name, extra in runs.items():
+        mode = name.removeprefix("lora_")
+        recipe = load(TrainingRecipe, base / "iter_0000000" / "recipe.yaml", [
+            f"preference.train={Path(root) / 'pairs.jsonl'}", "preference.valid_fraction=0", f"preference.reference={mode}",
+            f"checkpoint.pretrained={base}", "checkpoint.resume=none", "launch.device=cpu", "train.micro_batch_size=1",
+            "train.global_batch_size=2", "train.precision=fp32", f"run.dir={Path(root) / ('run_' + name)}",
+            "optim.lr=2e-2", "optim.decay_style=constant", "optim.min_lr=0", "optim.warmup_iters=0", *extra])
+        if runtime is None:
+            runtime = distributed.setup(parallel=recipe.parallel, launch=recipe.launch, seed=recipe.train.seed)
+        else:
+            ps.destroy_model_parallel()
+            ps.initialize_model_parallel(tensor_model_parallel_size=1)
+        trainer, _ = build_trainer(recipe, runtime)
+        start = checkpoint.find_checkpoint(base)
+        checkpoint.load(ckpt=start, chunks=trainer.chunks, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
+                        load_optimizer=False)
+        if mode == "precompute":
+            precompute(trainer, precomputed_sets(trainer), pretrained=start, fresh=True, say=lambda text: None)
+        iterators = data_iterators(trainer, trainer.train_data, start_sample=0)
+        out[name] = [train_step(trainer, iterators)[0] for _ in range(3)]
+    distributed.teardown()
+    out["cache"] = sorted(p.name for p in (Path(root) / "run_precompute" / "preference_cache").iterdir())
+    return out
+
+
+def test_step_zero_is_log_2_and_the_reference_modes_agree(tiny_llama):
+    """With the policy equal to its reference the first DPO loss is exactly log 2 (in fp32) and
+    every reward 0; precompute gives copy's losses, and with LoRA base (adapters off) gives a
+    frozen copy's."""
+    from tests._dist import spawn
+
+    r = spawn(_three_steps, 1, str(tiny_llama))[0]
+    for name in ("copy", "precompute", "lora_copy", "lora_base"):
+        first = r[name][0]
+        assert first["loss"] == float(np.float32(math.log(2))), (name, first["loss"])
+        assert first["rewards/chosen"] == first["rewards/rejected"] == first["rewards/margin"] == 0.0, first
+        assert r[name][-1]["loss"] != first["loss"]  # the later steps moved away from the reference
+    for a, b in (("copy", "precompute"), ("lora_copy", "lora_base")):
+        la, lb = [m["loss"] for m in r[a]], [m["loss"] for m in r[b]]
+        np.testing.assert_allclose(la, lb, rtol=0, atol=1e-6, err_msg=f"{a} vs {b}")
+    assert [m["loss"] for m in r["copy"]] != [m["loss"] for m in r["lora_copy"]]  # LoRA trains something else
+    assert len(r["cache"]) == 1 and r["cache"][0].startswith("train-")
+
+
+def test_label_smoothing_is_cdpo_as_trl_computes_it():
+    """TRL 1.16's sigmoid loss has no label smoothing; its aot loss is the label-smoothed sigmoid of
+    the sorted log-ratio margins, which for one pair is cDPO: compare on one pair."""
+    import torch.nn.functional as F
+
+    from megacli.engine.steps import preference_losses
+    from megacli.recipe.sections import PreferenceSection
+
+    pref = PreferenceSection(train="x", loss="dpo", beta=0.3, label_smoothing=0.2)
+    chosen, rejected, ref_c, ref_r = (torch.tensor([v]) for v in (-10.0, -12.5, -11.0, -11.5))
+    ours, _, _ = preference_losses(chosen, rejected, ref_c, ref_r, None, None, pref=pref)
+    delta = (chosen - rejected) - (ref_c - ref_r)  # TRL's aot with one pair (trl/trainer/dpo_trainer.py)
+    theirs = -F.logsigmoid(0.3 * delta) * 0.8 - F.logsigmoid(-0.3 * delta) * 0.2
+    assert torch.allclose(ours, theirs, atol=0, rtol=0)
