@@ -333,3 +333,57 @@ def test_label_smoothing_is_cdpo_as_trl_computes_it():
     delta = (chosen - rejected) - (ref_c - ref_r)  # TRL's aot with one pair (trl/trainer/dpo_trainer.py)
     theirs = -F.logsigmoid(0.3 * delta) * 0.8 - F.logsigmoid(-0.3 * delta) * 0.2
     assert torch.allclose(ours, theirs, atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------- parallel layout
+
+
+def _steps_at(rank, world, root: str, layouts: list[tuple[int, int]]):
+    """Three DPO steps (reference: copy) at each (tensor, pipeline) layout in turn, in the same
+    processes (ranks beyond a layout's size sit it out as data-parallel replicas); the losses and
+    rewards as the reporting rank sees them."""
+    from megatron.core import parallel_state as ps
+
+    from megacli.engine import checkpoint, distributed
+    from megacli.engine.loop import build_trainer, data_iterators, is_reporting_rank, train_step
+    from megacli.recipe.base import load
+    from megacli.recipe.pretrain import TrainingRecipe
+
+    base = Path(root) / "base"
+    out, runtime = {}, None
+    for tp, pp in layouts:
+        recipe = load(TrainingRecipe, base / "iter_0000000" / "recipe.yaml", [
+            f"preference.train={Path(root) / 'pairs.jsonl'}", "preference.valid_fraction=0",
+            f"checkpoint.pretrained={base}", "checkpoint.resume=none", "launch.device=cpu", f"launch.nproc={world}",
+            f"parallel.tensor={tp}", f"parallel.pipeline={pp}", "train.micro_batch_size=1",
+            "train.global_batch_size=4", "train.precision=fp32",
+            f"run.dir={Path(root) / f'run_tp{tp}pp{pp}'}", "optim.lr=2e-2", "optim.decay_style=constant",
+            "optim.min_lr=0", "optim.warmup_iters=0"])
+        if runtime is None:
+            runtime = distributed.setup(parallel=recipe.parallel, launch=recipe.launch, seed=recipe.train.seed)
+        else:
+            ps.destroy_model_parallel()
+            ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        trainer, _ = build_trainer(recipe, runtime)
+        checkpoint.load(ckpt=checkpoint.find_checkpoint(base), chunks=trainer.chunks, optimizer=trainer.optimizer,
+                        scheduler=trainer.scheduler, load_optimizer=False)
+        iterators = data_iterators(trainer, trainer.train_data, start_sample=0)
+        steps = [train_step(trainer, iterators)[0] for _ in range(3)]
+        out[(tp, pp)] = steps if is_reporting_rank() else None
+    distributed.teardown()
+    return out
+
+
+@pytest.mark.slow
+def test_tp2_pp2_gives_the_tp1_losses(tiny_llama):
+    """TP=2 × PP=2 (sequence parallel, 1F1B over four micro-batches, the reference copy pipelined the
+    same way) against TP=1 × DP=4 with the same global batch of four pairs: the same losses and rewards."""
+    from tests._dist import spawn
+
+    results = spawn(_steps_at, 4, str(tiny_llama), [(2, 2), (1, 1)])
+    parallel = next(r[(2, 2)] for r in results if r[(2, 2)] is not None)
+    single = next(r[(1, 1)] for r in results if r[(1, 1)] is not None)
+    assert parallel[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    for key in ("loss", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"):
+        np.testing.assert_allclose([m[key] for m in parallel], [m[key] for m in single], rtol=0, atol=1e-5, err_msg=key)
+    assert parallel[-1]["loss"] < parallel[0]["loss"]
