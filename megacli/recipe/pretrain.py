@@ -85,7 +85,8 @@ class TrainingRecipe(Section):
 
     @property
     def tokens_per_step(self) -> int:
-        return self.train.global_batch_size * self.model.seq_length
+        sequences = 2 if self.preference is not None else 1  # a preference pair is two sequences
+        return sequences * self.train.global_batch_size * self.model.seq_length
 
     @property
     def layers_per_stage(self) -> list[int]:
