@@ -460,3 +460,23 @@ def test_resume_is_exact(tiny_llama, tmp_path):
     for r in (r for r in whole if "loss" in r):
         for key in ("loss", "rewards/chosen", "rewards/rejected"):
             assert by_iter[r["iteration"]][key] == pytest.approx(r[key], abs=1e-6), (r["iteration"], key)
+
+
+def test_the_dry_run_counts_the_reference_model():
+    """The memory estimate: a copy reference adds a second set of weights, precompute and base none;
+    a micro-batch of pairs holds twice the sequences (activations and logits)."""
+    from megacli import plan
+    from megacli.recipe.base import load
+    from megacli.recipe.pretrain import TrainingRecipe
+
+    common = ["tokenizer.type=byte", "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
+              "model.seq_length=32", "train.micro_batch_size=2", "train.global_batch_size=2"]
+    mem = {mode: plan.estimate(load(TrainingRecipe, None, [*common, "preference.train=x.jsonl",
+                                                           f"preference.reference={mode}"]), BYTE.vocab_size)[1]
+           for mode in ("copy", "precompute")}
+    sft = plan.estimate(load(TrainingRecipe, None, [*common, "sft.train=x.jsonl"]), BYTE.vocab_size)[1]
+    assert mem["copy"].reference_gib == mem["copy"].weights_gib > 0
+    assert mem["precompute"].reference_gib == 0
+    assert mem["copy"].total_gib - mem["precompute"].total_gib == pytest.approx(mem["copy"].weights_gib)
+    assert mem["copy"].activations_gib == pytest.approx(2 * sft.activations_gib)
+    assert mem["copy"].logits_gib == pytest.approx(2 * sft.logits_gib)
