@@ -392,20 +392,23 @@ def test_tp2_pp2_gives_the_tp1_losses(tiny_llama):
 # ---------------------------------------------------------------- end to end: learning, resume
 
 
-def _finetune(root: Path, run: Path, *sets: str) -> list[dict]:
-    """`megacli finetune` (one in-process worker) from the converted checkpoint; metrics.jsonl's records."""
+def _finetune(root: Path, run: Path, *sets: str) -> tuple[list[dict], str]:
+    """`megacli finetune` (one in-process worker) from the converted checkpoint, resuming from its own
+    checkpoint.dir when that holds one: metrics.jsonl's records and the console output."""
     import os
     import subprocess
     import sys
 
     base = root / "base"
-    args = [f"checkpoint.pretrained={base}", f"checkpoint.dir={run / 'ck'}", f"run.dir={run}", "launch.device=cpu",
+    args = [f"checkpoint.pretrained={base}", f"checkpoint.dir={run / 'ck'}", "checkpoint.resume=auto",
+            "checkpoint.load_optimizer=true", f"run.dir={run}",
+            "launch.device=cpu",
             "model.seq_length=48", "preference.template=chatml", "train.precision=fp32", "train.log_interval=1", *sets]
     out = subprocess.run([sys.executable, "-m", "megacli", "finetune", str(base / "iter_0000000" / "recipe.yaml"),
                           *[x for s in args for x in ("--set", s)]], capture_output=True, text=True, timeout=900,
                          env={**os.environ, "MEGACLI_IN_PROCESS": "1"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()], out.stdout
 
 
 def _docstring_pairs(tmp_path: Path) -> Path:
@@ -431,7 +434,7 @@ def test_held_out_reward_accuracy_rises_on_a_learnable_rule(tiny_llama, tmp_path
     chosen): the held-out
     set's reward accuracy, reported per name, goes from chance to at least 0.9 in a few steps."""
     data = _docstring_pairs(tmp_path)
-    records = _finetune(tiny_llama, tmp_path / "run", f"preference.train={data / 'train.jsonl'}",
+    records, _ = _finetune(tiny_llama, tmp_path / "run", f"preference.train={data / 'train.jsonl'}",
                         f"preference.valid.heldout={data / 'valid.jsonl'}", "train.iters=24",
                         "train.micro_batch_size=8", "train.global_batch_size=8", "train.eval_interval=2",
                         "train.eval_iters=4", "optim.lr=3e-3", "optim.warmup_iters=0")
@@ -452,9 +455,11 @@ def test_resume_is_exact(tiny_llama, tmp_path):
     data = _docstring_pairs(tmp_path)
     sets = [f"preference.train={data / 'train.jsonl'}", "train.iters=4", "train.micro_batch_size=2",
             "train.global_batch_size=4", "optim.lr=3e-3", "train.eval_interval=0"]
-    whole = _finetune(tiny_llama, tmp_path / "whole", *sets)
+    whole, _ = _finetune(tiny_llama, tmp_path / "whole", *sets)
     _finetune(tiny_llama, tmp_path / "parts", *sets, "train.exit_after_iters=2")
-    parts = _finetune(tiny_llama, tmp_path / "parts", *sets)
+    parts, console = _finetune(tiny_llama, tmp_path / "parts", *sets)
+    resumed = f"resumed from {tmp_path / 'parts' / 'ck' / 'iter_0000002'} at iteration 2"
+    assert "".join(resumed.split()) in "".join(console.split()), console  # the console wraps long lines
     by_iter = {r["iteration"]: r for r in parts if "loss" in r}
     assert sorted(by_iter) == [1, 2, 3, 4]
     for r in (r for r in whole if "loss" in r):
