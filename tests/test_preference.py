@@ -450,11 +450,13 @@ def test_held_out_reward_accuracy_rises_on_a_learnable_rule(tiny_llama, tmp_path
 
 
 @pytest.mark.slow
-def test_resume_is_exact(tiny_llama, tmp_path):
-    """Four steps in one go, and two steps, stop, resume for two more: the same losses and rewards."""
+@pytest.mark.parametrize("dp", [1, 2])
+def test_resume_is_exact(tiny_llama, tmp_path, dp):
+    """Four steps in one go, and two steps, stop, resume for two more: the same losses and rewards,
+    at DP=1 (one in-process worker) and DP=2 (two workers through the launcher)."""
     data = _docstring_pairs(tmp_path)
     sets = [f"preference.train={data / 'train.jsonl'}", "train.iters=4", "train.micro_batch_size=2",
-            "train.global_batch_size=4", "optim.lr=3e-3", "train.eval_interval=0"]
+            "train.global_batch_size=4", "optim.lr=3e-3", "train.eval_interval=0", f"launch.nproc={dp}"]
     whole, _ = _finetune(tiny_llama, tmp_path / "whole", *sets)
     _finetune(tiny_llama, tmp_path / "parts", *sets, "train.exit_after_iters=2")
     parts, console = _finetune(tiny_llama, tmp_path / "parts", *sets)
