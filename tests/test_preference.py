@@ -137,6 +137,7 @@ def tiny_llama(tmp_path_factory) -> Path:
     convert(root / "hf", root / "base")
     write_jsonl(root / "pairs.jsonl", PAIRS)
     write_jsonl(root / "pairs_bos.jsonl", BOS_PAIRS)
+    write_jsonl(root / "pair_one.jsonl", PAIRS[:1])
     return root
 
 
@@ -146,9 +147,10 @@ NAMED = {"model.norm.weight": "decoder.final_layernorm.weight",
 SCALE = 1.25  # the policy's final norm, scaled in both worlds so that it differs from the reference
 
 
-def _megacli_step(rank, world, root: str, data: str, overrides: list[str], scale: float):
-    """One forward/backward of the four pairs (one micro-batch) from the converted checkpoint, the
-    reference being the checkpoint itself: the step's metrics and the named weights' gradients."""
+def _megacli_steps(rank, world, root: str, cases: dict, scale: float):
+    """For each case: one forward/backward of its pairs (one micro-batch) from the converted
+    checkpoint, the reference being the checkpoint itself and the policy's final norm scaled: the
+    step's metrics and the named weights' gradients."""
     from megacli.engine import checkpoint, distributed
     from megacli.engine.loop import build_trainer, data_iterators, run_schedule
     from megacli.engine.metrics import loss_metrics
@@ -157,27 +159,34 @@ def _megacli_step(rank, world, root: str, data: str, overrides: list[str], scale
     from megacli.recipe.pretrain import TrainingRecipe
 
     base = Path(root) / "base"
-    recipe = load(TrainingRecipe, base / "iter_0000000" / "recipe.yaml", [
-        f"preference.train={Path(root) / data}", "preference.valid_fraction=0", f"checkpoint.pretrained={base}",
-        "checkpoint.resume=none", "launch.device=cpu", "train.micro_batch_size=4", "train.global_batch_size=4",
-        "train.precision=fp32", f"run.dir={Path(root) / 'run'}", *overrides])
-    runtime = distributed.setup(parallel=recipe.parallel, launch=recipe.launch, seed=recipe.train.seed)
-    trainer, _ = build_trainer(recipe, runtime)
-    checkpoint.load(ckpt=checkpoint.find_checkpoint(base), chunks=trainer.chunks, optimizer=trainer.optimizer,
-                    scheduler=trainer.scheduler, load_optimizer=False)
-    net = unwrap(trainer.chunks[0])
-    with torch.no_grad():
-        net.decoder.final_layernorm.weight.mul_(scale)
-    for c in trainer.chunks:
-        c.zero_grad_buffer()
-    metrics = loss_metrics(run_schedule(trainer, data_iterators(trainer, trainer.train_data, 0), forward_only=False))
-    params = dict(net.named_parameters())
-    grads = {name: params[name].main_grad.detach().clone() for name in NAMED.values()}
+    out, runtime = {}, None
+    for name, c in cases.items():
+        n = len(c["pairs"])
+        recipe = load(TrainingRecipe, base / "iter_0000000" / "recipe.yaml", [
+            f"preference.train={Path(root) / c['data']}", "preference.valid_fraction=0", f"checkpoint.pretrained={base}",
+            "checkpoint.resume=none", "launch.device=cpu", f"train.micro_batch_size={n}", f"train.global_batch_size={n}",
+            "train.precision=fp32", f"run.dir={Path(root) / 'run'}", f"preference.loss={c['loss']}",
+            f"preference.beta={c['beta']}", f"preference.gamma={c['gamma']}",
+            f"preference.label_smoothing={c['label_smoothing']}"])
+        if runtime is None:
+            runtime = distributed.setup(parallel=recipe.parallel, launch=recipe.launch, seed=recipe.train.seed)
+        trainer, _ = build_trainer(recipe, runtime)
+        checkpoint.load(ckpt=checkpoint.find_checkpoint(base), chunks=trainer.chunks, optimizer=trainer.optimizer,
+                        scheduler=trainer.scheduler, load_optimizer=False)
+        net = unwrap(trainer.chunks[0])
+        with torch.no_grad():
+            net.decoder.final_layernorm.weight.mul_(scale)
+        for chunk in trainer.chunks:
+            chunk.zero_grad_buffer()
+        metrics = loss_metrics(run_schedule(trainer, data_iterators(trainer, trainer.train_data, 0), forward_only=False))
+        params = dict(net.named_parameters())
+        out[name] = metrics, {p: params[p].main_grad.detach().clone() for p in NAMED.values()}
     distributed.teardown()
-    return metrics, grads
+    return out
 
 
-def _trl_step(root: Path, loss: str, beta: float, label_smoothing: float, gamma: float, scale: float):
+def _trl_step(root: Path, pairs: list[dict], loss: str, beta: float, label_smoothing: float, gamma: float,
+              scale: float):
     """TRL's loss, rewards and the named weights' gradients for the same pairs and policy: DPOTrainer
     (reference log-probabilities of the unscaled model given as precomputed), or CPOTrainer for simpo."""
     from datasets import Dataset
@@ -196,8 +205,8 @@ def _trl_step(root: Path, loss: str, beta: float, label_smoothing: float, gamma:
 
         args = CPOConfig(output_dir=str(root / "trl"), loss_type="simpo", cpo_alpha=0.0, beta=beta, simpo_gamma=gamma,
                          label_smoothing=label_smoothing, report_to=[], use_cpu=True, max_length=None)
-        trainer = CPOTrainer(model=policy, args=args, train_dataset=Dataset.from_list(BOS_PAIRS), processing_class=tok)
-        batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(BOS_PAIRS))])
+        trainer = CPOTrainer(model=policy, args=args, train_dataset=Dataset.from_list(pairs), processing_class=tok)
+        batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(pairs))])
         value, metrics = trainer.get_batch_loss_metrics(policy, batch)
         value.backward()
         return (float(value), metrics["rewards/chosen"], metrics["rewards/rejected"],
@@ -207,8 +216,8 @@ def _trl_step(root: Path, loss: str, beta: float, label_smoothing: float, gamma:
     loss_type = {"dpo": "sigmoid" if not label_smoothing else "aot", "ipo": "ipo"}[loss]
     args = DPOConfig(output_dir=str(root / "trl"), loss_type=[loss_type], beta=beta, label_smoothing=label_smoothing,
                      report_to=[], use_cpu=True, max_length=None)
-    trainer = DPOTrainer(model=policy, args=args, train_dataset=Dataset.from_list(PAIRS), processing_class=tok)
-    rows = [trainer.train_dataset[i] for i in range(len(PAIRS))]
+    trainer = DPOTrainer(model=policy, args=args, train_dataset=Dataset.from_list(pairs), processing_class=tok)
+    rows = [trainer.train_dataset[i] for i in range(len(pairs))]
     batch = trainer.data_collator(rows)
     # The reference: the starting weights, scored by a plain forward and given as precomputed.
     reference = cm.load_hf(root / "hf")
@@ -226,28 +235,33 @@ def _trl_step(root: Path, loss: str, beta: float, label_smoothing: float, gamma:
         {k: p.grad for k, p in policy.named_parameters() if k in NAMED}, ids
 
 
-CASES = {"dpo": dict(beta=0.1, label_smoothing=0.0, gamma=0.5), "ipo": dict(beta=0.5, label_smoothing=0.0, gamma=0.5),
-         "simpo": dict(beta=2.0, label_smoothing=0.0, gamma=0.5)}
-# cDPO: TRL 1.16's sigmoid loss has no label smoothing; its "aot" loss is the label-smoothed sigmoid
-# of the sorted log-ratio margins, which is cDPO itself for one pair. Checked with one pair below.
+# TRL 1.16's sigmoid loss has no label smoothing; its "aot" loss is the label-smoothed sigmoid of the
+# sorted log-ratio margins, which for a single pair is cDPO: the smoothed case runs one pair.
+CASES = {"dpo": dict(loss="dpo", beta=0.1, label_smoothing=0.0, gamma=0.5, data="pairs.jsonl", pairs=PAIRS),
+         "cdpo": dict(loss="dpo", beta=0.1, label_smoothing=0.2, gamma=0.5, data="pair_one.jsonl", pairs=PAIRS[:1]),
+         "ipo": dict(loss="ipo", beta=0.5, label_smoothing=0.0, gamma=0.5, data="pairs.jsonl", pairs=PAIRS),
+         "simpo": dict(loss="simpo", beta=2.0, label_smoothing=0.0, gamma=0.5, data="pairs_bos.jsonl", pairs=BOS_PAIRS)}
 
 
-@pytest.mark.parametrize("loss", ["dpo", "ipo", "simpo"])
-def test_loss_rewards_and_gradients_equal_trl(tiny_llama, loss):
+@pytest.fixture(scope="module")
+def megacli_steps(tiny_llama) -> dict:
     from tests._dist import spawn
 
-    c = CASES[loss]
-    overrides = [f"preference.loss={loss}", f"preference.beta={c['beta']}", f"preference.gamma={c['gamma']}",
-                 f"preference.label_smoothing={c['label_smoothing']}"]
-    data = "pairs_bos.jsonl" if loss == "simpo" else "pairs.jsonl"
-    metrics, grads = spawn(_megacli_step, 1, str(tiny_llama), data, overrides, SCALE)[0]
-    value, chosen, rejected, trl_grads, ids = _trl_step(tiny_llama, loss, c["beta"], c["label_smoothing"], c["gamma"], SCALE)
+    return spawn(_megacli_steps, 1, str(tiny_llama), CASES, SCALE)[0]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_loss_rewards_and_gradients_equal_trl(tiny_llama, megacli_steps, case):
+    c = CASES[case]
+    metrics, grads = megacli_steps[case]
+    value, chosen, rejected, trl_grads, ids = _trl_step(tiny_llama, c["pairs"], c["loss"], c["beta"],
+                                                        c["label_smoothing"], c["gamma"], SCALE)
     if ids is not None:  # the same token ids as TRL's tokenization
         hf = load_tokenizer(type="huggingface", path=str(tiny_llama / "hf"))
-        ours = [tokenize_pair(p, hf, "plain") for p in PAIRS]
+        ours = [tokenize_pair(p, hf, "plain") for p in c["pairs"]]
         assert [(p.prompt, p.chosen, p.rejected) for p in ours] == ids
     assert abs(metrics["loss"] - value) < 1e-5, (metrics["loss"], value)
-    assert abs(value - math.log(2)) > 1e-3 or loss != "dpo", "the policy must differ from the reference for the check to mean much"
+    assert abs(value - math.log(2)) > 1e-3 or c["loss"] != "dpo", "the policy must differ from the reference"
     assert abs(metrics["rewards/chosen"] - chosen) < 1e-5, (metrics["rewards/chosen"], chosen)
     assert abs(metrics["rewards/rejected"] - rejected) < 1e-5, (metrics["rewards/rejected"], rejected)
     assert abs(chosen) > 1e-4 and abs(rejected) > 1e-4
@@ -317,22 +331,6 @@ def test_step_zero_is_log_2_and_the_reference_modes_agree(tiny_llama):
         np.testing.assert_allclose(la, lb, rtol=0, atol=1e-6, err_msg=f"{a} vs {b}")
     assert [m["loss"] for m in r["copy"]] != [m["loss"] for m in r["lora_copy"]]  # LoRA trains something else
     assert len(r["cache"]) == 1 and r["cache"][0].startswith("train-")
-
-
-def test_label_smoothing_is_cdpo_as_trl_computes_it():
-    """TRL 1.16's sigmoid loss has no label smoothing; its aot loss is the label-smoothed sigmoid of
-    the sorted log-ratio margins, which for one pair is cDPO: compare on one pair."""
-    import torch.nn.functional as F
-
-    from megacli.engine.steps import preference_losses
-    from megacli.recipe.sections import PreferenceSection
-
-    pref = PreferenceSection(train="x", loss="dpo", beta=0.3, label_smoothing=0.2)
-    chosen, rejected, ref_c, ref_r = (torch.tensor([v]) for v in (-10.0, -12.5, -11.0, -11.5))
-    ours, _, _ = preference_losses(chosen, rejected, ref_c, ref_r, None, None, pref=pref)
-    delta = (chosen - rejected) - (ref_c - ref_r)  # TRL's aot with one pair (trl/trainer/dpo_trainer.py)
-    theirs = -F.logsigmoid(0.3 * delta) * 0.8 - F.logsigmoid(-0.3 * delta) * 0.2
-    assert torch.allclose(ours, theirs, atol=0, rtol=0)
 
 
 # ---------------------------------------------------------------- parallel layout
