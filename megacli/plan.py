@@ -148,7 +148,7 @@ class RankMemory:
 
 def rows_per_microbatch(recipe: TrainingRecipe) -> int:
     """Sequences in one micro-batch: preference pairs put their chosen and rejected sequences in one forward."""
-    return recipe.train.micro_batch_size * (2 if recipe.preference is not None else 1)
+    return recipe.train.micro_batch_size * (2 if getattr(recipe, "preference", None) is not None else 1)
 
 
 def holds_reference_copy(recipe: TrainingRecipe) -> bool:

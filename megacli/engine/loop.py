@@ -9,7 +9,7 @@ import torch
 
 from megacli.engine import checkpoint, distributed, nonfinite
 from megacli.engine.starting_point import pretrained_source, resume_source
-from megacli.engine.metrics import MetricsLog, Stopwatch, loss_metrics, perplexity
+from megacli.engine.metrics import MetricsLog, Stopwatch, is_preference, loss_metrics, perplexity
 from megacli.engine.stop import StopRequests
 
 
@@ -202,10 +202,9 @@ def run_schedule(trainer: Trainer, iterators: list, *, forward_only: bool) -> di
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    m, t = trainer.recipe.model, trainer.recipe.train
-    rows = t.micro_batch_size
-    if trainer.recipe.preference is not None:
-        rows *= 2  # each pair's chosen and rejected sequences in one forward
+    from megacli.plan import rows_per_microbatch
+
+    m = trainer.recipe.model
     if trainer.reference is not None:
         iterators = trainer.reference.attach(trainer, iterators)
     forward_backward = get_forward_backward_func()
@@ -216,7 +215,7 @@ def run_schedule(trainer: Trainer, iterators: list, *, forward_only: bool) -> di
         num_microbatches=trainer.num_microbatches,
         seq_length=m.seq_length,
         decoder_seq_length=m.dec_seq_length if m.arch == "t5" else None,
-        micro_batch_size=rows,
+        micro_batch_size=rows_per_microbatch(trainer.recipe),
         forward_only=forward_only,
     )
     if not ps.is_pipeline_last_stage(ignore_virtual=True):
@@ -426,7 +425,7 @@ def _train(recipe, runtime, *, harness=None) -> None:
             trainer.train_data.close()
     if stopped:
         return
-    if last_val is not None and "rewards/accuracy" in last_val:
+    if last_val is not None and is_preference(last_val):
         log.say(f"done: {iteration} iterations | final validation loss {last_val['loss']:.4f} | "
                 f"reward accuracy {last_val['rewards/accuracy']:.3f}")
     elif last_val is not None:

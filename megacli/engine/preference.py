@@ -26,6 +26,7 @@ def score_pairs(trainer, chunks, batches: list[dict]) -> list[torch.Tensor] | No
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megacli.engine.steps import scoring_forward_step
+    from megacli.plan import rows_per_microbatch
 
     iterators = [iter(batches) for _ in chunks]
     with torch.no_grad():
@@ -35,7 +36,7 @@ def score_pairs(trainer, chunks, batches: list[dict]) -> list[torch.Tensor] | No
             model=chunks if len(chunks) > 1 else chunks[0],
             num_microbatches=len(batches),
             seq_length=trainer.recipe.model.seq_length,
-            micro_batch_size=2 * trainer.recipe.train.micro_batch_size,
+            micro_batch_size=rows_per_microbatch(trainer.recipe),
             forward_only=True,
         )
     if not ps.is_pipeline_last_stage(ignore_virtual=True):
