@@ -138,10 +138,23 @@ class RankMemory:
     activations_gib: float
     logits_gib: float = 0.0  # the output layer's logits at the loss (last pipeline stage)
     stage: int = 0  # the pipeline stage this rank belongs to
+    reference_gib: float = 0.0  # preference tuning with reference: copy, the frozen second model's weights
 
     @property
     def total_gib(self) -> float:
-        return self.weights_gib + self.grads_gib + self.optimizer_gib + self.activations_gib + self.logits_gib
+        return (self.weights_gib + self.grads_gib + self.optimizer_gib + self.activations_gib + self.logits_gib
+                + self.reference_gib)
+
+
+def rows_per_microbatch(recipe: TrainingRecipe) -> int:
+    """Sequences in one micro-batch: preference pairs put their chosen and rejected sequences in one forward."""
+    return recipe.train.micro_batch_size * (2 if getattr(recipe, "preference", None) is not None else 1)
+
+
+def holds_reference_copy(recipe: TrainingRecipe) -> bool:
+    """Preference tuning with a frozen second model in memory (reference: copy; simpo needs none)."""
+    pref = recipe.preference
+    return pref is not None and pref.loss != "simpo" and pref.reference == "copy"
 
 
 def bytes_per_param(precision: str, *, bf16_grads: bool = False) -> tuple[int, int, int]:
@@ -199,7 +212,7 @@ def activation_bytes_per_layer(recipe: TrainingRecipe, *, kernel: str) -> float:
     never stores the scores (all but math); full recompute keeps only the layer input."""
     m, p, t = recipe.model, recipe.parallel, recipe.train
     s = m.seq_length // p.context
-    b, h, a, tp = t.micro_batch_size, m.hidden_size, m.num_attention_heads, p.tensor
+    b, h, a, tp = rows_per_microbatch(recipe), m.hidden_size, m.num_attention_heads, p.tensor
     attn_term = 5 * a * s / h if kernel == "math" else 0
     if p.recompute == "full":
         per = 2 * s * b * h / (tp if p.sp_enabled else 1)
@@ -216,7 +229,7 @@ def logits_bytes(recipe: TrainingRecipe, padded_vocab: int) -> float:
     6·s·b·V/TP bytes (fp32 training: that gradient and its padded-vocabulary-masked copy, 8·s·b·V/TP)."""
     m, p, t = recipe.model, recipe.parallel, recipe.train
     s = (m.dec_seq_length if m.arch == "t5" else m.seq_length) // p.context
-    return (8 if t.precision == "fp32" else 6) * s * t.micro_batch_size * padded_vocab / p.tensor
+    return (8 if t.precision == "fp32" else 6) * s * rows_per_microbatch(recipe) * padded_vocab / p.tensor
 
 
 def estimate(recipe: TrainingRecipe, vocab_size: int, *, device: str = "cuda") -> tuple[ParamCounts, RankMemory]:
@@ -267,6 +280,7 @@ def _stage_memory(recipe: TrainingRecipe, counts: ParamCounts, vocab_size: int, 
         activations_gib=act / GIB,
         logits_gib=logits_bytes(recipe, padded) / GIB if last else 0.0,
         stage=stage,
+        reference_gib=rank_params * w / GIB if holds_reference_copy(recipe) else 0.0,
     )
 
 

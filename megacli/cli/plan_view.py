@@ -64,7 +64,8 @@ def print_plan(recipe) -> None:
     layout.add_row("sequence parallelism", sp + (f" (auto: TP {p.tensor})" if p.sequence_parallel == "auto" else ""))
     layout.add_row("layers per pipeline stage", _stages(recipe))
     layout.add_row("micro-batches per step", f"{recipe.num_microbatches} = global {t.global_batch_size} / (micro {t.micro_batch_size} × DP {recipe.data_parallel_size})")
-    layout.add_row("tokens per step", f"{recipe.tokens_per_step:,} = {t.global_batch_size} × {m.seq_length}")
+    pairs = " × 2 (a preference pair's two sequences)" if recipe.preference is not None else ""
+    layout.add_row("tokens per step", f"{recipe.tokens_per_step:,} = {t.global_batch_size} × {m.seq_length}{pairs}")
     layout.add_row("vocabulary", f"{vocab:,} ({vocab_src}) → padded {plan.padded_vocab_size(vocab, divisible_by=m.make_vocab_size_divisible_by, tensor_parallel=p.tensor):,}")
     if m.moe is not None:
         layout.add_row("experts", f"{m.moe.num_experts} per MoE layer × {counts.moe_layers} MoE layers, top-{m.moe.router_topk}; "
@@ -104,8 +105,18 @@ def print_plan(recipe) -> None:
         "6·s·b·V/t (16-bit logits + fp32 softmax)"
     memory.add_row("logits at the loss", f"{mem.logits_gib:.3f}", logits_how if p.pipeline == 1 else
                    f"{logits_how}, on the last stage only" if mem.stage == p.pipeline - 1 else "on the last stage only")
+    if recipe.preference is not None:
+        memory.add_row("reference model", f"{mem.reference_gib:.3f}", _reference_how(recipe.preference, w))
     memory.add_row("total", f"{mem.total_gib:.3f}", "")
     console.print(memory)
+
+
+def _reference_how(pref, weight_bytes: int) -> str:
+    if pref.loss == "simpo":
+        return "none (simpo needs no reference model)"
+    return {"copy": f"a frozen copy of the weights, {weight_bytes} B/param; micro-batches hold 2 sequences per pair",
+            "precompute": "none while training (scored once before, cached under run.dir)",
+            "base": "none (the LoRA model with its adapters switched off)"}[pref.reference]
 
 
 def _stages(recipe) -> str:

@@ -79,6 +79,13 @@ def check_inputs(recipe) -> None:
     for field, path in files:
         if path and not Path(path).is_file():
             raise UserError(f"{field} {path!r} does not exist")
+    pref = getattr(recipe, "preference", None)
+    if pref is not None:
+        from megacli.data.preference import read_pairs
+
+        for path in [pref.train, pref.valid_file, *pref.named_valid.values()]:
+            if path:
+                read_pairs(path)  # a malformed pair stops the run here, named by file:line
     ck = recipe.checkpoint
     if ck.pretrained and not Path(ck.pretrained).exists():
         raise UserError(f"checkpoint.pretrained {ck.pretrained!r} does not exist")

@@ -149,11 +149,16 @@ def own_masks_per_sample(dataset) -> None:
 # ---------------------------------------------------------------- named validation sets
 
 
-def named_validation_sets(*, data, sft, train, tokenizer, tokenizer_path: str | None, seq_length: int,
+def named_validation_sets(*, data, sft, train, preference=None, tokenizer, tokenizer_path: str | None, seq_length: int,
                           cache_dir: str) -> dict[str, "ScoredSamples"]:
     """data.valid (or, finetuning, sft.valid as a map): name -> what each evaluation scores of that
     set: its first train.eval_iters global batches of samples, or all of them when it holds fewer."""
-    if sft is not None:
+    if preference is not None:
+        from megacli.data.preference import build_preference_named_sets
+
+        sets, notes = build_preference_named_sets(pref=preference, tokenizer=tokenizer, tokenizer_path=tokenizer_path,
+                                                  seq_length=seq_length)
+    elif sft is not None:
         from megacli.data.sft import build_sft_named_sets
 
         sets, notes = build_sft_named_sets(sft=sft, tokenizer=tokenizer, tokenizer_path=tokenizer_path,

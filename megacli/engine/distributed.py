@@ -170,3 +170,11 @@ def stall_error(exc: BaseException, *, rank: int, timeout_minutes: float):
                     f"rank that stopped answering (stopped, hung or dead): {text.strip().splitlines()[0]}")
     err.exit_code = 1
     return err
+
+
+def is_reporting_rank() -> bool:
+    """Last pipeline stage, first TP/DP/CP rank: where the loss lives."""
+    from megatron.core import parallel_state as ps
+
+    return (ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_data_parallel_rank(with_context_parallel=True) == 0)

@@ -9,7 +9,7 @@ import torch
 
 from megacli.engine import checkpoint, distributed, nonfinite
 from megacli.engine.starting_point import pretrained_source, resume_source
-from megacli.engine.metrics import MetricsLog, Stopwatch, loss_metrics, perplexity
+from megacli.engine.metrics import MetricsLog, Stopwatch, is_preference, loss_metrics, perplexity
 from megacli.engine.stop import StopRequests
 
 
@@ -27,6 +27,7 @@ class Trainer:
     valid_data: object | None
     vocab_size: int  # the model's vocabulary before padding (plan.model_vocab_size)
     named_valid: dict = field(default_factory=dict)  # name -> engine.data.ScoredSamples
+    reference: object | None = None  # preference tuning: engine.preference.Reference, scoring each batch
 
     @property
     def num_microbatches(self) -> int:
@@ -40,14 +41,6 @@ def train(recipe, *, harness=None) -> None:
     with distributed.running(parallel=recipe.parallel, launch=recipe.launch, seed=recipe.train.seed,
                              deterministic=recipe.train.deterministic) as runtime:
         _train(recipe, runtime, harness=harness)
-
-
-def is_reporting_rank() -> bool:
-    """Last pipeline stage, first TP/DP/CP rank: where the loss lives."""
-    from megatron.core import parallel_state as ps
-
-    return (ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
-            and ps.get_data_parallel_rank(with_context_parallel=True) == 0)
 
 
 def build_trainer(recipe, runtime) -> tuple[Trainer, object]:
@@ -135,6 +128,14 @@ def build_trainer(recipe, runtime) -> tuple[Trainer, object]:
                                                          seq_length=m.seq_length, seed=t.seed)
         train_ds.summary = summary
         splits = data_mod.Splits(train=train_ds, valid=valid_ds, test=None)
+    elif recipe.preference is not None:
+        from megacli.data.preference import build_preference_datasets
+
+        train_ds, valid_ds, summary = build_preference_datasets(pref=recipe.preference, tokenizer=tokenizer,
+                                                                tokenizer_path=recipe.tokenizer.path,
+                                                                seq_length=m.seq_length, seed=t.seed)
+        train_ds.summary = summary
+        splits = data_mod.Splits(train=train_ds, valid=valid_ds, test=None)
     elif recipe.data.on_the_fly:
         splits = data_mod.Splits(train=data_mod.stream_data(data=recipe.data, tokenizer_section=recipe.tokenizer,
                                                             tokenizer=tokenizer, vocab_size=m.vocab_size, seq_length=m.seq_length,
@@ -143,14 +144,38 @@ def build_trainer(recipe, runtime) -> tuple[Trainer, object]:
     else:
         splits = data_mod.build_gpt_datasets(data=recipe.data, seq_length=m.seq_length, seed=t.seed, tokenizer=tokenizer,
                                              train_samples=train_samples, valid_samples=valid_samples, cache_dir=cache_dir)
-    named_valid = data_mod.named_validation_sets(data=recipe.data, sft=recipe.sft, train=t, tokenizer=tokenizer,
+    named_valid = data_mod.named_validation_sets(data=recipe.data, sft=recipe.sft, preference=recipe.preference,
+                                                 train=t, tokenizer=tokenizer,
                                                  tokenizer_path=recipe.tokenizer.path, seq_length=m.seq_length,
                                                  cache_dir=cache_dir)
     forward_step = forward_step_for(recipe, custom_loss=load_custom_loss(t.loss, t.loss_kwargs))
     trainer = Trainer(recipe=recipe, runtime=runtime, chunks=chunks, optimizer=optimizer, scheduler=scheduler,
                       forward_step=forward_step, train_data=splits.train, valid_data=splits.valid, vocab_size=vocab,
-                      named_valid=named_valid)
+                      named_valid=named_valid, reference=_reference(recipe, config, vocab, runtime))
     return trainer, tokenizer
+
+
+def _reference(recipe, config, vocab: int, runtime):
+    """Preference tuning that scores each batch with a reference (copy: built here, frozen, from
+    the starting checkpoint, before anything is resumed; base: the policy without its adapters)."""
+    pref = recipe.preference
+    if pref is None or pref.loss == "simpo" or pref.reference == "precompute":
+        return None
+    from megacli.engine.preference import Reference, build_reference_chunks
+
+    if pref.reference == "base":
+        return Reference(mode="base")
+    return Reference(mode="copy", chunks=build_reference_chunks(recipe, config, vocab, runtime.device,
+                                                                pretrained_source(recipe.checkpoint)))
+
+
+def precomputed_sets(trainer: Trainer) -> dict:
+    """The datasets whose pairs reference: precompute scores before training, by name."""
+    sets = {"train": trainer.train_data}
+    if trainer.valid_data is not None:
+        sets["validation"] = trainer.valid_data
+    sets.update({f"valid_{name}": scored.dataset for name, scored in trainer.named_valid.items()})
+    return sets
 
 
 def data_iterators(trainer: Trainer, dataset, start_sample: int) -> list:
@@ -176,7 +201,11 @@ def run_schedule(trainer: Trainer, iterators: list, *, forward_only: bool) -> di
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    m, t = trainer.recipe.model, trainer.recipe.train
+    from megacli.plan import rows_per_microbatch
+
+    m = trainer.recipe.model
+    if trainer.reference is not None:
+        iterators = trainer.reference.attach(trainer, iterators)
     forward_backward = get_forward_backward_func()
     reports = forward_backward(
         forward_step_func=trainer.forward_step,
@@ -185,7 +214,7 @@ def run_schedule(trainer: Trainer, iterators: list, *, forward_only: bool) -> di
         num_microbatches=trainer.num_microbatches,
         seq_length=m.seq_length,
         decoder_seq_length=m.dec_seq_length if m.arch == "t5" else None,
-        micro_batch_size=t.micro_batch_size,
+        micro_batch_size=rows_per_microbatch(trainer.recipe),
         forward_only=forward_only,
     )
     if not ps.is_pipeline_last_stage(ignore_virtual=True):
@@ -266,7 +295,7 @@ def _train(recipe, runtime, *, harness=None) -> None:
         checkpoint.load(ckpt=pretrained, chunks=trainer.chunks, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
                         load_optimizer=False, verify=ck.verify, trust_pickle=ck.trust_pickle)
 
-    reporting = is_reporting_rank()
+    reporting = distributed.is_reporting_rank()
     m = recipe.model
     counts = count_params(recipe, trainer.vocab_size)
     n_params = counts.total
@@ -288,6 +317,12 @@ def _train(recipe, runtime, *, harness=None) -> None:
     expert_stats = _expert_stats(recipe, trainer, runtime)
     for line in getattr(trainer.train_data, "summary", []) + [ds.summary for ds in trainer.named_valid.values()]:
         log.say(line)
+    pref = recipe.preference
+    if pref is not None and pref.loss != "simpo" and pref.reference == "precompute":
+        from megacli.engine.preference import precompute
+
+        precompute(trainer, precomputed_sets(trainer), pretrained=pretrained_source(ck), fresh=source is None,
+                   say=log.say)
     if pretrained is not None:
         log.say(f"starting from the weights of {pretrained}")
     lora_base = None
@@ -394,7 +429,10 @@ def _train(recipe, runtime, *, harness=None) -> None:
             trainer.train_data.close()
     if stopped:
         return
-    if last_val is not None:
+    if last_val is not None and is_preference(last_val):
+        log.say(f"done: {iteration} iterations | final validation loss {last_val['loss']:.4f} | "
+                f"reward accuracy {last_val['rewards/accuracy']:.3f}")
+    elif last_val is not None:
         log.say(f"done: {iteration} iterations | final validation loss {last_val['loss']:.4f} | "
                 f"perplexity {perplexity(last_val):.2f}")
     else:

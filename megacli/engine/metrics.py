@@ -28,13 +28,22 @@ def peak_flops(device: torch.device) -> float | None:
 def loss_metrics(reports: dict[str, tuple[float, float]]) -> dict[str, float]:
     """A step's losses from the schedule's reports (key -> (sum, count) over micro-batches and
     data-parallel ranks): each key becomes a metric name ("lm loss" -> "lm_loss") holding sum / count,
-    and "loss" is their sum - what was optimised (GPT/T5: "lm loss"; BERT: "lm loss" + "sop loss").
-    With a single key only "loss" is given. No reports (not the last pipeline stage): loss is nan."""
+    and "loss" is the sum of the loss terms - what was optimised (GPT/T5: "lm loss"; BERT: "lm loss"
+    + "sop loss"). A key with a "/" ("rewards/chosen") is a measurement, not a loss term: it is
+    always given and never summed into loss. With a single loss term only "loss" is given for it.
+    No reports (not the last pipeline stage): loss is nan."""
     means = {k.replace(" ", "_"): (s / n if n else float("nan")) for k, (s, n) in reports.items()}
-    out = {"loss": sum(means.values()) if means else float("nan")}
-    if len(means) > 1:
-        out.update(means)
+    terms = {k: v for k, v in means.items() if "/" not in k}
+    out = {"loss": sum(terms.values()) if terms else float("nan")}
+    if len(terms) > 1:
+        out.update(terms)
+    out.update({k: v for k, v in means.items() if "/" in k})
     return out
+
+
+def is_preference(losses: dict[str, float]) -> bool:
+    """Losses of a preference objective (no language-model loss, so no perplexity)."""
+    return "rewards/accuracy" in losses
 
 
 def perplexity(losses: dict[str, float]) -> float:
@@ -185,12 +194,19 @@ class MetricsLog:
         record, parts = {"iteration": iteration}, []
         if val is not None:
             losses = {k: v for k, v in val.items() if k != "loss"}
-            ppl = perplexity(val)
-            record.update({"val_loss": val["loss"], **{f"val_{k}": v for k, v in losses.items()}, "val_ppl": ppl})
-            parts.append(f"loss {val['loss']:.4f}{_describe_losses(losses)} | perplexity {ppl:.2f}")
+            record.update({"val_loss": val["loss"], **{f"val_{k}": v for k, v in losses.items()}})
+            ppl = "" if is_preference(val) else f" | perplexity {perplexity(val):.2f}"
+            if not is_preference(val):
+                record["val_ppl"] = perplexity(val)
+            parts.append(f"loss {val['loss']:.4f}{_describe_losses(losses)}{ppl}")
         for name, losses in named.items():
-            record[f"val_loss/{name}"], record[f"val_ppl/{name}"] = losses["loss"], perplexity(losses)
-            parts.append(f"{name}: loss {losses['loss']:.4f}, perplexity {perplexity(losses):.2f}")
+            record[f"val_loss/{name}"] = losses["loss"]
+            if is_preference(losses):
+                record.update({f"val_{k}/{name}": v for k, v in losses.items() if "/" in k})
+                parts.append(f"{name}: loss {losses['loss']:.4f}, reward accuracy {losses['rewards/accuracy']:.3f}")
+            else:
+                record[f"val_ppl/{name}"] = perplexity(losses)
+                parts.append(f"{name}: loss {losses['loss']:.4f}, perplexity {perplexity(losses):.2f}")
         for key, value in (tasks or {}).items():
             record[key] = value
             parts.append(f"{key.removeprefix('eval/')} {value:.4g}")

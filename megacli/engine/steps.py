@@ -117,10 +117,105 @@ def t5_forward_step(*, custom_loss=None):
 
 
 def forward_step_for(recipe, custom_loss=None):
-    """The forward_step of the recipe's model.arch."""
+    """The forward_step of the recipe's model.arch (and objective)."""
     m = recipe.model
+    if getattr(recipe, "preference", None) is not None:
+        return preference_forward_step(recipe.preference)
     if m.arch == "bert":
         return bert_forward_step(token_types=m.token_types > 0, custom_loss=custom_loss)
     if m.arch == "t5":
         return t5_forward_step(custom_loss=custom_loss)
     return gpt_forward_step(context_parallel=recipe.parallel.context, custom_loss=custom_loss)
+
+
+# ---------------------------------------------------------------- preference tuning
+
+
+def preference_losses(chosen, rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens, *, pref):
+    """Per-pair losses and the chosen and rejected rewards, from the summed completion log-probabilities
+    of the policy (and, for dpo/ipo, of the reference) and the completion token counts. The
+    definitions are TRL's: DPOTrainer's sigmoid loss (with label smoothing, the cDPO form) and its
+    ipo (log-ratios averaged over completion tokens), CPOTrainer's simpo (cpo_alpha 0)."""
+    import torch.nn.functional as F
+
+    beta, eps = pref.beta, pref.label_smoothing
+    if pref.loss == "simpo":
+        chosen_avg, rejected_avg = chosen / chosen_tokens, rejected / rejected_tokens
+        logits = chosen_avg - rejected_avg - pref.gamma / beta
+        losses = -F.logsigmoid(beta * logits) * (1 - eps) - F.logsigmoid(-beta * logits) * eps
+        return losses, beta * chosen_avg.detach(), beta * rejected_avg.detach()
+    chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+    if pref.loss == "ipo":
+        delta = chosen_ratio / chosen_tokens - rejected_ratio / rejected_tokens
+        losses = (delta - 1 / (2 * beta)) ** 2
+    else:
+        delta = chosen_ratio - rejected_ratio
+        losses = -F.logsigmoid(beta * delta) * (1 - eps) - F.logsigmoid(-beta * delta) * eps
+    return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+
+
+def pair_logps(loss_mask, output_tensor):
+    """Per-token cross-entropies [2b, s] of [chosen; rejected] rows -> summed completion
+    log-probabilities and completion token counts, each [b, 2]."""
+    logps = -(output_tensor.float() * loss_mask).sum(-1)
+    counts = loss_mask.sum(-1)
+    b = logps.shape[0] // 2
+    return torch.stack([logps[:b], logps[b:]], 1), torch.stack([counts[:b], counts[b:]], 1)
+
+
+def preference_loss_func(loss_mask, ref_logps, output_tensor, *, pref):
+    """Sum of the micro-batch's per-pair losses and its pair count (Megatron divides by the global
+    count: the loss is the mean over the batch's pairs), and the metrics as (sum, pairs). A pair
+    without completion tokens is the filler of a last partial evaluation batch and counts for nothing."""
+    logps, counts = pair_logps(loss_mask, output_tensor)
+    real = (counts[:, 0] > 0).float()
+    ref = ref_logps.float() if ref_logps is not None else torch.zeros_like(logps)
+    safe = counts.clamp(min=1)
+    losses, chosen_rewards, rejected_rewards = preference_losses(
+        logps[:, 0], logps[:, 1], ref[:, 0], ref[:, 1], safe[:, 0], safe[:, 1], pref=pref)
+    n = real.sum()
+
+    def total(x):
+        return torch.stack([(x.detach().float() * real).sum(), n.detach()])
+
+    report = {f"{pref.loss} loss": total(losses), "rewards/chosen": total(chosen_rewards),
+              "rewards/rejected": total(rejected_rewards), "rewards/margin": total(chosen_rewards - rejected_rewards),
+              "rewards/accuracy": total((chosen_rewards > rejected_rewards).float()),
+              "logps/chosen": total(logps[:, 0]), "logps/rejected": total(logps[:, 1])}
+    return (losses * real).sum(), n.to(torch.int), report
+
+
+def pair_rows(batch: dict) -> dict:
+    """A micro-batch of b pairs ([b, 2, s] arrays) as 2b rows: the b chosen, then the b rejected."""
+    return {k: batch[k].transpose(0, 1).reshape(-1, batch[k].shape[-1])
+            for k in ("tokens", "labels", "loss_mask", "position_ids")}
+
+
+def preference_forward_step(pref):
+    """Megatron forward_step for preference pairs: chosen and rejected in one forward, their
+    per-token log-probabilities from Megatron's vocab-parallel cross-entropy (the model's labels
+    path: no logits gathered over tensor-parallel ranks)."""
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        rows = pair_rows(batch)
+        output = model(rows["tokens"], rows["position_ids"], None, labels=rows["labels"])
+        return output, partial(preference_loss_func, rows["loss_mask"], batch.get("ref_logps"), pref=pref)
+
+    return forward_step
+
+
+def scoring_forward_step():
+    """forward_step that reports each pair's summed completion log-probabilities, [b, 2] per
+    micro-batch (the reference model's pass)."""
+
+    def loss_func(loss_mask, output_tensor):
+        logps, _ = pair_logps(loss_mask, output_tensor)
+        return logps.sum() * 0, torch.ones((), dtype=torch.int), {"logps": logps.detach()}
+
+    def forward_step(data_iterator, model):
+        rows = pair_rows(next(data_iterator))
+        output = model(rows["tokens"], rows["position_ids"], None, labels=rows["labels"])
+        return output, partial(loss_func, rows["loss_mask"])
+
+    return forward_step

@@ -22,6 +22,7 @@ from megacli.recipe.sections import (
     MaskingSection,
     OptimSection,
     ParallelSection,
+    PreferenceSection,
     RunSection,
     SFTSection,
     TokenizerSection,
@@ -44,6 +45,8 @@ class TrainingRecipe(Section):
     """Training data: a run names it (data.path, data.blend or data.mock: true) unless it gives sft."""
     sft: Optional[SFTSection] = None
     """Instruction data for finetuning (instead of data:)."""
+    preference: Optional[PreferenceSection] = None
+    """Preference pairs and the preference objective (DPO, IPO, SimPO) for finetuning (instead of data: or sft:)."""
     lora: Optional[LoRASection] = None
     """Train low-rank adapters instead of all weights (finetuning); null = full-parameter training."""
     masking: MaskingSection = MaskingSection()
@@ -82,7 +85,8 @@ class TrainingRecipe(Section):
 
     @property
     def tokens_per_step(self) -> int:
-        return self.train.global_batch_size * self.model.seq_length
+        sequences = 2 if self.preference is not None else 1  # a preference pair is two sequences
+        return sequences * self.train.global_batch_size * self.model.seq_length
 
     @property
     def layers_per_stage(self) -> list[int]:
@@ -168,6 +172,8 @@ class TrainingRecipe(Section):
             self._check_bert_t5()
         if self.sft is not None:
             self._check_sft()
+        elif self.preference is not None:
+            self._check_preference()
         elif self.trains and not self.data.named:
             raise RecipeError("data", None, "the recipe names no training data: set data.path (a prefix from "
                               "`megacli preprocess`), data.blend, or data.mock: true for random tokens")
@@ -252,6 +258,9 @@ class TrainingRecipe(Section):
     def _check_sft(self) -> None:
         if self.model.arch != "gpt":
             raise RecipeError("sft", self.sft.train, f"instruction finetuning is for gpt models, not {self.model.arch}")
+        if self.preference is not None:
+            raise RecipeError("preference", self.preference.train, "give sft (instruction data) or preference "
+                              "(preference pairs), not both")
         if self.data.prefixes or self.data.on_the_fly:
             raise RecipeError("sft", self.sft.train, "give sft (instruction data) or data.path/data.blend (continued "
                                                      "pretraining), not both")
@@ -264,6 +273,26 @@ class TrainingRecipe(Section):
                               "does not support them yet")
         if self.tokenizer.type == "none":
             raise RecipeError("tokenizer.type", "none", "instruction data is text: it needs a real tokenizer")
+
+    def _check_preference(self) -> None:
+        pref = self.preference
+        if self.model.arch != "gpt":
+            raise RecipeError("preference", pref.train, f"preference tuning is for gpt models, not {self.model.arch}")
+        if self.data.prefixes or self.data.on_the_fly or self.data.named_valid:
+            raise RecipeError("preference", pref.train, "give preference (pairs) or data (token streams), not both")
+        if self.parallel.context > 1:
+            raise RecipeError("parallel.context", self.parallel.context,
+                              "preference tuning runs without context parallelism")
+        if self.tokenizer.type == "none":
+            raise RecipeError("tokenizer.type", "none", "preference pairs are text: they need a real tokenizer")
+        if pref.max_length is not None and pref.max_length > self.model.seq_length + 1:
+            raise RecipeError("preference.max_length", pref.max_length,
+                              f"must be at most model.seq_length + 1 = {self.model.seq_length + 1}")
+        if pref.reference == "base" and pref.loss != "simpo" and self.lora is None:
+            raise RecipeError("preference.reference", "base", "base is the LoRA model with its adapters switched "
+                              "off: add a lora section, or use copy or precompute")
+        if pref.label_smoothing and pref.loss == "ipo":
+            raise RecipeError("preference.label_smoothing", pref.label_smoothing, "is for dpo and simpo, not ipo")
 
     def _check_lora(self) -> None:
         if self.model.arch != "gpt":

@@ -241,8 +241,8 @@ def check_set_names(sets: dict[str, str]) -> None:
 
 
 
-class SFTSection(Section):
-    """Instruction data for `megacli finetune` (JSONL): {"prompt", "response"} or {"messages": [...]}."""
+class HeldOutData(Section):
+    """JSONL training data with a validation file, named validation sets or a held-out share."""
 
     train: str
     """Training JSONL file."""
@@ -252,7 +252,7 @@ class SFTSection(Section):
     each (over train.eval_iters global batches, or the whole set when it holds fewer), and val_loss
     then comes from the held-out valid_fraction. Names are identifiers (letters, digits, _)."""
     valid_fraction: float = Field(0.05, ge=0, lt=1)
-    """Share of the training records held out for validation when sft.valid is not a single file."""
+    """Share of the training records held out for validation when valid is not a single file."""
 
     @field_validator("valid")
     @classmethod
@@ -263,13 +263,18 @@ class SFTSection(Section):
 
     @property
     def valid_file(self) -> str | None:
-        """The one validation file, when sft.valid names one (not a map of named sets)."""
+        """The one validation file, when valid names one (not a map of named sets)."""
         return self.valid if isinstance(self.valid, str) else None
 
     @property
     def named_valid(self) -> dict[str, str]:
-        """The named validation sets, name -> JSONL file (none unless sft.valid is a map)."""
+        """The named validation sets, name -> JSONL file (none unless valid is a map)."""
         return dict(self.valid) if isinstance(self.valid, dict) else {}
+
+
+class SFTSection(HeldOutData):
+    """Instruction data for `megacli finetune` (JSONL): {"prompt", "response"} or {"messages": [...]}."""
+
     template: Literal["auto", "tokenizer", "chatml", "plain"] = "auto"
     """How records become text: the tokenizer's chat template (auto: when it has one, else plain),
     chatml (<|im_start|>role ... <|im_end|>), or plain (the texts one after the other)."""
@@ -277,6 +282,36 @@ class SFTSection(Section):
     """Pack several examples into one sequence (attention and positions restart per example); false pads each."""
     too_long: Literal["truncate", "drop"] = "truncate"
     """What to do with an example longer than model.seq_length + 1 tokens."""
+
+class PreferenceSection(HeldOutData):
+    """Preference tuning for `megacli finetune`: pairs in TRL's format, {"prompt", "chosen",
+    "rejected"} as strings or as lists of chat messages (JSONL, or a local Hugging Face dataset
+    directory saved with save_to_disk), and the objective. Only completion tokens are scored."""
+
+    template: Literal["auto", "tokenizer", "chatml", "plain"] = "auto"
+    """How chat messages become text (as sft.template); plain strings are used as they are."""
+    loss: Literal["dpo", "ipo", "simpo"] = "dpo"
+    """dpo: -log sigmoid(beta·Δ) of the log-ratio margin Δ (Rafailov et al.), with label_smoothing
+    the conservative cDPO; ipo: (Δ/len - 1/(2·beta))² with log-ratios averaged over completion
+    tokens (TRL's definition); simpo: no reference model, length-normalised rewards beta·mean
+    log-prob and the margin gamma (TRL's CPOTrainer loss_type simpo)."""
+    beta: PositiveFloat = 0.1
+    """Strength of the implicit KL penalty (dpo, ipo: TRL's beta; simpo: its reward scale)."""
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
+    """dpo and simpo: the assumed share of flipped labels (cDPO); 0 = the plain sigmoid loss."""
+    gamma: float = 0.5
+    """simpo: the target reward margin (TRL's simpo_gamma)."""
+    reference: Literal["copy", "precompute", "base"] = "copy"
+    """dpo/ipo's reference model: copy (a frozen second copy of the starting weights in the same
+    layout), precompute (the reference log-probabilities of every pair computed once before training
+    and cached under run.dir: one model in memory while training), base (LoRA: the base weights
+    with the adapters switched off). Unused by simpo."""
+    max_prompt_length: Optional[PositiveInt] = None
+    """Prompts longer than this keep their last max_prompt_length tokens; null = no limit."""
+    max_length: Optional[PositiveInt] = None
+    """Prompt + completion longer than this keep their first max_length tokens (TRL's keep_start);
+    a pair whose prompt alone fills it is dropped. null = model.seq_length + 1."""
+
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 

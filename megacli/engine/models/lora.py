@@ -19,6 +19,8 @@ under any TP/PP and merges with pure tensor arithmetic: W + s·B·A.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
@@ -147,3 +149,17 @@ def adapter_params(model, lora) -> int:
 def merged(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:
     """W + scale·B·A in W's dtype (computed in fp32): the adapted layer as one weight."""
     return (weight.float() + scale * (lora_b.float() @ lora_a.float())).to(weight.dtype)
+
+
+@contextmanager
+def adapters_off(chunks):
+    """The model computes with its base weights only (each adapter's scale set to 0) inside the block."""
+    layers = [m for c in chunks for m in c.modules() if hasattr(m, "lora_scale")]
+    scales = [m.lora_scale for m in layers]
+    for m in layers:
+        m.lora_scale = 0.0
+    try:
+        yield
+    finally:
+        for m, s in zip(layers, scales):
+            m.lora_scale = s
