@@ -2,8 +2,10 @@
 ```console, ```sh or unmarked) holding one carries a title saying how (see docs/index.md, "The
 examples on these pages"):
 
-- ``Run by the docs tests``: the block's commands run as written, in order, in-process, in a scratch
-  directory (built once per session, see ``scratch``) holding the repository's recipes, README.md,
+- ``Run by the docs tests``: the block's commands run as written, in order, in-process (preprocess,
+  which forks, in its own process), in one scratch directory shared by all blocks, which run in
+  page order (a block may use what an earlier block of its page wrote). It is built once per
+  session (see ``scratch``) and holds the repository's recipes, README.md,
   two small runs (``runs/a``, ``runs/b``), a small corpus and tokenizers under ``data/``, and tiny
   models and checkpoints at the paths the pages name. In a block with ``$`` prompts, the lines
   after a command are its output (``...`` stands for anything) and an output starting with
