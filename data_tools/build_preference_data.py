@@ -52,17 +52,18 @@ def write(pairs: list[dict], out: Path, *, valid_share: float = 0.1) -> tuple[in
     return cut, len(pairs) - cut
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--corpus", type=Path, default=Path("data/corpus.jsonl"))
     ap.add_argument("--out", type=Path, default=Path("data/preference"))
     ap.add_argument("--pairs", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     texts = [json.loads(line)["text"] for line in args.corpus.read_text(encoding="utf-8").splitlines() if line.strip()]
     n_train, n_valid = write(pairs_from_texts(texts, n=args.pairs, seed=args.seed), args.out)
     print(f"wrote {n_train} training and {n_valid} held-out preference pairs to {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

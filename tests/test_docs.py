@@ -197,8 +197,9 @@ run: {dir: RUN}
 def _build_data(root: Path) -> None:
     """data/: a small corpus (data_tools/build_corpus.py, 50 KB) and what the pages make of it: the
     byte-level BPE (also as GPT-2 vocab.json/merges.txt), a WordPiece vocabulary, two indexed
-    datasets, a titled copy, prompts and texts to score, and recipes/sft_tiny.yaml's instructions
-    and model (data_tools/build_sft_data.py), all at smaller sizes than the pages' own commands."""
+    datasets, a titled copy, prompts and texts to score, recipes/sft_tiny.yaml's instructions
+    and model (data_tools/build_sft_data.py) and recipes/dpo_tiny.yaml's preference pairs
+    (data_tools/build_preference_data.py), all at smaller sizes than the pages' own commands."""
     from tokenizers import Tokenizer
 
     _data_tool("build_corpus", "--output", "data/corpus.jsonl", "--max-mb", "0.05")
@@ -229,6 +230,7 @@ def _build_data(root: Path) -> None:
 
         build_sft_data.build_data(Path("data/corpus.jsonl"), Path("data/sft"), n=40, seed=0)
         build_sft_data.build_model(Path("recipes/sft_tiny.yaml"), Path("data/tokenizer"), Path("data/tiny_llama_hf"), seed=0)
+    _data_tool("build_preference_data", "--pairs", "64")
 
 
 def _build_checkpoints(root: Path) -> None:
