@@ -319,7 +319,7 @@ def test_an_hf_directory_given_to_generate_or_serve_is_read_as_convert_reads_it(
         commands.append(("serve", hf))
     for command in commands:
         assert_refused(cli(*command, "--set", f"run.dir={run}"), marker, "pytorch_model.bin")
-        assert not (run / "converted" / "hf").exists() and not (run / "converted" / "hf.source.json").exists()
+        assert not run.exists(), "nothing is left of the refused conversion"
     recipe = build_recipe(None, {"checkpoint": str(hf)}, tensor=None, pipeline=None, overrides=[f"run.dir={run}"],
                           trust_pickle=True)
     assert marker.exists() and recipe.generate.checkpoint == str(run / "converted" / "hf")

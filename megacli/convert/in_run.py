@@ -5,8 +5,8 @@ there only while the source provably holds the same files.
 Beside the conversion, NAME.source.json records the conversion's options and the name, size and
 SHA-256 of every file directly in the source directory (all the converter reads). The conversion
 is reused when that record equals what the source and options give now; otherwise it is made
-again in its place. A lock on .NAME.lock serialises processes converting into the same place
-(the ranks of a torchrun job, two servers started together).
+again in its place. A lock on RUN_DIR/converted serialises the processes converting there (the
+ranks of a torchrun job, two servers started together).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Callable
@@ -42,23 +43,26 @@ def converted_in_run(src: Path, run_dir: Path, *, tensor: int, pipeline: int, dt
     dst, record_file = folder / name, folder / f"{name}.source.json"
     record = {"megacli": megacli.__version__, "tensor": tensor, "pipeline": pipeline, "dtype": dtype,
               "files": fingerprint(src)}
-    with unwritable_names(run_dir, "run.dir"):
-        folder.mkdir(parents=True, exist_ok=True)
-    with _locked(folder / f".{name}.lock"):
+    draft = folder / f".{record_file.name}.draft"
+    made = [d for d in (run_dir, folder) if not d.exists()]
+    with unwritable_names(run_dir, "run.dir", draft), _locked(folder):
         if _read_record(record_file) == record and _complete(dst, find_checkpoint):
             say(f"{src}: using {dst}, converted from the same files before")
             return dst
-        with unwritable_names(folder, "run.dir"):
+        try:
             record_file.unlink(missing_ok=True)
             shutil.rmtree(dst, ignore_errors=True)
-        say(f"{src}: a Hugging Face model; converting it (TP={tensor} PP={pipeline}, "
-            f"{dtype or 'its own precision'}) into {dst}")
-        convert(src, dst, to="megacli", parallel=ParallelSection(tensor=tensor, pipeline=pipeline), dtype=dtype,
-                trust_pickle=trust_pickle, say=lambda _line: None)
-        draft = folder / f".{record_file.name}.draft"
-        with unwritable_names(folder, "run.dir", draft):
+            say(f"{src}: a Hugging Face model; converting it (TP={tensor} PP={pipeline}, "
+                f"{dtype or 'its own precision'}) into {dst}")
+            convert(src, dst, to="megacli", parallel=ParallelSection(tensor=tensor, pipeline=pipeline), dtype=dtype,
+                    trust_pickle=trust_pickle, say=lambda _line: None)
             draft.write_text(json.dumps(record, indent=1) + "\n")
             draft.replace(record_file)
+        except BaseException:
+            for d in reversed(made):  # the directories made for this conversion, when nothing else is in them
+                with contextlib.suppress(OSError):
+                    d.rmdir()
+            raise
     return dst
 
 
@@ -93,15 +97,22 @@ def _complete(dst: Path, find_checkpoint) -> bool:
 
 
 @contextlib.contextmanager
-def _locked(path: Path):
+def _locked(folder: Path):
+    """``folder``, created if need be, locked for the block (a folder removed while this waited for
+    its lock is made and locked anew)."""
     import fcntl
 
-    from megacli.rundir import unwritable_names
-
-    with unwritable_names(path.parent, "run.dir"):
-        fh = open(path, "a")
+    while True:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder, os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            if os.stat(folder).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
     try:
-        fcntl.flock(fh, fcntl.LOCK_EX)
         yield
     finally:
-        fh.close()
+        os.close(fd)
