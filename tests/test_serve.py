@@ -118,18 +118,20 @@ def _from_hf_dir(d: Path) -> dict:
             tokens = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW, pad_token_id=tok.eos_token_id)
         out["hf_greedy"].append(tokens[0, len(ids):].tolist())
     out["hf_pieces"] = [[tok.decode([t]) for t in tokens] for tokens in out["hf_greedy"]]
-    # the same files elsewhere, then one file changed (both directories named hf, as the source)
-    same, changed = d / "same" / "hf", d / "changed" / "hf"
+    # into a copy of that run directory: the same files elsewhere, then one file changed (both
+    # directories named hf, as the source)
+    same, changed, later_run = d / "same" / "hf", d / "changed" / "hf", d / "later_run"
     shutil.copytree(d / "hf", same)
     shutil.copytree(d / "hf", changed)
+    shutil.copytree(run_dir, later_run)
     config = json.loads((changed / "config.json").read_text())
     (changed / "config.json").write_text(json.dumps({**config, "note": "changed"}))
-    out["later"] = []
-    for src in (same, changed, d / "hf"):
+    out["later"] = {"run_dir": str(later_run)}
+    for key, src in (("same", same), ("changed", changed)):
         said = []
-        converted_in_run(src, run_dir, tensor=1, pipeline=1, dtype=None, trust_pickle=False, say=said.append)
-        meta = json.loads((run_dir / "converted" / "hf" / "iter_0000000" / "megacli.json").read_text())
-        out["later"].append({"said": said, "converted_from": meta["converted_from"]["path"]})
+        converted_in_run(src, later_run, tensor=1, pipeline=1, dtype=None, trust_pickle=False, say=said.append)
+        meta = json.loads((later_run / "converted" / "hf" / "iter_0000000" / "megacli.json").read_text())
+        out["later"][key] = {"said": said, "converted_from": meta["converted_from"]["path"]}
     return out
 
 
@@ -256,11 +258,13 @@ def test_a_hugging_face_directory_is_converted_once_and_served(prepared):
     assert f"converting it (TP=1 PP=1, its own precision) into {converted}" in ref["said"]
     assert ref["from_hf_dir"] == ref["from_converted"]
     assert [r["tokens"] for r in ref["from_hf_dir"]] == ref["hf_greedy"]
-    same, changed, back = ref["later"]
-    assert same["said"] == [f"{root / 'gpt2' / 'same' / 'hf'}: using {converted}, converted from the same files before"]
-    assert same["converted_from"] == str(root / "gpt2" / "hf")
-    assert "converting it" in changed["said"][0] and changed["converted_from"] == str(root / "gpt2" / "changed" / "hf")
-    assert "converting it" in back["said"][0] and back["converted_from"] == str(root / "gpt2" / "hf")
+    later = ref["later"]
+    again = Path(later["run_dir"]) / "converted" / "hf"
+    assert later["same"]["said"] == [f"{root / 'gpt2' / 'same' / 'hf'}: using {again}, converted from the same files before"]
+    assert later["same"]["converted_from"] == str(root / "gpt2" / "hf")
+    assert later["changed"]["said"] == [f"{root / 'gpt2' / 'changed' / 'hf'}: a Hugging Face model; converting it "
+                                        f"(TP=1 PP=1, its own precision) into {again}"]
+    assert later["changed"]["converted_from"] == str(root / "gpt2" / "changed" / "hf")
     server = Server(root / "gpt2" / "hf", "--set", f"run.dir={ref['run_dir']}")
     try:
         assert f"using {converted}, converted from the same files before" in "".join(server.lines)
