@@ -1,9 +1,11 @@
 """No code runs from a checkpoint: every pickle megacli reads is restricted to an allow-list unless
 the user says --trust-pickle / checkpoint.trust_pickle; corrupt, truncated and escaping files are
-clear errors. Single process: a small torch_dist checkpoint written directly (no model is built)."""
+clear errors. Single process: a small torch_dist checkpoint written directly (no model is built but
+for one tiny Hugging Face model's conversion)."""
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import pickle
@@ -296,6 +298,31 @@ def test_pickled_pytorch_model_bin_needing_code_is_a_clear_error(tmp_path):
         HFWeights(tmp_path)
     assert not marker.exists()
     assert "w" in HFWeights(tmp_path, trust_pickle=True).keys() and marker.exists()
+
+
+def test_an_hf_directory_given_to_generate_or_serve_is_read_as_convert_reads_it(tmp_path):
+    """Its pytorch_model.bin passes the allow-list (refused: nothing converted) unless --trust-pickle."""
+    from safetensors.torch import load_file
+
+    from megacli.cli.generate import build_recipe
+    from tests import _convert_models as cm
+
+    hf, run = tmp_path / "hf", tmp_path / "run"
+    cm.build_hf("gpt2", hf)
+    marker = tmp_path / "code-ran"
+    state = load_file(hf / "model.safetensors")
+    name = next(iter(state))
+    torch.save({**state, name: _Payload(marker, pickle.dumps(state[name]))}, hf / "pytorch_model.bin")
+    (hf / "model.safetensors").unlink()
+    commands = [("generate", "-c", hf, "--prompt", "x")]
+    if importlib.util.find_spec("fastapi") and importlib.util.find_spec("sse_starlette"):
+        commands.append(("serve", hf))
+    for command in commands:
+        assert_refused(cli(*command, "--set", f"run.dir={run}"), marker, "pytorch_model.bin")
+        assert not run.exists(), "nothing is left of the refused conversion"
+    recipe = build_recipe(None, {"checkpoint": str(hf)}, tensor=None, pipeline=None, overrides=[f"run.dir={run}"],
+                          trust_pickle=True)
+    assert marker.exists() and recipe.generate.checkpoint == str(run / "converted" / "hf")
 
 
 def test_bert_legacy_export_is_refused_before_writing(tmp_path):

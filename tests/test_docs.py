@@ -43,7 +43,9 @@ FEW_STEPS = "Run by the docs tests with a few steps in one process"
 # over several processes are tested on their own (tests/test_pretrain.py, test_finetune.py, ...).
 FEW_STEPS_SETS = ("train.iters=2", "train.eval_iters=1", "launch.nproc=1", "parallel.tensor=1", "parallel.pipeline=1")
 PARSED = " · command line parsed by the docs tests"
-REASONS = {"Needs a GPU", "Needs a cluster", "Needs the network"}
+# A server runs until it is stopped, so a block of `megacli serve` command lines is parsed here;
+# tests/test_serve.py starts those servers on tiny checkpoints (loopback only).
+REASONS = {"Needs a GPU", "Needs a cluster", "Needs the network", "Starts a server"}
 OTHER_TEST = re.compile(r"Run by (tests/test_\w+\.py)")
 FENCE = re.compile(r"^```(\w*)([^\n]*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
 
@@ -221,6 +223,8 @@ def _build_data(root: Path) -> None:
         "task: my_task\ndataset_path: json\ndataset_kwargs: {data_files: {test: lambada.jsonl}}\ntest_split: test\n"
         "output_type: loglikelihood\ndoc_to_text: \"{{text.split(' ')[:-1]|join(' ')}}\"\n"
         "doc_to_target: \"{{' ' + text.split(' ')[-1]}}\"\nmetric_list: [{metric: acc, aggregation: mean, higher_is_better: true}]\n")
+    Path("my.jsonl").write_text("".join(json.dumps({"prompt": f"Say {w}.", "response": w}) + "\n"
+                                        for w in ("yes", "no", "maybe", "later") * 4))  # instructions to finetune on
     Path("prompts.jsonl").write_text('{"prompt": "The capital of France is"}\n{"prompt": "Return the"}\n')
     Path("text.jsonl").write_text("".join(json.dumps({"text": t[:200]}) + "\n" for t in texts[:2]))
     Path("lambada.jsonl").write_text("".join(json.dumps({"text": " ".join(t.split()[:12])}) + "\n" for t in texts[:8]))
@@ -281,8 +285,9 @@ def test_every_example_block_says_how_it_is_checked():
     assert not problems, "\n".join(problems)
 
 
-def test_only_a_gpu_a_cluster_or_the_network_excuse_an_example_from_running():
+def test_only_a_gpu_a_cluster_the_network_or_a_server_excuse_an_example_from_running():
     assert _kind("Needs the network" + PARSED) == PARSED
+    assert _kind("Starts a server" + PARSED) == PARSED
     for reason in ("Needs a checkpoint", "Needs a corpus", "Needs a large model", "Takes minutes on CPU", "Too slow"):
         assert _kind(reason + PARSED) is None, reason
 

@@ -77,6 +77,8 @@ def _prepare(rank, world, root: str):
         records = [json.loads(line) for line in out.read_text().splitlines()]
         refs[name] = {"completions": records[: len(PROMPTS)], "chats": records[len(PROMPTS) :],
                       "pieces": {r["prompt"]: [hf_tok.decode([t]) for t in r["tokens"]] for r in records}}
+    refs["hf_dir"] = _from_hf_dir(root / "gpt2")
+    refs["megatron_lm"] = _from_megatron_lm(root / "gpt2")
     out = root / "eval.json"
     res = _cli("eval", root / "gpt2" / "mc", "--tasks", ",".join(EVAL_TASKS), "--include-path", tasks,
                "-o", out, "--set", "eval.log_samples=true", "--set", "eval.bootstrap_iters=0",
@@ -84,6 +86,61 @@ def _prepare(rank, world, root: str):
     assert res.exit_code == 0, res.output
     refs["eval"] = json.loads(out.read_text())
     return refs
+
+
+def _generated(ckpt: Path, prompts: Path, out: Path, run_dir: Path):
+    """`megacli generate -c CKPT` on the prompts: its records and what it said on stderr."""
+    res = _cli("generate", "-c", ckpt, "--prompts", prompts, "-n", NEW, "-o", out, "--set", f"run.dir={run_dir}")
+    assert res.exit_code == 0, res.output
+    return [json.loads(line) for line in out.read_text().splitlines()], res.stderr
+
+
+def _from_hf_dir(d: Path) -> dict:
+    """`generate -c HF_DIR` (converted into its run directory), generate on that conversion, and Hugging
+    Face's own greedy tokens; then which later conversions into the same place were reused."""
+    import shutil
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from megacli.convert.in_run import converted_in_run
+    from tests import _convert_models as cm
+
+    prompts, run_dir = d / "prompts.jsonl", d / "hf_run"
+    out = {"run_dir": str(run_dir)}
+    out["from_hf_dir"], out["said"] = _generated(d / "hf", prompts, d / "hf_dir.jsonl", run_dir)
+    out["from_converted"], _ = _generated(run_dir / "converted" / "hf", prompts, d / "converted.jsonl", d / "conv_run")
+    model, tok = cm.load_hf(d / "hf"), AutoTokenizer.from_pretrained(d / "hf")
+    out["hf_greedy"] = []
+    for r in out["from_hf_dir"]:
+        ids = tok.encode(r["prompt"])
+        with torch.no_grad():
+            tokens = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW, pad_token_id=tok.eos_token_id)
+        out["hf_greedy"].append(tokens[0, len(ids):].tolist())
+    out["hf_pieces"] = [[tok.decode([t]) for t in tokens] for tokens in out["hf_greedy"]]
+    # into a copy of that run directory: the same files elsewhere, then one file changed (both
+    # directories named hf, as the source)
+    same, changed, later_run = d / "same" / "hf", d / "changed" / "hf", d / "later_run"
+    shutil.copytree(d / "hf", same)
+    shutil.copytree(d / "hf", changed)
+    shutil.copytree(run_dir, later_run)
+    config = json.loads((changed / "config.json").read_text())
+    (changed / "config.json").write_text(json.dumps({**config, "note": "changed"}))
+    out["later"] = {"run_dir": str(later_run)}
+    for key, src in (("same", same), ("changed", changed)):
+        said = []
+        converted_in_run(src, later_run, tensor=1, pipeline=1, dtype=None, trust_pickle=False, say=said.append)
+        meta = json.loads((later_run / "converted" / "hf" / "iter_0000000" / "megacli.json").read_text())
+        out["later"][key] = {"said": said, "converted_from": meta["converted_from"]["path"]}
+    return out
+
+
+def _from_megatron_lm(d: Path) -> dict:
+    """The converted GPT-2 exported as a Megatron-LM torch_dist checkpoint, and `megacli generate` on it."""
+    res = _cli("reshard", d / "mc", d / "mlm", "--format", "megatron", "--no-progress")
+    assert res.exit_code == 0, res.output
+    records, _ = _generated(d / "mlm", d / "prompts.jsonl", d / "mlm.jsonl", d / "mlm_run")
+    return {"generated": records}
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +246,51 @@ def test_openai_client_equals_generate(prepared, servers, name):
         assert [t.token for t in got.choices[0].logprobs.content] == ref["pieces"][want["prompt"]]
         streamed = client.chat.completions.create(model="mc", messages=messages, max_tokens=NEW, temperature=0, stream=True)
         assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed) == want["text"]
+
+
+@pytest.mark.slow
+def test_a_hugging_face_directory_is_converted_once_and_served(prepared):
+    """`generate -c HF_DIR` and `serve HF_DIR` run the conversion megacli made in the run directory (made
+    once, reused while the source's files are the same): generate's text on it, Hugging Face's greedy tokens."""
+    root, refs = prepared
+    ref = refs["hf_dir"]
+    converted = Path(ref["run_dir"]) / "converted" / "hf"
+    assert f"converting it (TP=1 PP=1, its own precision) into {converted}" in ref["said"]
+    assert ref["from_hf_dir"] == ref["from_converted"]
+    assert [r["tokens"] for r in ref["from_hf_dir"]] == ref["hf_greedy"]
+    later = ref["later"]
+    again = Path(later["run_dir"]) / "converted" / "hf"
+    assert later["same"]["said"] == [f"{root / 'gpt2' / 'same' / 'hf'}: using {again}, converted from the same files before"]
+    assert later["same"]["converted_from"] == str(root / "gpt2" / "hf")
+    assert later["changed"]["said"] == [f"{root / 'gpt2' / 'changed' / 'hf'}: a Hugging Face model; converting it "
+                                        f"(TP=1 PP=1, its own precision) into {again}"]
+    assert later["changed"]["converted_from"] == str(root / "gpt2" / "changed" / "hf")
+    server = Server(root / "gpt2" / "hf", "--set", f"run.dir={ref['run_dir']}")
+    try:
+        assert f"using {converted}, converted from the same files before" in "".join(server.lines)
+        got = server.client().completions.create(model="hf", prompt=PROMPTS, max_tokens=NEW, temperature=0, logprobs=0)
+        want = ref["from_hf_dir"][: len(PROMPTS)]
+        assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [r["text"] for r in want]
+        assert [c.logprobs.tokens for c in sorted(got.choices, key=lambda c: c.index)] == ref["hf_pieces"][: len(PROMPTS)]
+    finally:
+        assert server.stop() == 0
+
+
+@pytest.mark.slow
+def test_a_megatron_lm_checkpoint_is_served(prepared):
+    """A Megatron-LM torch_dist checkpoint (the model from its args): generate's greedy text on it."""
+    root, refs = prepared
+    want = refs["megatron_lm"]["generated"]
+    server = Server(root / "gpt2" / "mlm")
+    try:
+        client = server.client()
+        got = client.completions.create(model="mlm", prompt=PROMPTS, max_tokens=NEW, temperature=0)
+        assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [r["text"] for r in want[: len(PROMPTS)]]
+        for messages, r in zip(CHATS, want[len(PROMPTS):]):
+            chat = client.chat.completions.create(model="mlm", messages=messages, max_tokens=NEW, temperature=0)
+            assert chat.choices[0].message.content == r["text"]
+    finally:
+        assert server.stop() == 0
 
 
 def _requests() -> list[dict]:

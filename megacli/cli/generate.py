@@ -72,11 +72,16 @@ def generate(
 def build_recipe(recipe_path: Optional[Path], flags: dict, *, tensor: Optional[int], pipeline: Optional[int],
                  overrides: list[str], job: str = "generate", trust_pickle: bool = False):
     """The checkpoint's recipe (less any trust it claims: megacli.recipe.trust), then the RECIPE file's
-    sections, then the flags (the ``job`` section: generate or eval), then --set."""
+    sections, then the flags (the ``job`` section: generate, eval or serve), then --set. A Hugging Face
+    directory is converted into the run directory first (megacli.convert.in_run)."""
+    import typer
+
     from megacli.recipe import trust
     from megacli.checkpoint.layout import find_checkpoint
     from megacli.checkpoint.megatron_lm import is_megatron_lm_dir, recipe_for_weights
     from megacli.checkpoint.safe_pickle import check_checkpoint
+    from megacli.convert.hf_io import is_hf_dir
+    from megacli.convert.in_run import converted_in_run
     from megacli.errors import UserError
     from megacli.recipe import base
     from megacli.recipe.jobs import recipe_model
@@ -84,27 +89,35 @@ def build_recipe(recipe_path: Optional[Path], flags: dict, *, tensor: Optional[i
     given = base.read_yaml(recipe_path) if recipe_path else {}
     if trust_pickle:
         given["checkpoint"] = {**(given.get("checkpoint") or {}), "trust_pickle": True}
+    user = base.apply_overrides(given, overrides)
     section = {**(given.get(job) or {}), **flags}
     source = section.get("checkpoint")
     if not source:
         where = "--checkpoint DIR" if job == "generate" else "the CHECKPOINT directory"
         raise UserError(f"which model? give {where} (or {job}.checkpoint in the recipe)")
+    tp = tensor or (given.get("parallel") or {}).get("tensor") or 1
+    pp = pipeline or (given.get("parallel") or {}).get("pipeline") or 1
     ckpt = find_checkpoint(source)
+    if ckpt is None and not is_megatron_lm_dir(Path(source)) and is_hf_dir(Path(source)):
+        run_dir = Path((user.get("run") or {}).get("dir", f"runs/{job}"))
+        converted = converted_in_run(Path(source), run_dir, tensor=tp, pipeline=pp,
+                                     dtype=(user.get("train") or {}).get("precision"),
+                                     trust_pickle=trust.granted(user, "checkpoint", "trust_pickle"),
+                                     say=lambda line: typer.echo(line, err=True))
+        source = section["checkpoint"] = str(converted)
+        ckpt = find_checkpoint(converted)
     if ckpt is not None:
         carried = base.read_yaml(ckpt / "recipe.yaml")
     elif is_megatron_lm_dir(Path(source)):  # the model from its run's args
-        user = base.apply_overrides(given, overrides)
         ckpt, carried = recipe_for_weights(Path(source), trust_pickle=trust.granted(user, "checkpoint", "trust_pickle"))
     else:
-        raise UserError(f"{source}: not a megacli checkpoint (no `latest` or megacli.json) nor a Megatron-LM torch_dist "
-                        f"one; convert a Hugging Face model with `megacli convert` first")
+        raise UserError(f"{source}: not a megacli checkpoint (no `latest` or megacli.json), a Megatron-LM torch_dist "
+                        f"one, nor a Hugging Face model directory (config.json)")
     raw = _merge(trust.carried(carried), given)
     raw[job] = section
     if job != "generate":  # the inference runner loads generate.checkpoint
         raw["generate"] = {**(given.get("generate") or {}), "checkpoint": source}
     par = raw.setdefault("parallel", {})
-    tp = tensor or (given.get("parallel") or {}).get("tensor") or 1
-    pp = pipeline or (given.get("parallel") or {}).get("pipeline") or 1
     par.update(tensor=tp, pipeline=pp, virtual_pipeline=None, sequence_parallel=False, context=1,
                distributed_optimizer=False, recompute="none")
     par.update(_stage_split(raw, pp))
