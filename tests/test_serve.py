@@ -136,11 +136,15 @@ def _from_hf_dir(d: Path) -> dict:
 
 
 def _from_megatron_lm(d: Path) -> dict:
-    """The converted GPT-2 exported as a Megatron-LM torch_dist checkpoint, and `megacli generate` on it."""
+    """The converted GPT-2 exported as a Megatron-LM torch_dist checkpoint, and `megacli generate` on it;
+    and exported as a legacy one, which generate converts into its run directory first."""
     res = _cli("reshard", d / "mc", d / "mlm", "--format", "megatron", "--no-progress")
     assert res.exit_code == 0, res.output
     records, _ = _generated(d / "mlm", d / "prompts.jsonl", d / "mlm.jsonl", d / "mlm_run")
-    return {"generated": records}
+    res = _cli("reshard", d / "mc", d / "mlm_legacy", "--format", "legacy", "--no-progress")
+    assert res.exit_code == 0, res.output
+    legacy, said = _generated(d / "mlm_legacy", d / "prompts.jsonl", d / "mlm_legacy.jsonl", d / "mlm_legacy_run")
+    return {"generated": records, "legacy": legacy, "legacy_said": said}
 
 
 @pytest.fixture(scope="module")
@@ -291,6 +295,18 @@ def test_a_megatron_lm_checkpoint_is_served(prepared):
             assert chat.choices[0].message.content == r["text"]
     finally:
         assert server.stop() == 0
+
+
+@pytest.mark.slow
+def test_a_megatron_lm_legacy_checkpoint_is_converted_in_the_run_directory(prepared):
+    """A legacy Megatron-LM checkpoint given to generate (serve and eval build their recipe the same
+    way) is converted into the run directory first: the same greedy text as the megacli checkpoint
+    it was exported from."""
+    root, refs = prepared
+    legacy = refs["megatron_lm"]["legacy"]
+    assert [r["text"] for r in legacy] == [r["text"] for r in refs["gpt2"]["completions"] + refs["gpt2"]["chats"]]
+    assert "a Megatron-LM legacy checkpoint; converting it (TP=1 PP=1" in refs["megatron_lm"]["legacy_said"]
+    assert (root / "gpt2" / "mlm_legacy_run" / "converted" / "mlm_legacy.source.json").is_file()
 
 
 def _requests() -> list[dict]:

@@ -73,11 +73,12 @@ def build_recipe(recipe_path: Optional[Path], flags: dict, *, tensor: Optional[i
                  overrides: list[str], job: str = "generate", trust_pickle: bool = False):
     """The checkpoint's recipe (less any trust it claims: megacli.recipe.trust), then the RECIPE file's
     sections, then the flags (the ``job`` section: generate, eval or serve), then --set. A Hugging Face
-    directory is converted into the run directory first (megacli.convert.in_run)."""
+    directory or a Megatron-LM legacy checkpoint is converted into the run directory first
+    (megacli.convert.in_run)."""
     import typer
 
     from megacli.recipe import trust
-    from megacli.checkpoint.layout import find_checkpoint
+    from megacli.checkpoint.layout import find_checkpoint, is_legacy_dir
     from megacli.checkpoint.megatron_lm import is_megatron_lm_dir, recipe_for_weights
     from megacli.checkpoint.safe_pickle import check_checkpoint
     from megacli.convert.hf_io import is_hf_dir
@@ -98,7 +99,7 @@ def build_recipe(recipe_path: Optional[Path], flags: dict, *, tensor: Optional[i
     tp = tensor or (given.get("parallel") or {}).get("tensor") or 1
     pp = pipeline or (given.get("parallel") or {}).get("pipeline") or 1
     ckpt = find_checkpoint(source)
-    if ckpt is None and not is_megatron_lm_dir(Path(source)) and is_hf_dir(Path(source)):
+    if ckpt is None and (is_legacy_dir(Path(source)) or not is_megatron_lm_dir(Path(source)) and is_hf_dir(Path(source))):
         run_dir = Path((user.get("run") or {}).get("dir", f"runs/{job}"))
         converted = converted_in_run(Path(source), run_dir, tensor=tp, pipeline=pp,
                                      dtype=(user.get("train") or {}).get("precision"),
@@ -112,7 +113,7 @@ def build_recipe(recipe_path: Optional[Path], flags: dict, *, tensor: Optional[i
         ckpt, carried = recipe_for_weights(Path(source), trust_pickle=trust.granted(user, "checkpoint", "trust_pickle"))
     else:
         raise UserError(f"{source}: not a megacli checkpoint (no `latest` or megacli.json), a Megatron-LM torch_dist "
-                        f"one, nor a Hugging Face model directory (config.json)")
+                        f"or legacy one, nor a Hugging Face model directory (config.json)")
     raw = _merge(trust.carried(carried), given)
     raw[job] = section
     if job != "generate":  # the inference runner loads generate.checkpoint

@@ -1,9 +1,10 @@
-"""A Hugging Face model directory given to generate, serve or eval as their checkpoint: converted by
-``megacli.convert.convert`` (what `megacli convert` runs) into RUN_DIR/converted/NAME, and reused
-there only while the source provably holds the same files.
+"""A Hugging Face model directory or a Megatron-LM legacy checkpoint given to generate, serve or eval
+as their checkpoint: converted by ``megacli.convert.convert`` (what `megacli convert` runs) into
+RUN_DIR/converted/NAME, and reused there only while the source provably holds the same files.
 
 Beside the conversion, NAME.source.json records the conversion's options and the name, size and
-SHA-256 of every file directly in the source directory (all the converter reads). The conversion
+SHA-256 of every file the converter reads (a Hugging Face directory's own files; every file of a
+legacy checkpoint, by its path inside it). The conversion
 is reused when that record equals what the source and options give now; otherwise it is made
 again in its place. A lock on RUN_DIR/converted serialises the processes converting there (the
 ranks of a torchrun job, two servers started together).
@@ -27,7 +28,8 @@ _CHUNK = 1 << 24
 
 def converted_in_run(src: Path, run_dir: Path, *, tensor: int, pipeline: int, dtype: str | None, trust_pickle: bool,
                      say: Callable[[str], None]) -> Path:
-    """The megacli checkpoint of the Hugging Face directory ``src`` under ``run_dir`` (converted for
+    """The megacli checkpoint of ``src``, a Hugging Face directory or a Megatron-LM legacy checkpoint,
+    under ``run_dir`` (converted for
     TP=``tensor`` PP=``pipeline`` in ``dtype``, None: the source's), made now or reused; ``say`` gets
     one line saying which, with the path."""
     import megacli
@@ -38,11 +40,15 @@ def converted_in_run(src: Path, run_dir: Path, *, tensor: int, pipeline: int, dt
 
     if dtype is not None and dtype not in PRECISIONS:
         raise UserError(f"train.precision = {dtype!r}: expected one of {', '.join(PRECISIONS)}")
+    from megacli.checkpoint.layout import is_legacy_dir
+
+    legacy = is_legacy_dir(src)
+    kind = "a Megatron-LM legacy checkpoint" if legacy else "a Hugging Face model"
     folder = run_dir / CONVERTED_DIR
     name = src.resolve().name
     dst, record_file = folder / name, folder / f"{name}.source.json"
     record = {"megacli": megacli.__version__, "tensor": tensor, "pipeline": pipeline, "dtype": dtype,
-              "files": fingerprint(src)}
+              "files": fingerprint(src, recursive=legacy)}
     draft = folder / f".{record_file.name}.draft"
     made = [d for d in (run_dir, folder) if not d.exists()]
     with unwritable_names(run_dir, "run.dir", draft), _locked(folder):
@@ -52,7 +58,7 @@ def converted_in_run(src: Path, run_dir: Path, *, tensor: int, pipeline: int, dt
         try:
             record_file.unlink(missing_ok=True)
             shutil.rmtree(dst, ignore_errors=True)
-            say(f"{src}: a Hugging Face model; converting it (TP={tensor} PP={pipeline}, "
+            say(f"{src}: {kind}; converting it (TP={tensor} PP={pipeline}, "
                 f"{dtype or 'its own precision'}) into {dst}")
             convert(src, dst, to="megacli", parallel=ParallelSection(tensor=tensor, pipeline=pipeline), dtype=dtype,
                     trust_pickle=trust_pickle, say=lambda _line: None)
@@ -66,19 +72,20 @@ def converted_in_run(src: Path, run_dir: Path, *, tensor: int, pipeline: int, dt
     return dst
 
 
-def fingerprint(src: Path) -> list[list]:
-    """[name, size, sha256] of every file directly in ``src``, by name."""
+def fingerprint(src: Path, *, recursive: bool = False) -> list[list]:
+    """[name, size, sha256] of every file directly in ``src`` (``recursive``: every file under it,
+    named by its path inside ``src``), by name."""
     out = []
     try:
-        for f in sorted(src.iterdir()):
+        for f in sorted(src.rglob("*") if recursive else src.iterdir()):
             if f.is_file():
                 digest = hashlib.sha256()
                 with open(f, "rb") as fh:
                     while chunk := fh.read(_CHUNK):
                         digest.update(chunk)
-                out.append([f.name, f.stat().st_size, digest.hexdigest()])
+                out.append([f.relative_to(src).as_posix(), f.stat().st_size, digest.hexdigest()])
     except OSError as exc:
-        raise UserError(f"{src}: cannot read the Hugging Face model's files ({exc.strerror or exc})") from None
+        raise UserError(f"{src}: cannot read the model's files ({exc.strerror or exc})") from None
     return out
 
 
