@@ -110,11 +110,11 @@ def test_shape_mismatch_names_key_shapes_and_cause():
 
 def test_canonical_and_legacy_key_names():
     from megacli.checkpoint.legacy import canonical_name
-    from megacli.convert.megatron_io import canonical_key
+    from megacli.convert.megatron_io import unstacked_key
 
-    assert canonical_key("decoder.layers.3.input_layernorm.weight", "decoder.layers.self_attention.linear_qkv.layer_norm_weight") \
+    assert unstacked_key("decoder.layers.3.input_layernorm.weight", "decoder.layers.self_attention.linear_qkv.layer_norm_weight") \
         == "decoder.layers.3.self_attention.linear_qkv.layer_norm_weight"
-    assert canonical_key("decoder.final_layernorm.weight", "decoder.final_layernorm.weight") == "decoder.final_layernorm.weight"
+    assert unstacked_key("decoder.final_layernorm.weight", "decoder.final_layernorm.weight") == "decoder.final_layernorm.weight"
     assert canonical_name("language_model.encoder.layers.2.input_norm.weight") == "decoder.layers.2.self_attention.linear_qkv.layer_norm_weight"
     assert canonical_name("language_model.encoder.layers.2.mlp.dense_4h_to_h.bias") == "decoder.layers.2.mlp.linear_fc2.bias"
     assert canonical_name("decoder.layers.1.pre_mlp_layernorm.weight") == "decoder.layers.1.mlp.linear_fc1.layer_norm_weight"

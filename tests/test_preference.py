@@ -343,7 +343,7 @@ def _steps_at(rank, world, root: str, layouts: list[tuple[int, int]]):
     from megatron.core import parallel_state as ps
 
     from megacli.engine import checkpoint, distributed
-    from megacli.engine.loop import build_trainer, data_iterators, is_reporting_rank, train_step
+    from megacli.engine.loop import build_trainer, data_iterators, train_step
     from megacli.recipe.base import load
     from megacli.recipe.pretrain import TrainingRecipe
 
@@ -367,7 +367,7 @@ def _steps_at(rank, world, root: str, layouts: list[tuple[int, int]]):
                         scheduler=trainer.scheduler, load_optimizer=False)
         iterators = data_iterators(trainer, trainer.train_data, start_sample=0)
         steps = [train_step(trainer, iterators)[0] for _ in range(3)]
-        out[(tp, pp)] = steps if is_reporting_rank() else None
+        out[(tp, pp)] = steps if distributed.is_reporting_rank() else None
     distributed.teardown()
     return out
 
