@@ -17,14 +17,13 @@ token), loss_mask (1 where the label is a completion token) and position_ids.
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from megacli.data.jsonl import iter_lines
-from megacli.data.sft import ChatTemplate, chat_template_of
+from megacli.data.sft import ChatTemplate, chat_template_of, train_and_held_out
 from megacli.errors import UserError
 
 FIELDS = ("prompt", "chosen", "rejected")
@@ -228,15 +227,9 @@ def build_preference_datasets(*, pref, tokenizer, tokenizer_path: str | None, se
                               seed: int) -> tuple[PreferenceDataset, PreferenceDataset | None, list[str]]:
     """Train and validation datasets (validation from preference.valid as one file, or a seeded
     valid_fraction of the training pairs) and one summary line per split."""
-    pairs = read_pairs(pref.train)
-    if pref.valid_file:
-        valid_pairs = read_pairs(pref.valid_file)
-    else:
-        order = list(range(len(pairs)))
-        random.Random(seed).shuffle(order)
-        n_valid = int(round(len(pairs) * pref.valid_fraction))
-        valid_pairs = [pairs[i] for i in sorted(order[:n_valid])]
-        pairs = [pairs[i] for i in sorted(order[n_valid:])]
+    pairs, valid_pairs = train_and_held_out(read_pairs(pref.train),
+                                            valid_records=read_pairs(pref.valid_file) if pref.valid_file else None,
+                                            fraction=pref.valid_fraction, seed=seed)
     out, lines = [], []
     for name, recs in (("train", pairs), ("validation", valid_pairs)):
         ds, line = _dataset(recs, name, pref=pref, tokenizer=tokenizer, tokenizer_path=tokenizer_path,

@@ -187,19 +187,24 @@ class SftDataset:
         return self.samples[i]
 
 
+def train_and_held_out(records: list, *, valid_records: list | None, fraction: float, seed: int) -> tuple[list, list]:
+    """The training and validation records: ``valid_records`` when a validation file was given, else
+    a seeded ``fraction`` of ``records`` (both keeping file order)."""
+    if valid_records is not None:
+        return records, valid_records
+    order = list(range(len(records)))
+    random.Random(seed).shuffle(order)
+    n_valid = int(round(len(records) * fraction))
+    return [records[i] for i in sorted(order[n_valid:])], [records[i] for i in sorted(order[:n_valid])]
+
+
 def build_sft_datasets(*, sft, tokenizer, tokenizer_path: str | None, seq_length: int,
                        seed: int) -> tuple[SftDataset, SftDataset | None, list[str]]:
     """Train and validation datasets (validation from sft.valid, or a seeded sft.valid_fraction of
     the training file) and one summary line per split."""
-    records = read_records(sft.train)
-    if sft.valid_file:
-        valid_records = read_records(sft.valid_file)
-    else:
-        order = list(range(len(records)))
-        random.Random(seed).shuffle(order)
-        n_valid = int(round(len(records) * sft.valid_fraction))
-        valid_records = [records[i] for i in sorted(order[:n_valid])]
-        records = [records[i] for i in sorted(order[n_valid:])]
+    records, valid_records = train_and_held_out(read_records(sft.train),
+                                                valid_records=read_records(sft.valid_file) if sft.valid_file else None,
+                                                fraction=sft.valid_fraction, seed=seed)
     out, lines = [], []
     for name, recs in (("train", records), ("validation", valid_records)):
         ds, line = _dataset(recs, name, sft=sft, tokenizer=tokenizer, tokenizer_path=tokenizer_path,
