@@ -182,6 +182,8 @@ def launch_workers(job: str, recipe_file: Path, *, run_dir: str, nproc: int, nno
         start_method="spawn",
         **_supported_launch_options(signals_to_handle=FORWARDED_SIGNALS, shutdown_timeout=int(timeout_s) + 1),
     )
+    # For the workers only: a later job run from this process (or a child it starts) has no launcher.
+    previous = os.environ.get(LAUNCHER_PID_VAR)
     os.environ[LAUNCHER_PID_VAR] = str(os.getpid())
     try:
         elastic_launch(config, sys.executable)("-m", "megacli.worker", job, str(recipe_file))
@@ -191,6 +193,10 @@ def launch_workers(job: str, recipe_file: Path, *, run_dir: str, nproc: int, nno
         check_stopped_cleanly(run_dir, exc.sigval)
     finally:
         del store
+        if previous is None:
+            os.environ.pop(LAUNCHER_PID_VAR, None)
+        else:
+            os.environ[LAUNCHER_PID_VAR] = previous
 
 
 def check_stopped_cleanly(run_dir: str | Path, sig: signal.Signals) -> None:

@@ -347,3 +347,22 @@ def test_an_unwritable_directory_is_named_and_nothing_is_left_behind(tmp_path, m
             raise AssertionError("the block ran without the lock")
     assert str(err.value).startswith(f"checkpoint.dir {(tmp_path / 'ck').resolve()}: cannot write there ({os.strerror(code)})")
     assert list(tmp_path.rglob("*")) == [tmp_path / "run"], "the run.dir lock or a draft was left behind"
+
+
+def test_the_launcher_pid_is_the_workers_alone(tmp_path, monkeypatch):
+    """launch_workers tells its workers the launcher's pid through the environment, and takes it back
+    afterwards: a later job run from the same process (a test's, a notebook's) is no launcher's
+    worker, so a stuck run there says why it stopped instead of leaving it to a launcher that is gone."""
+    import torch.distributed.launcher.api as launcher_api
+
+    from megacli import launch
+    from megacli.lifetime import LAUNCHER_PID_VAR
+
+    seen = []
+    monkeypatch.delenv(LAUNCHER_PID_VAR, raising=False)
+    monkeypatch.setattr(launcher_api, "elastic_launch",
+                        lambda config, entry: lambda *args: seen.append(os.environ.get(LAUNCHER_PID_VAR)))
+    launch.launch_workers("pretrain", tmp_path / "recipe.yaml", run_dir=str(tmp_path), nproc=1, nnodes=1, node_rank=0,
+                          rdzv_endpoint=None, job_id="j", timeout_minutes=1)
+    assert seen == [str(os.getpid())]
+    assert LAUNCHER_PID_VAR not in os.environ
