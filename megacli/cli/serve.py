@@ -45,8 +45,8 @@ def serve(
     flags = {"checkpoint": checkpoint and str(checkpoint), "host": host, "port": port, "model_name": model_name,
              "max_batch": max_batch, "max_queue": max_queue}
     flags = {k: v for k, v in flags.items() if v is not None}
-    overrides = (set_ or []) + (["checkpoint.trust_pickle=true"] if trust_pickle else [])
-    job = build_recipe(recipe, flags, tensor=tensor, pipeline=pipeline, overrides=overrides, job="serve")
+    job = build_recipe(recipe, flags, tensor=tensor, pipeline=pipeline, overrides=set_ or [], job="serve",
+                       trust_pickle=trust_pickle)
     if api_key is not None:
         if not api_key.strip():
             raise UserError("--api-key is empty")
