@@ -1,4 +1,4 @@
-"""Training's kernel choices without Transformer Engine: torch.compile of the transformer layers
+"""Training's kernel choices without Transformer Engine: torch.compile of the model's step
 (train.compile) and SDPA's attention kernel (train.attention_backend), which is logged once at
 start as torch picks it for a training micro-batch of the model."""
 
@@ -54,44 +54,86 @@ def describe_attention(recipe, device: torch.device) -> str:
     return f"attention: SDPA {attention_kernel(recipe, device)} kernel on {device.type.upper()} ({how})"
 
 
-def compile_layers(chunks) -> list:
+def compile_model(chunks) -> list:
     """train.compile: torch.compile each transformer layer's forward in place (their parameters
-    stay where they are, so wrappers, optimizer and checkpoints see the same tensors). The forward,
-    not the module call: the layer's own hooks run outside the graph (see lift_param_sync_hooks).
-    Every layer shares one compiled graph: they run the same code on tensors of the same shapes.
-    Returns the compiled layers."""
+    stay where they are, so wrappers, optimizer and checkpoints see the same tensors), and for a
+    GPT the rest of the step: the embedding, the final norm, and the output layer with the loss
+    as one graph (the padded-vocabulary mask and the soft-cap, hooks of the output layer, fused
+    into the cross-entropy's passes over the logits). The forward, not the module call: each
+    compiled module's own hooks run outside its graph (see lift_param_sync_hooks). Every layer
+    shares one compiled graph: they run the same code on tensors of the same shapes. Returns
+    the compiled modules."""
+    from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     _quiet_group_defaults()
-    layers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, TransformerLayer)]
-    for layer in layers:
-        layer.forward = torch.compile(layer.forward)
-    return layers
+    compiled = [m for chunk in chunks for m in chunk.modules() if isinstance(m, TransformerLayer)]
+    for chunk in chunks:
+        if isinstance(chunk, GPTModel) and not chunk.config.mtp_num_layers:
+            if chunk.pre_process:
+                compiled.append(chunk.embedding)
+            if chunk.post_process:
+                compiled.append(chunk.decoder.final_layernorm)
+                compiled.append(_compile_loss_head(chunk))
+    for module in compiled:
+        module.forward = torch.compile(module.forward)
+    return compiled
 
 
-def lift_param_sync_hooks(ddp, layers) -> None:
+class LossHead(torch.nn.Module):
+    """A GPT's output layer and loss for training batches, as one function to compile. It holds
+    the model without registering it (the model's state dict and module tree stay as they are);
+    ``covers`` names the modules whose parameter-sync hooks run before it."""
+
+    def __init__(self, model):
+        super().__init__()
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "covers", [model.output_layer])
+
+    def forward(self, hidden_states, labels, weight):
+        logits, _ = self.model.output_layer(hidden_states, weight=weight)
+        return self.model.compute_language_model_loss(labels, logits)
+
+
+def _compile_loss_head(chunk) -> LossHead:
+    """Route the chunk's training forward (labels given, no inference context) through a LossHead;
+    logits for generation and evaluation without labels take Megatron's own path."""
+    head = LossHead(chunk)
+    original = chunk._postprocess
+
+    def postprocess(**kwargs):
+        if kwargs.get("labels") is None or kwargs.get("inference_context") is not None:
+            return original(**kwargs)
+        weight = chunk.shared_embedding_or_output_weight() if chunk.share_embeddings_and_output_weights else None
+        return head(kwargs["hidden_states"], kwargs["labels"], weight)
+
+    chunk._postprocess = postprocess
+    return head
+
+
+def lift_param_sync_hooks(ddp, compiled) -> None:
     """With parallel.overlap_param_gather, Megatron's DDP puts a forward pre-hook on every module
     that waits for its parameters' all-gather. Traced inside a compiled layer, each hook guards on
     the identity of that layer's parameters, so every layer recompiles the graph (and past torch's
-    recompile limit runs eager). The same waits, for all the modules of a layer at once, in one
-    hook on the layer itself, which runs before the compiled forward. ``layers`` may hold other
-    model chunks' layers."""
+    recompile limit runs eager). The same waits, for all the modules a compiled module runs, in
+    one hook on that module, which runs before its compiled forward. ``compiled`` may hold other
+    model chunks' modules."""
     handles = ddp.remove_forward_pre_hook_handles
     if not handles:
         return
     wait = ddp._make_forward_pre_hook()
-    for layer in layers:
-        inner = [m for m in layer.modules() if m in handles]  # none for another model chunk's layers
+    for module in compiled:
+        inner = [m for m in getattr(module, "covers", module.modules()) if m in handles]  # none for another chunk's
         if not inner:
             continue
         for m in inner:
             handles[m].remove()
 
-        def wait_for_layer(_layer, _args, inner=inner):
+        def wait_for_module(_module, _args, inner=inner):
             for m in inner:
                 wait(m)
 
-        lifted = layer.register_forward_pre_hook(wait_for_layer)
+        lifted = module.register_forward_pre_hook(wait_for_module)
         for m in inner:  # DDP's disable_forward_pre_hook removes the lifted hook (removing twice is a no-op)
             handles[m] = lifted
 

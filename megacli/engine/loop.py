@@ -73,9 +73,9 @@ def build_trainer(recipe, runtime) -> tuple[Trainer, object]:
     chunks = [c.to(runtime.device) for c in chunks]
     compiled = []
     if t.compile:
-        from megacli.engine.kernels import compile_layers
+        from megacli.engine.kernels import compile_model
 
-        compiled = compile_layers(chunks)
+        compiled = compile_model(chunks)
     if t.precision != "fp32":
         from megatron.core.transformer.module import Float16Module
 
@@ -311,7 +311,7 @@ def _train(recipe, runtime, *, harness=None) -> None:
             f"{recipe.num_microbatches} micro-batches/step | {describe_kernels(runtime)}")
     log.say(describe_attention(recipe, runtime.device))
     if t.compile:
-        log.say("train.compile: each transformer layer runs through torch.compile (the first steps include compiling)")
+        log.say("train.compile: the transformer layers, embedding, final norm, output layer and loss run through torch.compile (the first steps include compiling)")
     if t.grad_reduce_in_bf16:
         log.say("train.grad_reduce_in_bf16: gradients are accumulated and all-reduced in bf16")
     expert_stats = _expert_stats(recipe, trainer, runtime)
