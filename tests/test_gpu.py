@@ -78,15 +78,18 @@ KERNEL_NAMES = {"flash": "flash", "cudnn": "cuDNN", "efficient": "efficient"}
 
 
 @pytest.mark.parametrize("option", ["train.compile=true", "optim.fused=false", "train.grad_reduce_in_bf16=true", "train.attention_backend=flash",
-                                    "train.attention_backend=cudnn", "train.attention_backend=efficient"])
+                                    "train.attention_backend=cudnn", "train.attention_backend=efficient",
+                                    "train.cuda_graphs=layers", "train.cuda_graphs=full",
+                                    "train.compile=true train.cuda_graphs=layers"])
 def test_kernel_options_stay_on_the_plain_curve(option, bf16, tmp_path):
     """Each option trains the plain run's curve: bf16 rounding differs (a fused kernel rounds once
     where the eager ops round after each op; bf16 gradient sums round each micro-batch's sum), by
     about 2^-8 relative per rounding, so 1e-2 on the loss; an attention backend is the kernel the
-    start line names (the SDPA kernels need non-deterministic mode)."""
+    start line names (the SDPA kernels need non-deterministic mode). CUDA graphs replay the same
+    kernels: steps after the capture stay on the curve too. Options separated by a space run together."""
     kernel = option.startswith("train.attention_backend")
     run_dir = tmp_path / "opt"
-    out = pretrain(run_dir, [*TINY_GPT, *on_device("cuda", "bf16", deterministic=not kernel), option])
+    out = pretrain(run_dir, [*TINY_GPT, *on_device("cuda", "bf16", deterministic=not kernel), *option.split()])
     if kernel:
         choice = option.split("=")[1]
         assert f"attention: SDPA {KERNEL_NAMES[choice]} kernel on CUDA (train.attention_backend = {choice})" in " ".join(

@@ -1,9 +1,9 @@
 """Training's kernel options on CPU, each against the default path in fp32 (bf16 for the bf16
 gradient reduce): train.compile (torch.compile of the step: one graph for all transformer layers,
 one each for the embedding, the final norm and the output layer with the loss; no graph break, no
-recompile),
-train.attention_backend (the kernel logged at start, and torch's switches set to it) and
-train.grad_reduce_in_bf16 (data-parallel, two ranks)."""
+recompile), train.cuda_graphs (its Megatron-Core settings and its refusals; the graphs themselves
+are tests/test_gpu.py's), train.attention_backend (the kernel logged at start, and torch's switches
+set to it) and train.grad_reduce_in_bf16 (data-parallel, two ranks)."""
 
 from __future__ import annotations
 
@@ -213,3 +213,56 @@ def test_cuda_fusions_compute_the_unfused_functions():
             # (exact GeLU, a dropped bias) differs by >1e-3 of it
             error = (fused[name] - plain[name]).abs().max() / plain[name].abs().max()
             assert error < 1e-6, (activation, name, error.item())
+
+
+def test_cuda_graphs_map_to_megatron_and_refuse_what_cannot_be_captured(tmp_path, monkeypatch):
+    """train.cuda_graphs: layers and full are Megatron-Core's local implementation, per layer or the
+    whole forward-backward; layouts whose shapes or launches vary per step are refused naming the
+    field, and so is a run off CUDA (exit 2, before anything is built)."""
+    from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+    from megatron.core.transformer.enums import CudaGraphScope
+
+    from megacli.engine import cuda_graphs
+    from megacli.engine.models.config import transformer_config
+    from megacli.errors import UserError
+    from megacli.recipe.jobs import load_job_recipe
+    from tests.conftest import pretrain_losses
+
+    recipe = load_job_recipe("pretrain", None, [*TINY, "train.cuda_graphs=layers"])
+    assert recipe.train.cuda_graphs == "layers"
+    scopes = {"none": ("none", []), "layers": ("local", []), "full": ("local", [CudaGraphScope.full_iteration])}
+    for choice, (impl, scope) in scopes.items():
+        config = transformer_config(model=recipe.model, parallel=recipe.parallel, precision="bf16", on_cuda=True,
+                                    **cuda_graphs.config_kwargs(choice))
+        assert (config.cuda_graph_impl, config.cuda_graph_scope) == (impl, scope), choice
+        assert config.cuda_graph_warmup_steps == (cuda_graphs.WARMUP_STEPS if choice != "none" else 3)
+
+    def step(**_):
+        return []
+
+    assert cuda_graphs.schedule("none", step) is step and cuda_graphs.schedule("layers", step) is step
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: None)  # the wrapper's copy stream (no CUDA here)
+    wrapped = cuda_graphs.schedule("full", step)
+    assert isinstance(wrapped, FullCudaGraphWrapper) and wrapped.forward_backward_func is step
+    assert cuda_graphs.schedule("full", step) is wrapped  # one wrapper for the run: its graph persists
+
+    for extra, message in [
+        (["model.moe.num_experts=4", "train.cuda_graphs=layers"], "mixture-of-experts routing"),
+        (["parallel.recompute=full", "train.cuda_graphs=layers"], "full recomputation"),
+        (["train.eval_interval=2", "model.dropout=0.1", "train.cuda_graphs=layers"], "captured in training mode"),
+        (["parallel.pipeline=2", "launch.nproc=2", "train.cuda_graphs=full"], "one pipeline stage"),
+        (["train.cuda_graphs=all"], "train.cuda_graphs"),
+    ]:
+        with pytest.raises(Exception, match=message) as info:
+            load_job_recipe("pretrain", None, [*TINY, *extra])
+        assert "train.cuda_graphs" in str(info.value), (extra, str(info.value))
+    # evaluation is allowed where it replays nothing captured in training mode
+    load_job_recipe("pretrain", None, [*TINY, "train.eval_interval=2", "model.dropout=0.1", "train.cuda_graphs=full"])
+
+    with pytest.raises(UserError, match="train.cuda_graphs = 'full' captures CUDA graphs; this run is on cpu"):
+        cuda_graphs.prepare("full", device=torch.device("cpu"), seed=1)
+    out, losses = pretrain_losses([*[x for s in [*TINY, "train.cuda_graphs=layers"] for x in ("--set", s)]],
+                                  tmp_path / "run", in_process=True)
+    assert out.returncode == 2 and not losses, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "train.cuda_graphs = 'layers' captures CUDA graphs; this run is on cpu" in out.stdout + out.stderr
+    assert "Traceback" not in out.stdout + out.stderr

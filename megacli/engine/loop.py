@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from megacli.engine import checkpoint, distributed, nonfinite
+from megacli.engine import checkpoint, cuda_graphs, distributed, nonfinite
 from megacli.engine.starting_point import pretrained_source, resume_source
 from megacli.engine.metrics import MetricsLog, Stopwatch, is_preference, loss_metrics, perplexity
 from megacli.engine.stop import StopRequests
@@ -61,8 +61,10 @@ def build_trainer(recipe, runtime) -> tuple[Trainer, object]:
     if m.arch in ("bert", "t5"):  # Megatron's masked datasets read a Megatron-style tokenizer (T5: plus sentinels)
         masked_tokenizer = data_mod.MegatronTokenizer(tokenizer, sentinels=recipe.masking.sentinel_tokens if m.arch == "t5" else 0)
     vocab = model_vocab_size(recipe, tokenizer)  # what masked_tokenizer counts (T5: + sentinels)
+    cuda_graphs.prepare(t.cuda_graphs, device=runtime.device, seed=t.seed)
     config = transformer_config(model=m, parallel=p, precision=t.precision, on_cuda=runtime.is_cuda,
-                                deterministic_mode=t.deterministic)  # e.g. embeddings by indexing, not F.embedding
+                                deterministic_mode=t.deterministic,  # e.g. embeddings by indexing, not F.embedding
+                                **cuda_graphs.config_kwargs(t.cuda_graphs))
     chunks = build_model(recipe=recipe, config=config, vocab_size=vocab)
     init_weights(chunks, seed=t.seed, std=m.init_method_std, num_layers=config.num_layers, gated=config.gated_linear_unit,
                  zero_centered_gamma=config.layernorm_zero_centered_gamma)
@@ -206,7 +208,7 @@ def run_schedule(trainer: Trainer, iterators: list, *, forward_only: bool) -> di
     m = trainer.recipe.model
     if trainer.reference is not None:
         iterators = trainer.reference.attach(trainer, iterators)
-    forward_backward = get_forward_backward_func()
+    forward_backward = cuda_graphs.schedule(trainer.recipe.train.cuda_graphs, get_forward_backward_func())
     reports = forward_backward(
         forward_step_func=trainer.forward_step,
         data_iterator=iterators if len(iterators) > 1 else iterators[0],
@@ -311,7 +313,10 @@ def _train(recipe, runtime, *, harness=None) -> None:
             f"{recipe.num_microbatches} micro-batches/step | {describe_kernels(runtime)}")
     log.say(describe_attention(recipe, runtime.device))
     if t.compile:
-        log.say("train.compile: the transformer layers, embedding, final norm, output layer and loss run through torch.compile (the first steps include compiling)")
+        log.say("train.compile: the transformer layers, embedding, final norm, output layer and loss run through "
+                "torch.compile (the first steps include compiling)")
+    if t.cuda_graphs != "none":
+        log.say(f"train.cuda_graphs = {t.cuda_graphs}: Megatron-Core's CUDA graphs, captured after the first steps")
     if t.grad_reduce_in_bf16:
         log.say("train.grad_reduce_in_bf16: gradients are accumulated and all-reduced in bf16")
     expert_stats = _expert_stats(recipe, trainer, runtime)

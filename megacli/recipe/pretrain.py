@@ -182,6 +182,33 @@ class TrainingRecipe(Section):
         return self
 
     @model_validator(mode="after")
+    def _check_cuda_graphs(self):
+        """A CUDA graph replays fixed shapes and launches; what varies from step to step stays out."""
+        choice = self.train.cuda_graphs
+        if choice == "none":
+            return self
+        m, p = self.model, self.parallel
+        refusals = [
+            (m.arch != "gpt", f"is for gpt pretraining, not {m.arch}"),
+            (self.sft is not None, "instruction batches vary in shape (sft); use train.cuda_graphs: none"),
+            (self.preference is not None, "preference tuning runs a reference model's pass between steps"),
+            (m.moe is not None, "mixture-of-experts routing sizes each expert's batch on the host every step"),
+            (self.eval is not None, "eval.tasks decode with the training model (other shapes than its steps)"),
+            (choice == "layers" and p.recompute == "full", "full recomputation replays each layer's forward inside "
+             "its backward, which a per-layer graph cannot hold (Megatron-Core allows it only with full)"),
+            (choice == "layers" and bool(self.train.eval_interval) and (m.dropout or m.attention_dropout),
+             "evaluation would replay the layers' graphs, captured in training mode with dropout: set "
+             "train.eval_interval: null, model dropout 0, or use full (which captures evaluation apart)"),
+            (choice == "full" and p.pipeline > 1, "the full-iteration graph is for one pipeline stage "
+             "(parallel.pipeline: 1); use layers"),
+            (choice == "full" and p.context > 1, "the full-iteration graph is for parallel.context: 1; use layers"),
+        ]
+        for refused, why in refusals:
+            if refused:
+                raise RecipeError("train.cuda_graphs", choice, why)
+        return self
+
+    @model_validator(mode="after")
     def _check_training_eval(self):
         """eval.tasks run the training model itself, in its layout, through the decoding runner."""
         if self.eval is None or not self.trains:

@@ -440,6 +440,13 @@ class TrainSection(Section):
     """SDPA kernel of the attention: auto = torch's own choice; flash, cudnn or efficient = that
     kernel where it can run (the math kernel where it cannot, e.g. flash on fp32 CUDA inputs);
     math = always the math kernel. The kernel a training micro-batch gets is logged at start."""
+    cuda_graphs: Literal["none", "layers", "full"] = "none"
+    """CUDA graphs (Megatron-Core's own, no Transformer Engine) for models whose steps are bound by
+    kernel launches: layers = each transformer layer's forward and backward, captured at the end of
+    the first step and replayed; full = the whole forward-backward of a step (all micro-batches,
+    loss, gradient reduction; not the optimizer), captured at the third step. The same maths; CUDA
+    only, fixed shapes (gpt pretraining: no sft, preference, MoE or eval.tasks; full: no pipeline
+    or context parallelism; layers: no full recompute)."""
     grad_reduce_in_bf16: bool = False
     """bf16 training: accumulate and all-reduce the gradients in bf16 (Megatron-Core DDP
     grad_reduce_in_fp32: false) instead of fp32: half the gradient memory and reduce traffic,
