@@ -250,14 +250,20 @@ def test_cuda_graphs_map_to_megatron_and_refuse_what_cannot_be_captured(tmp_path
         (["model.moe.num_experts=4", "train.cuda_graphs=layers"], "mixture-of-experts routing"),
         (["parallel.recompute=full", "train.cuda_graphs=layers"], "full recomputation"),
         (["train.eval_interval=2", "model.dropout=0.1", "train.cuda_graphs=layers"], "captured in training mode"),
-        (["parallel.pipeline=2", "launch.nproc=2", "train.cuda_graphs=full"], "one pipeline stage"),
+        (["parallel.overlap_param_gather=false", "parallel.pipeline=2", "launch.nproc=2", "train.cuda_graphs=full"],
+         "one pipeline stage"),
+        (["train.cuda_graphs=full"], "set parallel.overlap_param_gather: false"),
+        (["train.compile=true", "train.cuda_graphs=layers"], "set parallel.overlap_param_gather: false"),
         (["train.cuda_graphs=all"], "train.cuda_graphs"),
     ]:
         with pytest.raises(Exception, match=message) as info:
             load_job_recipe("pretrain", None, [*TINY, *extra])
         assert "train.cuda_graphs" in str(info.value), (extra, str(info.value))
     # evaluation is allowed where it replays nothing captured in training mode
-    load_job_recipe("pretrain", None, [*TINY, "train.eval_interval=2", "model.dropout=0.1", "train.cuda_graphs=full"])
+    load_job_recipe("pretrain", None, [*TINY, "train.eval_interval=2", "model.dropout=0.1", "train.cuda_graphs=full",
+                                       "parallel.overlap_param_gather=false"])
+    load_job_recipe("pretrain", None, [*TINY, "train.compile=true", "train.cuda_graphs=layers",
+                                       "parallel.overlap_param_gather=false"])
 
     with pytest.raises(UserError, match="train.cuda_graphs = 'full' captures CUDA graphs; this run is on cpu"):
         cuda_graphs.prepare("full", device=torch.device("cpu"), seed=1)

@@ -199,6 +199,11 @@ class TrainingRecipe(Section):
             (choice == "layers" and bool(self.train.eval_interval) and (m.dropout or m.attention_dropout),
              "evaluation would replay the layers' graphs, captured in training mode with dropout: set "
              "train.eval_interval: null, model dropout 0, or use full (which captures evaluation apart)"),
+            (choice == "full" and p.overlap_param_gather, "the parameter all-gather starts in the optimizer step, "
+             "outside the graph, and would be waited for inside it: set parallel.overlap_param_gather: false"),
+            (choice == "layers" and self.train.compile and p.overlap_param_gather, "with train.compile the "
+             "parameter all-gather waits run in a hook of megacli's on each layer, which Megatron-Core's layer "
+             "graphs refuse: set parallel.overlap_param_gather: false"),
             (choice == "full" and p.pipeline > 1, "the full-iteration graph is for one pipeline stage "
              "(parallel.pipeline: 1); use layers"),
             (choice == "full" and p.context > 1, "the full-iteration graph is for parallel.context: 1; use layers"),

@@ -446,7 +446,7 @@ class TrainSection(Section):
     the first step and replayed; full = the whole forward-backward of a step (all micro-batches,
     loss, gradient reduction; not the optimizer), captured at the third step. The same maths; CUDA
     only, fixed shapes (gpt pretraining: no sft, preference, MoE or eval.tasks; full: no pipeline
-    or context parallelism; layers: no full recompute)."""
+    or context parallelism, no parallel.overlap_param_gather; layers: no full recompute)."""
     grad_reduce_in_bf16: bool = False
     """bf16 training: accumulate and all-reduce the gradients in bf16 (Megatron-Core DDP
     grad_reduce_in_fp32: false) instead of fp32: half the gradient memory and reduce traffic,
