@@ -433,9 +433,11 @@ class TrainSection(Section):
     time_limit_minutes: Optional[PositiveFloat] = None
     """Stop (with a checkpoint, as on SIGTERM) at the first step boundary after this much wall time."""
     compile: bool = False
-    """torch.compile each transformer layer (TorchInductor fuses its norms, RoPE, activation and
-    bias-dropout-adds; no Transformer Engine needed). The first steps compile (seconds to minutes),
-    later ones run the compiled code; fp32 losses equal the default path's to float rounding."""
+    """torch.compile the step: one graph that every transformer layer reuses (TorchInductor fuses
+    its norms, RoPE, activation and bias-dropout-adds; no Transformer Engine needed) and, for gpt,
+    the embedding, the final norm, and the output layer with the loss (the padded-vocabulary mask
+    fused into the cross-entropy). The first steps compile (seconds to minutes), later ones run the
+    compiled code; fp32 losses equal the default path's to float rounding."""
     attention_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
     """SDPA kernel of the attention: auto = torch's own choice; flash, cudnn or efficient = that
     kernel where it can run (the math kernel where it cannot, e.g. flash on fp32 CUDA inputs);
@@ -446,7 +448,8 @@ class TrainSection(Section):
     the first step and replayed; full = the whole forward-backward of a step (all micro-batches,
     loss, gradient reduction; not the optimizer), captured at the third step. The same maths; CUDA
     only, fixed shapes (gpt pretraining: no sft, preference, MoE or eval.tasks; full: no pipeline
-    or context parallelism, no parallel.overlap_param_gather; layers: no full recompute)."""
+    or context parallelism, no parallel.overlap_param_gather; layers: no full recompute, no
+    evaluation of a model with dropout, with train.compile no parallel.overlap_param_gather)."""
     grad_reduce_in_bf16: bool = False
     """bf16 training: accumulate and all-reduce the gradients in bf16 (Megatron-Core DDP
     grad_reduce_in_fp32: false) instead of fp32: half the gradient memory and reduce traffic,
