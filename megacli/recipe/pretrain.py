@@ -11,21 +11,17 @@ from pydantic import model_validator
 
 from megacli.errors import UserError
 from megacli.recipe.base import RecipeError, Section
+from megacli.recipe.data_sections import DataSection, MaskingSection, TokenizerSection
+from megacli.recipe.finetune_sections import LoRASection, PreferenceSection, SFTSection
 from megacli.recipe.harness import TrainingEvalSection
 from megacli.recipe.model import ModelSection
 from megacli.recipe.stages import split_problem
 from megacli.recipe.sections import (
     CheckpointSection,
-    DataSection,
     LaunchSection,
-    LoRASection,
-    MaskingSection,
     OptimSection,
     ParallelSection,
-    PreferenceSection,
     RunSection,
-    SFTSection,
-    TokenizerSection,
     TrainSection,
 )
 

@@ -292,7 +292,7 @@ def convert_optimizer_common(opt: dict, kind: str, want: str, mixed: bool) -> di
 
 def _vocab_rows(src: Checkpoint, recipe) -> tuple[Optional[int], Optional[int]]:
     """(rows in the checkpoint, rows the target layout pads to)."""
-    from megacli.plan import padded_vocab_size
+    from megacli.recipe.model import padded_vocab_size
 
     emb = src.reader.tensors.get("embedding.word_embeddings.weight")
     if emb is None:
