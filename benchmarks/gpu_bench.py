@@ -127,7 +127,7 @@ def megatron_side(args, size: str) -> dict:
 
     from megacli.engine.models.config import transformer_config  # what megacli trains: config and layers
     from megacli.engine.models.gpt import gpt_block_spec
-    from megacli.plan import padded_vocab_size
+    from megacli.recipe.model import padded_vocab_size
 
     recipe = load_recipe(args, size)
     m, p, t, o = recipe.model, recipe.parallel, recipe.train, recipe.optim
@@ -217,7 +217,7 @@ def pytorch_side(args, size: str) -> dict:
     import torch
 
     from benchmarks.gpt2_torch import GPT2
-    from megacli.plan import padded_vocab_size
+    from megacli.recipe.model import padded_vocab_size
 
     recipe = load_recipe(args, size)
     m, t, o = recipe.model, recipe.train, recipe.optim

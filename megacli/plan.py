@@ -11,15 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megacli.recipe.model import padded_vocab_size
 from megacli.recipe.pretrain import TrainingRecipe
 
 GIB = 1024**3
-
-
-def padded_vocab_size(vocab_size: int, *, divisible_by: int, tensor_parallel: int) -> int:
-    """Megatron pads the embedding to a multiple of divisible_by × TP (whole 128-row tiles per rank)."""
-    multiple = divisible_by * tensor_parallel
-    return -(-vocab_size // multiple) * multiple
 
 
 def model_vocab_size(recipe: TrainingRecipe, tokenizer) -> int:

@@ -169,7 +169,7 @@ def _paper_slopes(n):
 
 
 def test_alibi_slopes():
-    from megacli.engine.models.attention import alibi_slopes
+    from megacli.engine.models.alibi import alibi_slopes
 
     assert alibi_slopes(8) == [2.0 ** -(i + 1) for i in range(8)]
     for n in (1, 2, 3, 5, 6, 12, 16, 20, 40, 96):
@@ -197,7 +197,7 @@ def test_alibi_causal_matches_explicit(heads, groups, tp):
     """Tensor-parallel rank r holds global heads r*np ... (r+1)*np - 1, with those heads' slopes."""
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megacli.engine.models.attention import alibi_slopes
+    from megacli.engine.models.alibi import alibi_slopes
 
     torch.manual_seed(2)
     s, b = 16, 2
@@ -272,7 +272,7 @@ def _ring_directional_derivative(group, rank, dropout_p):
     (which must redraw the forward's dropout masks) against a central difference, in fp64."""
     import torch.distributed as dist
 
-    from megacli.engine.models.attention import ring_attention
+    from megacli.engine.models.ring_attention import ring_attention
 
     torch.manual_seed(10 + rank)
     q = torch.randn(1, 2, 2, 8, 4, dtype=torch.float64)

@@ -343,7 +343,7 @@ def test_document_level_data_fails_instead_of_hanging(tmp_path):
     from megacli.data.tokenizers import load_tokenizer
     from megacli.engine import data as data_mod
     from megacli.errors import UserError
-    from megacli.recipe.sections import DataSection, MaskingSection
+    from megacli.recipe.data_sections import DataSection, MaskingSection
     from tests._dist import free_port
 
     corpus = make_corpus(tmp_path / "c.jsonl", docs=20)

@@ -48,7 +48,7 @@ def test_loss_mask_by_hand():
 
 def test_the_tokenizers_chat_template_is_used_when_it_has_one(tmp_path):
     from megacli.data.sft import build_sft_datasets, chat_template_of
-    from megacli.recipe.sections import SFTSection
+    from megacli.recipe.finetune_sections import SFTSection
 
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({
         "chat_template": "{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{{ eos_token }}{% endfor %}",

@@ -15,7 +15,8 @@ import pytest
 
 from megacli.data import readers
 from megacli.data.fast_tokenize import GigatokenTokenizer, accelerate
-from megacli.data.preprocess import megatron_layout, run
+from megacli.data.preprocess import run
+from megacli.data.preprocess_workers import megatron_layout
 from megacli.data.tokenizers import load_tokenizer
 from tests.test_preprocess import REPO, SENTENCES, expected_dataset, job, read_pair, write_jsonl
 

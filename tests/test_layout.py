@@ -11,8 +11,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "megacli"
 
 # Top to bottom: a package imports only packages in layers below its own. Unlike the data flow
 # (cli -> recipe -> engine), recipe, plan and precision (the dtype table) sit low: every layer
-# reads recipe sections, plan's arithmetic (padded vocabulary, parameter counts) and dtypes;
-# rundir names the run directory's files, which plot reads and the engine writes.
+# reads recipe sections (and the model's rules there: padded vocabulary, per-layer patterns),
+# plan's arithmetic (parameter counts, memory) and dtypes; rundir names the run directory's
+# files, which plot reads and the engine writes.
 LAYERS = (
     ("__main__",),
     ("cli",),

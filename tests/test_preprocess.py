@@ -188,7 +188,7 @@ def test_workers_and_partitions_do_not_change_the_bytes(tmp_path, corpus, hf_dir
 
 def test_every_recipe_field_is_documented():
     from megacli.recipe.preprocess import PreprocessRecipe, PreprocessSection
-    from megacli.recipe.sections import TokenizerSection
+    from megacli.recipe.data_sections import TokenizerSection
 
     for section in (PreprocessRecipe, PreprocessSection, TokenizerSection):
         for name, field in section.model_fields.items():
@@ -464,15 +464,15 @@ def test_a_worker_that_fails_or_dies_stops_the_run_with_no_partial_files(tmp_pat
     run with its exit code rather than leaving the parent waiting for its chunk."""
     import os
 
-    from megacli.data import preprocess
+    from megacli.data import preprocess_workers
 
     def fail(chunk):
         raise ValueError(f"cannot encode line {chunk.first_line}")
 
-    monkeypatch.setattr(preprocess, "encode_chunk", fail)  # the forked workers call this one
+    monkeypatch.setattr(preprocess_workers, "encode_chunk", fail)  # the forked workers call this one
     with pytest.raises(ValueError, match="cannot encode line"):
         run(job([corpus], tmp_path / "out", workers=2, chunk_mb=0.001))
-    monkeypatch.setattr(preprocess, "encode_chunk", lambda chunk: os._exit(3))
+    monkeypatch.setattr(preprocess_workers, "encode_chunk", lambda chunk: os._exit(3))
     with pytest.raises(RuntimeError, match=r"worker \d+ died \(exit code 3\)"):
         run(job([corpus], tmp_path / "out", workers=2, chunk_mb=0.001))
     assert list(tmp_path.iterdir()) == []

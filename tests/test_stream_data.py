@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from megacli.data.stream import Position, RankStream, TokenizerSpec, Tokenized, pack, shard_texts
-from megacli.recipe.sections import DataSection, StreamSource
+from megacli.recipe.data_sections import DataSection
+from megacli.recipe.stream import StreamSource
 
 BYTE = TokenizerSpec(type="byte", path=None, vocab_size=None)
 SEQ = 16
@@ -317,7 +318,7 @@ def test_recipe_errors(fields, message):
 
 
 def test_every_new_field_is_documented():
-    from megacli.recipe.sections import FIMSection, StreamFields
+    from megacli.recipe.stream import FIMSection, StreamFields
 
     for section in (DataSection, StreamFields, StreamSource, FIMSection):
         for name, field in section.model_fields.items():

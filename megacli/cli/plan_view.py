@@ -46,8 +46,8 @@ def print_plan(recipe) -> None:
     from rich.table import Table
 
     from megacli import plan
-
     from megacli.cli.common import output_console
+    from megacli.recipe.model import padded_vocab_size
 
     console = output_console()
     print_recipe(recipe, console)
@@ -66,7 +66,7 @@ def print_plan(recipe) -> None:
     layout.add_row("micro-batches per step", f"{recipe.num_microbatches} = global {t.global_batch_size} / (micro {t.micro_batch_size} × DP {recipe.data_parallel_size})")
     pairs = " × 2 (a preference pair's two sequences)" if recipe.preference is not None else ""
     layout.add_row("tokens per step", f"{recipe.tokens_per_step:,} = {t.global_batch_size} × {m.seq_length}{pairs}")
-    layout.add_row("vocabulary", f"{vocab:,} ({vocab_src}) → padded {plan.padded_vocab_size(vocab, divisible_by=m.make_vocab_size_divisible_by, tensor_parallel=p.tensor):,}")
+    layout.add_row("vocabulary", f"{vocab:,} ({vocab_src}) → padded {padded_vocab_size(vocab, divisible_by=m.make_vocab_size_divisible_by, tensor_parallel=p.tensor):,}")
     if m.moe is not None:
         layout.add_row("experts", f"{m.moe.num_experts} per MoE layer × {counts.moe_layers} MoE layers, top-{m.moe.router_topk}; "
                                   f"expert layers: ETP {recipe.expert_tensor_size} × EP {p.expert} × expert-DP "

@@ -24,7 +24,9 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from megacli.data.tokenizers import HuggingFaceTokenizer, SentencePieceTokenizer, Tokenizer
+from megacli.data.hf_tokenizer import HuggingFaceTokenizer
+from megacli.data.tokenizer_base import Tokenizer
+from megacli.data.tokenizers import SentencePieceTokenizer
 
 OFF_SWITCH = "MEGACLI_NO_GIGATOKEN"
 

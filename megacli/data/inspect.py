@@ -10,7 +10,7 @@ from typing import Optional
 import numpy as np
 
 from megacli.data import indexed
-from megacli.data.tokenizers import Tokenizer
+from megacli.data.tokenizer_base import Tokenizer
 from megacli.errors import UserError
 
 

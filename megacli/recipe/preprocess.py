@@ -8,7 +8,7 @@ from typing import Literal, Optional, Union
 from pydantic import Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
 from megacli.recipe.base import RecipeError, Section
-from megacli.recipe.sections import TokenizerSection
+from megacli.recipe.data_sections import TokenizerSection
 
 
 class PreprocessSection(Section):

@@ -11,21 +11,17 @@ from pydantic import model_validator
 
 from megacli.errors import UserError
 from megacli.recipe.base import RecipeError, Section
+from megacli.recipe.data_sections import DataSection, MaskingSection, TokenizerSection
+from megacli.recipe.finetune_sections import LoRASection, PreferenceSection, SFTSection
 from megacli.recipe.harness import TrainingEvalSection
 from megacli.recipe.model import ModelSection
 from megacli.recipe.stages import split_problem
 from megacli.recipe.sections import (
     CheckpointSection,
-    DataSection,
     LaunchSection,
-    LoRASection,
-    MaskingSection,
     OptimSection,
     ParallelSection,
-    PreferenceSection,
     RunSection,
-    SFTSection,
-    TokenizerSection,
     TrainSection,
 )
 
@@ -113,6 +109,45 @@ class TrainingRecipe(Section):
                               f"(or set model.kv_channels)")
         if m.ffn_size % tp:
             raise RecipeError("model.ffn_hidden_size", m.ffn_size, f"must be divisible by parallel.tensor = {tp}")
+        self._check_layout()
+        if m.position_embedding == "learned" and m.max_positions < m.seq_length:
+            raise RecipeError("model.max_position_embeddings", m.max_position_embeddings,
+                              f"is smaller than model.seq_length = {m.seq_length}")
+        if m.mla is not None and p.context > 1:
+            raise RecipeError("parallel.context", p.context, "multi-latent attention (model.mla) runs without context "
+                              "parallelism (its ring attention needs keys and values of one head width)")
+        if m.arch == "gpt" and m.position_embedding == "relative":
+            raise RecipeError("model.position_embedding", "relative", "is for t5; gpt uses learned, rope, alibi or none")
+        if self.tokenizer.type == "none" and m.vocab_size is None:
+            raise RecipeError("model.vocab_size", None, "tokenizer.type: none needs an explicit model.vocab_size")
+        horizon = self.optim.decay_horizon(t.iters)
+        if self.optim.warmup_iters and self.optim.warmup_iters >= horizon:
+            raise RecipeError("optim.warmup_iters", self.optim.warmup_iters,
+                              f"must be shorter than the decay horizon (optim.decay_iters or train.iters = {horizon} steps)")
+        self._check_moe()
+        if m.scale_decoder_output and m.arch != "t5":
+            raise RecipeError("model.scale_decoder_output", True, f"is for t5 (its decoder output), not {m.arch}")
+        if m.arch != "bert":
+            for name, value, default in (("norm_position", m.norm_position, "pre"), ("bert_token_types", m.bert_token_types, None)):
+                if value != default:
+                    raise RecipeError(f"model.{name}", value, f"is for bert, not {m.arch}")
+        if m.arch in ("bert", "t5"):
+            self._check_bert_t5()
+        if self.sft is not None:
+            self._check_sft()
+        elif self.preference is not None:
+            self._check_preference()
+        elif self.trains and not self.data.named:
+            raise RecipeError("data", None, "the recipe names no training data: set data.path (a prefix from "
+                              "`megacli preprocess`), data.blend, or data.mock: true for random tokens")
+        if self.lora is not None:
+            self._check_lora()
+        return self
+
+    def _check_layout(self) -> None:
+        """The parallel layout against the model, the world size and the batch."""
+        m, p, t = self.model, self.parallel, self.train
+        tp = p.tensor
         problem = split_problem(m.num_layers, p.pipeline, p.virtual_pipeline, p.first_stage_layers, p.last_stage_layers)
         if problem:
             raise RecipeError(*problem)
@@ -147,39 +182,6 @@ class TrainingRecipe(Section):
                               f"must be divisible by parallel.tensor × parallel.context = {tp * p.context} for sequence parallelism")
         if p.overlap_param_gather and not p.distributed_optimizer:
             raise RecipeError("parallel.overlap_param_gather", True, "needs parallel.distributed_optimizer: true")
-        if m.position_embedding == "learned" and m.max_positions < m.seq_length:
-            raise RecipeError("model.max_position_embeddings", m.max_position_embeddings,
-                              f"is smaller than model.seq_length = {m.seq_length}")
-        if m.mla is not None and p.context > 1:
-            raise RecipeError("parallel.context", p.context, "multi-latent attention (model.mla) runs without context "
-                              "parallelism (its ring attention needs keys and values of one head width)")
-        if m.arch == "gpt" and m.position_embedding == "relative":
-            raise RecipeError("model.position_embedding", "relative", "is for t5; gpt uses learned, rope, alibi or none")
-        if self.tokenizer.type == "none" and m.vocab_size is None:
-            raise RecipeError("model.vocab_size", None, "tokenizer.type: none needs an explicit model.vocab_size")
-        horizon = self.optim.decay_horizon(t.iters)
-        if self.optim.warmup_iters and self.optim.warmup_iters >= horizon:
-            raise RecipeError("optim.warmup_iters", self.optim.warmup_iters,
-                              f"must be shorter than the decay horizon (optim.decay_iters or train.iters = {horizon} steps)")
-        self._check_moe()
-        if m.scale_decoder_output and m.arch != "t5":
-            raise RecipeError("model.scale_decoder_output", True, f"is for t5 (its decoder output), not {m.arch}")
-        if m.arch != "bert":
-            for name, value, default in (("norm_position", m.norm_position, "pre"), ("bert_token_types", m.bert_token_types, None)):
-                if value != default:
-                    raise RecipeError(f"model.{name}", value, f"is for bert, not {m.arch}")
-        if m.arch in ("bert", "t5"):
-            self._check_bert_t5()
-        if self.sft is not None:
-            self._check_sft()
-        elif self.preference is not None:
-            self._check_preference()
-        elif self.trains and not self.data.named:
-            raise RecipeError("data", None, "the recipe names no training data: set data.path (a prefix from "
-                              "`megacli preprocess`), data.blend, or data.mock: true for random tokens")
-        if self.lora is not None:
-            self._check_lora()
-        return self
 
     @model_validator(mode="after")
     def _check_cuda_graphs(self):

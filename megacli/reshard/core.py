@@ -2,7 +2,7 @@
 
     reshard(SRC, DST, tensor=1, pipeline=1)     plan (plan.py), write to a temporary directory,
                                                  optionally verify, then rename into place
-    verify(SRC, DST)                             every global tensor of DST against SRC
+    verify(SRC, DST)                             every global tensor of DST against SRC (verification.py)
     checkpoint.inspect.inspect(CKPT)             format, layout, iteration, recipe, tensors
 
 DST is a checkpoint directory like the engine's: ``DST/latest`` names ``DST/iter_NNNNNNN/``, so
@@ -12,7 +12,6 @@ DST is a checkpoint directory like the engine's: ``DST/latest`` names ``DST/iter
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import shutil
@@ -32,12 +31,11 @@ from megacli.checkpoint.layout import (
     locate,
     tmp_sibling,
 )
-from megacli.checkpoint.safe_pickle import torch_load
-from megacli.checkpoint.torch_dist import is_extra_state, write_torch_dist
+from megacli.checkpoint.megacli_checkpoint import Checkpoint
+from megacli.checkpoint.torch_dist import write_torch_dist
 from megacli.errors import UserError
-from megacli.reshard.digest import Digest, bytes_digest, object_digest
-from megacli.checkpoint.megacli_checkpoint import OPT_PREFIX, Checkpoint
 from megacli.reshard.plan import Plan, Target, build_plan, resolve_target
+from megacli.reshard.verification import VerifyReport, verify_against, verify_plan
 
 
 class VerifyFailed(UserError):
@@ -58,28 +56,8 @@ class Result:
     bytes: int
     seconds: float
     notes: list[str] = field(default_factory=list)
-    verified: Optional["VerifyReport"] = None
+    verified: Optional[VerifyReport] = None
     format: str = "torch_dist"
-
-
-@dataclass
-class VerifyReport:
-    tensors: int
-    objects: int
-    bytes: int
-    mismatches: list[str]
-    seconds: float
-
-    @property
-    def ok(self) -> bool:
-        return not self.mismatches
-
-    def line(self) -> str:
-        if self.ok:
-            return (f"verify: OK - {self.tensors} tensors ({_size(self.bytes)}), {self.objects} objects and the common "
-                    f"state match the source (blake2b of every reassembled global tensor, {self.seconds:.1f} s)")
-        first = "; ".join(self.mismatches[:3]) + (f"; and {len(self.mismatches) - 3} more" if len(self.mismatches) > 3 else "")
-        return f"verify: FAILED - {len(self.mismatches)} mismatch(es): {first}"
 
 
 # ---------------------------------------------------------------- locating checkpoints
@@ -317,145 +295,7 @@ def _verify(source, target, *, trust_pickle: bool, progress) -> VerifyReport:
         recipe = validate(TrainingRecipe, tgt.recipe_raw, str(tgt.path / RECIPE))
         spec = Target(layout=tgt.layout, distributed_optimizer=bool(t_par.get("distributed_optimizer", False)),
                       sequence_parallel=recipe.parallel.sp_enabled)
-        return _verify_against(build_plan(src, spec, recipe), tgt, progress)
+        return verify_against(build_plan(src, spec, recipe), tgt, progress)
     finally:
         legacy.cleanup_staging(staged_src)
         legacy.cleanup_staging(tgt_dir)
-
-
-def verify_plan(plan: Plan, it_dir: Path, progress=None) -> VerifyReport:
-    return _verify_against(plan, Checkpoint(it_dir), progress)
-
-
-def _verify_against(plan: Plan, tgt: Checkpoint, progress=None) -> VerifyReport:
-    from megacli.checkpoint.megacli_checkpoint import RNG_KEY
-
-    start = time.perf_counter()
-    mismatches: list[str] = []
-    reader = tgt.reader
-    want_t = {t.key: t for t in plan.tensors}
-    want_o = {o.key: o for o in plan.objects}
-    weights_only = (any(k.startswith(OPT_PREFIX) for k in want_t)
-                    and not any(k.startswith(OPT_PREFIX) for k in reader.tensors))
-    if weights_only:  # one line, not one per optimizer tensor, RNG object and the data position
-        mismatches.append(f"{tgt.path} has no optimizer state (weights only): its weights were compared, not the "
-                          f"source's optimizer state, RNG state and data position")
-        want_t = {k: t for k, t in want_t.items() if not k.startswith(OPT_PREFIX)}
-        want_o = {k: o for k, o in want_o.items() if not (RNG_KEY.match(k) and k not in reader.objects)}
-    for key in sorted(set(want_t) - set(reader.tensors)):
-        mismatches.append(f"{key} missing")
-    for key in sorted(set(reader.tensors) - set(want_t)):
-        mismatches.append(f"{key} unexpected")
-    # A module's extra state that records nothing (None, empty) is the same as none stored: a
-    # local-spec checkpoint stores none where a TE-spec one stores empty ones.
-    for key in sorted(set(want_o) - set(reader.objects)):
-        if not (is_extra_state(key) and _records_nothing(lambda: torch_load(
-                io.BytesIO(want_o[key].produce()), trust=reader.trust_pickle, name=f"the planned {key}"))):
-            mismatches.append(f"{key} missing")
-    for key in sorted(set(reader.objects) - set(want_o)):
-        if not (is_extra_state(key) and _records_nothing(lambda: reader.read_object(key))):
-            mismatches.append(f"{key} unexpected")
-    for k in ("iteration",) if weights_only else ("iteration", "consumed_samples"):
-        if tgt.meta.get(k) != plan.source.meta.get(k):
-            mismatches.append(f"{META} {k} {tgt.meta.get(k)} != {plan.source.meta.get(k)}")
-    if tgt.layout != plan.target.layout:
-        mismatches.append(f"{META} layout {tgt.layout} != {plan.target.layout}")
-
-    done = progress("verifying", len(want_t) + len(want_o)) if progress else (lambda key: None)
-    nbytes = 0
-    for key, entry in want_t.items():
-        if key not in reader.tensors:
-            done(key)
-            continue
-        info = reader.tensors[key]
-        if info.shape != tuple(entry.shape) or info.dtype != entry.dtype:
-            mismatches.append(f"{key}: {info.shape} {info.dtype}, expected {tuple(entry.shape)} {entry.dtype}")
-            done(key)
-            continue
-        covered = sum(_volume(sizes) for _, sizes in info.chunks)
-        if covered != _volume(info.shape):
-            mismatches.append(f"{key}: stored chunks cover {covered} of {_volume(info.shape)} elements")
-            done(key)
-            continue
-        # The global tensor, reassembled box by box (the target's stored chunks, in order) on both sides.
-        want, got = Digest(), Digest()
-        try:
-            for offsets, sizes in sorted(info.chunks):
-                got.update(reader.read_region(key, offsets, sizes))
-                want.update(entry.region(offsets, sizes))
-        except UserError as exc:
-            mismatches.append(str(exc))
-            done(key)
-            continue
-        if got.hexdigest() != want.hexdigest():
-            mismatches.append(f"{key}: checksum differs")
-        nbytes += info.nbytes
-        done(key)
-    for key, entry in want_o.items():
-        if key not in reader.objects:
-            done(key)
-            continue
-        try:
-            extra = is_extra_state(key)
-            if RNG_KEY.match(key) or extra:
-                got, want = reader.read_object(key), torch_load(io.BytesIO(entry.produce()), trust=reader.trust_pickle,
-                                                                name=f"the planned {key}")
-                if extra:
-                    # Transformer Engine's FP8 bookkeeping, not weights: compared where both sides
-                    # record some (a local-spec checkpoint records none for a TE-spec one's).
-                    got, want = _extra_state(got), _extra_state(want)
-                ok = got is None or want is None or object_digest(got) == object_digest(want)
-            else:
-                ok = bytes_digest(reader.read_object_bytes(key)) == bytes_digest(entry.produce())
-        except UserError as exc:
-            mismatches.append(str(exc))
-            done(key)
-            continue
-        except Exception as exc:  # noqa: BLE001 - undecodable bytes
-            mismatches.append(f"{key}: cannot decode ({type(exc).__name__})")
-            done(key)
-            continue
-        if not ok:
-            mismatches.append(f"{key}: checksum differs")
-        done(key)
-    try:
-        if not weights_only and object_digest(tgt.common) != object_digest(plan.common):
-            mismatches.append("common.pt (optimizer param groups / scheduler) differs")
-    except UserError as exc:
-        mismatches.append(str(exc))
-    return VerifyReport(tensors=len(want_t), objects=len(want_o), bytes=nbytes, mismatches=mismatches,
-                        seconds=time.perf_counter() - start)
-
-
-def _records_nothing(read) -> bool:
-    try:
-        return _extra_state(read()) is None
-    except UserError:
-        return False
-
-
-def _extra_state(stored):
-    """A module's stored extra state, None where it records nothing (None, an empty tensor or buffer)."""
-    import torch
-
-    (value,) = stored if isinstance(stored, list) and len(stored) == 1 else (stored,)
-    if value is None or (isinstance(value, torch.Tensor) and value.numel() == 0):
-        return None
-    if isinstance(value, io.BytesIO):
-        return value.getvalue() or None
-    return stored
-
-
-def _volume(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
-    return f"{n} B"

@@ -10,7 +10,7 @@ def render(info: dict, console) -> None:
     from rich.table import Table
 
     from megacli.recipe.sections import sequence_parallel_on
-    from megacli.reshard.core import _size
+    from megacli.checkpoint.space import size_text
 
     m = (info.get("recipe") or {}).get("model") or {}
     t = (info.get("recipe") or {}).get("train") or {}
@@ -36,7 +36,7 @@ def render(info: dict, console) -> None:
     if info.get("resharded_from"):
         rf = info["resharded_from"]
         head.add_row("resharded from", f"{rf.get('path')} ({_layout_text(rf.get('layout') or {})})")
-    head.add_row("files", f"{len(info['files'])} shard file(s), {_size(info['total_bytes'])} of tensors")
+    head.add_row("files", f"{len(info['files'])} shard file(s), {size_text(info['total_bytes'])} of tensors")
     console.print(head)
 
     # One row per model tensor; its optimizer state (same global shape and split) in a column.
@@ -70,7 +70,7 @@ def render(info: dict, console) -> None:
         table.add_row(r["name"], "×".join(map(str, r["shape"])) or "()", r["dtype"],
                       f"{r['chunks']} chunk{'s' if r['chunks'] != 1 else ''}: {r['split']}",
                       ", ".join(states.get(r["name"], [])) or ("-" if r["kind"] == "model" else "(optimizer)"),
-                      _size(r["bytes"] + opt_size))
+                      size_text(r["bytes"] + opt_size))
     console.print(table)
     if "not_mapped" in info:  # a Megatron-LM checkpoint: the recipe its args map to, and what they do not
         _render_args_recipe(info, console)

@@ -172,16 +172,29 @@ def build_plan(src: Checkpoint, target: Target, recipe=None) -> Plan:
     p = recipe.parallel  # uneven stages as the written recipe has them (--set may choose them)
     target = replace(target, layout=replace(target.layout, first_stage_layers=p.first_stage_layers,
                                             last_stage_layers=p.last_stage_layers))
-    m = recipe.model
-    gated = m.gated
     notes: list[str] = []
-    reader = src.reader
 
     # Vocabulary rows of the target layout.
     rows_now, rows_new = _vocab_rows(src, recipe)
     if rows_now is not None and rows_new != rows_now:
         notes.append(f"vocabulary padding {rows_now} → {rows_new} rows (make_vocab_size_divisible_by × TP); "
                      f"{'new rows are zeros' if rows_new > rows_now else 'padding rows beyond the vocabulary are dropped'}")
+    entry = _entry_maker(src.reader, rows_now, rows_new, tp=target.layout.tensor, gated=recipe.model.gated)
+    tensors = [entry(key, key) for key in src.model_keys]
+    common = copy.deepcopy(src.common)
+    tensors += _optimizer_entries(src, entry, target, recipe.train.precision != "fp32", notes, common)
+
+    objects = plan_objects(src, target, recipe, notes)
+    meta = {k: v for k, v in src.meta.items() if k not in ("layout", "resharded_from")}
+    meta.update(layout=target.layout.as_meta(), format="torch_dist",
+                resharded_from={"path": str(src.path.resolve()), "layout": src.layout.as_meta(),
+                                "distributed_optimizer": bool(src.section("parallel").get("distributed_optimizer", False))})
+    return Plan(source=src, target=target, recipe=recipe, tensors=tensors, objects=objects, common=common, meta=meta, notes=notes)
+
+
+def _entry_maker(reader, rows_now: Optional[int], rows_new: Optional[int], *, tp: int, gated: bool):
+    """``entry(key_out, key_in, how, cast)``: the target tensor ``key_out`` read from the source's
+    ``key_in``, its vocabulary rows padded or cut to ``rows_new``, chunked for the target TP."""
 
     def entry(key_out: str, key_in: str, how: str = "copy", cast: Optional[torch.dtype] = None) -> TensorEntry:
         info = reader.tensors[key_in]
@@ -205,52 +218,47 @@ def build_plan(src: Checkpoint, target: Target, recipe=None) -> Plan:
             return t if t.dtype == dtype else t.to(dtype)
 
         return TensorEntry(key=key_out, shape=shape, dtype=dtype, how=how, region=region,
-                           chunks=target_chunks(key_out, shape, tp=target.layout.tensor, gated=gated))
+                           chunks=target_chunks(key_out, shape, tp=tp, gated=gated))
 
-    tensors: list[TensorEntry] = []
-    for key in src.model_keys:
-        tensors.append(entry(key, key))
+    return entry
 
-    # Optimizer state, converted between the standard and the distributed optimizer's format.
+
+def _optimizer_entries(src: Checkpoint, entry, target: Target, mixed: bool, notes: list[str], common: dict) -> list[TensorEntry]:
+    """Optimizer state, converted between the standard and the distributed optimizer's format
+    (``common``'s optimizer state converted in place, a note added)."""
+    reader = src.reader
     kind = src.optimizer_kind
     opt_keys = [k for k in reader.tensors if k.startswith(OPT_PREFIX)]
     want = "distributed" if target.distributed_optimizer else "standard"
-    mixed = recipe.train.precision != "fp32"
-    common = copy.deepcopy(src.common)
     if kind is None:
         if opt_keys:
             raise UserError(f"{src.path}: optimizer tensors without optimizer state in {reader.path / 'common.pt'}")
-    elif kind == want:
-        tensors += [entry(k, k) for k in opt_keys]
-    else:
-        notes.append(f"optimizer: {kind} → {want} format" + (
-            " (fp32 main weights taken from the fp32 model weights)" if want == "distributed" and not mixed else ""))
-        by_state: dict[str, list[str]] = {}
-        for k in opt_keys:
-            state, base = split_optimizer_key(k)
-            by_state.setdefault(state, []).append(base)
-        for state, bases in by_state.items():
-            if want == "distributed" and state == "fp32_param":
-                tensors += [entry(f"{OPT_PREFIX}param.{b}", f"{OPT_PREFIX}fp32_param.{b}", how="fp32_param → param") for b in bases]
-            elif want == "standard" and state == "param":
-                if mixed:
-                    tensors += [entry(f"{OPT_PREFIX}fp32_param.{b}", f"{OPT_PREFIX}param.{b}", how="param → fp32_param") for b in bases]
-                # fp32: the standard optimizer steps the model weights themselves; the main copy is dropped
-            else:
-                tensors += [entry(f"{OPT_PREFIX}{state}.{b}", f"{OPT_PREFIX}{state}.{b}") for b in bases]
-        if want == "distributed" and not mixed:
-            if "fp32_param" in by_state:
-                raise UserError(f"{src.path}: mixed-precision optimizer state (fp32_param) but the recipe says fp32")
-            bases = by_state.get("exp_avg") or by_state.get("exp_avg_sq") or []
-            tensors += [entry(f"{OPT_PREFIX}param.{b}", b, how="model weight → param", cast=torch.float32) for b in bases]
-        common["optimizer"] = convert_optimizer_common(src.common["optimizer"], kind, want, mixed)
-
-    objects = plan_objects(src, target, recipe, notes)
-    meta = {k: v for k, v in src.meta.items() if k not in ("layout", "resharded_from")}
-    meta.update(layout=target.layout.as_meta(), format="torch_dist",
-                resharded_from={"path": str(src.path.resolve()), "layout": src.layout.as_meta(),
-                                "distributed_optimizer": bool(src.section("parallel").get("distributed_optimizer", False))})
-    return Plan(source=src, target=target, recipe=recipe, tensors=tensors, objects=objects, common=common, meta=meta, notes=notes)
+        return []
+    if kind == want:
+        return [entry(k, k) for k in opt_keys]
+    notes.append(f"optimizer: {kind} → {want} format" + (
+        " (fp32 main weights taken from the fp32 model weights)" if want == "distributed" and not mixed else ""))
+    tensors: list[TensorEntry] = []
+    by_state: dict[str, list[str]] = {}
+    for k in opt_keys:
+        state, base = split_optimizer_key(k)
+        by_state.setdefault(state, []).append(base)
+    for state, bases in by_state.items():
+        if want == "distributed" and state == "fp32_param":
+            tensors += [entry(f"{OPT_PREFIX}param.{b}", f"{OPT_PREFIX}fp32_param.{b}", how="fp32_param → param") for b in bases]
+        elif want == "standard" and state == "param":
+            if mixed:
+                tensors += [entry(f"{OPT_PREFIX}fp32_param.{b}", f"{OPT_PREFIX}param.{b}", how="param → fp32_param") for b in bases]
+            # fp32: the standard optimizer steps the model weights themselves; the main copy is dropped
+        else:
+            tensors += [entry(f"{OPT_PREFIX}{state}.{b}", f"{OPT_PREFIX}{state}.{b}") for b in bases]
+    if want == "distributed" and not mixed:
+        if "fp32_param" in by_state:
+            raise UserError(f"{src.path}: mixed-precision optimizer state (fp32_param) but the recipe says fp32")
+        bases = by_state.get("exp_avg") or by_state.get("exp_avg_sq") or []
+        tensors += [entry(f"{OPT_PREFIX}param.{b}", b, how="model weight → param", cast=torch.float32) for b in bases]
+    common["optimizer"] = convert_optimizer_common(src.common["optimizer"], kind, want, mixed)
+    return tensors
 
 
 def convert_optimizer_common(opt: dict, kind: str, want: str, mixed: bool) -> dict:
@@ -292,7 +300,7 @@ def convert_optimizer_common(opt: dict, kind: str, want: str, mixed: bool) -> di
 
 def _vocab_rows(src: Checkpoint, recipe) -> tuple[Optional[int], Optional[int]]:
     """(rows in the checkpoint, rows the target layout pads to)."""
-    from megacli.plan import padded_vocab_size
+    from megacli.recipe.model import padded_vocab_size
 
     emb = src.reader.tensors.get("embedding.word_embeddings.weight")
     if emb is None:

@@ -46,10 +46,10 @@ def _short(key: str, width: int = 56) -> str:
 
 
 def print_result(result, console) -> None:
-    from megacli.reshard.core import _size
+    from megacli.checkpoint.space import size_text
 
     console.print(f"resharded {result.source} ({result.source_layout}) → {result.iteration_dir} ({result.target_layout}): "
-                  f"{result.tensors} tensors ({_size(result.bytes)}) and {result.objects} objects in {result.seconds:.1f} s",
+                  f"{result.tensors} tensors ({size_text(result.bytes)}) and {result.objects} objects in {result.seconds:.1f} s",
                   markup=False, soft_wrap=True)
     for note in result.notes:
         console.print(f"  {note}", markup=False, soft_wrap=True)

@@ -20,6 +20,7 @@ import torch
 from megacli.convert.families import llama, require
 from megacli.convert.mapping import MappingTable, Rule, direct, fuse_gate_up, split_gate_up
 from megacli.errors import UserError
+from megacli.recipe.model import every_nth
 
 ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 ARCH = "gpt"
@@ -42,7 +43,7 @@ def _moe_layers(c: dict, architecture: str, num_layers: int) -> list[int]:
         return [1] * num_layers
     dense = set(c.get("mlp_only_layers") or [])
     step = c.get("decoder_sparse_step", 1) or 1
-    return [0 if i in dense or (i + 1) % step else 1 for i in range(num_layers)]
+    return [0 if i in dense else flag for i, flag in enumerate(every_nth(step, num_layers))]
 
 
 def model_section(c: dict) -> dict:

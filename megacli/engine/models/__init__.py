@@ -7,7 +7,7 @@ draws the weights by name; ``gpt``, ``bert`` and ``t5`` build each architecture.
 
 from __future__ import annotations
 
-from megacli.plan import padded_vocab_size
+from megacli.recipe.model import padded_vocab_size
 
 
 def build_model(*, recipe, config, vocab_size: int) -> list:

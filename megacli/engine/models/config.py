@@ -55,13 +55,27 @@ def transformer_config(*, model, parallel, precision: str, on_cuda: bool, **over
 
     from megacli.engine.models import mla
 
+    kwargs = {**_architecture_kwargs(model, on_cuda), **_layout_kwargs(parallel, precision),
+              **_kernel_kwargs(model, parallel, precision, on_cuda)}
+    if model.arch == "t5":
+        kwargs["num_layers"] = model.dec_num_layers  # the decoder's; build_t5 gives the encoder a copy with its own
+    if model.arch == "bert":
+        # Megatron's BERT objective: per micro-batch masked-LM mean + sentence-order mean, averaged
+        # over micro-batches and data-parallel ranks (see steps.bert_loss_func).
+        kwargs["calculate_per_token_loss"] = False
+    if model.moe is not None:
+        kwargs.update(moe.config_kwargs(model=model, parallel=parallel, on_cuda=on_cuda))
+    kwargs.update(mla.config_kwargs(model=model))
+    kwargs.update(overrides)
+    return (MLATransformerConfig if model.mla is not None else TransformerConfig)(**kwargs)
+
+
+def _architecture_kwargs(model, on_cuda: bool) -> dict:
+    """The model section's shapes, norms, attention and activation."""
     activation, gated = _activation(model.activation)
-    fuse_activation = bias_activation_fusion(model, on_cuda)
-    if fuse_activation and model.activation in ("gelu_tanh", "geglu"):
+    if bias_activation_fusion(model, on_cuda) and model.activation in ("gelu_tanh", "geglu"):
         activation = F.gelu  # what selects the fused (tanh) kernels in Megatron-Core's MLP
-    dtype = params_dtype(precision)
-    recompute = None if parallel.recompute == "none" else parallel.recompute
-    kwargs = dict(
+    return dict(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads,
@@ -82,6 +96,14 @@ def transformer_config(*, model, parallel, precision: str, on_cuda: bool, **over
         activation_func=activation,
         gated_linear_unit=gated,
         init_method_std=model.init_method_std,
+    )
+
+
+def _layout_kwargs(parallel, precision: str) -> dict:
+    """The parallel layout, the dtypes and activation recompute."""
+    dtype = params_dtype(precision)
+    recompute = None if parallel.recompute == "none" else parallel.recompute
+    return dict(
         tensor_model_parallel_size=parallel.tensor,
         pipeline_model_parallel_size=parallel.pipeline,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
@@ -97,6 +119,12 @@ def transformer_config(*, model, parallel, precision: str, on_cuda: bool, **over
         recompute_granularity=recompute,
         recompute_method="uniform" if recompute == "full" else None,
         recompute_num_layers=parallel.recompute_num_layers if recompute == "full" else None,
+    )
+
+
+def _kernel_kwargs(model, parallel, precision: str, on_cuda: bool) -> dict:
+    """Initialisation, the loss's normalisation, fused kernels and pipeline communication."""
+    return dict(
         # Weights are drawn by name (see init_weights), the same in every layout. Megatron's own init
         # must still run: it is what marks weights tensor_model_parallel (used by grad clipping and
         # checkpointing), so it runs with a no-op init method on the device.
@@ -109,7 +137,7 @@ def transformer_config(*, model, parallel, precision: str, on_cuda: bool, **over
         calculate_per_token_loss=True,
         apply_query_key_layer_scaling=False,
         gradient_accumulation_fusion=False,  # needs Apex's fused weight-gradient kernel
-        bias_activation_fusion=fuse_activation,
+        bias_activation_fusion=bias_activation_fusion(model, on_cuda),
         # Megatron-Core's own fused vocab-parallel cross-entropy (no Transformer Engine) returns the
         # logits' gradient in bf16 whatever their dtype: the same maths for bf16 logits only
         cross_entropy_loss_fusion=on_cuda and precision == "bf16",
@@ -126,14 +154,3 @@ def transformer_config(*, model, parallel, precision: str, on_cuda: bool, **over
         batch_p2p_comm=on_cuda and not parallel.virtual_pipeline,
         overlap_p2p_comm=on_cuda and bool(parallel.virtual_pipeline),
     )
-    if model.arch == "t5":
-        kwargs["num_layers"] = model.dec_num_layers  # the decoder's; build_t5 gives the encoder a copy with its own
-    if model.arch == "bert":
-        # Megatron's BERT objective: per micro-batch masked-LM mean + sentence-order mean, averaged
-        # over micro-batches and data-parallel ranks (see steps.bert_loss_func).
-        kwargs["calculate_per_token_loss"] = False
-    if model.moe is not None:
-        kwargs.update(moe.config_kwargs(model=model, parallel=parallel, on_cuda=on_cuda))
-    kwargs.update(mla.config_kwargs(model=model))
-    kwargs.update(overrides)
-    return (MLATransformerConfig if model.mla is not None else TransformerConfig)(**kwargs)

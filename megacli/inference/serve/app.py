@@ -71,8 +71,37 @@ class _Choice:
 
 def build_app(served: Served) -> FastAPI:
     app = FastAPI(title="megacli serve", docs_url=None, redoc_url=None, openapi_url=None)
-    metrics = served.batcher.metrics
-    tok = served.generator.tok
+    _add_error_handlers(app)
+    app.add_middleware(_Gate, api_key=served.api_key, metrics=served.batcher.metrics)
+    routes = _Routes(served)
+
+    @app.get("/health")
+    async def health():
+        if served.batcher.error is not None:
+            return error_response(500, f"the model failed: {served.batcher.error}")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus(request: Request):
+        return PlainTextResponse(served.batcher.metrics.text(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": 0, "owned_by": "megacli"}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await routes.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        return await routes.chat(body, request)
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every failure answered as OpenAI's error JSON."""
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
@@ -95,27 +124,21 @@ def build_app(served: Served) -> FastAPI:
     async def _unexpected(request: Request, exc: Exception):
         return error_response(500, f"{type(exc).__name__}: {exc}")
 
-    app.add_middleware(_Gate, api_key=served.api_key, metrics=metrics)
 
-    def check_model(name: str) -> None:
-        if name != served.name:
-            raise ApiError(404, f"model {name!r} does not exist; this server has {served.name!r}", "model")
+class _Routes:
+    """The completion routes: a request's prompts encoded and checked, submitted to the batcher as
+    sequences, and their tokens answered whole or streamed."""
 
-    @app.get("/health")
-    async def health():
-        if served.batcher.error is not None:
-            return error_response(500, f"the model failed: {served.batcher.error}")
-        return {"status": "ok"}
+    def __init__(self, served: Served):
+        self.served = served
+        self.tok = served.generator.tok
 
-    @app.get("/metrics")
-    async def prometheus(request: Request):
-        return PlainTextResponse(metrics.text(), media_type="text/plain; version=0.0.4")
+    def check_model(self, name: str) -> None:
+        if name != self.served.name:
+            raise ApiError(404, f"model {name!r} does not exist; this server has {self.served.name!r}", "model")
 
-    @app.get("/v1/models")
-    async def models(request: Request):
-        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": 0, "owned_by": "megacli"}]}
-
-    def encode(prompt, param: str) -> list[int]:
+    def encode(self, prompt, param: str) -> list[int]:
+        served = self.served
         if isinstance(prompt, list):
             bad = [i for i in prompt if not 0 <= i < served.generator.model.vocab_size]
             if bad:
@@ -128,17 +151,18 @@ def build_app(served: Served) -> FastAPI:
         except UserError as exc:
             raise ApiError(400, str(exc), param) from None
 
-    def budget(ids: list[int], asked: int | None, *, default: int | None) -> int:
+    def budget(self, ids: list[int], asked: int | None, *, default: int | None) -> int:
         """max_tokens for a prompt: as asked (or the default, or what the context leaves)."""
-        room = served.context - len(ids)
+        context = self.served.context
+        room = context - len(ids)
         if room <= 0 or (asked is not None and asked > room):
             raise ApiError(400, f"the prompt has {len(ids)} tokens" + (f" and max_tokens is {asked}" if asked else "")
-                           + f": more than the model's context of {served.context} tokens", "prompt" if room <= 0 else "max_tokens")
+                           + f": more than the model's context of {context} tokens", "prompt" if room <= 0 else "max_tokens")
         if asked is not None:
             return asked
         return room if default is None else min(default, room)
 
-    def sequences(req, encoded: list[list[int]], limits: list[int], *, logprobs, echo: bool, loop):
+    def sequences(self, req, encoded: list[list[int]], limits: list[int], *, logprobs, echo: bool, loop):
         seqs, choices = [], []
         for ids, limit in zip(encoded, limits):
             for j in range(req.n):
@@ -149,12 +173,12 @@ def build_app(served: Served) -> FastAPI:
                 seqs.append(Sequence(ids=ids, params=params, emit=choice.emit))
                 choices.append(choice)
         try:
-            served.batcher.submit(seqs)
+            self.served.batcher.submit(seqs)
         except QueueFull as exc:
             raise ApiError(503, f"the server is busy: {exc}; retry later", headers={"Retry-After": "1"}) from None
         return seqs, choices
 
-    async def gather(request: Request, seqs, choices) -> list[dict]:
+    async def gather(self, request: Request, seqs, choices) -> list[dict]:
         """Every choice's tokens, text and finish reason; a client gone meanwhile cancels them."""
         results = []
         checked = time.monotonic()
@@ -184,20 +208,20 @@ def build_app(served: Served) -> FastAPI:
         finally:
             for seq in seqs:
                 if len(results) < len(seqs):
-                    served.batcher.cancel(seq)
+                    self.served.batcher.cancel(seq)
         return results
 
-    def piece(t: int) -> str:
-        return tok.decode([t])
+    def piece(self, t: int) -> str:
+        return self.tok.decode([t])
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        check_model(body.model)
+    async def completions(self, body: CompletionRequest, request: Request):
+        served, tok = self.served, self.tok
+        self.check_model(body.model)
         prompts = body.prompts()
-        encoded = [encode(p, "prompt") for p in prompts]
-        limits = [budget(ids, body.max_tokens, default=served.default_max_tokens) for ids in encoded]
+        encoded = [self.encode(p, "prompt") for p in prompts]
+        limits = [self.budget(ids, body.max_tokens, default=served.default_max_tokens) for ids in encoded]
         loop = asyncio.get_running_loop()
-        seqs, choices = sequences(body, encoded, limits, logprobs=body.logprobs, echo=body.echo, loop=loop)
+        seqs, choices = self.sequences(body, encoded, limits, logprobs=body.logprobs, echo=body.echo, loop=loop)
         created, rid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
         prompt_texts = [p if isinstance(p, str) else tok.decode(p) for p in prompts for _ in range(body.n)]
 
@@ -219,13 +243,13 @@ def build_app(served: Served) -> FastAPI:
 
             return EventSourceResponse(events(), ping=15, shutdown_grace_period=served.shutdown_grace)
 
-        results = await gather(request, seqs, choices)
+        results = await self.gather(request, seqs, choices)
         out = []
         for index, r in enumerate(results):
             text = (prompt_texts[index] if body.echo else "") + r["text"]
             lp = None
             if body.logprobs is not None:
-                lp = _completion_logprobs(r["tokens"], piece, prompt_texts[index] if body.echo else "")
+                lp = _completion_logprobs(r["tokens"], self.piece, prompt_texts[index] if body.echo else "")
             out.append({"index": index, "text": text, "logprobs": lp, "finish_reason": r["finish_reason"]})
         generated = sum(len(s.generated) for s in seqs)
         prompt_tokens = sum(map(len, encoded)) * body.n
@@ -233,9 +257,9 @@ def build_app(served: Served) -> FastAPI:
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
                           "total_tokens": prompt_tokens + generated}}
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, request: Request):
-        check_model(body.model)
+    async def chat(self, body: ChatRequest, request: Request):
+        served = self.served
+        self.check_model(body.model)
         if served.chat_template is None:
             raise ApiError(400, "the model's tokenizer has no chat template (chat_template in its tokenizer_config.json); "
                                 "use /v1/completions", "messages")
@@ -243,11 +267,11 @@ def build_app(served: Served) -> FastAPI:
             prompt = served.chat_template([{"role": m.role, "content": m.text()} for m in body.messages])
         except Exception as exc:  # the template's own raise_exception, or a template error
             raise ApiError(400, f"the chat template refused these messages: {exc}", "messages") from None
-        ids = encode(prompt, "messages")
-        limit = budget(ids, body.limit(), default=None)
+        ids = self.encode(prompt, "messages")
+        limit = self.budget(ids, body.limit(), default=None)
         top = (body.top_logprobs or 0) if body.logprobs else None
         loop = asyncio.get_running_loop()
-        seqs, choices = sequences(body, [ids], [limit], logprobs=top, echo=False, loop=loop)
+        seqs, choices = self.sequences(body, [ids], [limit], logprobs=top, echo=False, loop=loop)
         created, rid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
 
         if body.stream:
@@ -268,20 +292,18 @@ def build_app(served: Served) -> FastAPI:
 
             return EventSourceResponse(events(), ping=15, shutdown_grace_period=served.shutdown_grace)
 
-        results = await gather(request, seqs, choices)
+        results = await self.gather(request, seqs, choices)
         out = []
         for index, r in enumerate(results):
             lp = None
             if body.logprobs:
-                lp = {"content": [_chat_logprob(t, piece) for t in r["tokens"]]}
+                lp = {"content": [_chat_logprob(t, self.piece) for t in r["tokens"]]}
             out.append({"index": index, "message": {"role": "assistant", "content": r["text"]}, "logprobs": lp,
                         "finish_reason": r["finish_reason"]})
         generated = sum(len(s.generated) for s in seqs)
         return {"id": rid, "object": "chat.completion", "created": created, "model": served.name, "choices": out,
                 "usage": {"prompt_tokens": len(ids) * body.n, "completion_tokens": generated,
                           "total_tokens": len(ids) * body.n + generated}}
-
-    return app
 
 
 class _Gate:
