@@ -109,7 +109,7 @@ def test_shape_mismatch_names_key_shapes_and_cause():
 
 
 def test_canonical_and_legacy_key_names():
-    from megacli.checkpoint.legacy import canonical_name
+    from megacli.checkpoint.megatron_lm.legacy_reader import canonical_name
     from megacli.convert.megatron_io import unstacked_key
 
     assert unstacked_key("decoder.layers.3.input_layernorm.weight", "decoder.layers.self_attention.linear_qkv.layer_norm_weight") \

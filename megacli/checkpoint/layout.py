@@ -4,7 +4,7 @@
     CKPT/iter_0000100/       torch_dist shards + recipe.yaml + megacli.json (iteration, data position, layout)
     CKPT/hf/                 a converted checkpoint's Hugging Face config and tokenizer files
 
-A Megatron-LM torch_dist checkpoint (its default format; see megacli.checkpoint.megatron_lm):
+A Megatron-LM torch_dist checkpoint (its default format; see megacli.checkpoint.megatron_lm.dist_reader):
 
     CKPT/latest_checkpointed_iteration.txt                   "1000" (or "release")
     CKPT/iter_0001000/.metadata, *.distcp, common.pt

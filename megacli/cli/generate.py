@@ -79,7 +79,7 @@ def build_recipe(recipe_path: Optional[Path], flags: dict, *, tensor: Optional[i
 
     from megacli.recipe import trust
     from megacli.checkpoint.layout import find_checkpoint, is_legacy_dir
-    from megacli.checkpoint.megatron_lm import is_megatron_lm_dir, recipe_for_weights
+    from megacli.checkpoint.megatron_lm.dist_reader import is_megatron_lm_dir, recipe_for_weights
     from megacli.checkpoint.safe_pickle import check_checkpoint
     from megacli.convert.hf_io import is_hf_dir
     from megacli.convert.in_run import converted_in_run

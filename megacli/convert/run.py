@@ -111,7 +111,7 @@ def convert(src: str | Path, dst: str | Path, *, to: str | None = None, parallel
             _megacli_to_hf(source, work, dtype=dtype, max_shard_size=max_shard_size, trust_pickle=trust_pickle, say=say)
         else:
             if fmt == "legacy":
-                from megacli.checkpoint.legacy import LegacyCheckpoint
+                from megacli.checkpoint.megatron_lm.legacy_reader import LegacyCheckpoint
 
                 legacy, label = LegacyCheckpoint(src, trust_pickle=trust_pickle), "Megatron-LM legacy"
             else:

@@ -88,7 +88,7 @@ def check_resumable(ckpt: Path, recipe) -> str | None:
 
 def _megatron_lm_recipe(it_dir: Path, trust_pickle: bool) -> dict:
     """The recipe a Megatron-LM checkpoint's args map to; a model megacli cannot express is refused."""
-    from megacli.checkpoint.megatron_lm import MegatronLMCheckpoint
+    from megacli.checkpoint.megatron_lm.dist_reader import MegatronLMCheckpoint
 
     src = MegatronLMCheckpoint(it_dir, trust_pickle=trust_pickle)
     raw = src.recipe()

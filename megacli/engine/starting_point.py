@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megacli.checkpoint.megatron_lm import MegatronLMCheckpoint, is_megatron_lm_dir, weights_dir
+from megacli.checkpoint.megatron_lm.dist_reader import MegatronLMCheckpoint, is_megatron_lm_dir, weights_dir
 from megacli.engine import checkpoint
 from megacli.errors import UserError
 

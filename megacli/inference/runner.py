@@ -26,7 +26,7 @@ def load_for_decoding(recipe, runtime, *, vocab_size: int):
     rank, bare (no wrappers) and in eval mode, and its TransformerConfig."""
     from pathlib import Path
 
-    from megacli.checkpoint import megatron_lm
+    from megacli.checkpoint.megatron_lm import dist_reader as megatron_lm
     from megacli.engine import checkpoint
     from megacli.engine.models import build_model
     from megacli.engine.models.common import unwrap

@@ -1,12 +1,12 @@
 """Megatron-LM torch_dist checkpoints, written: what Megatron-LM core_v0.16.1 ``--load``s with
-``--ckpt-format torch_dist`` (see megacli.checkpoint.megatron_lm for the layout).
+``--ckpt-format torch_dist`` (see megacli.checkpoint.megatron_lm.dist_reader for the layout).
 
 A megacli torch_dist checkpoint is already Megatron-Core's sharded layout: the model's and the
 optimizer's sharded keys are the ones Megatron-LM's GPT model and optimizer ask for (both layer
 specs name the norms ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight`` in
 their sharded state dict). What differs is around it:
 
-* ``common.pt`` - Megatron-LM's common state: ``args`` (megacli.checkpoint.megatron_lm_args),
+* ``common.pt`` - Megatron-LM's common state: ``args`` (megacli.checkpoint.megatron_lm.args),
   ``checkpoint_version`` 3.0, ``iteration``, ``opt_param_scheduler`` (steps counted in samples),
   ``num_floating_point_operations_so_far``, the optimizer's non-tensor state and the
   ``content_metadata`` Megatron-LM's loader builds its sharded state dict from;

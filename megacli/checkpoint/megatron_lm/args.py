@@ -6,7 +6,7 @@ written ``args`` starts from these, drops what ``validate_args`` deletes, and se
 implies through ``FLAGS``: the one table of Megatron-LM argument <-> recipe key (the docs' flag
 table, docs/megatron-lm/flags.md, is generated from it), then the fields ``validate_args`` and
 training derive (data-parallel size, params dtype, padded vocabulary, iteration, ...).
-The reverse direction (args -> recipe) is megacli.checkpoint.legacy_args; tests check that both
+The reverse direction (args -> recipe) is megacli.checkpoint.megatron_lm.args_to_recipe; tests check that both
 agree on every model field.
 """
 
@@ -20,16 +20,16 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
-from megacli.checkpoint.legacy_args import MEGATRON_ROPE_SCALING
+from megacli.checkpoint.megatron_lm.args_to_recipe import MEGATRON_ROPE_SCALING
 from megacli.errors import UserError
 
-_DEFAULTS_FILE = Path(__file__).with_name("megatron_lm_defaults.json")
+_DEFAULTS_FILE = Path(__file__).with_name("defaults.json")
 
 
 @functools.cache
 def parse_args_defaults() -> Mapping[str, Any]:
     """name -> default of every argument Megatron-LM core_v0.16.1's parse_args defines (enum defaults
-    by member name): megatron_lm_defaults.json, written from a checkout by
+    by member name): defaults.json, written from a checkout by
     ``benchmarks/megatron_lm_args_check.py CHECKOUT --write-defaults``."""
     return MappingProxyType(json.loads(_DEFAULTS_FILE.read_text()))
 

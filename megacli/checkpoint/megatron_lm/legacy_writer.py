@@ -1,7 +1,7 @@
 """Export a megacli checkpoint as a Megatron-LM legacy (``--ckpt-format torch``) checkpoint: the
 files of the target layout, with the key names of Megatron-Core's model for the layer spec (te:
 Transformer Engine's, local: Megatron-Core's own modules) in its parameter order (see
-megacli.reshard.legacy for what each part becomes). A legacy file holds one
+megacli.checkpoint.megatron_lm.legacy_staging for what each part becomes). A legacy file holds one
 rank's whole state, so writing one needs that rank's share of the model in memory."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from typing import Optional
 import torch
 
 from megacli.checkpoint.layout import FILE, TRACKER, iter_name
-from megacli.checkpoint.megatron_lm_write import SPECS, TRANSFORMER_IMPL, rng_for_megatron_lm
+from megacli.checkpoint.megatron_lm.dist_writer import SPECS, TRANSFORMER_IMPL, rng_for_megatron_lm
 from megacli.checkpoint.sharding import shard
 from megacli.errors import UserError
-from megacli.checkpoint.legacy_args import scale_scheduler
-from megacli.reshard.legacy import EXTRA_STATE_MODULES
+from megacli.checkpoint.megatron_lm.args_to_recipe import scale_scheduler
+from megacli.checkpoint.megatron_lm.legacy_staging import EXTRA_STATE_MODULES
 
 # Parameter order of a Megatron-Core GPT layer, per layer spec, in megacli's (Transformer Engine)
 # names: the order of the layer's state_dict() and so of the standard optimizer's indices. TE spec:
@@ -60,7 +60,7 @@ _TOP_LAST = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "
 def check_exportable(recipe, where: Path) -> None:
     """Refuse, before anything is written, a model the legacy export cannot write: what Megatron-LM's
     arguments cannot describe (as for torch_dist), and mixture-of-experts models."""
-    from megacli.reshard.megatron_export import check_exportable as check_arguments
+    from megacli.checkpoint.megatron_lm.dist_export import check_exportable as check_arguments
 
     check_arguments(recipe, where)
     if recipe.model.arch != "gpt":
@@ -248,8 +248,8 @@ def _piece(reader, key: str, layer: Optional[int], cache: dict) -> torch.Tensor:
 
 def _args_from_recipe(recipe, ck, reader, *, transformer_impl: str) -> argparse.Namespace:
     """The Megatron-LM arguments a legacy checkpoint carries: the full set parse_args defines, with
-    this recipe's values (megacli.checkpoint.megatron_lm_args)."""
-    from megacli.checkpoint.megatron_lm_args import megatron_args
+    this recipe's values (megacli.checkpoint.megatron_lm.args)."""
+    from megacli.checkpoint.megatron_lm.args import megatron_args
 
     emb = reader.tensors.get("embedding.word_embeddings.weight")
     gbs = recipe.train.global_batch_size

@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from megacli.checkpoint.legacy_args import arg
+from megacli.checkpoint.megatron_lm.args_to_recipe import arg
 from megacli.checkpoint.megacli_checkpoint import describe_split
-from megacli.checkpoint.megatron_lm import FORMAT, MegatronLMCheckpoint
+from megacli.checkpoint.megatron_lm.dist_reader import FORMAT, MegatronLMCheckpoint
 
 
 def inspect_megatron_lm(path: Path, *, trust_pickle: bool = False) -> dict:

@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 
 from megacli.checkpoint.layout import is_megatron_lm_dir, is_torch_dist_iteration, tracked_iteration
-from megacli.checkpoint.legacy_args import (ArgsDescribed, arg, model_section_from_args, moe_refusals,
+from megacli.checkpoint.megatron_lm.args_to_recipe import (ArgsDescribed, arg, model_section_from_args, moe_refusals,
                                           t5_refusals)
 from megacli.checkpoint.safe_pickle import COMMON, DCP_METADATA, torch_load
 from megacli.checkpoint.torch_dist import NOT_MODEL, STACKED, TorchDistReader, is_extra_state
@@ -138,7 +138,7 @@ class MegatronLMCheckpoint(ArgsDescribed):
         (--moe-layer-freq an integer giving all MoE layers, e.g. the default 1), while megacli's MoE
         models key each layer on its own (``decoder.layers.N.``, Megatron-Core's layout for a
         --moe-layer-freq list). The engine loads such a checkpoint with the layers stacked
-        (engine/megatron_lm_resume.py); reshard stages it per layer (reshard/megatron_lm.py)."""
+        (checkpoint/megatron_lm/resume.py); reshard stages it per layer (checkpoint/megatron_lm/dist_staging.py)."""
         return bool(arg(self.args, "num_experts")) and any(STACKED.search(k) for k in self.model_keys)
 
     def padded_vocab_rows(self) -> int:
@@ -165,7 +165,7 @@ class MegatronLMCheckpoint(ArgsDescribed):
     def recipe(self) -> dict | None:
         """The megacli training recipe the run's args describe (None when its model cannot be mapped:
         ``unmapped()`` says why)."""
-        from megacli.checkpoint.legacy_args import recipe_from_args
+        from megacli.checkpoint.megatron_lm.args_to_recipe import recipe_from_args
 
         if self.unmapped():
             return None
