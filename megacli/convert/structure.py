@@ -8,7 +8,7 @@ from typing import Iterator
 
 
 def structure(path: Path, *, trust_pickle: bool = False) -> Iterator[str]:
-    from megacli.checkpoint.inspect import row
+    from megacli.checkpoint.contents import row
     from megacli.convert import hf_io
 
     if hf_io.is_hf_dir(path):
@@ -18,6 +18,6 @@ def structure(path: Path, *, trust_pickle: bool = False) -> Iterator[str]:
         for key in weights.keys():
             yield row(key, *weights.describe(key))
     else:  # a megacli or a Megatron-LM legacy checkpoint
-        from megacli.checkpoint.inspect import structure as checkpoint_structure
+        from megacli.checkpoint.contents import structure as checkpoint_structure
 
         yield from checkpoint_structure(path, trust_pickle=trust_pickle)

@@ -1,9 +1,9 @@
 """`megacli reshard`: change a checkpoint's TP/PP/VP/DP layout offline, in one process.
 
-    reshard(SRC, DST, tensor=1, pipeline=1)     plan (plan.py), write to a temporary directory,
+    reshard(SRC, DST, tensor=1, pipeline=1)     plan (tensor_plan.py), write to a temporary directory,
                                                  optionally verify, then rename into place
     verify(SRC, DST)                             every global tensor of DST against SRC
-    checkpoint.inspect.inspect(CKPT)             format, layout, iteration, recipe, tensors
+    checkpoint.contents.inspect(CKPT)            format, layout, iteration, recipe, tensors
 
 DST is a checkpoint directory like the engine's: ``DST/latest`` names ``DST/iter_NNNNNNN/``, so
 ``checkpoint.resume=DST`` (or ``checkpoint.dir=DST``) continues training under the new layout.
@@ -37,7 +37,7 @@ from megacli.checkpoint.torch_dist import is_extra_state, write_torch_dist
 from megacli.errors import UserError
 from megacli.reshard.digest import Digest, bytes_digest, object_digest
 from megacli.checkpoint.megacli_checkpoint import OPT_PREFIX, Checkpoint
-from megacli.reshard.plan import Plan, Target, build_plan, resolve_target
+from megacli.reshard.tensor_plan import Plan, Target, build_plan, resolve_target
 
 
 class VerifyFailed(UserError):

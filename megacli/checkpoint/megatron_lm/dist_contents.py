@@ -10,7 +10,7 @@ from megacli.checkpoint.megatron_lm.dist_reader import FORMAT, MegatronLMCheckpo
 
 
 def inspect_megatron_lm(path: Path, *, trust_pickle: bool = False) -> dict:
-    """inspect's answer (see megacli.checkpoint.inspect.inspect) plus ``not_mapped``: what of the
+    """inspect's answer (see megacli.checkpoint.contents.inspect) plus ``not_mapped``: what of the
     run's args the recipe does not carry."""
     src = MegatronLMCheckpoint(path, trust_pickle=trust_pickle)
     reader = src.reader

@@ -25,7 +25,7 @@ def inspect(path: str | Path, *, trust_pickle: bool = False) -> dict:
     if kind == "legacy":
         return _inspect_legacy(src, trust_pickle=trust_pickle)
     if kind == "megatron-lm":
-        from megacli.checkpoint.megatron_lm.describe import inspect_megatron_lm
+        from megacli.checkpoint.megatron_lm.dist_contents import inspect_megatron_lm
 
         return inspect_megatron_lm(src, trust_pickle=trust_pickle)
     ck = Checkpoint(src, trust_pickle=trust_pickle)
@@ -128,7 +128,7 @@ def structure(path: Path, *, trust_pickle: bool = False) -> Iterator[str]:
     megacli checkpoint's global shapes, layers stacked; a legacy checkpoint's per rank file)."""
     src, kind = locate(path)
     if kind == "megatron-lm":
-        from megacli.checkpoint.megatron_lm.describe import structure_megatron_lm
+        from megacli.checkpoint.megatron_lm.dist_contents import structure_megatron_lm
 
         header, rows = structure_megatron_lm(src, trust_pickle=trust_pickle)
         yield header
