@@ -26,13 +26,11 @@ import torch
 
 from megacli.checkpoint.layout import TRACKER, iter_name
 from megacli.checkpoint.megatron_lm.dist_reader import canonical_key
+from megacli.checkpoint.megatron_lm.keys import LOCAL_NAMES
 
 TOL = 1e-4
 ITERATION = 10
-_LOCAL_NAMES = {"layers.self_attention.linear_qkv.layer_norm_weight": "layers.input_layernorm.weight",
-                "layers.mlp.linear_fc1.layer_norm_weight": "layers.pre_mlp_layernorm.weight",
-                "layers.self_attention.linear_qkv.layer_norm_bias": "layers.input_layernorm.bias",
-                "layers.mlp.linear_fc1.layer_norm_bias": "layers.pre_mlp_layernorm.bias"}
+_LOCAL_NAMES = {f"layers.{fused}": f"layers.{local}" for fused, local in LOCAL_NAMES.items()}
 
 
 def _local_name(key: str) -> str:

@@ -21,6 +21,7 @@ import re
 from pathlib import Path
 
 from megacli.checkpoint.layout import is_megatron_lm_dir, is_torch_dist_iteration, tracked_iteration
+from megacli.checkpoint.megatron_lm.keys import FUSED_INTO, MOE_NORM, fused_prefix
 from megacli.checkpoint.megatron_lm.args_to_recipe import (ArgsDescribed, arg, model_section_from_args, moe_refusals,
                                           t5_refusals)
 from megacli.checkpoint.safe_pickle import COMMON, DCP_METADATA, torch_load
@@ -44,11 +45,9 @@ _UNMAPPED_ARGS = {
 }
 _NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
-_LOCAL_NORM = re.compile(r"(?:^|\.)layers\.(?P<norm>input_layernorm|pre_mlp_layernorm)\.(?P<kind>weight|bias)\Z")
-_FUSED_INTO = {"input_layernorm": "self_attention.linear_qkv", "pre_mlp_layernorm": "mlp.linear_fc1"}
-
-
-_MOE_LOCAL_NORM = re.compile(r"(?:^|\.)layers\.(?:\d+\.)?(?P<fused>mlp\.linear_fc1\.layer_norm_)(?P<kind>weight|bias)\Z")
+_LOCAL_NORM = re.compile(r"(?:^|\.)layers\.(?P<norm>" + "|".join(FUSED_INTO) + r")\.(?P<kind>weight|bias)\Z")
+_MOE_LOCAL_NORM = re.compile(r"(?:^|\.)layers\.(?:\d+\.)?(?P<fused>" + re.escape(fused_prefix(MOE_NORM))
+                             + r")(?P<kind>weight|bias)\Z")
 
 
 def canonical_key(key: str, stored: set[str]) -> str | None:
@@ -62,15 +61,15 @@ def canonical_key(key: str, stored: set[str]) -> str | None:
     moe = _MOE_LOCAL_NORM.search(key)
     if moe is not None:
         stem = key[: moe.start("fused")]
-        return key if f"{stem}mlp.linear_fc1.weight" in stored else f"{stem}pre_mlp_layernorm.{moe.group('kind')}"
+        return key if f"{stem}{FUSED_INTO[MOE_NORM]}.weight" in stored else f"{stem}{MOE_NORM}.{moe.group('kind')}"
     m = _LOCAL_NORM.search(key)
     if m is None:
         return key
     stem = key[: m.start("norm")]
-    fused = _FUSED_INTO[m.group("norm")]
-    if f"{stem}{fused}.weight" not in stored:
+    norm = m.group("norm")
+    if f"{stem}{FUSED_INTO[norm]}.weight" not in stored:
         return key
-    return f"{stem}{fused}.layer_norm_{m.group('kind')}"
+    return f"{stem}{fused_prefix(norm)}{m.group('kind')}"
 
 
 class MegatronLMCheckpoint(ArgsDescribed):

@@ -17,6 +17,7 @@ from megacli.checkpoint.megatron_lm.dist_writer import SPECS, TRANSFORMER_IMPL, 
 from megacli.checkpoint.sharding import shard
 from megacli.errors import UserError
 from megacli.checkpoint.megatron_lm.args_to_recipe import scale_scheduler
+from megacli.checkpoint.megatron_lm.keys import LOCAL_NAMES
 from megacli.checkpoint.megatron_lm.legacy_staging import EXTRA_STATE_MODULES
 
 # Parameter order of a Megatron-Core GPT layer, per layer spec, in megacli's (Transformer Engine)
@@ -45,13 +46,6 @@ _LAYER_ORDER = {
         "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
         "mlp.linear_fc2.weight", "mlp.linear_fc2.bias",
     ),
-}
-# The local spec's names where they differ (a plain state_dict(); its sharded_state_dict renames them back).
-_LOCAL_NAMES = {
-    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
-    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
-    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
 }
 _TOP_FIRST = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
 _TOP_LAST = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight", "output_layer.bias")
@@ -126,7 +120,7 @@ def export(it_dir: Path, out: Path, *, spec: str = "te", trust_pickle: bool = Fa
 
     # One layer's entries (megacli suffix or None, file suffix) in Megatron-Core's parameter order,
     # the extra state after each linear module's parameters.
-    rename = _LOCAL_NAMES if spec == "local" else {}
+    rename = LOCAL_NAMES if spec == "local" else {}  # a plain state_dict() keeps the local spec's names
     layer_items: list[tuple[Optional[str], str]] = []
     present = [x for x in _LAYER_ORDER[spec] if f"decoder.layers.{x}" in model_keys]
     for i, suffix in enumerate(present):
