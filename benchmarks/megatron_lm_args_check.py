@@ -64,7 +64,8 @@ def main() -> None:
 
     from megatron.training.arguments import parse_args, validate_args
 
-    from megacli.checkpoint.megatron_lm.args import parse_args_defaults, megatron_args
+    from megacli.checkpoint.megatron_lm.args import parse_args_defaults
+    from megacli.checkpoint.megatron_lm.args_namespace import megatron_args
     from megacli.recipe.base import apply_overrides, validate
     from megacli.recipe.pretrain import TrainingRecipe
 

@@ -104,7 +104,7 @@ def test_key_names_of_both_specs():
 
 def test_feature_args_become_model_fields():
     """--apply-layernorm-1p (either field name), --use-rope-scaling, --window-size / --window-attn-skip-freq."""
-    from megacli.checkpoint.megatron_lm.args_to_recipe import model_section_from_args
+    from megacli.checkpoint.megatron_lm.args import model_section_from_args
     from megacli.recipe.model import ModelSection
 
     def model(**changes):
@@ -131,7 +131,7 @@ def test_feature_args_become_model_fields():
     (dict(window_size=(4, 0), window_attn_skip_freq=[1, 1, 0]), "3 entries for num_layers = 2"),
 ])
 def test_feature_args_megacli_cannot_follow_are_refused(changes, why):
-    from megacli.checkpoint.megatron_lm.args_to_recipe import model_section_from_args
+    from megacli.checkpoint.megatron_lm.args import model_section_from_args
     from megacli.errors import UserError
 
     with pytest.raises(UserError, match=re.escape(why)):

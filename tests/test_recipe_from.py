@@ -149,7 +149,8 @@ def _saved(path, text: str):
 
 
 def test_args_the_recipe_does_not_give_back_are_listed():
-    from megacli.checkpoint.megatron_lm.args import args_not_reproduced, megatron_args
+    from megacli.checkpoint.megatron_lm.args import args_not_reproduced
+    from megacli.checkpoint.megatron_lm.args_namespace import megatron_args
     from tests.test_megatron_lm_write import recipe
 
     r = recipe()

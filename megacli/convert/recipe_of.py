@@ -58,7 +58,8 @@ def _from_megacli(ckpt: Path) -> CheckpointRecipe:
 
 
 def _from_megatron_lm(src: Path, kind: str, *, trust_pickle: bool) -> CheckpointRecipe:
-    from megacli.checkpoint.megatron_lm.args_to_recipe import arg, recipe_from_args
+    from megacli.checkpoint.megatron_lm.args import arg
+    from megacli.checkpoint.megatron_lm.args_to_recipe import recipe_from_args
     from megacli.checkpoint.megatron_lm.args import args_not_reproduced
 
     if kind == "megatron-lm":

@@ -1,18 +1,15 @@
-"""Megatron-LM's run arguments (the ``args`` Namespace in every checkpoint it writes) for a megacli recipe.
+"""Megatron-LM's run arguments (the ``args`` Namespace in every checkpoint it writes) <-> a megacli
+recipe: ``FLAGS``, the one table of Megatron-LM argument <-> recipe key, each row both ways.
 
-``parse_args_defaults()`` lists every field Megatron-LM core_v0.16.1's ``parse_args`` defines, with
-its default (``benchmarks/megatron_lm_args_check.py CHECKOUT`` compares it with a checkout). A
-written ``args`` starts from these, drops what ``validate_args`` deletes, and sets what the recipe
-implies through ``FLAGS``: the one table of Megatron-LM argument <-> recipe key (the docs' flag
-table, docs/megatron-lm/flags.md, is generated from it), then the fields ``validate_args`` and
-training derive (data-parallel size, params dtype, padded vocabulary, iteration, ...).
-The reverse direction (args -> recipe) is megacli.checkpoint.megatron_lm.args_to_recipe; tests check that both
-agree on every model field.
+``value(recipe)``: the argument for a validated recipe (args_namespace.py writes the whole Namespace
+with it; docs/megatron-lm/flags.md is generated from the table). ``read(args)``, on the one row that
+reads its key back: the key's value for a run's args (``model_section_from_args``; keys only some
+models have are read below the table). ``parse_args_defaults()``: every field core_v0.16.1's
+``parse_args`` defines, with its default (defaults.json; ``benchmarks/megatron_lm_args_check.py``).
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 from dataclasses import dataclass
@@ -20,8 +17,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
-from megacli.checkpoint.megatron_lm.args_to_recipe import MEGATRON_ROPE_SCALING
 from megacli.errors import UserError
+from megacli.recipe.model import every_nth_global
 
 _DEFAULTS_FILE = Path(__file__).with_name("defaults.json")
 
@@ -34,16 +31,23 @@ def parse_args_defaults() -> Mapping[str, Any]:
     return MappingProxyType(json.loads(_DEFAULTS_FILE.read_text()))
 
 
-DROPPED_BY_VALIDATION = ("batch_size", "warmup", "model_parallel_size", "checkpoint_activations", "recompute_activations")
-# Fields validate_args converts from a precision name to a torch dtype.
-_DTYPE_FIELDS = ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
-# Fields validate_args and Megatron-LM's training add to the Namespace (set by megatron_args below).
-DERIVED = ("consumed_train_samples", "consumed_valid_samples", "skipped_train_samples", "data_parallel_size",
-           "params_dtype", "transformer_pipeline_model_parallel_size", "use_dist_ckpt", "variable_seq_lengths",
-           "virtual_pipeline_model_parallel_size", "padded_vocab_size", "iteration", "curr_iteration",
-           "num_floating_point_operations_so_far", "model_type", "do_train", "do_valid", "do_test")
+def arg(args, name, default=None):
+    """``args.name``, or ``default`` when the run did not set it (absent or None)."""
+    value = getattr(args, name, default)
+    return default if value is None else value
 
-_POSITIONS = {"learned": "learned_absolute", "rope": "rope", "none": "none", "relative": "relative"}
+
+def _given(name: str, default=None, as_type: Callable[[Any], Any] = lambda v: v) -> Callable[[Any], Any]:
+    """A backward read: the run's ``name`` (``default`` when it did not set it), as ``as_type``."""
+    return lambda a: as_type(arg(a, name, default))
+
+
+# The Llama 3.1 scaling Megatron-Core's RotaryEmbedding hard-codes for --use-rope-scaling (low/high
+# frequency factors and original context are fixed; pretrain_gpt.py's gpt_builder does not pass
+# --rope-scaling-factor on, so its model always scales by 8), as model.rope_scaling.
+MEGATRON_ROPE_SCALING = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_positions": 8192}
+POSITIONS = {"learned": "learned_absolute", "rope": "rope", "none": "none", "relative": "relative"}
 _DECAY = {"wsd": "WSD"}
 _TOKENIZERS = {"huggingface": "HuggingFaceTokenizer", "sentencepiece": "GPTSentencePieceTokenizer",
                "wordpiece": "BertWordPieceLowerCase", "none": "NullTokenizer"}
@@ -52,7 +56,8 @@ _TOKENIZERS = {"huggingface": "HuggingFaceTokenizer", "sentencepiece": "GPTSente
 @dataclass(frozen=True)
 class Flag:
     """One Megatron-LM argument and the recipe key it corresponds to: ``value(recipe)`` is the
-    argument's value for a validated recipe."""
+    argument's value for a validated recipe; ``read(args)``, on the row that reads the key back,
+    the key's value for a run's args."""
 
     arg: str
     key: str
@@ -62,6 +67,7 @@ class Flag:
     the environment variable parse_args reads the field from (``WORLD_SIZE``)."""
     off: bool = False
     """The option stores False (``--disable-bias-linear``: the field is True unless it is given)."""
+    read: Callable[[Any], Any] | None = None
 
     @property
     def option(self) -> str:
@@ -83,19 +89,21 @@ def _m(field):
     return lambda r: getattr(r.model, field)
 
 
-def _moe(arg: str, value: Callable[[Any], Any]) -> Callable[[Any], Any]:
+def _moe(name: str, value: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """A MoE argument: ``value(recipe)`` for a model with model.moe, parse_args' default for a dense one."""
-    return lambda r: value(r) if r.model.moe is not None else parse_args_defaults()[arg]
+    return lambda r: value(r) if r.model.moe is not None else parse_args_defaults()[name]
 
 
-def _t5(arg: str, value: Callable[[Any], Any]) -> Callable[[Any], Any]:
+def _t5(name: str, value: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """A T5 argument: ``value(recipe)`` for model.arch t5, parse_args' default for other models."""
-    return lambda r: value(r) if r.model.arch == "t5" else parse_args_defaults()[arg]
+    return lambda r: value(r) if r.model.arch == "t5" else parse_args_defaults()[name]
 
 
-def _e(arg: str, field: str) -> Flag:
-    """A MoE argument that is model.moe's ``field`` as it is."""
-    return Flag(arg, f"model.moe.{field}", _moe(arg, lambda r: getattr(r.model.moe, field)))
+def _e(name: str, field: str, default=None, as_type: Callable[[Any], Any] = lambda v: v) -> Flag:
+    """A MoE argument that is model.moe's ``field`` as it is (read back as ``as_type``, ``default``
+    when the run did not set it)."""
+    return Flag(name, f"model.moe.{field}", _moe(name, lambda r: getattr(r.model.moe, field)),
+                read=_given(name, default, as_type))
 
 
 def moe_layer_freq(recipe) -> list[int]:
@@ -105,72 +113,120 @@ def moe_layer_freq(recipe) -> list[int]:
     return recipe.model.moe_layers()
 
 
+def _position(a) -> str:
+    pos = "rope" if arg(a, "use_rotary_position_embeddings", False) else arg(a, "position_embedding_type", "learned_absolute")
+    found = {megatron: ours for ours, megatron in POSITIONS.items()}.get(pos)
+    if found is None:
+        raise UserError(f"position_embedding_type {pos!r} is not supported")
+    return found
+
+
+def _activation(a) -> str:
+    if arg(a, "swiglu", False):
+        return "swiglu"
+    if arg(a, "squared_relu", False):
+        return "squared_relu"
+    if arg(a, "openai_gelu", False) or (arg(a, "add_bias_linear", True) and arg(a, "bias_gelu_fusion", False)):
+        # Megatron-Core's fused bias-GeLU (its default with biases) is the tanh approximation
+        return "gelu_tanh"
+    return "gelu"
+
+
+def _balancing(a):
+    return _single(arg(a, "moe_router_load_balancing_type", "aux_loss"))
+
+
+def _single(value):
+    """A list-valued MoE argument (--moe-router-load-balancing-type and --moe-aux-loss-coeff take
+    several) as its one value; a list of several stays a list."""
+    return value[0] if isinstance(value, (list, tuple)) and len(value) == 1 else value
+
+
 FLAGS: tuple[Flag, ...] = (
     # model
-    Flag("num_layers", "model.num_layers", _m("num_layers")),
-    Flag("hidden_size", "model.hidden_size", _m("hidden_size")),
-    Flag("num_attention_heads", "model.num_attention_heads", _m("num_attention_heads")),
-    Flag("group_query_attention", "model.num_query_groups", lambda r: r.model.query_groups != r.model.num_attention_heads),
+    Flag("num_layers", "model.num_layers", _m("num_layers"), read=lambda a: a.num_layers),
+    Flag("hidden_size", "model.hidden_size", _m("hidden_size"), read=lambda a: a.hidden_size),
+    Flag("num_attention_heads", "model.num_attention_heads", _m("num_attention_heads"), read=lambda a: a.num_attention_heads),
+    Flag("group_query_attention", "model.num_query_groups", lambda r: r.model.query_groups != r.model.num_attention_heads,
+         read=lambda a: arg(a, "num_query_groups", a.num_attention_heads) if arg(a, "group_query_attention", False)
+         else a.num_attention_heads),
     Flag("num_query_groups", "model.num_query_groups", lambda r: r.model.query_groups),
-    Flag("kv_channels", "model.kv_channels", lambda r: r.model.head_dim),
-    Flag("ffn_hidden_size", "model.ffn_hidden_size", lambda r: r.model.ffn_size),
-    Flag("seq_length", "model.seq_length", _m("seq_length")),
-    Flag("max_position_embeddings", "model.max_position_embeddings", lambda r: r.model.max_positions),
-    Flag("position_embedding_type", "model.position_embedding", lambda r: _POSITIONS[r.model.position_embedding]),
+    Flag("kv_channels", "model.kv_channels", lambda r: r.model.head_dim,
+         read=lambda a: arg(a, "kv_channels", a.hidden_size // a.num_attention_heads)),
+    Flag("ffn_hidden_size", "model.ffn_hidden_size", lambda r: r.model.ffn_size,
+         read=lambda a: arg(a, "ffn_hidden_size", 4 * a.hidden_size)),
+    Flag("seq_length", "model.seq_length", _m("seq_length"), read=_given("seq_length", 1024)),
+    Flag("max_position_embeddings", "model.max_position_embeddings", lambda r: r.model.max_positions,
+         read=lambda a: arg(a, "max_position_embeddings", arg(a, "seq_length", 1024))),
+    Flag("position_embedding_type", "model.position_embedding", lambda r: POSITIONS[r.model.position_embedding],
+         read=_position),
     Flag("add_position_embedding", "model.position_embedding", lambda r: r.model.position_embedding != "none",
          cli="--no-position-embedding", off=True),
     Flag("rotary_base", "model.rotary_base", lambda r: int(r.model.rotary_base) if float(r.model.rotary_base).is_integer()
-         else r.model.rotary_base),
-    Flag("rotary_percent", "model.rotary_percent", _m("rotary_percent")),
-    Flag("normalization", "model.normalization", lambda r: "RMSNorm" if r.model.normalization == "rmsnorm" else "LayerNorm"),
-    Flag("layernorm_epsilon", "model.norm_epsilon", _m("norm_epsilon"), cli="--norm-epsilon"),
-    Flag("swiglu", "model.activation", lambda r: r.model.activation == "swiglu"),
+         else r.model.rotary_base, read=_given("rotary_base", 10000, float)),
+    Flag("rotary_percent", "model.rotary_percent", _m("rotary_percent"), read=_given("rotary_percent", 1.0, float)),
+    Flag("normalization", "model.normalization", lambda r: "RMSNorm" if r.model.normalization == "rmsnorm" else "LayerNorm",
+         read=lambda a: "rmsnorm" if arg(a, "normalization", "LayerNorm") == "RMSNorm" else "layernorm"),
+    Flag("layernorm_epsilon", "model.norm_epsilon", _m("norm_epsilon"), cli="--norm-epsilon",
+         read=lambda a: arg(a, "norm_epsilon", arg(a, "layernorm_epsilon", 1e-5))),
+    Flag("swiglu", "model.activation", lambda r: r.model.activation == "swiglu", read=_activation),
     Flag("squared_relu", "model.activation", lambda r: r.model.activation == "squared_relu"),
     Flag("openai_gelu", "model.activation", lambda r: r.model.activation == "gelu_tanh"),
-    Flag("add_bias_linear", "model.add_bias_linear", _m("add_bias_linear"), cli="--disable-bias-linear", off=True),
-    Flag("add_qkv_bias", "model.add_qkv_bias", lambda r: r.model.add_qkv_bias or r.model.add_bias_linear),
+    Flag("add_bias_linear", "model.add_bias_linear", _m("add_bias_linear"), cli="--disable-bias-linear", off=True,
+         read=lambda a: arg(a, "add_bias_linear", not arg(a, "disable_bias_linear", False))),
+    Flag("add_qkv_bias", "model.add_qkv_bias", lambda r: r.model.add_qkv_bias or r.model.add_bias_linear,
+         read=_given("add_qkv_bias", False)),
     # Megatron-Core's fused bias-GeLU is the tanh approximation (and refuses other activations): on for
     # gelu_tanh with biases only (validate_args turns it off without biases)
     Flag("bias_gelu_fusion", "model.activation", lambda r: r.model.activation == "gelu_tanh" and r.model.add_bias_linear,
          cli="--no-bias-gelu-fusion", off=True),
-    Flag("qk_layernorm", "model.qk_layernorm", _m("qk_layernorm")),
-    Flag("layernorm_zero_centered_gamma", "model.norm_zero_centered_gamma", _m("norm_zero_centered_gamma"),
-         cli="--apply-layernorm-1p"),
+    Flag("qk_layernorm", "model.qk_layernorm", _m("qk_layernorm"), read=_given("qk_layernorm", False)),
     Flag("use_rope_scaling", "model.rope_scaling", lambda r: r.model.rope_scaling is not None),
     Flag("rope_scaling_factor", "model.rope_scaling.factor", lambda r: MEGATRON_ROPE_SCALING["factor"]),
     Flag("window_size", "model.sliding_window", lambda r: r.model.megatron_window),
     Flag("window_attn_skip_freq", "model.sliding_window_layers", _m("sliding_window_layers")),
-    Flag("untie_embeddings_and_output_weights", "model.untie_embeddings", _m("untie_embeddings")),
-    Flag("hidden_dropout", "model.dropout", _m("dropout")),
-    Flag("attention_dropout", "model.attention_dropout", _m("attention_dropout")),
-    Flag("init_method_std", "model.init_method_std", _m("init_method_std")),
-    Flag("vocab_size", "model.vocab_size", _m("vocab_size")),
-    Flag("make_vocab_size_divisible_by", "model.make_vocab_size_divisible_by", _m("make_vocab_size_divisible_by")),
+    Flag("untie_embeddings_and_output_weights", "model.untie_embeddings", _m("untie_embeddings"),
+         read=_given("untie_embeddings_and_output_weights", False)),
+    Flag("hidden_dropout", "model.dropout", _m("dropout"), read=_given("hidden_dropout", 0.0)),
+    Flag("attention_dropout", "model.attention_dropout", _m("attention_dropout"), read=_given("attention_dropout", 0.0)),
+    Flag("vocab_size", "model.vocab_size", _m("vocab_size"), read=_given("vocab_size")),
+    Flag("make_vocab_size_divisible_by", "model.make_vocab_size_divisible_by", _m("make_vocab_size_divisible_by"),
+         read=_given("make_vocab_size_divisible_by", 128)),
+    Flag("init_method_std", "model.init_method_std", _m("init_method_std"), read=_given("init_method_std", 0.02)),
+    # --apply-layernorm-1p (args.layernorm_zero_centered_gamma; apply_layernorm_1p before core_r0.8)
+    Flag("layernorm_zero_centered_gamma", "model.norm_zero_centered_gamma", _m("norm_zero_centered_gamma"),
+         cli="--apply-layernorm-1p", read=lambda a: bool(arg(a, "layernorm_zero_centered_gamma", False)
+                                                          or arg(a, "apply_layernorm_1p", False))),
     Flag("bert_binary_head", "model.bert_binary_head", _m("bert_binary_head"), cli="--bert-no-binary-head", off=True),
     # T5 (pretrain_t5.py; validate_args makes --num-layers / --seq-length the encoder's)
     Flag("decoder_num_layers", "model.decoder_num_layers", _t5("decoder_num_layers", lambda r: r.model.dec_num_layers)),
     Flag("decoder_seq_length", "model.decoder_seq_length", _t5("decoder_seq_length", lambda r: r.model.dec_seq_length)),
     Flag("vocab_extra_ids", "masking.sentinel_tokens", _t5("vocab_extra_ids", lambda r: r.masking.sentinel_tokens)),
     # mixture of experts
-    _e("num_experts", "num_experts"),
-    _e("moe_router_topk", "router_topk"),
-    Flag("moe_ffn_hidden_size", "model.moe.ffn_hidden_size", _moe("moe_ffn_hidden_size", lambda r: r.model.expert_ffn_size)),
-    Flag("moe_layer_freq", "model.moe.layer_freq", _moe("moe_layer_freq", moe_layer_freq)),
+    _e("num_experts", "num_experts", as_type=int),
+    _e("moe_router_topk", "router_topk", 2, int),
+    Flag("moe_ffn_hidden_size", "model.moe.ffn_hidden_size", _moe("moe_ffn_hidden_size", lambda r: r.model.expert_ffn_size),
+         # validate_args: moe_ffn_hidden_size defaults to ffn_hidden_size
+         read=lambda a: arg(a, "moe_ffn_hidden_size", arg(a, "ffn_hidden_size", 4 * a.hidden_size))),
     Flag("moe_router_load_balancing_type", "model.moe.aux_loss_coeff",
          _moe("moe_router_load_balancing_type", lambda r: "aux_loss" if r.model.moe.aux_loss_coeff > 0 else "none")),
-    _e("moe_aux_loss_coeff", "aux_loss_coeff"),
+    Flag("moe_aux_loss_coeff", "model.moe.aux_loss_coeff", _moe("moe_aux_loss_coeff", lambda r: r.model.moe.aux_loss_coeff),
+         read=lambda a: float(_single(arg(a, "moe_aux_loss_coeff", 0.0))) if _balancing(a) == "aux_loss" else 0.0),
     _e("moe_expert_capacity_factor", "capacity_factor"),
-    _e("moe_token_drop_policy", "drop_policy"),
-    _e("moe_pad_expert_input_to_capacity", "pad_to_capacity"),
+    _e("moe_token_drop_policy", "drop_policy", "probs"),
+    _e("moe_pad_expert_input_to_capacity", "pad_to_capacity", False, bool),
     _e("moe_shared_expert_intermediate_size", "shared_expert_ffn_hidden_size"),
-    _e("moe_shared_expert_gate", "shared_expert_gate"),
-    _e("moe_router_dtype", "router_dtype"),
-    _e("moe_router_pre_softmax", "router_pre_softmax"),
-    _e("moe_token_dispatcher_type", "dispatcher"),
-    _e("moe_grouped_gemm", "grouped_gemm"),
-    _e("moe_router_score_function", "router_score_function"),
-    _e("moe_router_enable_expert_bias", "router_expert_bias"),
-    _e("moe_router_bias_update_rate", "router_bias_update_rate"),
+    _e("moe_shared_expert_gate", "shared_expert_gate", False, bool),
+    Flag("moe_layer_freq", "model.moe.layer_freq", _moe("moe_layer_freq", moe_layer_freq),
+         read=_given("moe_layer_freq", 1, lambda f: list(f) if isinstance(f, (list, tuple)) else int(f))),
+    _e("moe_router_dtype", "router_dtype"),  # None: the model's precision
+    _e("moe_router_pre_softmax", "router_pre_softmax", False, bool),
+    # flex (DeepEP / HybridEP kernels) routes the same tokens as all-to-all, which megacli runs
+    _e("moe_token_dispatcher_type", "dispatcher", "allgather", lambda d: "allgather" if d == "allgather" else "alltoall"),
+    _e("moe_grouped_gemm", "grouped_gemm", False, bool),
+    _e("moe_router_score_function", "router_score_function", "softmax"),
+    _e("moe_router_enable_expert_bias", "router_expert_bias", False, bool),
+    _e("moe_router_bias_update_rate", "router_bias_update_rate", 1e-3, float),
     _e("moe_router_num_groups", "router_num_groups"),
     _e("moe_router_group_topk", "router_group_topk"),
     _e("moe_router_topk_scaling_factor", "router_topk_scaling_factor"),
@@ -246,129 +302,122 @@ def _data_path(data) -> list[str] | None:
     return [str(data.path)] if data.path else None
 
 
-def _enum_defaults() -> dict[str, Any]:
-    import signal
-
-    from megatron.core.transformer.enums import AttnBackend
-
-    return {"attention_backend": AttnBackend[parse_args_defaults()["attention_backend"]],
-            "exit_signal": signal.Signals[parse_args_defaults()["exit_signal"]]}
+def _read(args, prefix: str) -> dict:
+    """The recipe keys directly under ``prefix`` that the table reads back, in its order."""
+    return {flag.key[len(prefix):]: flag.read(args) for flag in FLAGS
+            if flag.read is not None and flag.key.startswith(prefix) and "." not in flag.key[len(prefix):]}
 
 
-# Model fields Megatron-LM core_v0.16.1's arguments cannot set: name -> (the value they imply, why).
-_NO_ARGUMENT = {
-    "softmax_scale": (None, "TransformerConfig.softmax_scale has no command-line argument"),
-    "qk_norm_scope": ("head", "--qk-layernorm normalises each head; no argument normalises whole projections"),
-    "norm_placement": ("pre", "Megatron-LM's GPT layers are pre-norm; no argument adds norms on sublayer outputs"),
-    "attention_softcap": (None, "no argument soft-caps attention scores"),
-    "final_logit_softcap": (None, "no argument soft-caps the output logits"),
-    "scale_embeddings": (False, "no argument scales the input embeddings"),
-    "rotary_base_local": (None, "one RoPE base (--rotary-base) serves every layer"),
-    "mla": (None, "multi-latent attention is not mapped: Megatron-LM's local spec names its latent norms "
-                  "q_layernorm / kv_layernorm (megacli stores the Transformer Engine spec's linear_q_up_proj / "
-                  "linear_kv_up_proj.layer_norm_weight), and its yarn RoPE takes original_max_position_embeddings, "
-                  "beta_fast and beta_slow from defaults no argument sets"),
+def _rope_scaling(args) -> dict | None:
+    if not arg(args, "use_rope_scaling", False):
+        return None
+    factor = float(arg(args, "rope_scaling_factor", MEGATRON_ROPE_SCALING["factor"]))
+    if factor != MEGATRON_ROPE_SCALING["factor"]:
+        raise UserError(f"use_rope_scaling with rope_scaling_factor {factor}: Megatron-LM's pretrain_gpt.py does not "
+                        f"pass --rope-scaling-factor to the model (it scales by {MEGATRON_ROPE_SCALING['factor']}), so "
+                        f"which factor the weights were trained with is not known")
+    return dict(MEGATRON_ROPE_SCALING)
+
+
+def _sliding_window(args, num_layers: int) -> dict:
+    """model.sliding_window (+ sliding_window_layers) for window_size / window_attn_skip_freq: Megatron's
+    window (left, 0) lets token i see i - left .. i, Hugging Face's window left + 1."""
+    window = arg(args, "window_size")
+    if window is None:
+        return {}
+    window = tuple(window)
+    if len(window) != 2 or window[1] != 0 or window[0] < 0:
+        raise UserError(f"window_size {window}: only causal sliding windows (w, 0) with w >= 0 are supported")
+    skip = arg(args, "window_attn_skip_freq")
+    if isinstance(skip, int):
+        windowed = every_nth_global(skip, num_layers)
+    elif skip is None:
+        windowed = [1] * num_layers
+    else:
+        windowed = [int(bool(x)) for x in skip]
+        if len(windowed) != num_layers:
+            raise UserError(f"window_attn_skip_freq {skip}: {len(windowed)} entries for num_layers = {num_layers}")
+        skip = windowed
+    if not any(windowed):  # every layer attends to the whole prefix
+        return {}
+    return {"sliding_window": window[0] + 1, "sliding_window_layers": skip}
+
+
+def model_section_from_args(args, vocab_size: int, arch: str = "gpt") -> dict:
+    """The recipe ``model:`` section for a Megatron-LM run's arguments (``arch``: gpt, bert or t5);
+    ``vocab_size``: the real vocabulary (ArgsDescribed.vocab_size)."""
+    if arg(args, "apply_residual_connection_post_layernorm", False):
+        raise UserError("apply_residual_connection_post_layernorm checkpoints are not supported (the residual "
+                        "stream takes the normalised input, which megacli's layers do not express)")
+    if arg(args, "rotary_interleaved", False):
+        raise UserError("rotary_interleaved checkpoints are not supported (megacli uses non-interleaved RoPE, as HF)")
+    section = {"arch": arch, **_read(args, "model.")}
+    if section["position_embedding"] == "relative" and arch != "t5":
+        raise UserError("position_embedding_type 'relative' is not supported")
+    section["vocab_size"] = vocab_size
+    scaling = _rope_scaling(args) if section["position_embedding"] == "rope" else None  # nothing to scale without RoPE
+    if scaling is not None:
+        section.update(rope_scaling=scaling)
+    section.update(_sliding_window(args, args.num_layers))
+    if arch == "t5":  # pretrain_t5.py: --encoder-seq-length is seq_length
+        section.update(decoder_seq_length=arg(args, "decoder_seq_length", None))
+        if section["decoder_seq_length"] is None:
+            del section["decoder_seq_length"]
+    if arch == "bert":  # pretrain_bert.py: token types and the pooler come with the binary head
+        section.update(bert_binary_head=bool(arg(args, "bert_binary_head", True)))
+    moe = moe_section_from_args(args)
+    if moe is not None:
+        section["moe"] = moe
+    return section
+
+
+# Megatron-LM MoE arguments that change the model in ways model.moe does not express: name ->
+# (its value for a model without that change, why).
+_MOE_UNMAPPED = {
+    "moe_z_loss_coeff": (None, "the router z-loss (moe_z_loss_coeff) is not expressed by model.moe"),
+    "moe_input_jitter_eps": (None, "router input jitter (moe_input_jitter_eps) is not expressed by model.moe"),
+    "moe_latent_size": (None, "latent MoE (moe_latent_size) is not supported"),
+    "moe_apply_probs_on_input": (False, "router probabilities applied to the expert input (moe_apply_probs_on_input) "
+                                        "are not expressed by model.moe"),
+    "moe_router_force_load_balancing": (False, "forced load balancing (moe_router_force_load_balancing, a "
+                                               "benchmarking mode) is not expressed by model.moe"),
+    "moe_use_upcycling": (False, "upcycling a dense checkpoint (moe_use_upcycling) is not supported"),
 }
+# Balancing losses model.moe expresses: Switch/GShard's aux loss (its coefficient) or none.
+_MOE_BALANCING = ("aux_loss", "none")
+# Megatron-Core's T5 relative position buckets / maximum distance, the ones megacli's T5 builds with.
+T5_RELATIVE = {"relative_attention_num_buckets": 32, "relative_attention_max_distance": 128}
 
 
-def _scaling(s) -> dict:
-    return {k: v for k, v in s.model_dump().items() if v is not None}
+def t5_refusals(args) -> list[str]:
+    """Why a Megatron-LM T5 run's model is not megacli's T5 (empty when it is)."""
+    if arg(args, "position_embedding_type") != "relative":
+        return []
+    return [f"{name} {arg(args, name)} (megacli's T5 uses Megatron-Core's default {value})"
+            for name, value in T5_RELATIVE.items() if arg(args, name, value) != value]
 
 
-def unsupported(recipe) -> list[str]:
-    """What of the recipe's model Megatron-LM's GPT arguments cannot express (empty when all can)."""
-    m = recipe.model
-    out = []
-    if m.arch not in ("gpt", "t5"):
-        out.append(f"model.arch {m.arch} (the Megatron-LM export writes GPT models and T5 ones)")
-    if m.arch == "t5":
-        if m.dec_num_layers != m.num_layers:
-            out.append(f"model.decoder_num_layers {m.dec_num_layers} (pretrain_t5.py builds the decoder with "
-                       f"--num-layers layers, here {m.num_layers}: --decoder-num-layers is not passed to the model)")
-        if m.scale_decoder_output:
-            out.append("model.scale_decoder_output (Megatron-Core's T5Model does not scale the decoder output)")
-        if m.qk_layernorm:
-            out.append("model.qk_layernorm (Megatron-LM's T5 layer specs have no query/key norms)")
-    if m.position_embedding not in _POSITIONS:
-        out.append(f"model.position_embedding {m.position_embedding} (Megatron-LM has no such --position-embedding-type)")
-    elif m.position_embedding == "relative" and m.arch != "t5":
-        out.append("model.position_embedding relative (Megatron-LM builds relative positions for T5 only)")
-    if m.activation not in ("gelu", "gelu_tanh", "swiglu", "squared_relu"):
-        out.append(f"model.activation {m.activation} (Megatron-LM has no flag for it)")
-    elif m.activation == "gelu_tanh" and not m.add_bias_linear:
-        out.append("model.activation gelu_tanh without model.add_bias_linear (Megatron-Core computes the tanh "
-                   "approximation only in its fused bias-GeLU, with biases; --openai-gelu does not reach its models)")
-    if m.rope_scaling is not None and _scaling(m.rope_scaling) != MEGATRON_ROPE_SCALING:
-        out.append(f"model.rope_scaling {_scaling(m.rope_scaling)} (Megatron-LM's --use-rope-scaling is Llama 3.1's "
-                   f"scaling with fixed parameters, {MEGATRON_ROPE_SCALING}: pretrain_gpt.py does not pass "
-                   f"--rope-scaling-factor to the model)")
-    out += [f"model.{name} ({why})" for name, (plain, why) in _NO_ARGUMENT.items() if getattr(m, name) != plain]
-    if recipe.lora is not None:
-        out.append("lora (merge the adapters first: megacli convert CKPT DST --to megacli)")
+def moe_refusals(args) -> list[str]:
+    """Why this run's mixture of experts cannot be expressed as model.moe (empty when it can, or
+    the model is dense)."""
+    if not arg(args, "num_experts"):
+        return []
+    out = [why for name, (plain, why) in _MOE_UNMAPPED.items() if arg(args, name, plain) not in (plain, 0, 0.0)]
+    balancing = _balancing(args)
+    if balancing not in _MOE_BALANCING:
+        out.append(f"moe_router_load_balancing_type {balancing!r} is not supported (model.moe expresses "
+                   f"{' and '.join(_MOE_BALANCING)}: its aux_loss_coeff)")
     return out
 
 
-def megatron_args(recipe, *, ckpt_format: str = "torch_dist", iteration: int = 0, consumed_samples: int = 0,
-                  padded_vocab_size: int | None = None, num_floating_point_operations: int = 0,
-                  transformer_impl: str = "transformer_engine", vocab_size: int | None = None) -> argparse.Namespace:
-    """The ``args`` Megatron-LM core_v0.16.1 would hold after ``parse_args`` + ``validate_args`` and
-    ``iteration`` steps of training this (validated) recipe: every field it defines, the recipe's
-    values where it implies them, the defaults elsewhere. ``transformer_impl``: the layer spec the
-    weights are named for (transformer_engine or local); ``vocab_size``: the real vocabulary when
-    model.vocab_size leaves it to the tokenizer (default: the recipe tokenizer's, when it loads)."""
-    import torch
-
-    from megatron.core.enums import ModelType
-
-    problems = unsupported(recipe)
-    if problems:
-        raise UserError("cannot write Megatron-LM arguments for " + "; ".join(problems))
-    fields = dict(parse_args_defaults())
-    fields.update(_enum_defaults())
-    for name in DROPPED_BY_VALIDATION:
-        fields.pop(name, None)
-    for flag in FLAGS:
-        fields[flag.arg] = flag.value(recipe)
-    if fields["vocab_size"] is None:
-        fields["vocab_size"] = vocab_size if vocab_size is not None else _tokenizer_vocab(recipe)
-    if fields["tokenizer_type"] == "NullTokenizer" and fields["vocab_size"] is not None:
-        fields["vocab_size"] -= 1  # Megatron-LM's NullTokenizer appends its end-of-document id to the --vocab-size ids
-    p, m, t = recipe.parallel, recipe.model, recipe.train
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    for name in _DTYPE_FIELDS:
-        fields[name] = dtypes.get(fields[name], torch.float32)
-    vp = p.virtual_pipeline if p.virtual_pipeline and p.virtual_pipeline > 1 else None
-    fields.update(
-        # validate_args
-        data_parallel_size=recipe.data_parallel_size, params_dtype=dtypes[t.precision],
-        transformer_pipeline_model_parallel_size=p.pipeline, virtual_pipeline_model_parallel_size=vp,
-        num_virtual_stages_per_pipeline_rank=vp, overlap_p2p_comm=vp is not None and fields["overlap_p2p_comm"],
-        align_param_gather=vp is not None and fields["align_param_gather"],
-        encoder_num_layers=m.num_layers,
-        encoder_seq_length=m.seq_length, use_dist_ckpt=ckpt_format != "torch", ckpt_format=ckpt_format,
-        variable_seq_lengths=False, dataloader_type="single", transformer_impl=transformer_impl,
-        apply_rope_fusion=m.position_embedding == "rope" and fields["apply_rope_fusion"],
-        # bf16 reduces gradients in fp32 (fp32 main grads); fp16's dynamic loss scaling reads NaNs as overflow
-        accumulate_allreduce_grads_in_fp32=t.precision == "bf16" and not fields["grad_reduce_in_bf16"]
-        and fields["main_grads_dtype"] == torch.float32 or fields["accumulate_allreduce_grads_in_fp32"],
-        check_for_nan_in_loss_and_grad=fields["check_for_nan_in_loss_and_grad"]
-        and not (t.precision == "fp16" and not fields["loss_scale"]),
-        # training
-        consumed_train_samples=consumed_samples, consumed_valid_samples=0, skipped_train_samples=0,
-        padded_vocab_size=padded_vocab_size, iteration=iteration, curr_iteration=iteration,
-        num_floating_point_operations_so_far=num_floating_point_operations, model_type=ModelType.encoder_or_decoder,
-        do_train=True, do_valid=t.eval_interval is not None, do_test=False,
-    )
-    return argparse.Namespace(**fields)
-
-
-def _tokenizer_vocab(recipe) -> int | None:
-    from megacli.data.tokenizers import load_tokenizer
-
-    try:
-        return load_tokenizer(type=recipe.tokenizer.type, path=recipe.tokenizer.path).vocab_size
-    except Exception:  # noqa: BLE001 - args.vocab_size stays unset, as for a run that never named it
+def moe_section_from_args(args) -> dict | None:
+    """The recipe ``model.moe`` section for a Megatron-LM run's MoE arguments (None: a dense model)."""
+    if not arg(args, "num_experts"):
         return None
+    problems = moe_refusals(args)
+    if problems:
+        raise UserError("; ".join(problems))
+    return _read(args, "model.moe.")
 
 
 def flag_table() -> list[tuple[str, str]]:

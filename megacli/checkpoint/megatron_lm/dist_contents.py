@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from megacli.checkpoint.megatron_lm.args_to_recipe import arg
+from megacli.checkpoint.megatron_lm.args import arg
 from megacli.checkpoint.megacli_checkpoint import describe_split
 from megacli.checkpoint.megatron_lm.dist_reader import FORMAT, MegatronLMCheckpoint
 

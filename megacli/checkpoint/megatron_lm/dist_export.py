@@ -8,7 +8,7 @@ import dataclasses
 from pathlib import Path
 
 from megacli.checkpoint.megatron_lm import dist_writer as mlw
-from megacli.checkpoint.megatron_lm.args import megatron_args, unsupported
+from megacli.checkpoint.megatron_lm.args_namespace import megatron_args, unsupported
 from megacli.errors import UserError
 from megacli.checkpoint.megatron_lm.args_to_recipe import scale_scheduler
 

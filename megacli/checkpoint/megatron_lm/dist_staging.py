@@ -33,7 +33,8 @@ import torch
 
 from megacli.checkpoint.files import staged
 from megacli.checkpoint.layout import META, RECIPE, iter_name
-from megacli.checkpoint.megatron_lm.args_to_recipe import arg, scale_scheduler
+from megacli.checkpoint.megatron_lm.args import arg
+from megacli.checkpoint.megatron_lm.args_to_recipe import scale_scheduler
 from megacli.checkpoint.megacli_checkpoint import OPT_PREFIX, split_optimizer_key
 from megacli.checkpoint.megatron_lm.dist_reader import MegatronLMCheckpoint, canonical_key
 from megacli.checkpoint.megatron_lm.dist_writer import RNG_FIELDS

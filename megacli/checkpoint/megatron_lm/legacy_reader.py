@@ -34,7 +34,8 @@ import torch
 from megacli.checkpoint import sharding
 from megacli.checkpoint.layout import iteration_dir, rank_files
 from megacli.checkpoint.megatron_lm.keys import FUSED_INTO, fused_prefix
-from megacli.checkpoint.megatron_lm.args_to_recipe import ArgsDescribed, arg, model_section_from_args
+from megacli.checkpoint.megatron_lm.args_to_recipe import ArgsDescribed
+from megacli.checkpoint.megatron_lm.args import arg, model_section_from_args
 from megacli.checkpoint.safe_pickle import torch_load
 from megacli.errors import UserError
 from megacli.recipe.stages import chunk_layers, split_problem, stage_of_layer

@@ -39,7 +39,8 @@ import torch
 
 from megacli.checkpoint.layout import iter_name
 from megacli.checkpoint.megatron_lm.legacy_reader import LAYER, LegacyCheckpoint
-from megacli.checkpoint.megatron_lm.args_to_recipe import arg, recipe_from_args, scale_scheduler
+from megacli.checkpoint.megatron_lm.args import arg
+from megacli.checkpoint.megatron_lm.args_to_recipe import recipe_from_args, scale_scheduler
 from megacli.checkpoint.sharding import GATED_SPLIT, split_of
 from megacli.errors import UserError
 

@@ -243,7 +243,7 @@ def _piece(reader, key: str, layer: Optional[int], cache: dict) -> torch.Tensor:
 def _args_from_recipe(recipe, ck, reader, *, transformer_impl: str) -> argparse.Namespace:
     """The Megatron-LM arguments a legacy checkpoint carries: the full set parse_args defines, with
     this recipe's values (megacli.checkpoint.megatron_lm.args)."""
-    from megacli.checkpoint.megatron_lm.args import megatron_args
+    from megacli.checkpoint.megatron_lm.args_namespace import megatron_args
 
     emb = reader.tensors.get("embedding.word_embeddings.weight")
     gbs = recipe.train.global_batch_size

@@ -21,7 +21,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from pathlib import Path
 
-from megacli.checkpoint.megatron_lm.args_to_recipe import arg, scale_scheduler
+from megacli.checkpoint.megatron_lm.args import arg
+from megacli.checkpoint.megatron_lm.args_to_recipe import scale_scheduler
 from megacli.checkpoint.megatron_lm.dist_reader import MegatronLMCheckpoint
 from megacli.errors import UserError
 
