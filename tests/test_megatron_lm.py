@@ -157,7 +157,8 @@ def test_args_changing_the_model_beyond_megacli_are_named(changes, why):
 def _prepare(rank, world, root: str):
     """HF Llama -> megacli -> TP2×PP2 reshard -> Megatron-LM layouts (te, local) -> HF and megacli."""
     from megacli.checkpoint.contents import inspect
-    from megacli.checkpoint.layout import find_checkpoint, is_legacy_dir, locate
+    from megacli.checkpoint.layout import find_checkpoint, is_legacy_dir
+    from megacli.checkpoint.source import locate
     from megacli.convert import convert
     from megacli.convert.megatron_io import CheckpointReader
     from megacli.recipe.reshard import ReshardSection

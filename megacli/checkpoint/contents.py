@@ -11,12 +11,13 @@ from typing import Iterator
 
 import torch
 
-from megacli.checkpoint.layout import locate, read_meta
+from megacli.checkpoint.layout import read_meta
 from megacli.checkpoint.megatron_lm.legacy_reader import LAYER, LegacyCheckpoint, flatten
 from megacli.checkpoint.megatron_lm.args import arg
 from megacli.checkpoint.megatron_lm.args_to_recipe import recipe_from_args
 from megacli.checkpoint.megacli_checkpoint import RNG_KEY, Checkpoint, describe_split, split_optimizer_key
 from megacli.checkpoint.sharding import GATED_SPLIT, split_of
+from megacli.checkpoint.source import locate
 from megacli.checkpoint.torch_dist import TorchDistReader
 
 

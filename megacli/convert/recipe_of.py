@@ -24,11 +24,10 @@ class CheckpointRecipe:
 
 
 def recipe_of(path: str | Path, *, trust_pickle: bool = False) -> CheckpointRecipe:
-    from megacli.checkpoint.layout import locate
-    from megacli.convert import hf_io
+    from megacli.checkpoint.source import HF, kind_of, locate
 
     path = Path(path).expanduser()
-    if path.is_dir() and hf_io.is_hf_dir(path):
+    if kind_of(path) == HF:
         return _from_hf(path, trust_pickle=trust_pickle)
     src, kind = locate(path)
     if kind == "megacli":

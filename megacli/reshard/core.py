@@ -29,10 +29,10 @@ from megacli.checkpoint.layout import (
     is_legacy_dir,
     is_megatron_lm_dir,
     iter_name,
-    locate,
     tmp_sibling,
 )
 from megacli.checkpoint.safe_pickle import torch_load
+from megacli.checkpoint.source import locate
 from megacli.checkpoint.torch_dist import is_extra_state, write_torch_dist
 from megacli.errors import UserError
 from megacli.reshard.digest import Digest, bytes_digest, object_digest
