@@ -12,7 +12,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "megacli"
 # Top to bottom: a package imports only packages in layers below its own. Unlike the data flow
 # (cli -> recipe -> engine), recipe, plan and precision (the dtype table) sit low: every layer
 # reads recipe sections, plan's arithmetic (padded vocabulary, parameter counts) and dtypes;
-# rundir names the run directory's files, which plot reads and the engine writes.
+# rundir names the run directory's files, which plot reads and the engine writes. A sub-package sits
+# in its package's layer: checkpoint/megatron_lm (every Megatron-LM format, resume included) imports
+# nothing above checkpoint, and the engine, convert and reshard read Megatron-LM's formats through it.
 LAYERS = (
     ("__main__",),
     ("cli",),
