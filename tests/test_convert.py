@@ -367,6 +367,18 @@ def test_convert_recipe_and_one_off_arguments(tmp_path):
         _load_recipe(["a", "b"], ["convert.to=onnx"])
 
 
+
+def test_trust_pickle_flag_reaches_the_recipe_as_the_flags_value(tmp_path):
+    from megacli.cli.convert import _load_recipe
+
+    assert _load_recipe(["src", "dst"], [], trust_pickle=True).convert.trust_pickle is True
+    assert _load_recipe(["src", "dst"], []).convert.trust_pickle is False
+    recipe = tmp_path / "convert.yaml"
+    recipe.write_text("convert:\n  source: a\n  destination: b\n")
+    assert _load_recipe([str(recipe)], [], trust_pickle=True).convert.trust_pickle is True
+    assert _load_recipe([str(recipe)], ["convert.trust_pickle=false"], trust_pickle=True).convert.trust_pickle is False
+
+
 def test_converted_recipe_for_a_target_layout(tmp_path):
     from megacli.convert.families import llama
     from megacli.convert.run import converted_recipe

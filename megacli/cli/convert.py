@@ -66,7 +66,7 @@ def convert(
     typer.echo(f"wrote {dst}")
 
 
-def _load_recipe(paths: list[str], overrides: list[str], *, trust_pickle: bool):
+def _load_recipe(paths: list[str], overrides: list[str], *, trust_pickle: bool = False):
     """The convert recipe: RECIPE or SRC DST, then the flags and --set; ``trust_pickle`` (the user's
     --trust-pickle) sets convert.trust_pickle as the flag's value."""
     from megacli.errors import UserError
