@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from megacli.checkpoint.layout import is_megatron_lm_dir, is_torch_dist_iteration, tracked_iteration
+from megacli.checkpoint.layout import is_torch_dist_iteration, tracked_iteration
 from megacli.checkpoint.megatron_lm.keys import FUSED_INTO, MOE_NORM, fused_prefix
 from megacli.checkpoint.megatron_lm.args_to_recipe import ArgsDescribed
 from megacli.checkpoint.megatron_lm.args import arg, model_section_from_args, moe_refusals, t5_refusals
@@ -28,8 +28,7 @@ from megacli.checkpoint.safe_pickle import COMMON, DCP_METADATA, torch_load
 from megacli.checkpoint.torch_dist import NOT_MODEL, STACKED, TorchDistReader, is_extra_state
 from megacli.errors import UserError
 
-__all__ = ["FORMAT", "MegatronLMCheckpoint", "canonical_key", "is_megatron_lm_dir", "recipe_for_weights",
-           "weights_dir"]
+__all__ = ["FORMAT", "MegatronLMCheckpoint", "canonical_key", "recipe_for_weights", "weights_dir"]
 
 FORMAT = "megatron-lm torch_dist"
 
