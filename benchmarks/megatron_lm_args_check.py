@@ -2,11 +2,11 @@
 
     python benchmarks/megatron_lm_args_check.py MEGATRON_LM_CHECKOUT [--write-defaults]
 
-``--write-defaults`` first writes megacli/checkpoint/megatron_lm_defaults.json (every field
+``--write-defaults`` first writes megacli/checkpoint/megatron_lm/defaults.json (every field
 ``parse_args`` defines with its default, enums by member name) from the checkout, then checks.
 
 1. ``parse_args`` with no options: every field name and default against
-   megacli.checkpoint.megatron_lm_args.parse_args_defaults();
+   megacli.checkpoint.megatron_lm.args.parse_args_defaults();
 2. ``parse_args`` + ``validate_args`` for a small GPT given on the command line (bf16, fp16, fp32), against
    ``megatron_args`` of the same model as a megacli recipe: field names, and the values of every
    field (a difference is printed with both values);
@@ -64,7 +64,8 @@ def main() -> None:
 
     from megatron.training.arguments import parse_args, validate_args
 
-    from megacli.checkpoint.megatron_lm_args import parse_args_defaults, megatron_args
+    from megacli.checkpoint.megatron_lm.args import parse_args_defaults
+    from megacli.checkpoint.megatron_lm.args_namespace import megatron_args
     from megacli.recipe.base import apply_overrides, validate
     from megacli.recipe.pretrain import TrainingRecipe
 
@@ -74,7 +75,7 @@ def main() -> None:
     if write_defaults:
         import json
 
-        from megacli.checkpoint import megatron_lm_args
+        from megacli.checkpoint.megatron_lm import args as megatron_lm_args
 
         megatron_lm_args._DEFAULTS_FILE.write_text(json.dumps(theirs, indent=1, sort_keys=True) + "\n")
         megatron_lm_args.parse_args_defaults.cache_clear()
@@ -117,7 +118,7 @@ def _switch(action) -> bool | None:
 def check_flags(parse_args) -> None:
     from megatron.training.arguments import add_megatron_arguments
 
-    from megacli.checkpoint.megatron_lm_args import FLAGS
+    from megacli.checkpoint.megatron_lm.args import FLAGS
 
     parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
     options = {o: a for a in parser._actions for o in a.option_strings}

@@ -195,7 +195,7 @@ def _megacli_batches(ckpt: Path, args, *, first_sample: int):
 
     from torch.utils.data import default_collate
 
-    from megacli.checkpoint.megatron_lm import MegatronLMCheckpoint
+    from megacli.checkpoint.megatron_lm.dist_reader import MegatronLMCheckpoint
     from megacli.data.tokenizers import load_tokenizer
     from megacli.engine import data as data_mod
     from megacli.recipe.base import apply_overrides, validate
@@ -243,7 +243,7 @@ def megacli_side(out: Path) -> None:
 
     import torch
 
-    from megacli.checkpoint.megatron_lm import MegatronLMCheckpoint
+    from megacli.checkpoint.megatron_lm.dist_reader import MegatronLMCheckpoint
     from megacli.checkpoint.torch_dist import TorchDistReader
 
     for name in ("hf", "resharded", "resumed"):  # the megacli side's outputs, when it runs again
@@ -348,7 +348,7 @@ def _engine_logits(ckpt: Path, tokens):
         "    model_parallel_cuda_manual_seed(0)  # the initial weights, all overwritten by the load\n"
         "    ckpt = checkpoint.find_checkpoint(path)\n"
         "    if ckpt is None:  # Megatron-LM's: the recipe its args map to\n"
-        "        from megacli.checkpoint.megatron_lm import MegatronLMCheckpoint\n"
+        "        from megacli.checkpoint.megatron_lm.dist_reader import MegatronLMCheckpoint\n"
         "        src = MegatronLMCheckpoint(path)\n"
         "        ckpt, recipe = src.it_dir, validate(TrainingRecipe, apply_overrides(src.recipe(), []), str(path))\n"
         "    else:\n"

@@ -225,7 +225,7 @@ def megacli_logits(ckpt_dir: Path, toks, overrides: tuple[str, ...] = ()):
     sets = [f"parallel.tensor={tp}", f"parallel.pipeline={pp}", "parallel.virtual_pipeline=null", *one_stage,
             "parallel.sequence_parallel=false", f"launch.nproc={tp * pp}", "train.global_batch_size=8", *overrides]
     if ckpt is None:  # a Megatron-LM torch_dist checkpoint: the recipe its args map to
-        from megacli.checkpoint.megatron_lm import MegatronLMCheckpoint
+        from megacli.checkpoint.megatron_lm.dist_reader import MegatronLMCheckpoint
         from megacli.recipe.base import apply_overrides, validate
 
         src = MegatronLMCheckpoint(Path(ckpt_dir))

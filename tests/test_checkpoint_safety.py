@@ -259,7 +259,7 @@ def test_corrupt_metadata_and_truncated_files_are_clear_errors(clean, tmp_path):
 def test_truncated_legacy_file_is_a_clear_error(tmp_path):
     import argparse
 
-    from megacli.checkpoint.legacy import LegacyCheckpoint
+    from megacli.checkpoint.megatron_lm.legacy_reader import LegacyCheckpoint
     from megacli.errors import UserError
 
     rank = tmp_path / "legacy" / ITER / "mp_rank_00"
@@ -335,7 +335,8 @@ def test_bert_legacy_export_is_refused_before_writing(tmp_path):
 
 def test_a_failed_legacy_export_leaves_nothing(clean, tmp_path, monkeypatch):
     from megacli.recipe.reshard import ReshardSection
-    from megacli.reshard import legacy_export, reshard
+    from megacli.checkpoint.megatron_lm import legacy_writer as legacy_export
+    from megacli.reshard import reshard
 
     def fail(it_dir, out, **kwargs):
         out.mkdir(parents=True)

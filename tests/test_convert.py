@@ -109,7 +109,7 @@ def test_shape_mismatch_names_key_shapes_and_cause():
 
 
 def test_canonical_and_legacy_key_names():
-    from megacli.checkpoint.legacy import canonical_name
+    from megacli.checkpoint.megatron_lm.legacy_reader import canonical_name
     from megacli.convert.megatron_io import unstacked_key
 
     assert unstacked_key("decoder.layers.3.input_layernorm.weight", "decoder.layers.self_attention.linear_qkv.layer_norm_weight") \
@@ -365,6 +365,18 @@ def test_convert_recipe_and_one_off_arguments(tmp_path):
         _load_recipe(["a", "b"], ["convert.max_shard_size=lots"])
     with pytest.raises(RecipeErrors, match="convert.to"):
         _load_recipe(["a", "b"], ["convert.to=onnx"])
+
+
+
+def test_trust_pickle_flag_reaches_the_recipe_as_the_flags_value(tmp_path):
+    from megacli.cli.convert import _load_recipe
+
+    assert _load_recipe(["src", "dst"], [], trust_pickle=True).convert.trust_pickle is True
+    assert _load_recipe(["src", "dst"], []).convert.trust_pickle is False
+    recipe = tmp_path / "convert.yaml"
+    recipe.write_text("convert:\n  source: a\n  destination: b\n")
+    assert _load_recipe([str(recipe)], [], trust_pickle=True).convert.trust_pickle is True
+    assert _load_recipe([str(recipe)], ["convert.trust_pickle=false"], trust_pickle=True).convert.trust_pickle is False
 
 
 def test_converted_recipe_for_a_target_layout(tmp_path):

@@ -315,7 +315,7 @@ def test_legacy_t5_is_refused_and_reshard_refuses_bert(tmp_path):
 
     from megacli.convert import convert
     from megacli.errors import UserError
-    from megacli.reshard.legacy import open_source
+    from megacli.checkpoint.megatron_lm.legacy_staging import open_source
 
     d = tmp_path / "t5" / "iter_0000001" / "mp_rank_00"
     d.mkdir(parents=True)

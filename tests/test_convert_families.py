@@ -165,7 +165,7 @@ def test_longrope_and_bad_norm_fields_are_refused():
         ModelSection(arch="bert", norm_placement="output")
     from types import SimpleNamespace
 
-    from megacli.checkpoint.megatron_lm_args import unsupported
+    from megacli.checkpoint.megatron_lm.args_namespace import unsupported
 
     for field, model in (("norm_placement", ModelSection(norm_placement="output")),
                          ("qk_norm_scope", ModelSection(qk_norm_scope="projection", qk_layernorm=True, normalization="rmsnorm"))):

@@ -13,7 +13,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "megacli"
 # (cli -> recipe -> engine), recipe, plan and precision (the dtype table) sit low: every layer
 # reads recipe sections (and the model's rules there: padded vocabulary, per-layer patterns),
 # plan's arithmetic (parameter counts, memory) and dtypes; rundir names the run directory's
-# files, which plot reads and the engine writes.
+# files, which plot reads and the engine writes. A sub-package sits in its package's layer:
+# checkpoint/megatron_lm (every Megatron-LM format, resume included) imports nothing above
+# checkpoint, and the engine, convert and reshard read Megatron-LM's formats through it.
 LAYERS = (
     ("__main__",),
     ("cli",),

@@ -25,14 +25,12 @@ import pytest
 import torch
 
 from megacli.checkpoint.layout import TRACKER, iter_name
-from megacli.checkpoint.megatron_lm import canonical_key
+from megacli.checkpoint.megatron_lm.dist_reader import canonical_key
+from megacli.checkpoint.megatron_lm.keys import LOCAL_NAMES
 
 TOL = 1e-4
 ITERATION = 10
-_LOCAL_NAMES = {"layers.self_attention.linear_qkv.layer_norm_weight": "layers.input_layernorm.weight",
-                "layers.mlp.linear_fc1.layer_norm_weight": "layers.pre_mlp_layernorm.weight",
-                "layers.self_attention.linear_qkv.layer_norm_bias": "layers.input_layernorm.bias",
-                "layers.mlp.linear_fc1.layer_norm_bias": "layers.pre_mlp_layernorm.bias"}
+_LOCAL_NAMES = {f"layers.{fused}": f"layers.{local}" for fused, local in LOCAL_NAMES.items()}
 
 
 def _local_name(key: str) -> str:
@@ -106,7 +104,7 @@ def test_key_names_of_both_specs():
 
 def test_feature_args_become_model_fields():
     """--apply-layernorm-1p (either field name), --use-rope-scaling, --window-size / --window-attn-skip-freq."""
-    from megacli.checkpoint.legacy_args import model_section_from_args
+    from megacli.checkpoint.megatron_lm.args import model_section_from_args
     from megacli.recipe.model import ModelSection
 
     def model(**changes):
@@ -133,7 +131,7 @@ def test_feature_args_become_model_fields():
     (dict(window_size=(4, 0), window_attn_skip_freq=[1, 1, 0]), "3 entries for num_layers = 2"),
 ])
 def test_feature_args_megacli_cannot_follow_are_refused(changes, why):
-    from megacli.checkpoint.legacy_args import model_section_from_args
+    from megacli.checkpoint.megatron_lm.args import model_section_from_args
     from megacli.errors import UserError
 
     with pytest.raises(UserError, match=re.escape(why)):
@@ -149,7 +147,7 @@ def test_feature_args_megacli_cannot_follow_are_refused(changes, why):
 def test_args_changing_the_model_beyond_megacli_are_named(changes, why):
     from types import SimpleNamespace
 
-    from megacli.checkpoint.megatron_lm import MegatronLMCheckpoint
+    from megacli.checkpoint.megatron_lm.dist_reader import MegatronLMCheckpoint
 
     assert MegatronLMCheckpoint.unmapped(SimpleNamespace(args=llama_args())) == []
     problems = MegatronLMCheckpoint.unmapped(SimpleNamespace(args=llama_args(**changes)))
@@ -158,8 +156,9 @@ def test_args_changing_the_model_beyond_megacli_are_named(changes, why):
 
 def _prepare(rank, world, root: str):
     """HF Llama -> megacli -> TP2×PP2 reshard -> Megatron-LM layouts (te, local) -> HF and megacli."""
-    from megacli.checkpoint.inspect import inspect
-    from megacli.checkpoint.layout import find_checkpoint, is_legacy_dir, locate
+    from megacli.checkpoint.contents import inspect
+    from megacli.checkpoint.layout import find_checkpoint, is_legacy_dir
+    from megacli.checkpoint.source import locate
     from megacli.convert import convert
     from megacli.convert.megatron_io import CheckpointReader
     from megacli.recipe.reshard import ReshardSection
@@ -396,7 +395,7 @@ def test_t5_from_megatron_lm_layout_converts_to_hf_and_megacli(tmp_path):
     import transformers
 
     from megacli.checkpoint.layout import find_checkpoint
-    from megacli.checkpoint.megatron_lm import MegatronLMCheckpoint
+    from megacli.checkpoint.megatron_lm.dist_reader import MegatronLMCheckpoint
     from megacli.convert import convert
     from megacli.convert.megatron_io import CheckpointReader
     from megacli.errors import UserError

@@ -145,7 +145,7 @@ def _moe(rank, world, root: str):
     from typer.testing import CliRunner
 
     from megacli.checkpoint.layout import TRACKER, find_checkpoint, iter_name, read_recipe
-    from megacli.checkpoint.megatron_lm import MegatronLMCheckpoint
+    from megacli.checkpoint.megatron_lm.dist_reader import MegatronLMCheckpoint
     from megacli.checkpoint.safe_pickle import allow_checked_globals, torch_load
     from megacli.checkpoint.torch_dist import TorchDistReader
     from megacli.cli import _register, app
@@ -252,7 +252,7 @@ def _save_stacked(root: Path) -> None:
     """The all-MoE run's step-2 checkpoint, in a live trainer whose config holds --moe-layer-freq 1 as
     Megatron-LM's does (an int: Megatron-Core stacks the layers), saved as Megatron-LM saves it."""
     from megacli.checkpoint.layout import find_checkpoint, iter_name
-    from megacli.checkpoint.megatron_lm_args import megatron_args
+    from megacli.checkpoint.megatron_lm.args_namespace import megatron_args
     from megacli.engine import checkpoint, distributed
     from megacli.engine.loop import build_trainer
     from megacli.engine.models.common import unwrap
@@ -354,7 +354,7 @@ def test_megatron_lm_moe_with_stacked_layers_resumes_and_reshards(moe):
 
 
 def test_moe_arguments_megacli_cannot_express_are_named():
-    from megacli.checkpoint.legacy_args import model_section_from_args
+    from megacli.checkpoint.megatron_lm.args import model_section_from_args
     from megacli.errors import UserError
 
     args = _mixtral_args()

@@ -190,9 +190,9 @@ def test_resumed_losses_continue_the_writers_run(chain, name):
 
 
 def test_refusals_name_the_field(chain, tmp_path):
-    from megacli.checkpoint.megatron_lm import MegatronLMCheckpoint
+    from megacli.checkpoint.megatron_lm.dist_reader import MegatronLMCheckpoint
     from megacli.engine.compat import check_resumable
-    from megacli.engine.megatron_lm_resume import _scheduler_state
+    from megacli.checkpoint.megatron_lm.resume import _scheduler_state
     from megacli.engine.optim import build_scheduler
     from megacli.errors import UserError
     from megacli.recipe.base import load

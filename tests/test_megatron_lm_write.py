@@ -49,7 +49,8 @@ def recipe(**model):
 def test_args_hold_every_field_parse_args_defines_with_the_recipes_values():
     import torch
 
-    from megacli.checkpoint.megatron_lm_args import DERIVED, DROPPED_BY_VALIDATION, parse_args_defaults, megatron_args
+    from megacli.checkpoint.megatron_lm.args_namespace import DERIVED, DROPPED_BY_VALIDATION, megatron_args
+    from megacli.checkpoint.megatron_lm.args import parse_args_defaults
 
     args = vars(megatron_args(recipe(), iteration=7, consumed_samples=14, padded_vocab_size=320, vocab_size=VOCAB,
                               transformer_impl="local"))
@@ -80,7 +81,7 @@ def test_args_carry_what_validate_args_derives_from_the_precision():
     turns the NaN check off (benchmarks/megatron_lm_args_check.py compares all three with it)."""
     import torch
 
-    from megacli.checkpoint.megatron_lm_args import megatron_args
+    from megacli.checkpoint.megatron_lm.args_namespace import megatron_args
     from megacli.recipe.base import apply_overrides, validate
     from megacli.recipe.pretrain import TrainingRecipe
 
@@ -106,9 +107,9 @@ def test_args_carry_what_validate_args_derives_from_the_precision():
                                       "moe.router_dtype": "fp64", "moe.dispatcher": "allgather", "moe.grouped_gemm": "false",
                                       "moe.aux_loss_coeff": 0.0, "moe.shared_expert_ffn_hidden_size": 32}])
 def test_args_map_back_to_the_recipe(changes):
-    """recipe -> args (megatron_lm_args) -> model section (legacy_args, the reader's mapping): the same model."""
-    from megacli.checkpoint.legacy_args import model_section_from_args
-    from megacli.checkpoint.megatron_lm_args import megatron_args
+    """recipe -> args (megatron_lm.args) -> model section (megatron_lm.args, read back): the same model."""
+    from megacli.checkpoint.megatron_lm.args import model_section_from_args
+    from megacli.checkpoint.megatron_lm.args_namespace import megatron_args
     from megacli.recipe.model import ModelSection
 
     r = recipe(**changes)
@@ -136,7 +137,7 @@ def test_flag_table_page_is_the_mapping():
     whose field parse_args defaults to True is set by an option that turns it off (marked "(off)").
     That every spelling is an option of core_v0.16.1's parser setting that field with that sign is
     checked against a checkout by benchmarks/megatron_lm_args_check.py."""
-    from megacli.checkpoint.megatron_lm_args import FLAGS, parse_args_defaults, flag_table
+    from megacli.checkpoint.megatron_lm.args import FLAGS, parse_args_defaults, flag_table
 
     text = (ROOT / "docs" / "megatron-lm" / "flags.md").read_text(encoding="utf-8")
     table = text.split("| Megatron-LM | recipe |\n|---|---|\n", 1)[1].split("\n\n", 1)[0]
@@ -158,7 +159,7 @@ def test_flag_table_page_is_the_mapping():
 
 
 def test_models_megatron_lm_args_cannot_describe_are_refused():
-    from megacli.checkpoint.megatron_lm_args import megatron_args
+    from megacli.checkpoint.megatron_lm.args_namespace import megatron_args
     from megacli.errors import UserError
 
     with pytest.raises(UserError, match="model.activation geglu"):
@@ -174,8 +175,8 @@ def test_gelu_is_what_megatron_core_computes_both_ways(activation, bias, fused):
     with bias_gelu_fusion, on by default), which is the tanh approximation and refuses other
     activations; --openai-gelu does not reach its models. Written: the fusion only for gelu_tanh with
     biases; read: the fusion with biases is gelu_tanh."""
-    from megacli.checkpoint.legacy_args import model_section_from_args
-    from megacli.checkpoint.megatron_lm_args import megatron_args, unsupported
+    from megacli.checkpoint.megatron_lm.args import model_section_from_args
+    from megacli.checkpoint.megatron_lm.args_namespace import megatron_args, unsupported
 
     args = megatron_args(recipe(activation=activation, add_bias_linear=bias), vocab_size=VOCAB)
     assert args.bias_gelu_fusion is fused
@@ -204,8 +205,8 @@ FEATURES = {
 @pytest.mark.parametrize("feature", FEATURES)
 def test_model_features_map_to_args_and_back(feature):
     """recipe -> args -> recipe for each feature Megatron-LM core_v0.16.1 has arguments for."""
-    from megacli.checkpoint.legacy_args import model_section_from_args
-    from megacli.checkpoint.megatron_lm_args import megatron_args
+    from megacli.checkpoint.megatron_lm.args import model_section_from_args
+    from megacli.checkpoint.megatron_lm.args_namespace import megatron_args
     from megacli.recipe.model import ModelSection
 
     r = recipe(**FEATURES[feature])
@@ -237,7 +238,7 @@ def test_model_features_map_to_args_and_back(feature):
     (dict(sliding_window=4, rotary_base_local=100.0), "model.rotary_base_local"),
 ])
 def test_features_megatron_lm_has_no_argument_for_are_refused_named(changes, named):
-    from megacli.checkpoint.megatron_lm_args import megatron_args, unsupported
+    from megacli.checkpoint.megatron_lm.args_namespace import megatron_args, unsupported
     from megacli.errors import UserError
 
     r = recipe(**changes)
@@ -251,7 +252,7 @@ def _export_features(rank, world, root: str):
     import torch
 
     from megacli.checkpoint.layout import find_checkpoint, iter_name
-    from megacli.checkpoint.megatron_lm import MegatronLMCheckpoint
+    from megacli.checkpoint.megatron_lm.dist_reader import MegatronLMCheckpoint
     from megacli.checkpoint.safe_pickle import torch_load
     from megacli.convert import convert
     from megacli.convert.megatron_io import CheckpointReader
@@ -337,7 +338,7 @@ def _export(rank, world, root: str):
     import torch
 
     from megacli.checkpoint.layout import TRACKER, find_checkpoint, iter_name
-    from megacli.checkpoint.megatron_lm import MegatronLMCheckpoint
+    from megacli.checkpoint.megatron_lm.dist_reader import MegatronLMCheckpoint
     from megacli.checkpoint.safe_pickle import torch_load
     from megacli.checkpoint.torch_dist import TorchDistReader
     from megacli.convert import convert
@@ -538,7 +539,8 @@ def test_weights_and_optimizer_bitwise_and_the_same_logits(exported, name):
 
 
 def test_the_legacy_export_carries_the_full_args_and_imports_back(exported):
-    from megacli.checkpoint.megatron_lm_args import DERIVED, DROPPED_BY_VALIDATION, parse_args_defaults
+    from megacli.checkpoint.megatron_lm.args_namespace import DERIVED, DROPPED_BY_VALIDATION
+    from megacli.checkpoint.megatron_lm.args import parse_args_defaults
 
     _, out = exported
     assert set(out["legacy_args"]) == (set(parse_args_defaults()) - set(DROPPED_BY_VALIDATION)) | set(DERIVED)
@@ -581,7 +583,7 @@ def test_t5_megacli_to_megatron_lm_and_back_bitwise(tmp_path):
     from megacli.checkpoint.layout import find_checkpoint, iter_name, read_recipe
     from types import SimpleNamespace
 
-    from megacli.checkpoint.megatron_lm_args import unsupported
+    from megacli.checkpoint.megatron_lm.args_namespace import unsupported
     from megacli.checkpoint.safe_pickle import torch_load
     from megacli.checkpoint.torch_dist import TorchDistReader
     from megacli.recipe.model import ModelSection

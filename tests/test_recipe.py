@@ -219,7 +219,7 @@ def test_zero_or_null_interval_means_never(value):
 
 def test_checkpoint_recipes_resolve_sequence_parallel_auto_for_the_target_layout():
     from megacli.recipe.sections import sequence_parallel_on
-    from megacli.reshard.plan import Layout, resolve_target
+    from megacli.reshard.tensor_plan import Layout, resolve_target
 
     assert sequence_parallel_on("auto", tensor=2) and not sequence_parallel_on("auto", tensor=1)
     src = Layout(tensor=1, data=2)

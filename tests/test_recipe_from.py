@@ -131,7 +131,7 @@ def test_recipe_from_refuses_to_overwrite_and_names_bad_input(chain, tmp_path):
 def test_reshard_inspect_tables_keep_tensor_names_whole_in_a_pipe(chain):
     """CliRunner's output is not a terminal (rich would assume 80 columns): every tensor name and
     the checkpoint path sit whole on one line."""
-    from megacli.checkpoint.inspect import inspect
+    from megacli.checkpoint.contents import inspect
 
     root, _ = chain
     for ckpt in (root / "ck" / "iter_0000002", root / "megatron"):
@@ -149,7 +149,8 @@ def _saved(path, text: str):
 
 
 def test_args_the_recipe_does_not_give_back_are_listed():
-    from megacli.checkpoint.megatron_lm_args import args_not_reproduced, megatron_args
+    from megacli.checkpoint.megatron_lm.args import args_not_reproduced
+    from megacli.checkpoint.megatron_lm.args_namespace import megatron_args
     from tests.test_megatron_lm_write import recipe
 
     r = recipe()

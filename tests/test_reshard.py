@@ -302,7 +302,7 @@ def test_megatron_lm_legacy_round_trip(chain, tmp_path):
     import torch
 
     from megacli.checkpoint.torch_dist import TorchDistReader
-    from megacli.checkpoint.legacy import LegacyCheckpoint
+    from megacli.checkpoint.megatron_lm.legacy_reader import LegacyCheckpoint
 
     mlm = tmp_path / "megatron_lm"
     res = cli("reshard", chain["r1"], mlm, "--tensor", "2", "--pipeline", "2", "--format", "legacy")
@@ -348,7 +348,7 @@ _MEMORY_SCRIPT = r"""
 import json, sys, threading, time
 from pathlib import Path
 import psutil, torch, yaml
-from megacli.reshard.plan import target_chunks
+from megacli.checkpoint.megacli_checkpoint import target_chunks
 from megacli.checkpoint.torch_dist import TensorEntry, write_torch_dist
 
 src, recipe_from = Path(sys.argv[1]), Path(sys.argv[2])

@@ -4,7 +4,7 @@
     CKPT/iter_0000100/       torch_dist shards + recipe.yaml + megacli.json (iteration, data position, layout)
     CKPT/hf/                 a converted checkpoint's Hugging Face config and tokenizer files
 
-A Megatron-LM torch_dist checkpoint (its default format; see megacli.checkpoint.megatron_lm):
+A Megatron-LM torch_dist checkpoint (its default format; see megacli.checkpoint.megatron_lm.dist_reader):
 
     CKPT/latest_checkpointed_iteration.txt                   "1000" (or "release")
     CKPT/iter_0001000/.metadata, *.distcp, common.pt
@@ -212,21 +212,3 @@ def rank_files(it_dir: Path) -> dict[tuple[int, int], Path]:
     if missing or tps != list(range(len(tps))) or pps != list(range(len(pps))):
         raise UserError(f"{it_dir}: incomplete set of rank directories (missing {', '.join(missing) or 'ranks'})")
     return files
-
-
-def locate(path: str | Path) -> tuple[Path, str]:
-    """A checkpoint at ``path``: (the megacli iteration directory, "megacli"), or (``path``,
-    "megatron-lm") for Megatron-LM's torch_dist format, or (``path``, "legacy") for its legacy one."""
-    path = Path(path)
-    if not path.exists():
-        raise UserError(f"{path}: no such checkpoint")
-    found = find_checkpoint(path)
-    if found is not None:
-        return found, "megacli"
-    if is_megatron_lm_dir(path):
-        return path, "megatron-lm"
-    if path.is_dir() and is_legacy_dir(path):
-        return path, "legacy"
-    raise UserError(f"{path}: not a checkpoint (expected a directory with '{LATEST}' or '{META}', or a Megatron-LM "
-                    f"checkpoint with {TRACKER}, an iter_* directory holding .metadata and common.pt, or mp_rank_* "
-                    f"directories)")

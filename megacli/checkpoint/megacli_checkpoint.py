@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from megacli.checkpoint.layout import RECIPE, read_meta, read_recipe
+from megacli.checkpoint.sharding import GATED_SPLIT, rank_pieces, split_of
 from megacli.checkpoint.torch_dist import STACKED, TorchDistReader
 from megacli.errors import UserError
 from megacli.recipe.stages import chunk_layers, stage_of_layer
@@ -157,3 +158,28 @@ def describe_split(info, num_layers: Optional[int] = None) -> str:
             parts.append(f"{len(offsets)} on dim {d}")
     text = " · ".join(parts) if parts else "whole"
     return text
+
+
+def target_chunks(key: str, shape: tuple[int, ...], *, tp: int, gated: bool) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """How the ranks of a layout with tensor-parallel size ``tp`` hold a global tensor: one chunk
+    per transformer layer (stacked keys), split along the tensor-parallel dimension of the weight.
+    Any chunking loads under any layout; this one lets each rank read only what it keeps."""
+    _, base = split_optimizer_key(key)
+    ndim = len(shape)
+    if ndim == 0:
+        return [((), ())]
+    stacked = bool(STACKED.search(base)) and ndim >= 2
+    lead = 1 if stacked else 0
+    # pieces along each dim: list of (offset, size)
+    axes: list[list[tuple[int, int]]] = [[(0, s)] for s in shape]
+    if stacked:
+        axes[0] = [(i, 1) for i in range(shape[0])]
+    split = split_of(base, gated=gated)
+    if split is not None:
+        tp_dim = lead + (0 if split == GATED_SPLIT else split)
+        if tp_dim < ndim:
+            axes[tp_dim] = rank_pieces(shape[tp_dim], tp=tp, gated_split=split == GATED_SPLIT)
+    chunks: list[tuple[tuple[int, ...], tuple[int, ...]]] = [((), ())]
+    for pieces in axes:
+        chunks = [(o + (po,), s + (ps,)) for o, s in chunks for po, ps in pieces]
+    return chunks

@@ -188,7 +188,7 @@ class TorchDistReader:
         except Exception as exc:  # noqa: BLE001 - a torn or corrupt shard file
             raise UserError(f"{self.path}: cannot decode {where}: {first_line(exc)}") from None
         if isinstance(t, torch.Tensor) and tuple(t.shape) == (1, *sizes):
-            t = t[0]  # one layer of a layer-stacked tensor, keyed per layer (reshard/megatron_lm.py)
+            t = t[0]  # one layer of a layer-stacked tensor, keyed per layer (checkpoint/megatron_lm/dist_staging.py)
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(sizes) or t.dtype != dtype:
             got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise UserError(f"{self.path}: {where} holds {got}, the metadata says {tuple(sizes)} {dtype}")

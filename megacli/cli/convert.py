@@ -53,9 +53,7 @@ def convert(
     flags = {"convert.to": to, "convert.spec": spec, "convert.dtype": dtype, "convert.max_shard_size": max_shard_size,
              "parallel.tensor": tensor, "parallel.pipeline": pipeline, "parallel.virtual_pipeline": virtual_pipeline}
     overrides = [f"{k}={v}" for k, v in flags.items() if v is not None]
-    if trust_pickle:
-        overrides.append("convert.trust_pickle=true")
-    recipe = _load_recipe(paths, overrides + list(set_ or []))
+    recipe = _load_recipe(paths, overrides + list(set_ or []), trust_pickle=trust_pickle)
     c = recipe.convert
     if c.to == "megatron":
         dst = _to_megatron(c, tensor=tensor, pipeline=pipeline, virtual_pipeline=virtual_pipeline)
@@ -68,18 +66,23 @@ def convert(
     typer.echo(f"wrote {dst}")
 
 
-def _load_recipe(paths: list[str], overrides: list[str]):
+def _load_recipe(paths: list[str], overrides: list[str], *, trust_pickle: bool = False):
+    """The convert recipe: RECIPE or SRC DST, then the flags and --set; ``trust_pickle`` (the user's
+    --trust-pickle) sets convert.trust_pickle as the flag's value."""
     from megacli.errors import UserError
     from megacli.recipe import base
     from megacli.recipe.convert import ConvertRecipe
 
     if len(paths) == 1 and paths[0].endswith((".yaml", ".yml")):
-        return base.load(ConvertRecipe, paths[0], overrides)
-    if len(paths) == 2:
-        raw = base.apply_overrides({"convert": {"source": paths[0], "destination": paths[1]}}, overrides)
-        return base.validate(ConvertRecipe, raw, f"convert {paths[0]} {paths[1]}")
-    raise UserError("usage: megacli convert RECIPE.yaml | megacli convert SRC DST [options] | "
-                    "megacli convert PATH --print-structure")
+        raw, source = base.read_yaml(paths[0]), paths[0] + (" with --set " + " ".join(overrides) if overrides else "")
+    elif len(paths) == 2:
+        raw, source = {"convert": {"source": paths[0], "destination": paths[1]}}, f"convert {paths[0]} {paths[1]}"
+    else:
+        raise UserError("usage: megacli convert RECIPE.yaml | megacli convert SRC DST [options] | "
+                        "megacli convert PATH --print-structure")
+    if trust_pickle and isinstance(raw.setdefault("convert", {}), dict):
+        raw["convert"]["trust_pickle"] = True
+    return base.validate(ConvertRecipe, base.apply_overrides(raw, overrides), source)
 
 
 def _to_megatron(c, *, tensor, pipeline, virtual_pipeline) -> Path:
@@ -89,7 +92,7 @@ def _to_megatron(c, *, tensor, pipeline, virtual_pipeline) -> Path:
     import shutil
 
     from megacli.checkpoint.layout import tmp_sibling
-    from megacli.convert.hf_io import is_hf_dir
+    from megacli.checkpoint.source import HF, kind_of
     from megacli.errors import UserError
     from megacli.recipe.reshard import ReshardSection
     from megacli.recipe.sections import ParallelSection
@@ -105,7 +108,7 @@ def _to_megatron(c, *, tensor, pipeline, virtual_pipeline) -> Path:
         raise UserError(f"{dst} exists and is not empty; choose a new or empty directory")
     staging = None
     try:
-        if is_hf_dir(src):
+        if kind_of(src) == HF:
             from megacli.convert import convert as run
 
             staging = tmp_sibling(dst.resolve(), "megacli")

@@ -78,10 +78,10 @@ def build_recipe(recipe_path: Optional[Path], flags: dict, *, tensor: Optional[i
     import typer
 
     from megacli.recipe import trust
-    from megacli.checkpoint.layout import find_checkpoint, is_legacy_dir
-    from megacli.checkpoint.megatron_lm import is_megatron_lm_dir, recipe_for_weights
+    from megacli.checkpoint.layout import find_checkpoint
+    from megacli.checkpoint.megatron_lm.dist_reader import recipe_for_weights
     from megacli.checkpoint.safe_pickle import check_checkpoint
-    from megacli.convert.hf_io import is_hf_dir
+    from megacli.checkpoint.source import HF, LEGACY, MEGATRON_LM, kind_of
     from megacli.convert.in_run import converted_in_run
     from megacli.errors import UserError
     from megacli.recipe import base
@@ -99,7 +99,8 @@ def build_recipe(recipe_path: Optional[Path], flags: dict, *, tensor: Optional[i
     tp = tensor or (given.get("parallel") or {}).get("tensor") or 1
     pp = pipeline or (given.get("parallel") or {}).get("pipeline") or 1
     ckpt = find_checkpoint(source)
-    if ckpt is None and (is_legacy_dir(Path(source)) or not is_megatron_lm_dir(Path(source)) and is_hf_dir(Path(source))):
+    kind = kind_of(Path(source))
+    if ckpt is None and kind in (LEGACY, HF):
         run_dir = Path((user.get("run") or {}).get("dir", f"runs/{job}"))
         converted = converted_in_run(Path(source), run_dir, tensor=tp, pipeline=pp,
                                      dtype=(user.get("train") or {}).get("precision"),
@@ -109,7 +110,7 @@ def build_recipe(recipe_path: Optional[Path], flags: dict, *, tensor: Optional[i
         ckpt = find_checkpoint(converted)
     if ckpt is not None:
         carried = base.read_yaml(ckpt / "recipe.yaml")
-    elif is_megatron_lm_dir(Path(source)):  # the model from its run's args
+    elif kind == MEGATRON_LM:  # the model from its run's args
         ckpt, carried = recipe_for_weights(Path(source), trust_pickle=trust.granted(user, "checkpoint", "trust_pickle"))
     else:
         raise UserError(f"{source}: not a megacli checkpoint (no `latest` or megacli.json), a Megatron-LM torch_dist "

@@ -148,7 +148,7 @@ def inspect_command(
     docs: Annotated[int, typer.Option("--docs", "-n", help="How many documents to show.")] = 3,
     chars: Annotated[int, typer.Option("--chars", help="Characters to show per document.")] = 400,
 ) -> None:
-    from megacli.data.inspect import inspect_dataset, render
+    from megacli.data.indexed_contents import inspect_dataset, render
     from megacli.data.tokenizers import guess_tokenizer_type, load_tokenizer
 
     tok = None

@@ -99,9 +99,9 @@ def inspect_command(
 ) -> None:
     import json
 
-    from megacli.checkpoint.inspect import inspect
+    from megacli.checkpoint.contents import inspect
     from megacli.cli.common import output_console
-    from megacli.reshard.inspect import render
+    from megacli.reshard.inspect_tables import render
 
     info = inspect(checkpoint, trust_pickle=trust_pickle)
     if as_json:

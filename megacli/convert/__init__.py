@@ -8,7 +8,7 @@ either, for the model families in ``megacli.convert.families``.
 Modules: ``mapping`` (rule tables and tensor transforms), ``families`` (one module per HF
 family), ``hf_io`` (HF directories), ``megatron_io`` (global tensors <-> torch_dist checkpoints),
 ``structure`` (--print-structure), ``run`` (the conversions). Megatron-LM legacy checkpoints are
-read by ``megacli.checkpoint.legacy``.
+read by ``megacli.checkpoint.megatron_lm.legacy_reader``.
 """
 
 from __future__ import annotations

@@ -35,10 +35,6 @@ _SAFE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16
 _SAFE_CODES = {v: k for k, v in _SAFE_DTYPES.items()}
 
 
-def is_hf_dir(path: Path) -> bool:
-    return (path / CONFIG).is_file()
-
-
 def read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())

@@ -40,9 +40,9 @@ def converted_in_run(src: Path, run_dir: Path, *, tensor: int, pipeline: int, dt
 
     if dtype is not None and dtype not in PRECISIONS:
         raise UserError(f"train.precision = {dtype!r}: expected one of {', '.join(PRECISIONS)}")
-    from megacli.checkpoint.layout import is_legacy_dir
+    from megacli.checkpoint.source import LEGACY, kind_of
 
-    legacy = is_legacy_dir(src)
+    legacy = kind_of(src) == LEGACY
     kind = "a Megatron-LM legacy checkpoint" if legacy else "a Hugging Face model"
     folder = run_dir / CONVERTED_DIR
     name = src.resolve().name

@@ -122,7 +122,7 @@ def write_checkpoint(*, recipe, dst: Path, iteration: int, fetch: Callable[[str]
     from megacli.engine import checkpoint
     from megacli.engine.models import build_model
     from megacli.engine.models.config import transformer_config
-    from megacli.plan import padded_vocab_size
+    from megacli.recipe.model import padded_vocab_size
     from megacli.recipe.base import dump
     from megacli.recipe.sections import ParallelSection
 
@@ -286,11 +286,11 @@ class MergedLoRA:
 
 
 class MegatronLMWeights:
-    """A Megatron-LM torch_dist checkpoint (megacli.checkpoint.megatron_lm) with its weights read
+    """A Megatron-LM torch_dist checkpoint (megacli.checkpoint.megatron_lm.dist_reader) with its weights read
     as the converters read a legacy checkpoint's: canonical keys, one layer at a time."""
 
     def __init__(self, path: Path, *, trust_pickle: bool = False):
-        from megacli.checkpoint.megatron_lm import MegatronLMCheckpoint, canonical_key
+        from megacli.checkpoint.megatron_lm.dist_reader import MegatronLMCheckpoint, canonical_key
 
         self.src = MegatronLMCheckpoint(path, trust_pickle=trust_pickle)
         self.weights = CheckpointReader(self.src.it_dir, trust_pickle=trust_pickle, rename=canonical_key)

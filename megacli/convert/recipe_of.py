@@ -1,6 +1,6 @@
 """`megacli recipe from`: the training recipe that reproduces a checkpoint, read by the readers that
 already understand it: a megacli checkpoint's own recipe.yaml, a Megatron-LM (torch_dist or
-legacy) run's args mapped field by field (megacli.checkpoint.legacy_args), a Hugging Face
+legacy) run's args mapped field by field (megacli.checkpoint.megatron_lm.args_to_recipe), a Hugging Face
 directory's config.json mapped by its convert family. What does not map is returned as notes."""
 
 from __future__ import annotations
@@ -24,11 +24,10 @@ class CheckpointRecipe:
 
 
 def recipe_of(path: str | Path, *, trust_pickle: bool = False) -> CheckpointRecipe:
-    from megacli.checkpoint.layout import locate
-    from megacli.convert import hf_io
+    from megacli.checkpoint.source import HF, kind_of, locate
 
     path = Path(path).expanduser()
-    if path.is_dir() and hf_io.is_hf_dir(path):
+    if kind_of(path) == HF:
         return _from_hf(path, trust_pickle=trust_pickle)
     src, kind = locate(path)
     if kind == "megacli":
@@ -58,11 +57,12 @@ def _from_megacli(ckpt: Path) -> CheckpointRecipe:
 
 
 def _from_megatron_lm(src: Path, kind: str, *, trust_pickle: bool) -> CheckpointRecipe:
-    from megacli.checkpoint.legacy_args import arg, recipe_from_args
-    from megacli.checkpoint.megatron_lm_args import args_not_reproduced
+    from megacli.checkpoint.megatron_lm.args import arg
+    from megacli.checkpoint.megatron_lm.args_to_recipe import recipe_from_args
+    from megacli.checkpoint.megatron_lm.args import args_not_reproduced
 
     if kind == "megatron-lm":
-        from megacli.checkpoint.megatron_lm import MegatronLMCheckpoint
+        from megacli.checkpoint.megatron_lm.dist_reader import MegatronLMCheckpoint
 
         ck = MegatronLMCheckpoint(src, trust_pickle=trust_pickle)
         raw = ck.recipe()
@@ -71,7 +71,7 @@ def _from_megatron_lm(src: Path, kind: str, *, trust_pickle: bool) -> Checkpoint
         not_mapped = ck.not_mapped()
         label = "Megatron-LM torch_dist checkpoint"
     else:
-        from megacli.checkpoint.legacy import LegacyCheckpoint
+        from megacli.checkpoint.megatron_lm.legacy_reader import LegacyCheckpoint
 
         ck = LegacyCheckpoint(src, trust_pickle=trust_pickle)
         raw = recipe_from_args(ck)

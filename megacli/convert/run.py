@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import math
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-from megacli.checkpoint.layout import HF_DIR, carried_hf_dir
+from megacli.checkpoint.layout import HF_DIR, LATEST, META, TRACKER, carried_hf_dir
+from megacli.checkpoint.source import Source, open_checkpoint
 from megacli.convert import hf_io
 from megacli.errors import UserError
 from megacli.precision import DTYPES, params_dtype, precision_of
@@ -31,48 +31,18 @@ _HF_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 Say = Callable[[str], None]
 
 
-@dataclass(frozen=True)
-class Source:
-    """What a conversion reads, resolved once: ``kind`` hf, megacli, megatron-lm (torch_dist) or
-    legacy (Megatron-LM's torch format); for a megacli
-    checkpoint its iteration directory, recipe and (for a LoRA run's adapters) base checkpoint."""
-
-    path: Path
-    kind: str
-    ckpt: Path | None = None
-    recipe: object = None
-    lora_base: Path | None = None
-
-
-def resolve_source(path: Path) -> Source:
-    from megacli.checkpoint.layout import (
-        LATEST,
-        META,
-        RECIPE,
-        TRACKER,
-        find_checkpoint,
-        is_legacy_dir,
-        is_megatron_lm_dir,
-        lora_base_of,
-    )
-
+def resolve_source(path: Path, *, trust: bool = False) -> Source:
+    """What a conversion reads, recognised (megacli.checkpoint.source), its recipe read for a megacli checkpoint."""
     if not path.exists():
         raise UserError(f"{path}: no such file or directory")
-    if hf_io.is_hf_dir(path):
-        return Source(path, "hf")
-    ckpt = find_checkpoint(path)
-    if ckpt is not None:
-        from megacli.recipe.base import load
-        from megacli.recipe.pretrain import TrainingRecipe
-
-        return Source(path, "megacli", ckpt=ckpt, recipe=load(TrainingRecipe, ckpt / RECIPE), lora_base=lora_base_of(ckpt))
-    if is_megatron_lm_dir(path):
-        return Source(path, "megatron-lm")
-    if is_legacy_dir(path):
-        return Source(path, "legacy")
-    raise UserError(f"{path}: not a Hugging Face model directory (config.json), a megacli checkpoint ({META} or {LATEST}) "
-                    f"or a Megatron-LM checkpoint ({TRACKER}, an iter_* directory with .metadata and common.pt, or "
-                    f"mp_rank_* directories)")
+    source = open_checkpoint(path, trust=trust)
+    if source is None:
+        raise UserError(f"{path}: not a Hugging Face model directory (config.json), a megacli checkpoint ({META} or "
+                        f"{LATEST}) or a Megatron-LM checkpoint ({TRACKER}, an iter_* directory with .metadata and "
+                        f"common.pt, or mp_rank_* directories)")
+    if source.kind == "megacli":
+        source.recipe  # noqa: B018 - a bad recipe.yaml is refused before anything is written
+    return source
 
 
 def convert(src: str | Path, dst: str | Path, *, to: str | None = None, parallel=None, dtype: str | None = None,
@@ -83,7 +53,7 @@ def convert(src: str | Path, dst: str | Path, *, to: str | None = None, parallel
     from megacli.recipe.sections import ParallelSection
 
     src, dst = Path(src).expanduser(), Path(dst).expanduser()
-    source = resolve_source(src)
+    source = resolve_source(src, trust=trust_pickle)
     fmt = source.kind
     to = to or ("hf" if fmt == "megacli" else "megacli")
     if to not in ("hf", "megacli"):
@@ -104,20 +74,20 @@ def convert(src: str | Path, dst: str | Path, *, to: str | None = None, parallel
     work.mkdir(parents=True)
     try:
         if fmt == "hf":
-            _hf_to_megacli(src, work, final, parallel=parallel, dtype=dtype, trust_pickle=trust_pickle, say=say)
+            _hf_to_megacli(source, work, final, parallel=parallel, dtype=dtype, say=say)
         elif fmt == "megacli" and to == "megacli":
-            _merge_lora(source, work, final, parallel=parallel, dtype=dtype, trust_pickle=trust_pickle, say=say)
+            _merge_lora(source, work, final, parallel=parallel, dtype=dtype, say=say)
         elif fmt == "megacli":
-            _megacli_to_hf(source, work, dtype=dtype, max_shard_size=max_shard_size, trust_pickle=trust_pickle, say=say)
+            _megacli_to_hf(source, work, dtype=dtype, max_shard_size=max_shard_size, say=say)
         else:
             if fmt == "legacy":
-                from megacli.checkpoint.legacy import LegacyCheckpoint
+                from megacli.checkpoint.megatron_lm.legacy_reader import LegacyCheckpoint
 
-                legacy, label = LegacyCheckpoint(src, trust_pickle=trust_pickle), "Megatron-LM legacy"
+                legacy, label = LegacyCheckpoint(src, trust_pickle=source.trust), "Megatron-LM legacy"
             else:
                 from megacli.convert.megatron_io import MegatronLMWeights
 
-                legacy, label = MegatronLMWeights(src, trust_pickle=trust_pickle), "Megatron-LM torch_dist"
+                legacy, label = MegatronLMWeights(src, trust_pickle=source.trust), "Megatron-LM torch_dist"
             if to == "hf":
                 _legacy_to_hf(legacy, work, dtype=dtype, max_shard_size=max_shard_size, say=say, label=label)
             else:
@@ -186,18 +156,19 @@ def tokenizer_section(final_hf_dir: Path, copied: list[str]) -> dict:
     return {"type": "none"}
 
 
-def _hf_to_megacli(src: Path, work: Path, final: Path, *, parallel, dtype: str | None, trust_pickle: bool,
+def _hf_to_megacli(source: Source, work: Path, final: Path, *, parallel, dtype: str | None,
                    say: Say) -> None:
     from megacli.convert import families
     from megacli.convert.mapping import unconsumed
     from megacli.convert.megatron_io import write_checkpoint
 
+    src = source.path
     config = hf_io.read_json(src / hf_io.CONFIG)
     family, arch = families.for_hf_config(config)
     model = family.model_section(config)
     for note in getattr(family, "import_notes", lambda _config: [])(config):
         say(f"note: {note}")
-    weights = hf_io.HFWeights(src, trust_pickle=trust_pickle)
+    weights = hf_io.HFWeights(src, trust_pickle=source.trust)
     precision = dtype or precision_of(weights.dtype())
     target = params_dtype(precision)
 
@@ -273,12 +244,12 @@ def _legacy_to_megacli(legacy, work: Path, final: Path, *, parallel, dtype: str 
 # ---------------------------------------------------------------- into Hugging Face
 
 
-def _megacli_to_hf(source: Source, work: Path, *, dtype: str | None, max_shard_size, trust_pickle: bool,
+def _megacli_to_hf(source: Source, work: Path, *, dtype: str | None, max_shard_size,
                    say: Say) -> None:
     from megacli.convert.megatron_io import megatron_process
 
     ckpt, recipe = source.ckpt, source.recipe
-    reader_of, what = _weights_of(source, trust_pickle=trust_pickle)
+    reader_of, what = _weights_of(source)
     carried = carried_hf_dir(ckpt, recipe.tokenizer.path)
     vocab, tokenizer = _vocab_of(ckpt, recipe)
     tok_files = carried if carried is not None else _tokenizer_source(recipe)
@@ -290,18 +261,18 @@ def _megacli_to_hf(source: Source, work: Path, *, dtype: str | None, max_shard_s
         shutil.copy2(sp, work / "tokenizer.model")  # the name HF's SentencePiece tokenizers look for
 
 
-def _weights_of(source: Source, *, trust_pickle: bool):
+def _weights_of(source: Source):
     """A reader of the checkpoint's full weights (made inside megatron_process()), and its description:
     a LoRA run's adapters are merged into its base weights."""
     from megacli.convert.megatron_io import CheckpointReader, MergedLoRA
 
     ckpt, base, recipe = source.ckpt, source.lora_base, source.recipe
     if base is None:
-        return (lambda: CheckpointReader(ckpt, trust_pickle=trust_pickle)), f"megacli checkpoint {ckpt}"
+        return (lambda: CheckpointReader(ckpt, trust_pickle=source.trust)), f"megacli checkpoint {ckpt}"
     if recipe.lora is None:
         raise UserError(f"{ckpt} holds LoRA adapters but its recipe.yaml has no lora section (rank and alpha)")
     scale = recipe.lora.alpha / recipe.lora.rank
-    return ((lambda: MergedLoRA(ckpt, base=base, scale=scale, trust_pickle=trust_pickle)),
+    return ((lambda: MergedLoRA(ckpt, base=base, scale=scale, trust_pickle=source.trust)),
             f"LoRA checkpoint {ckpt} merged into {base}")
 
 
@@ -325,14 +296,14 @@ def _vocab_of(ckpt: Path, recipe) -> tuple[int, object]:
     return vocab, tokenizer
 
 
-def _merge_lora(source: Source, work: Path, final: Path, *, parallel, dtype: str | None, trust_pickle: bool,
+def _merge_lora(source: Source, work: Path, final: Path, *, parallel, dtype: str | None,
                 say: Say) -> None:
     """A LoRA run's checkpoint -> a full megacli checkpoint (adapters merged into the base weights),
     with the tokenizer files and HF config the run used."""
     from megacli.convert.megatron_io import megatron_process, write_checkpoint
 
     ckpt, recipe = source.ckpt, source.recipe
-    reader_of, what = _weights_of(source, trust_pickle=trust_pickle)
+    reader_of, what = _weights_of(source)
     vocab, _ = _vocab_of(ckpt, recipe)
     with megatron_process():  # the merged weights held once, as an import holds them
         reader = reader_of()

@@ -327,10 +327,11 @@ def _load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool, kee
     if verify:
         _check_manifest(ckpt)
     if is_torch_dist_iteration(ckpt):  # Megatron-LM's own torch_dist checkpoint
-        from megacli.engine import megatron_lm_resume
+        from megacli.checkpoint.megatron_lm import resume as megatron_lm_resume
+        from megacli.engine.models.common import unwrap
 
         iteration, consumed, notes = megatron_lm_resume.load(
-            ckpt=ckpt, chunks=chunks, optimizer=optimizer, scheduler=scheduler, load_optimizer=load_optimizer, keep=keep,
+            ckpt=ckpt, chunks=[unwrap(c) for c in chunks], optimizer=optimizer, scheduler=scheduler, load_optimizer=load_optimizer, keep=keep,
             trust_pickle=trust_pickle, model_keys=_model_keys, prepare_optimizer=_prepare_distributed_optimizer_load)
         return Restored(iteration=iteration, consumed_samples=consumed, path=ckpt, notes=tuple(notes))
     meta = read_meta(ckpt)

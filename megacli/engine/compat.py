@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megacli.checkpoint.layout import is_torch_dist_iteration, read_recipe
+from megacli.checkpoint.layout import read_recipe
+from megacli.checkpoint.source import MEGATRON_LM, kind_of
 from megacli.errors import UserError
 
 # Dotted recipe fields that change the meaning (or the shape) of the saved weights.
@@ -46,7 +47,7 @@ def check_resumable(ckpt: Path, recipe) -> str | None:
     foreign = False
     if saved_file.is_file():
         saved = read_recipe(Path(ckpt))
-    elif is_torch_dist_iteration(Path(ckpt)):
+    elif kind_of(ckpt) == MEGATRON_LM:
         saved, foreign = _megatron_lm_recipe(Path(ckpt), recipe.checkpoint.trust_pickle), True
     else:
         return None
@@ -88,7 +89,7 @@ def check_resumable(ckpt: Path, recipe) -> str | None:
 
 def _megatron_lm_recipe(it_dir: Path, trust_pickle: bool) -> dict:
     """The recipe a Megatron-LM checkpoint's args map to; a model megacli cannot express is refused."""
-    from megacli.checkpoint.megatron_lm import MegatronLMCheckpoint
+    from megacli.checkpoint.megatron_lm.dist_reader import MegatronLMCheckpoint
 
     src = MegatronLMCheckpoint(it_dir, trust_pickle=trust_pickle)
     raw = src.recipe()

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megacli.checkpoint.megatron_lm import MegatronLMCheckpoint, is_megatron_lm_dir, weights_dir
+from megacli.checkpoint.megatron_lm.dist_reader import MegatronLMCheckpoint, weights_dir
+from megacli.checkpoint.source import MEGATRON_LM, kind_of
 from megacli.engine import checkpoint
 from megacli.errors import UserError
 
@@ -15,7 +16,7 @@ def pretrained_source(ck) -> Path | None:
     if not ck.pretrained:
         return None
     found = checkpoint.find_checkpoint(ck.pretrained)
-    if found is None and is_megatron_lm_dir(Path(ck.pretrained)):
+    if found is None and kind_of(ck.pretrained) == MEGATRON_LM:
         return weights_dir(Path(ck.pretrained), trust_pickle=ck.trust_pickle)
     if found is None:
         raise UserError(f"checkpoint.pretrained = {ck.pretrained!r}: no checkpoint there (convert a Hugging Face "
@@ -49,7 +50,7 @@ def resume_source(ck) -> tuple[Path | None, str | None]:
         return complete[-1], (f"{Path(ck.dir) / checkpoint.LATEST} is missing: resuming from the newest complete "
                               f"checkpoint, {complete[-1].name}")
     found = checkpoint.find_checkpoint(ck.resume)
-    if found is None and is_megatron_lm_dir(Path(ck.resume)):
+    if found is None and kind_of(ck.resume) == MEGATRON_LM:
         return MegatronLMCheckpoint(Path(ck.resume), trust_pickle=ck.trust_pickle).it_dir, None
     if found is None:
         raise UserError(f"checkpoint.resume = {ck.resume!r}: no checkpoint there (expected a directory with "

@@ -26,7 +26,8 @@ def load_for_decoding(recipe, runtime, *, vocab_size: int):
     rank, bare (no wrappers) and in eval mode, and its TransformerConfig."""
     from pathlib import Path
 
-    from megacli.checkpoint import megatron_lm
+    from megacli.checkpoint.megatron_lm import dist_reader as megatron_lm
+    from megacli.checkpoint.source import MEGATRON_LM, kind_of
     from megacli.engine import checkpoint
     from megacli.engine.models import build_model
     from megacli.engine.models.common import unwrap
@@ -34,7 +35,7 @@ def load_for_decoding(recipe, runtime, *, vocab_size: int):
 
     source = recipe.generate.checkpoint
     ckpt = checkpoint.find_checkpoint(source) if source else None
-    if ckpt is None and source and megatron_lm.is_megatron_lm_dir(Path(source)):
+    if ckpt is None and source and kind_of(Path(source)) == MEGATRON_LM:
         ckpt = megatron_lm.weights_dir(Path(source), trust_pickle=recipe.checkpoint.trust_pickle)
     if ckpt is None:
         raise UserError(f"generate.checkpoint = {source!r}: no checkpoint there (a directory with `latest` "

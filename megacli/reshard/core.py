@@ -1,9 +1,9 @@
 """`megacli reshard`: change a checkpoint's TP/PP/VP/DP layout offline, in one process.
 
-    reshard(SRC, DST, tensor=1, pipeline=1)     plan (plan.py), write to a temporary directory,
+    reshard(SRC, DST, tensor=1, pipeline=1)     plan (tensor_plan.py), write to a temporary directory,
                                                  optionally verify, then rename into place
     verify(SRC, DST)                             every global tensor of DST against SRC (verification.py)
-    checkpoint.inspect.inspect(CKPT)             format, layout, iteration, recipe, tensors
+    checkpoint.contents.inspect(CKPT)            format, layout, iteration, recipe, tensors
 
 DST is a checkpoint directory like the engine's: ``DST/latest`` names ``DST/iter_NNNNNNN/``, so
 ``checkpoint.resume=DST`` (or ``checkpoint.dir=DST``) continues training under the new layout.
@@ -28,13 +28,13 @@ from megacli.checkpoint.layout import (
     is_legacy_dir,
     is_megatron_lm_dir,
     iter_name,
-    locate,
     tmp_sibling,
 )
 from megacli.checkpoint.megacli_checkpoint import Checkpoint
+from megacli.checkpoint.source import locate
 from megacli.checkpoint.torch_dist import write_torch_dist
 from megacli.errors import UserError
-from megacli.reshard.plan import Plan, Target, build_plan, resolve_target
+from megacli.reshard.tensor_plan import Plan, Target, build_plan, resolve_target
 from megacli.reshard.verification import VerifyReport, verify_against, verify_plan
 
 
@@ -71,12 +71,12 @@ def find_source(path: str | Path) -> Path:
 
 def _stage(src_dir: Path, where: Path, trust_pickle: bool, progress) -> tuple[Path, list[str]]:
     """A Megatron-LM checkpoint staged as a megacli one (and what was left out); a megacli one as it is."""
-    from megacli.reshard import legacy, megatron_lm
+    from megacli.checkpoint.megatron_lm import dist_staging, legacy_staging
 
     if is_megatron_lm_dir(src_dir):
-        return megatron_lm.import_to_staging(src_dir, where=where, trust_pickle=trust_pickle)
+        return dist_staging.import_to_staging(src_dir, where=where, trust_pickle=trust_pickle)
     if is_legacy_dir(src_dir):
-        return legacy.import_to_staging(src_dir, where=where, trust_pickle=trust_pickle, progress=progress), []
+        return legacy_staging.import_to_staging(src_dir, where=where, trust_pickle=trust_pickle, progress=progress), []
     return src_dir, []
 
 
@@ -126,7 +126,7 @@ def _reshard(job, progress) -> Result:
     src_dir = find_source(job.source)
     output = Path(job.output)
     _check_output(output, src_dir, job.overwrite)
-    from megacli.reshard import legacy, legacy_export
+    from megacli.checkpoint.megatron_lm import legacy_staging, legacy_writer
 
     distributed_optimizer = job.distributed_optimizer
     if job.format == "legacy":
@@ -148,9 +148,9 @@ def _reshard(job, progress) -> Result:
         plan = build_plan(src, target)
         _check_precision(src, plan)
         if job.format == "legacy":
-            legacy_export.check_exportable(plan.recipe, src_dir)
+            legacy_writer.check_exportable(plan.recipe, src_dir)
         elif job.format == "megatron":
-            from megacli.reshard.megatron_export import check_exportable
+            from megacli.checkpoint.megatron_lm.dist_export import check_exportable
 
             check_exportable(plan.recipe, src_dir, job.spec)
         if original != src_dir:  # imported from Megatron-LM: name its checkpoint, not the staging copy
@@ -165,7 +165,7 @@ def _reshard(job, progress) -> Result:
                       bytes=plan.total_bytes, seconds=time.perf_counter() - start, notes=plan.notes, verified=report,
                       format=job.format)
     finally:
-        legacy.cleanup_staging(src_dir)
+        legacy_staging.cleanup_staging(src_dir)
 
 
 def _num_layers(src: Checkpoint) -> int:
@@ -177,7 +177,7 @@ def _num_layers(src: Checkpoint) -> int:
 def _write_output(job, plan: Plan, output: Path, it_name: str, progress) -> VerifyReport | None:
     """Write the plan (then, for the legacy format, export it) beside ``output`` and move it into
     place. A failure leaves nothing behind, except an output that failed verification."""
-    from megacli.reshard import legacy_export
+    from megacli.checkpoint.megatron_lm import legacy_writer
 
     tmp, legacy_tmp = tmp_sibling(output, "reshard"), tmp_sibling(output, "legacy")
     for stale in (tmp, legacy_tmp):  # a previous reshard that did not finish
@@ -185,7 +185,7 @@ def _write_output(job, plan: Plan, output: Path, it_name: str, progress) -> Veri
             shutil.rmtree(stale)
     try:
         if job.format == "megatron":
-            from megacli.reshard.megatron_export import export
+            from megacli.checkpoint.megatron_lm.dist_export import export
 
             tmp.mkdir(parents=True)
             plan.notes.extend(export(plan, tmp, spec=job.spec, trust_pickle=job.trust_pickle, progress=progress))
@@ -201,7 +201,7 @@ def _write_output(job, plan: Plan, output: Path, it_name: str, progress) -> Veri
             if not report.ok:
                 raise VerifyFailed(report.line() + f" (the unverified output is left in {tmp})")
         if job.format == "legacy":
-            plan.notes.extend(legacy_export.export(it_dir, legacy_tmp, spec=job.spec, trust_pickle=job.trust_pickle,
+            plan.notes.extend(legacy_writer.export(it_dir, legacy_tmp, spec=job.spec, trust_pickle=job.trust_pickle,
                                                       progress=progress))
             shutil.rmtree(tmp)
             tmp = legacy_tmp
@@ -266,16 +266,16 @@ def verify(source: str | Path, target: str | Path, *, trust_pickle: bool = False
 
 def _verify(source, target, *, trust_pickle: bool, progress) -> VerifyReport:
     from megacli.checkpoint.layout import find_checkpoint
-    from megacli.reshard import legacy, megatron_lm
+    from megacli.checkpoint.megatron_lm import dist_staging, legacy_staging
 
     src_dir = find_source(source)
     tgt_path = Path(target)
     tgt_dir = find_checkpoint(tgt_path) if tgt_path.exists() else None
     if tgt_dir is None:
         if tgt_path.exists() and is_legacy_dir(tgt_path):
-            tgt_dir = legacy.import_to_staging(tgt_path, where=tgt_path.resolve().parent, trust_pickle=trust_pickle, progress=progress)
+            tgt_dir = legacy_staging.import_to_staging(tgt_path, where=tgt_path.resolve().parent, trust_pickle=trust_pickle, progress=progress)
         elif tgt_path.exists() and is_megatron_lm_dir(tgt_path):
-            tgt_dir, _ = megatron_lm.import_to_staging(tgt_path, where=tgt_path.resolve().parent, trust_pickle=trust_pickle)
+            tgt_dir, _ = dist_staging.import_to_staging(tgt_path, where=tgt_path.resolve().parent, trust_pickle=trust_pickle)
         else:
             raise UserError(f"{target}: not a checkpoint (megacli, Megatron-LM torch_dist or legacy)")
     staged_src = src_dir
@@ -283,7 +283,7 @@ def _verify(source, target, *, trust_pickle: bool, progress) -> VerifyReport:
         try:
             staged_src, _ = _stage(src_dir, tgt_path.resolve().parent, trust_pickle, progress)
         except BaseException:
-            legacy.cleanup_staging(tgt_dir)
+            legacy_staging.cleanup_staging(tgt_dir)
             raise
     try:
         src = Checkpoint(staged_src, trust_pickle=trust_pickle)
@@ -297,5 +297,5 @@ def _verify(source, target, *, trust_pickle: bool, progress) -> VerifyReport:
                       sequence_parallel=recipe.parallel.sp_enabled)
         return verify_against(build_plan(src, spec, recipe), tgt, progress)
     finally:
-        legacy.cleanup_staging(staged_src)
-        legacy.cleanup_staging(tgt_dir)
+        legacy_staging.cleanup_staging(staged_src)
+        legacy_staging.cleanup_staging(tgt_dir)

@@ -16,7 +16,7 @@ from megacli.checkpoint.space import size_text
 from megacli.checkpoint.torch_dist import is_extra_state
 from megacli.errors import UserError
 from megacli.reshard.digest import Digest, bytes_digest, object_digest
-from megacli.reshard.plan import Plan
+from megacli.reshard.tensor_plan import Plan
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from megacli.checkpoint.megatron_lm.keys import fused_prefix
 from megacli.engine.models import rope
 from megacli.engine.models.common import POSITION_TYPES, build_chunks, mask_padded_vocab
 
@@ -112,7 +113,7 @@ def gpt_layer_spec(*, model, config, moe: bool = False, lora=None):
         if model.norm_placement == "output":
             pre_norm = IdentityOp
     if model.mla is None:
-        keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
+        keys_map = {"input_layernorm.": fused_prefix("input_layernorm")}
         self_attention = ModuleSpec(
             module=CachedRotarySelfAttention,  # Megatron's, with a KV cache of rotated keys
             params={"attn_mask_type": AttnMaskType.causal, "local_rope": model.rotary_base_local is not None},
@@ -134,7 +135,7 @@ def gpt_layer_spec(*, model, config, moe: bool = False, lora=None):
         mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(
             linear_fc1=linear_spec(ColumnParallelLinear, "linear_fc1", lora, swiglu=model.gated),
             linear_fc2=linear_spec(RowParallelLinear, "linear_fc2", lora)))
-        keys_map["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
+        keys_map["pre_mlp_layernorm."] = fused_prefix("pre_mlp_layernorm")
     else:  # a MoE layer keeps pre_mlp_layernorm under its own name, as Megatron's TE spec does
         from megacli.engine.models.moe import moe_mlp_spec
 

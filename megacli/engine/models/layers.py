@@ -20,6 +20,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock, Transf
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+from megacli.checkpoint.megatron_lm.keys import LOCAL_KEYS_MAP
 from megacli.engine.models.attention import CoreAttention
 
 
@@ -215,10 +216,7 @@ def layer_spec(*, model, self_attn_mask: AttnMaskType, cross_attention: bool, co
             pre_mlp_layernorm=IdentityOp if post else Norm,
             mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
             mlp_bda=residual,
-            sharded_state_dict_keys_map={
-                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
-            },
+            sharded_state_dict_keys_map=dict(LOCAL_KEYS_MAP),
         ),
     )
 

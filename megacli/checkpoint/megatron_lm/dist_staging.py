@@ -33,14 +33,15 @@ import torch
 
 from megacli.checkpoint.files import staged
 from megacli.checkpoint.layout import META, RECIPE, iter_name
-from megacli.checkpoint.legacy_args import arg, scale_scheduler
+from megacli.checkpoint.megatron_lm.args import arg
+from megacli.checkpoint.megatron_lm.args_to_recipe import scale_scheduler
 from megacli.checkpoint.megacli_checkpoint import OPT_PREFIX, split_optimizer_key
-from megacli.checkpoint.megatron_lm import MegatronLMCheckpoint, canonical_key
-from megacli.checkpoint.megatron_lm_write import RNG_FIELDS
+from megacli.checkpoint.megatron_lm.dist_reader import MegatronLMCheckpoint, canonical_key
+from megacli.checkpoint.megatron_lm.dist_writer import RNG_FIELDS
 from megacli.checkpoint.safe_pickle import DCP_METADATA
 from megacli.checkpoint.torch_dist import BACKEND_META, STACKED, is_extra_state
 from megacli.errors import UserError
-from megacli.reshard.legacy import STAGING_PREFIX
+from megacli.checkpoint.megatron_lm.legacy_staging import STAGING_PREFIX
 
 _STACKED_OBJECT = re.compile(r"^(?P<head>(?:.+\.)?layers\.)(?P<module>(?!\d)[^/]+)/shard_(?P<offsets>[\d.]+)_(?P<shape>[\d.]+)$")
 

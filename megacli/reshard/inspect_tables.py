@@ -1,4 +1,4 @@
-"""`megacli reshard inspect`: what a checkpoint holds (megacli.checkpoint.inspect), as tables."""
+"""`megacli reshard inspect`: what a checkpoint holds (megacli.checkpoint.contents), as tables."""
 
 from __future__ import annotations
 

@@ -20,15 +20,15 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from megacli.checkpoint.layout import is_megatron_lm_dir, is_torch_dist_iteration, tracked_iteration
-from megacli.checkpoint.legacy_args import (ArgsDescribed, arg, model_section_from_args, moe_refusals,
-                                          t5_refusals)
+from megacli.checkpoint.layout import is_torch_dist_iteration, tracked_iteration
+from megacli.checkpoint.megatron_lm.keys import FUSED_INTO, MOE_NORM, fused_prefix
+from megacli.checkpoint.megatron_lm.args_to_recipe import ArgsDescribed
+from megacli.checkpoint.megatron_lm.args import arg, model_section_from_args, moe_refusals, t5_refusals
 from megacli.checkpoint.safe_pickle import COMMON, DCP_METADATA, torch_load
 from megacli.checkpoint.torch_dist import NOT_MODEL, STACKED, TorchDistReader, is_extra_state
 from megacli.errors import UserError
 
-__all__ = ["FORMAT", "MegatronLMCheckpoint", "canonical_key", "is_megatron_lm_dir", "recipe_for_weights",
-           "weights_dir"]
+__all__ = ["FORMAT", "MegatronLMCheckpoint", "canonical_key", "recipe_for_weights", "weights_dir"]
 
 FORMAT = "megatron-lm torch_dist"
 
@@ -44,11 +44,9 @@ _UNMAPPED_ARGS = {
 }
 _NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
-_LOCAL_NORM = re.compile(r"(?:^|\.)layers\.(?P<norm>input_layernorm|pre_mlp_layernorm)\.(?P<kind>weight|bias)\Z")
-_FUSED_INTO = {"input_layernorm": "self_attention.linear_qkv", "pre_mlp_layernorm": "mlp.linear_fc1"}
-
-
-_MOE_LOCAL_NORM = re.compile(r"(?:^|\.)layers\.(?:\d+\.)?(?P<fused>mlp\.linear_fc1\.layer_norm_)(?P<kind>weight|bias)\Z")
+_LOCAL_NORM = re.compile(r"(?:^|\.)layers\.(?P<norm>" + "|".join(FUSED_INTO) + r")\.(?P<kind>weight|bias)\Z")
+_MOE_LOCAL_NORM = re.compile(r"(?:^|\.)layers\.(?:\d+\.)?(?P<fused>" + re.escape(fused_prefix(MOE_NORM))
+                             + r")(?P<kind>weight|bias)\Z")
 
 
 def canonical_key(key: str, stored: set[str]) -> str | None:
@@ -62,15 +60,15 @@ def canonical_key(key: str, stored: set[str]) -> str | None:
     moe = _MOE_LOCAL_NORM.search(key)
     if moe is not None:
         stem = key[: moe.start("fused")]
-        return key if f"{stem}mlp.linear_fc1.weight" in stored else f"{stem}pre_mlp_layernorm.{moe.group('kind')}"
+        return key if f"{stem}{FUSED_INTO[MOE_NORM]}.weight" in stored else f"{stem}{MOE_NORM}.{moe.group('kind')}"
     m = _LOCAL_NORM.search(key)
     if m is None:
         return key
     stem = key[: m.start("norm")]
-    fused = _FUSED_INTO[m.group("norm")]
-    if f"{stem}{fused}.weight" not in stored:
+    norm = m.group("norm")
+    if f"{stem}{FUSED_INTO[norm]}.weight" not in stored:
         return key
-    return f"{stem}{fused}.layer_norm_{m.group('kind')}"
+    return f"{stem}{fused_prefix(norm)}{m.group('kind')}"
 
 
 class MegatronLMCheckpoint(ArgsDescribed):
@@ -138,7 +136,7 @@ class MegatronLMCheckpoint(ArgsDescribed):
         (--moe-layer-freq an integer giving all MoE layers, e.g. the default 1), while megacli's MoE
         models key each layer on its own (``decoder.layers.N.``, Megatron-Core's layout for a
         --moe-layer-freq list). The engine loads such a checkpoint with the layers stacked
-        (engine/megatron_lm_resume.py); reshard stages it per layer (reshard/megatron_lm.py)."""
+        (checkpoint/megatron_lm/resume.py); reshard stages it per layer (checkpoint/megatron_lm/dist_staging.py)."""
         return bool(arg(self.args, "num_experts")) and any(STACKED.search(k) for k in self.model_keys)
 
     def padded_vocab_rows(self) -> int:
@@ -165,7 +163,7 @@ class MegatronLMCheckpoint(ArgsDescribed):
     def recipe(self) -> dict | None:
         """The megacli training recipe the run's args describe (None when its model cannot be mapped:
         ``unmapped()`` says why)."""
-        from megacli.checkpoint.legacy_args import recipe_from_args
+        from megacli.checkpoint.megatron_lm.args_to_recipe import recipe_from_args
 
         if self.unmapped():
             return None

@@ -1,7 +1,7 @@
 """Export a megacli checkpoint as a Megatron-LM legacy (``--ckpt-format torch``) checkpoint: the
 files of the target layout, with the key names of Megatron-Core's model for the layer spec (te:
 Transformer Engine's, local: Megatron-Core's own modules) in its parameter order (see
-megacli.reshard.legacy for what each part becomes). A legacy file holds one
+megacli.checkpoint.megatron_lm.legacy_staging for what each part becomes). A legacy file holds one
 rank's whole state, so writing one needs that rank's share of the model in memory."""
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ from typing import Optional
 import torch
 
 from megacli.checkpoint.layout import FILE, TRACKER, iter_name
-from megacli.checkpoint.megatron_lm_write import SPECS, TRANSFORMER_IMPL, rng_for_megatron_lm
+from megacli.checkpoint.megatron_lm.dist_writer import SPECS, TRANSFORMER_IMPL, rng_for_megatron_lm
 from megacli.checkpoint.sharding import shard
 from megacli.errors import UserError
-from megacli.checkpoint.legacy_args import scale_scheduler
-from megacli.reshard.legacy import EXTRA_STATE_MODULES
+from megacli.checkpoint.megatron_lm.args_to_recipe import scale_scheduler
+from megacli.checkpoint.megatron_lm.keys import LOCAL_NAMES
+from megacli.checkpoint.megatron_lm.legacy_staging import EXTRA_STATE_MODULES
 
 # Parameter order of a Megatron-Core GPT layer, per layer spec, in megacli's (Transformer Engine)
 # names: the order of the layer's state_dict() and so of the standard optimizer's indices. TE spec:
@@ -46,13 +47,6 @@ _LAYER_ORDER = {
         "mlp.linear_fc2.weight", "mlp.linear_fc2.bias",
     ),
 }
-# The local spec's names where they differ (a plain state_dict(); its sharded_state_dict renames them back).
-_LOCAL_NAMES = {
-    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
-    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
-    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
-}
 _TOP_FIRST = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
 _TOP_LAST = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight", "output_layer.bias")
 
@@ -60,7 +54,7 @@ _TOP_LAST = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "
 def check_exportable(recipe, where: Path) -> None:
     """Refuse, before anything is written, a model the legacy export cannot write: what Megatron-LM's
     arguments cannot describe (as for torch_dist), and mixture-of-experts models."""
-    from megacli.reshard.megatron_export import check_exportable as check_arguments
+    from megacli.checkpoint.megatron_lm.dist_export import check_exportable as check_arguments
 
     check_arguments(recipe, where)
     if recipe.model.arch != "gpt":
@@ -126,7 +120,7 @@ def export(it_dir: Path, out: Path, *, spec: str = "te", trust_pickle: bool = Fa
 
     # One layer's entries (megacli suffix or None, file suffix) in Megatron-Core's parameter order,
     # the extra state after each linear module's parameters.
-    rename = _LOCAL_NAMES if spec == "local" else {}
+    rename = LOCAL_NAMES if spec == "local" else {}  # a plain state_dict() keeps the local spec's names
     layer_items: list[tuple[Optional[str], str]] = []
     present = [x for x in _LAYER_ORDER[spec] if f"decoder.layers.{x}" in model_keys]
     for i, suffix in enumerate(present):
@@ -248,8 +242,8 @@ def _piece(reader, key: str, layer: Optional[int], cache: dict) -> torch.Tensor:
 
 def _args_from_recipe(recipe, ck, reader, *, transformer_impl: str) -> argparse.Namespace:
     """The Megatron-LM arguments a legacy checkpoint carries: the full set parse_args defines, with
-    this recipe's values (megacli.checkpoint.megatron_lm_args)."""
-    from megacli.checkpoint.megatron_lm_args import megatron_args
+    this recipe's values (megacli.checkpoint.megatron_lm.args)."""
+    from megacli.checkpoint.megatron_lm.args_namespace import megatron_args
 
     emb = reader.tensors.get("embedding.word_embeddings.weight")
     gbs = recipe.train.global_batch_size

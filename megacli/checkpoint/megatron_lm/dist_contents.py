@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from megacli.checkpoint.legacy_args import arg
+from megacli.checkpoint.megatron_lm.args import arg
 from megacli.checkpoint.megacli_checkpoint import describe_split
-from megacli.checkpoint.megatron_lm import FORMAT, MegatronLMCheckpoint
+from megacli.checkpoint.megatron_lm.dist_reader import FORMAT, MegatronLMCheckpoint
 
 
 def inspect_megatron_lm(path: Path, *, trust_pickle: bool = False) -> dict:
-    """inspect's answer (see megacli.checkpoint.inspect.inspect) plus ``not_mapped``: what of the
+    """inspect's answer (see megacli.checkpoint.contents.inspect) plus ``not_mapped``: what of the
     run's args the recipe does not carry."""
     src = MegatronLMCheckpoint(path, trust_pickle=trust_pickle)
     reader = src.reader

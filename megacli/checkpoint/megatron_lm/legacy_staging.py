@@ -5,7 +5,7 @@
 
 Each file holds that rank's model state dict(s) (``model``, or ``model0``, ``model1``... with
 virtual pipeline stages; layers numbered within the chunk), its optimizer's state dict, the LR
-scheduler, its RNG state and the run's ``args``. megacli.checkpoint.legacy reads the weights
+scheduler, its RNG state and the run's ``args``. megacli.checkpoint.megatron_lm.legacy_reader reads the weights
 and the optimizer state (Megatron-Core or legacy-model key names, tensor-parallel shards merged);
 here they are carried over with the rest, so a run moves between Megatron-LM and megacli with its
 optimizer:
@@ -38,8 +38,9 @@ from pathlib import Path
 import torch
 
 from megacli.checkpoint.layout import iter_name
-from megacli.checkpoint.legacy import LAYER, LegacyCheckpoint
-from megacli.checkpoint.legacy_args import arg, recipe_from_args, scale_scheduler
+from megacli.checkpoint.megatron_lm.legacy_reader import LAYER, LegacyCheckpoint
+from megacli.checkpoint.megatron_lm.args import arg
+from megacli.checkpoint.megatron_lm.args_to_recipe import recipe_from_args, scale_scheduler
 from megacli.checkpoint.sharding import GATED_SPLIT, split_of
 from megacli.errors import UserError
 
@@ -71,7 +72,7 @@ def import_to_staging(path: Path, *, where: Path, trust_pickle: bool = False, pr
     from megacli.recipe.base import dump, validate
     from megacli.recipe.pretrain import TrainingRecipe
     from megacli.checkpoint.megacli_checkpoint import OPT_PREFIX, Layout
-    from megacli.reshard.plan import target_chunks
+    from megacli.checkpoint.megacli_checkpoint import target_chunks
 
     src = open_source(path, trust_pickle=trust_pickle)
     raw = recipe_from_args(src)

@@ -11,11 +11,13 @@ from typing import Iterator
 
 import torch
 
-from megacli.checkpoint.layout import locate, read_meta
-from megacli.checkpoint.legacy import LAYER, LegacyCheckpoint, flatten
-from megacli.checkpoint.legacy_args import arg, recipe_from_args
+from megacli.checkpoint.layout import read_meta
+from megacli.checkpoint.megatron_lm.legacy_reader import LAYER, LegacyCheckpoint, flatten
+from megacli.checkpoint.megatron_lm.args import arg
+from megacli.checkpoint.megatron_lm.args_to_recipe import recipe_from_args
 from megacli.checkpoint.megacli_checkpoint import RNG_KEY, Checkpoint, describe_split, split_optimizer_key
 from megacli.checkpoint.sharding import GATED_SPLIT, split_of
+from megacli.checkpoint.source import locate
 from megacli.checkpoint.torch_dist import TorchDistReader
 
 
@@ -25,7 +27,7 @@ def inspect(path: str | Path, *, trust_pickle: bool = False) -> dict:
     if kind == "legacy":
         return _inspect_legacy(src, trust_pickle=trust_pickle)
     if kind == "megatron-lm":
-        from megacli.checkpoint.megatron_lm_inspect import inspect_megatron_lm
+        from megacli.checkpoint.megatron_lm.dist_contents import inspect_megatron_lm
 
         return inspect_megatron_lm(src, trust_pickle=trust_pickle)
     ck = Checkpoint(src, trust_pickle=trust_pickle)
@@ -128,7 +130,7 @@ def structure(path: Path, *, trust_pickle: bool = False) -> Iterator[str]:
     megacli checkpoint's global shapes, layers stacked; a legacy checkpoint's per rank file)."""
     src, kind = locate(path)
     if kind == "megatron-lm":
-        from megacli.checkpoint.megatron_lm_inspect import structure_megatron_lm
+        from megacli.checkpoint.megatron_lm.dist_contents import structure_megatron_lm
 
         header, rows = structure_megatron_lm(src, trust_pickle=trust_pickle)
         yield header

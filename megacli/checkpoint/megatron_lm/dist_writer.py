@@ -1,12 +1,12 @@
 """Megatron-LM torch_dist checkpoints, written: what Megatron-LM core_v0.16.1 ``--load``s with
-``--ckpt-format torch_dist`` (see megacli.checkpoint.megatron_lm for the layout).
+``--ckpt-format torch_dist`` (see megacli.checkpoint.megatron_lm.dist_reader for the layout).
 
 A megacli torch_dist checkpoint is already Megatron-Core's sharded layout: the model's and the
 optimizer's sharded keys are the ones Megatron-LM's GPT model and optimizer ask for (both layer
 specs name the norms ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight`` in
 their sharded state dict). What differs is around it:
 
-* ``common.pt`` - Megatron-LM's common state: ``args`` (megacli.checkpoint.megatron_lm_args),
+* ``common.pt`` - Megatron-LM's common state: ``args`` (megacli.checkpoint.megatron_lm.args),
   ``checkpoint_version`` 3.0, ``iteration``, ``opt_param_scheduler`` (steps counted in samples),
   ``num_floating_point_operations_so_far``, the optimizer's non-tensor state and the
   ``content_metadata`` Megatron-LM's loader builds its sharded state dict from;
@@ -30,6 +30,7 @@ import torch
 
 from megacli.checkpoint.layout import TRACKER, iter_name
 from megacli.checkpoint.megacli_checkpoint import RNG_KEY
+from megacli.checkpoint.megatron_lm.keys import MOE_NORM, fused_prefix
 from megacli.checkpoint.safe_pickle import torch_load
 from megacli.checkpoint.torch_dist import ObjectEntry, write_torch_dist
 from megacli.errors import UserError
@@ -46,10 +47,9 @@ _TE_NORMS = ("decoder.final_layernorm",)
 _TE_LAYER_NORMS = ("self_attention.q_layernorm", "self_attention.k_layernorm")
 _TE_T5_NORMS = ("encoder.final_layernorm",)
 _TE_T5_LAYER_NORM = "pre_cross_attn_layernorm"  # decoder layers'
-_TE_MOE_NORM = "pre_mlp_layernorm"  # a MoE layer's own TENorm (not fused into a linear)
 
 
-_MOE_NORM = re.compile(r"(?P<stem>(?:^|\.)layers\.(?:\d+\.)?)pre_mlp_layernorm\.(?P<kind>weight|bias)\Z")
+_MOE_NORM = re.compile(r"(?P<stem>(?:^|\.)layers\.(?:\d+\.)?)" + MOE_NORM + r"\.(?P<kind>weight|bias)\Z")
 
 
 def stored_key(key: str, spec: str) -> str:
@@ -58,7 +58,7 @@ def stored_key(key: str, spec: str) -> str:
     save in every layer, a MoE layer's too (megacli, like the TE spec, keeps that norm's own name)."""
     if spec != "local":
         return key
-    return _MOE_NORM.sub(lambda m: f"{m.group('stem')}mlp.linear_fc1.layer_norm_{m.group('kind')}", key)
+    return _MOE_NORM.sub(lambda m: f"{m.group('stem')}{fused_prefix(MOE_NORM)}{m.group('kind')}", key)
 
 
 def _saved(obj) -> bytes:
@@ -115,7 +115,7 @@ def megatron_objects(objects: Iterable[ObjectEntry], *, spec: str, num_layers: i
         if moe_layers is not None:
             norms = _TE_LAYER_NORMS if qk_layernorm else ()
             wanted += [f"decoder.layers.{i}.{m}._extra_state/shard_0_1" for i in range(num_layers) for m in norms]
-            wanted += [f"decoder.layers.{i}.{_TE_MOE_NORM}._extra_state/shard_0_1" for i, moe in enumerate(moe_layers) if moe]
+            wanted += [f"decoder.layers.{i}.{MOE_NORM}._extra_state/shard_0_1" for i, moe in enumerate(moe_layers) if moe]
         elif qk_layernorm:
             wanted += [f"decoder.layers.{m}._extra_state/shard_{i}_{num_layers}" for m in _TE_LAYER_NORMS
                        for i in range(num_layers)]

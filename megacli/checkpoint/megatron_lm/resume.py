@@ -21,8 +21,9 @@ from __future__ import annotations
 from contextlib import contextmanager
 from pathlib import Path
 
-from megacli.checkpoint.legacy_args import arg, scale_scheduler
-from megacli.checkpoint.megatron_lm import MegatronLMCheckpoint
+from megacli.checkpoint.megatron_lm.args import arg
+from megacli.checkpoint.megatron_lm.args_to_recipe import scale_scheduler
+from megacli.checkpoint.megatron_lm.dist_reader import MegatronLMCheckpoint
 from megacli.errors import UserError
 
 # Megatron-LM's sharding types that a different tensor/pipeline layout can read.
@@ -68,9 +69,7 @@ def _layers_stacked(chunks, stacked: bool):
     if not stacked:
         yield
         return
-    from megacli.engine.models.common import unwrap
-
-    configs = {id(c): c for c in (getattr(m, "config", None) for ch in chunks for m in unwrap(ch).modules())
+    configs = {id(c): c for c in (getattr(m, "config", None) for ch in chunks for m in ch.modules())
                if c is not None and isinstance(getattr(c, "moe_layer_freq", None), list)}
     saved = {k: c.moe_layer_freq for k, c in configs.items()}
     for c in configs.values():
@@ -211,13 +210,12 @@ def _set_rng(states) -> str | None:
 
 def load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool, keep, trust_pickle: bool, model_keys,
          prepare_optimizer):
-    """Load a Megatron-LM torch_dist iteration directory into the built chunks (and, with
-    ``load_optimizer``, the optimizer, scheduler and RNG state). Returns
-    (iteration, consumed samples, notes); (0, 0, notes) when only the weights were loaded."""
+    """Load a Megatron-LM torch_dist iteration directory into the built chunks, bare (no DDP or
+    Float16Module wrappers), and with ``load_optimizer`` the optimizer, scheduler and RNG state.
+    Returns (iteration, consumed samples, notes); (0, 0, notes) when only the weights were loaded."""
     from megatron.core import dist_checkpointing
 
     from megacli.checkpoint.safe_pickle import allow_checked_globals, load_failure
-    from megacli.engine.models.common import unwrap
 
     src = MegatronLMCheckpoint(ckpt, trust_pickle=trust_pickle)
     notes = []
@@ -230,7 +228,7 @@ def load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool, keep
     sched_state = None
     with _layers_stacked(chunks, src.moe_layers_stacked):
         for key, chunk in zip(model_keys(chunks), chunks):
-            state[key] = unwrap(chunk).sharded_state_dict()
+            state[key] = chunk.sharded_state_dict()
             if keep is not None:
                 state[key] = {k: v for k, v in state[key].items() if keep(k)}
         _rename_to_stored(state, src)
@@ -256,7 +254,7 @@ def load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool, keep
     except (Exception, CheckpointException) as exc:
         raise load_failure(exc, src.it_dir) or UserError(f"cannot load the Megatron-LM checkpoint {src.it_dir}: {exc}") from exc
     for key, chunk in zip(model_keys(chunks), chunks):
-        missing, unexpected = unwrap(chunk).load_state_dict(loaded[key], strict=keep is None)
+        missing, unexpected = chunk.load_state_dict(loaded[key], strict=keep is None)
         left = [k for k in missing if keep(k)] if keep is not None else []
         if unexpected or left:
             raise UserError(f"cannot load the Megatron-LM checkpoint {src.it_dir}: missing {left[:4]}, "

@@ -1,5 +1,5 @@
 """Export a reshard plan (a megacli checkpoint under its target layout) as a Megatron-LM torch_dist
-checkpoint (megacli.checkpoint.megatron_lm_write): the plan's tensors as they are, its objects and
+checkpoint (megacli.checkpoint.megatron_lm.dist_writer): the plan's tensors as they are, its objects and
 common state in Megatron-LM's form, its recipe as Megatron-LM's full ``args``."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from megacli.checkpoint import megatron_lm_write as mlw
-from megacli.checkpoint.megatron_lm_args import megatron_args, unsupported
+from megacli.checkpoint.megatron_lm import dist_writer as mlw
+from megacli.checkpoint.megatron_lm.args_namespace import megatron_args, unsupported
 from megacli.errors import UserError
-from megacli.checkpoint.legacy_args import scale_scheduler
+from megacli.checkpoint.megatron_lm.args_to_recipe import scale_scheduler
 
 
 def check_exportable(recipe, where, spec: str | None = None) -> None:

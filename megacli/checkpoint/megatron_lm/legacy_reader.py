@@ -33,7 +33,9 @@ import torch
 
 from megacli.checkpoint import sharding
 from megacli.checkpoint.layout import iteration_dir, rank_files
-from megacli.checkpoint.legacy_args import ArgsDescribed, arg, model_section_from_args
+from megacli.checkpoint.megatron_lm.keys import FUSED_INTO, fused_prefix
+from megacli.checkpoint.megatron_lm.args_to_recipe import ArgsDescribed
+from megacli.checkpoint.megatron_lm.args import arg, model_section_from_args
 from megacli.checkpoint.safe_pickle import torch_load
 from megacli.errors import UserError
 from megacli.recipe.stages import chunk_layers, split_problem, stage_of_layer
@@ -52,8 +54,8 @@ _RENAMES = [
     (r"language_model\.(?:encoder|transformer)\.layers\.(\d+)\.mlp\.dense_4h_to_h\.", r"decoder.layers.\1.mlp.linear_fc2."),
     (r"language_model\.(?:encoder|transformer)\.(?:final_norm|final_layernorm)\.", r"decoder.final_layernorm."),
     (r"language_model\.output_layer\.", r"output_layer."),
-    (r"(decoder|encoder)\.layers\.(\d+)\.input_layernorm\.(weight|bias)", r"\1.layers.\2.self_attention.linear_qkv.layer_norm_\3"),
-    (r"(decoder|encoder)\.layers\.(\d+)\.pre_mlp_layernorm\.(weight|bias)", r"\1.layers.\2.mlp.linear_fc1.layer_norm_\3"),
+    *((rf"(decoder|encoder)\.layers\.(\d+)\.{norm}\.(weight|bias)", rf"\1.layers.\2.{fused_prefix(norm)}\3")
+      for norm in FUSED_INTO),
     # BERT: the legacy model's pooler and masked-LM head (its vocabulary bias, its norm named norm or layernorm).
     (r"language_model\.pooler\.", r"pooler."),
     (r"lm_head\.bias\Z", r"output_layer.bias"),
