@@ -8,6 +8,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator, model_validator
 
 from megacli.recipe.base import RecipeError, Section
+from megacli.recipe.slurm import SlurmSection
 from megacli.recipe.stream import FIMSection, StreamFields, StreamSource, check_stream_location
 
 
@@ -89,6 +90,8 @@ class LaunchSection(Section):
     """How long a rank waits for the others before the job fails: the nodes' rendezvous and every
     collective operation (the process-group timeout); also how long workers get to save and stop
     after a signal before they are killed."""
+    slurm: SlurmSection = SlurmSection()
+    """`megacli submit`: the sbatch script's partition, account, time limit, warning and requeue."""
 
     @property
     def world_size(self) -> int:
