@@ -92,9 +92,10 @@ start() {
     install
     write_conf
     export SLURM_CONF=$dir/slurm.conf
-    chown munge:munge "$dir/munge"
-    chmod 0711 "$dir/munge"
-    runuser -u munge -- munged --socket="$dir/munge/munge.socket" --pid-file="$dir/munge/munged.pid" \
+    # munged as root (--force): DIR may sit in a private temp directory the munge user cannot enter,
+    # and every job of this cluster runs as root anyway.
+    chmod 0700 "$dir/munge"
+    munged --force --socket="$dir/munge/munge.socket" --pid-file="$dir/munge/munged.pid" \
         --log-file="$dir/munge/munged.log" --seed-file="$dir/munge/munged.seed" \
         || cannot "munged did not start (see $dir/munge/munged.log)"
     for _ in $(seq 50); do [[ -s "$dir/munge/munged.pid" ]] && break; sleep 0.1; done

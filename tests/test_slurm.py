@@ -181,13 +181,16 @@ def test_the_warning_saves_requeues_and_resumes_with_the_same_losses(uninterrupt
         assert r["slurm_restart_count"] == (0 if r["iteration"] <= stopped_at else 1)
 
 
-def complete_checkpoint(ck: Path) -> int:
-    """The iteration `latest` names, after checking that checkpoint against its manifest and that no
-    unfinished one is left."""
+def complete_checkpoint(ck: Path, *, unfinished_allowed: bool = False) -> int:
+    """The iteration `latest` names, after checking every checkpoint in ``ck`` against its manifest;
+    an unfinished save (iter_N.tmp, never named by `latest`) only where ``unfinished_allowed``."""
     from megacli.checkpoint.manifest import verify
 
-    assert verify(ck).startswith("manifest: OK")
-    assert not list(ck.glob("*.tmp")), list(ck.iterdir())
+    for saved in ck.glob("iter_*"):
+        if saved.name.endswith(".tmp"):
+            assert unfinished_allowed, list(ck.iterdir())
+        else:
+            assert verify(saved).startswith("manifest: OK")
     return int((ck / "latest").read_text().strip().split("_")[1])
 
 
@@ -206,7 +209,7 @@ def test_scancel_leaves_only_complete_checkpoints(slurm_cluster, tmp_path, scanc
     fields = wait_for_job(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"})
     log = log_of(run, job)
     assert fields["Restarts"] == "0", log
-    saved = complete_checkpoint(ck)
+    saved = complete_checkpoint(ck, unfinished_allowed=not scancel)
     if scancel:
         assert fields["JobState"] == "COMPLETED", log
         assert f"stopped on SIGTERM at iteration {saved}: saved checkpoint" in log
@@ -240,12 +243,13 @@ def test_a_node_that_stops_answering_requeues_the_job_from_the_last_complete_che
     for proc in paused:
         proc.send_signal(signal.SIGSTOP)
     try:
-        saved = complete_checkpoint(ck)
         deadline = time.monotonic() + 120
         while job_fields(job)["Restarts"] == "0":
             assert time.monotonic() < deadline, f"job {job} not requeued: {job_fields(job)}"
             time.sleep(0.5)
-        assert complete_checkpoint(ck) == saved  # n1's task was stopped with the job
+        # The job was stopped on n1 too; a save it was in the middle of stays unfinished.
+        saved = complete_checkpoint(ck, unfinished_allowed=True)
+        assert saved >= 2
     finally:
         for proc in paused:
             try:
@@ -257,3 +261,4 @@ def test_a_node_that_stops_answering_requeues_the_job_from_the_last_complete_che
     assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", log
     assert f"resumed from {ck / f'iter_{saved:07d}'} at iteration {saved}" in log
     assert [r["iteration"] for r in records(run)] == list(range(1, 11))
+    complete_checkpoint(ck)

@@ -43,6 +43,8 @@ class StopRequests:
         # Python takes signal handlers only in the main thread (a run driven from another thread has none).
         handles = save_on_signal and threading.current_thread() is threading.main_thread()
         self.previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS} if handles else {}
+        if handles:
+            shield_checkpoint_writer()
 
     def boundary_wait_s(self) -> float:
         return min(self.max_wait_s, max(MIN_BOUNDARY_WAIT_S, SLOWEST_INTERVAL_FACTOR * self.slowest_interval))
@@ -92,6 +94,29 @@ class StopRequests:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
         self.previous = {}
+
+
+_writer_manager = None  # kept alive: its process serves the checkpoint writer's results queue
+
+
+def shield_checkpoint_writer() -> None:
+    """Megatron-Core's checkpoint writer reports through a queue served by a process it spawns, with
+    default signal handlers. A scheduler signals every process of a job (Slurm's scancel, its
+    --signal): that process would die and take the save at the step boundary with it. Start it here
+    with the stop signals blocked; it ends with this process."""
+    global _writer_manager
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is not None:
+        return
+    import functools
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(initializer=functools.partial(signal.pthread_sigmask, signal.SIG_BLOCK, list(STOP_SIGNALS)))
+    filesystem_async._results_queue = manager.Queue()
+    _writer_manager = manager
 
 
 def exit_unsaved(sig: signal.Signals, waited_s: float, run_dir: str | None) -> None:
