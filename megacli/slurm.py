@@ -159,14 +159,15 @@ fi"""
 # What an earlier attempt of this job left behind: whether it stopped, and its workers' errors.
 rm -f {q(str(run_dir / STOPPED_FILE))} {q(str(error_dir(run_dir)))}/rank*.json
 
-# Slurm signals this shell (USR1 before the time limit, TERM from `scancel --full`); srun passes the
-# signal on to every task, which saves at its next step boundary and stops.
+# Slurm signals this shell (USR1 before the time limit, TERM from `scancel --full`); it is passed on
+# to every task (not through srun, which ends its tasks on a TERM), which saves at its next step
+# boundary and stops.
 warned=0
 signals=0
 pass_on() {{
     signals=$((signals + 1))
     [ "$1" = USR1 ] && warned=1
-    kill -"$1" "$step" 2>/dev/null
+    scancel --signal="$1" "$SLURM_JOB_ID"
 }}
 trap 'pass_on USR1' USR1
 trap 'pass_on TERM' TERM
