@@ -115,7 +115,7 @@ def sbatch_options(recipe, *, gpus: int, extra: list[str]) -> list[str]:
     """The #SBATCH options, in the script's order."""
     ln, sl = recipe.launch, recipe.launch.slurm
     logs = script_dir(recipe.run.dir)
-    options = [f"--job-name={sl.job_name or recipe.run.name or 'megacli'}",
+    options = [f"--job-name={sl.job_name or recipe.run.name or Path(recipe.run.dir).name}",
                f"--nodes={ln.nnodes}", f"--ntasks-per-node={ln.nproc}"]
     if gpus:
         options.append(f"--gpus-per-node={gpus}")

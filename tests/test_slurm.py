@@ -53,7 +53,7 @@ def test_dry_run_prints_the_script_and_writes_nothing(tmp_path):
     script = out.stdout
     assert script.startswith("#!/bin/bash\n")
     options = re.findall(r"^#SBATCH (\S+)$", script, re.MULTILINE)
-    assert options == ["--job-name=megacli", "--nodes=2", "--ntasks-per-node=2", "--gpus-per-node=2", "--time=90",
+    assert options == ["--job-name=run", "--nodes=2", "--ntasks-per-node=2", "--gpus-per-node=2", "--time=90",
                        "--partition=gpu", "--account=proj", "--signal=B:USR1@300", "--requeue", "--open-mode=append",
                        f"--output={run.absolute()}/slurm/%j.out", f"--error={run.absolute()}/slurm/%j.err",
                        f"--chdir={Path.cwd()}", "--qos=high"]

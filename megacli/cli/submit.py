@@ -32,6 +32,9 @@ def submit(recipe: RecipeArg = None, sbatch_args: SbatchArgs = None, set_: SetOp
         gpus = slurm.gpus_per_node(loaded.launch, None)
         typer.echo(slurm.batch_script(loaded, job=job, recipe_file=recipe_file, gpus=gpus, extra=extra), nl=False)
         return
+    from megacli.cli.training import check_inputs
+
+    check_inputs(loaded)  # a missing file is named here, not after a wait in the queue
     done = slurm.submit(loaded, job=job, extra=extra)
     typer.echo(f"submitted job {done.job_id}: {loaded.launch.nnodes} node(s) × {loaded.launch.nproc} task(s)\n"
                f"script:  {done.script}\n"

@@ -27,7 +27,7 @@ class SlurmSection(Section):
     new allocation), and let Slurm requeue it after a node failure or preemption (sbatch --requeue).
     false: the job ends there (sbatch --no-requeue)."""
     job_name: Optional[str] = None
-    """The job's name in squeue (sbatch --job-name); null: run.name, else megacli."""
+    """The job's name in squeue (sbatch --job-name); null: run.name, else the run directory's name."""
     sbatch_options: list[str] = []
     """More sbatch options, each written as one #SBATCH line, e.g. [--qos=high, --constraint=a100]
     (options given after -- on the command line are added after these)."""
