@@ -61,7 +61,7 @@ def test_dry_run_prints_the_script_and_writes_nothing(tmp_path):
     assert "scontrol requeue" in script
     assert not run.exists()
     cpu = megacli(*submit_args(run, "launch.slurm.requeue=false", "launch.slurm.signal_seconds=0"), "--dry-run")
-    assert "--no-requeue" in cpu.stdout and "--signal" not in cpu.stdout and "--gpus-per-node" not in cpu.stdout
+    assert "#SBATCH --no-requeue" in cpu.stdout and "#SBATCH --signal" not in cpu.stdout and "--gpus-per-node" not in cpu.stdout
     assert "scontrol requeue" not in cpu.stdout
 
 

@@ -26,10 +26,11 @@ SLOWEST_INTERVAL_FACTOR = 3  # a step boundary is expected within this many of t
 class StopRequests:
     """``max_wait_s``: at most this long from a signal to the next step boundary (the launcher kills
     a worker later than that). ``give_up(signal, waited_s)`` runs, in another thread, when the wait
-    is over; by default it records the error for the launcher and exits the process."""
+    is over; by default it records the error for the launcher and exits the process. ``saves``:
+    the run saves checkpoints (see shield_checkpoint_writer)."""
 
     def __init__(self, *, save_on_signal: bool, time_limit_minutes: float | None, device, max_wait_s: float,
-                 run_dir: str | None = None, give_up=None):
+                 run_dir: str | None = None, give_up=None, saves: bool = False):
         self.device = device
         self.time_limit_minutes = time_limit_minutes
         self.deadline = time.monotonic() + time_limit_minutes * 60 if time_limit_minutes else None
@@ -43,7 +44,7 @@ class StopRequests:
         # Python takes signal handlers only in the main thread (a run driven from another thread has none).
         handles = save_on_signal and threading.current_thread() is threading.main_thread()
         self.previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS} if handles else {}
-        if handles:
+        if handles and saves:
             shield_checkpoint_writer()
 
     def boundary_wait_s(self) -> float:
