@@ -99,6 +99,18 @@ def test_without_sbatch_submit_says_so(tmp_path):
     assert "`sbatch` is not on PATH" in " ".join(out.stderr.split())
 
 
+def test_a_requeued_job_gets_another_port_and_says_its_restart_count():
+    from megacli.engine.metrics import scheduler_fields
+    from megacli.launch import slurm_to_torch_env
+
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_ID": "7"}
+    first = slurm_to_torch_env(env)["MASTER_PORT"]
+    assert first == "20007" and slurm_to_torch_env({**env, "SLURM_RESTART_COUNT": "1"})["MASTER_PORT"] != first
+    assert scheduler_fields(env) == {"slurm_restart_count": 0}
+    assert scheduler_fields({**env, "SLURM_RESTART_COUNT": "2"}) == {"slurm_restart_count": 2}
+    assert scheduler_fields({}) == {}
+
+
 # ---- jobs on the two-node cluster ----
 
 def submitted_job(out: subprocess.CompletedProcess) -> str:
