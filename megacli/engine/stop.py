@@ -104,18 +104,19 @@ def shield_checkpoint_writer() -> None:
     """Megatron-Core's checkpoint writer reports through a queue served by a process it spawns, with
     default signal handlers. A scheduler signals every process of a job (Slurm's scancel, its
     --signal): that process would die and take the save at the step boundary with it. Start it here
-    with the stop signals blocked; it ends with this process."""
+    with the stop signals blocked, dying with this process."""
     global _writer_manager
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is not None:
         return
-    import functools
     import multiprocessing
     from multiprocessing.managers import SyncManager
 
+    from megacli.lifetime import quiet_helper
+
     manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-    manager.start(initializer=functools.partial(signal.pthread_sigmask, signal.SIG_BLOCK, list(STOP_SIGNALS)))
+    manager.start(initializer=quiet_helper, initargs=STOP_SIGNALS)
     filesystem_async._results_queue = manager.Queue()
     _writer_manager = manager
 
