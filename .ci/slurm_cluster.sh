@@ -23,19 +23,22 @@ cannot() { echo "slurm cluster: $*" >&2; exit 3; }
 daemon_pidfiles() { ls "$dir"/pids/*.pid 2>/dev/null || true; }
 
 stop() {
-    local pidfile pid
+    local pidfile pid pids=()
     for pidfile in $(daemon_pidfiles); do
         pid=$(cat "$pidfile" 2>/dev/null || true)
         if [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null; then
             kill -CONT "$pid" 2>/dev/null || true  # a test may have paused it
             kill -TERM "$pid" 2>/dev/null || true
-            for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-            if kill -0 "$pid" 2>/dev/null; then
-                kill -KILL "$pid" 2>/dev/null || true
-                while kill -0 "$pid" 2>/dev/null; do sleep 0.1; done
-            fi
+            pids+=("$pid")
         fi
         rm -f "$pidfile"
+    done
+    for pid in "${pids[@]}"; do
+        for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+        if kill -0 "$pid" 2>/dev/null; then
+            kill -KILL "$pid" 2>/dev/null || true
+            while kill -0 "$pid" 2>/dev/null; do sleep 0.1; done
+        fi
     done
 }
 
