@@ -70,13 +70,15 @@ def slurm_to_torch_env(env: dict[str, str]) -> dict[str, str]:
     ntasks = int(env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", "1")))
     nnodes = int(env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", "1")))
     job_id = int(env.get("SLURM_JOB_ID", "0"))
+    # Another port after each requeue: an attempt's tasks on a node that stopped answering may hold the last one.
+    restarts = int(env.get("SLURM_RESTART_COUNT") or 0)
     return {
         "RANK": env["SLURM_PROCID"],
         "WORLD_SIZE": str(ntasks),
         "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
         "LOCAL_WORLD_SIZE": str(ntasks // max(nnodes, 1)),
         "MASTER_ADDR": env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", "localhost"))),
-        "MASTER_PORT": env.get("MASTER_PORT") or str(20000 + job_id % 20000),
+        "MASTER_PORT": env.get("MASTER_PORT") or str(20000 + (job_id + 997 * restarts) % 20000),
     }
 
 

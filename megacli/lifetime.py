@@ -45,3 +45,10 @@ def worker_dies_with_launcher() -> None:
     launcher = os.environ.get(LAUNCHER_PID_VAR)
     die_with_parent(int(launcher) if launcher else None)
     os.register_at_fork(before=_note_forking_pid, after_in_child=_child_dies_with_parent)
+
+
+def quiet_helper(*blocked: signal.Signals) -> None:
+    """For a helper process a worker starts: it dies with the worker, and the ``blocked`` signals
+    (the stop requests a scheduler sends every process of a job) stay pending instead of ending it."""
+    die_with_parent()
+    signal.pthread_sigmask(signal.SIG_BLOCK, blocked)

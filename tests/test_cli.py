@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-SUBCOMMANDS = ["preprocess", "pretrain", "finetune", "plot", "generate", "eval", "serve", "convert", "reshard", "recipe"]
+SUBCOMMANDS = ["preprocess", "pretrain", "finetune", "submit", "plot", "generate", "eval", "serve", "convert", "reshard", "recipe"]
 
 
 def run(*args, **kw):

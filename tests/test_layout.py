@@ -20,7 +20,7 @@ LAYERS = (
     ("__main__",),
     ("cli",),
     ("worker",),
-    ("launch",),
+    ("launch", "slurm"),
     ("inference",),
     ("engine", "convert", "reshard"),
     ("checkpoint", "plot"),

@@ -17,6 +17,7 @@ def _register() -> None:
     import megacli.cli.convert  # noqa: F401
     import megacli.cli.reshard  # noqa: F401
     import megacli.cli.recipe  # noqa: F401
+    import megacli.cli.submit  # noqa: F401
 
 
 def main() -> None:

@@ -364,7 +364,7 @@ def _train(recipe, runtime, *, harness=None) -> None:
     run_id = run_id or uuid.uuid4().hex  # carried across resumes: keep_last prunes only this run's checkpoints
     # Half the time the launcher gives workers after a signal goes to reaching a step boundary, half to the save.
     stops = StopRequests(save_on_signal=ck.save_on_signal, time_limit_minutes=t.time_limit_minutes, device=runtime.device,
-                         max_wait_s=recipe.launch.timeout_minutes * 60 / 2, run_dir=recipe.run.dir)
+                         max_wait_s=recipe.launch.timeout_minutes * 60 / 2, run_dir=recipe.run.dir, saves=bool(ck.dir))
     stopped = None
     try:
         while iteration < stop_at:

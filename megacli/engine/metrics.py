@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -87,6 +88,13 @@ def _iteration_of(line: str) -> float:
         return json.loads(line).get("iteration", 0)
     except ValueError:
         return float("inf")
+
+
+def scheduler_fields(env=os.environ) -> dict[str, int]:
+    """Under Slurm, how often the job was restarted (requeued) before this run of it."""
+    if "SLURM_JOB_ID" not in env:
+        return {}
+    return {"slurm_restart_count": int(env.get("SLURM_RESTART_COUNT") or 0)}
 
 
 class MetricsLog:
@@ -170,6 +178,7 @@ class MetricsLog:
             record["loss_scale"] = loss_scale
         record.update(experts or {})
         record.update(extra or {})
+        record.update(scheduler_fields())
         self._write(record)
         gn = f"{grad_norm:.3f}" if grad_norm is not None else "-"
         mfu = f" | MFU {record['mfu'] * 100:.1f}%" if "mfu" in record else ""

@@ -26,10 +26,11 @@ SLOWEST_INTERVAL_FACTOR = 3  # a step boundary is expected within this many of t
 class StopRequests:
     """``max_wait_s``: at most this long from a signal to the next step boundary (the launcher kills
     a worker later than that). ``give_up(signal, waited_s)`` runs, in another thread, when the wait
-    is over; by default it records the error for the launcher and exits the process."""
+    is over; by default it records the error for the launcher and exits the process. ``saves``:
+    the run saves checkpoints (see shield_checkpoint_writer)."""
 
     def __init__(self, *, save_on_signal: bool, time_limit_minutes: float | None, device, max_wait_s: float,
-                 run_dir: str | None = None, give_up=None):
+                 run_dir: str | None = None, give_up=None, saves: bool = False):
         self.device = device
         self.time_limit_minutes = time_limit_minutes
         self.deadline = time.monotonic() + time_limit_minutes * 60 if time_limit_minutes else None
@@ -43,6 +44,8 @@ class StopRequests:
         # Python takes signal handlers only in the main thread (a run driven from another thread has none).
         handles = save_on_signal and threading.current_thread() is threading.main_thread()
         self.previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS} if handles else {}
+        if handles and saves:
+            shield_checkpoint_writer()
 
     def boundary_wait_s(self) -> float:
         return min(self.max_wait_s, max(MIN_BOUNDARY_WAIT_S, SLOWEST_INTERVAL_FACTOR * self.slowest_interval))
@@ -92,6 +95,30 @@ class StopRequests:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
         self.previous = {}
+
+
+_writer_manager = None  # kept alive: its process serves the checkpoint writer's results queue
+
+
+def shield_checkpoint_writer() -> None:
+    """Megatron-Core's checkpoint writer reports through a queue served by a process it spawns, with
+    default signal handlers. A scheduler signals every process of a job (Slurm's scancel, its
+    --signal): that process would die and take the save at the step boundary with it. Start it here
+    with the stop signals blocked, dying with this process."""
+    global _writer_manager
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is not None:
+        return
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    from megacli.lifetime import quiet_helper
+
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(initializer=quiet_helper, initargs=STOP_SIGNALS)
+    filesystem_async._results_queue = manager.Queue()
+    _writer_manager = manager
 
 
 def exit_unsaved(sig: signal.Signals, waited_s: float, run_dir: str | None) -> None:

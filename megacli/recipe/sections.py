@@ -10,6 +10,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator, model_validator
 
 from megacli.recipe.base import RecipeError, Section
+from megacli.recipe.slurm import SlurmSection
 
 
 class ParallelSection(Section):
@@ -90,6 +91,8 @@ class LaunchSection(Section):
     """How long a rank waits for the others before the job fails: the nodes' rendezvous and every
     collective operation (the process-group timeout); also how long workers get to save and stop
     after a signal before they are killed."""
+    slurm: SlurmSection = SlurmSection()
+    """`megacli submit`: the sbatch script's partition, account, time limit, warning and requeue."""
 
     @property
     def world_size(self) -> int:
