@@ -121,17 +121,33 @@ def _sharded_state(chunks, optimizer, scheduler, *, loading: bool, with_optimize
 
 def save(*, ckpt_dir: str | Path, iteration: int, consumed_samples: int, chunks, optimizer, scheduler,
          recipe_yaml: str, keep_last: int | None = None, run_id: str | None = None, extra_meta: dict | None = None,
-         lora_base: Path | None = None) -> Path:
+         lora_base: Path | None = None, queue=None) -> Path:
     """Save atomically; returns the final iteration directory. Collective: every rank calls it.
     ``run_id`` (kept in megacli.json) names the training run across resumes: ``keep_last`` prunes
     only the checkpoints of this run.
     With ``optimizer=None`` only the model weights are saved (no optimizer, scheduler or RNG
     state: what `megacli convert` writes); ``extra_meta`` adds entries to megacli.json.
-    ``lora_base``: save only the LoRA adapters, noting the checkpoint holding the frozen base weights."""
+    ``lora_base``: save only the LoRA adapters, noting the checkpoint holding the frozen base weights.
+    ``queue``: Megatron-Core's AsyncCallsQueue; the shards of the state as it is now are written by
+    a background process, and the directory is published (and `latest` moved) only when the
+    queue finalizes the request, after every rank's write completed. Without it, before returning."""
+    request, final = _start_save(ckpt_dir=Path(ckpt_dir), iteration=iteration, consumed_samples=consumed_samples,
+                                 chunks=chunks, optimizer=optimizer, scheduler=scheduler, recipe_yaml=recipe_yaml,
+                                 keep_last=keep_last, run_id=run_id, extra_meta=extra_meta, lora_base=lora_base)
+    if queue is None:
+        request.execute_sync()
+    else:
+        queue.schedule_async_request(request)
+    return final
+
+
+def _start_save(*, ckpt_dir: Path, iteration: int, consumed_samples: int, chunks, optimizer, scheduler,
+                recipe_yaml: str, keep_last, run_id, extra_meta, lora_base):
+    """Everything of a save that needs the live state (the shards' plan and copies, common.pt), as
+    Megatron-Core's AsyncRequest whose one finalize step completes and publishes the save."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    ckpt_dir = Path(ckpt_dir)
     final = ckpt_dir / iter_name(iteration)
     tmp = ckpt_dir / (iter_name(iteration) + ".tmp")
     rank = dist.get_rank()
@@ -153,40 +169,62 @@ def save(*, ckpt_dir: str | Path, iteration: int, consumed_samples: int, chunks,
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     needed = torch.tensor([space.state_bytes(state)], dtype=torch.float64, device=device)
     dist.all_reduce(needed)
+    needed = int(needed.item())
     try:
-        dist_checkpointing.save(state, str(tmp))
+        request = dist_checkpointing.save(state, str(tmp), async_sharded_save=True)
     except BaseException as exc:  # torch's CheckpointException derives from BaseException
-        full = space.disk_full_error(exc, ckpt_dir=ckpt_dir, partial=tmp, needed=int(needed.item()), remove=rank == 0)
+        full = space.disk_full_error(exc, ckpt_dir=ckpt_dir, partial=tmp, needed=needed, remove=rank == 0)
         if full is not None:
             raise full from None
         raise
-    if os.environ.get("MEGACLI_TEST_CRASH_IN_SAVE") == str(iteration):
-        # Fault injection for the atomic-save test: fail after the shards are written, before publishing.
-        raise RuntimeError(f"injected crash while saving iteration {iteration}")
+    meta = {"iteration": iteration, "consumed_samples": consumed_samples, "layout": _layout(chunks), "format": "torch_dist"}
+    if weights_only:
+        meta.update(has_optimizer=False, has_rng_state=False)
+    if run_id is not None:
+        meta["run_id"] = run_id
+    meta.update(extra_meta or {})
+    written = request.finalize_fns  # Megatron's: collect every rank's write results, then the DCP metadata
+
+    def finalize() -> None:
+        try:
+            for fn in written:
+                fn()
+        except BaseException as exc:
+            full = space.disk_full_error(exc, ckpt_dir=ckpt_dir, partial=tmp, needed=needed, remove=rank == 0)
+            if full is not None:
+                raise full from None
+            raise
+        _complete(tmp, final, ckpt_dir, meta=meta, recipe_yaml=recipe_yaml, needed=needed, keep_last=keep_last,
+                  run_id=run_id)
+
+    return request._replace(finalize_fns=[finalize]), final
+
+
+def _complete(tmp: Path, final: Path, ckpt_dir: Path, *, meta: dict, recipe_yaml: str, needed: int, keep_last, run_id) -> None:
+    """Collective, once every rank's shards are written: the manifest of the files as they are on
+    disk, then the rename into place and the `latest` pointer."""
+    import torch.distributed as dist
+
+    if os.environ.get("MEGACLI_TEST_CRASH_IN_SAVE") == str(meta["iteration"]):
+        # Fault injection for the atomic-save tests: fail after the shards are written, before publishing.
+        raise RuntimeError(f"injected crash while saving iteration {meta['iteration']}")
     dist.barrier()
-    world = dist.get_world_size()
+    rank, world = dist.get_rank(), dist.get_world_size()
     described = manifest.describe(tmp, manifest.files_of_rank(tmp, rank, world))  # while the files are in the page cache
     parts = [None] * world if rank == 0 else None
     dist.gather_object(described, parts, dst=0)
     if rank == 0:
-        meta = {"iteration": iteration, "consumed_samples": consumed_samples, "layout": _layout(chunks), "format": "torch_dist"}
-        if weights_only:
-            meta.update(has_optimizer=False, has_rng_state=False)
-        if run_id is not None:
-            meta["run_id"] = run_id
-        meta.update(extra_meta or {})
         try:
             (tmp / "recipe.yaml").write_text(recipe_yaml)
             (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
             manifest.write(tmp, [*parts, manifest.describe(tmp, ["recipe.yaml", META])])
         except OSError as exc:
-            full = space.disk_full_error(exc, ckpt_dir=ckpt_dir, partial=tmp, needed=int(needed.item()), remove=True)
+            full = space.disk_full_error(exc, ckpt_dir=ckpt_dir, partial=tmp, needed=needed, remove=True)
             raise (full or exc) from None
         _publish(tmp, final, ckpt_dir)
         if keep_last and run_id is not None:
             _prune(ckpt_dir, keep_last, run_id)
     dist.barrier()
-    return final
 
 
 def _publish(tmp: Path, final: Path, ckpt_dir: Path) -> None:

@@ -8,8 +8,10 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from megacli.engine import checkpoint, distributed, nonfinite
+from megacli.engine.cadences import Evaluations, LogWindow, NonFinitePolicy
+from megacli.engine.metrics import MetricsLog, loss_metrics
+from megacli.engine.saves import Saves
 from megacli.engine.starting_point import pretrained_source, resume_source
-from megacli.engine.metrics import MetricsLog, Stopwatch, is_preference, loss_metrics, perplexity
 from megacli.engine.stop import StopRequests
 
 
@@ -346,99 +348,51 @@ def _train(recipe, runtime, *, harness=None) -> None:
             log.say(f"nothing to train: the checkpoint is at iteration {start_iter} and train.iters = {t.iters} "
                     f"(raise train.iters, or set checkpoint.resume: none to start over)")
 
-    recipe_yaml = dump(recipe, carried=True)
     run_tasks = harness(recipe, trainer, tokenizer) if harness is not None and recipe.eval is not None else None
     iterators = data_iterators(trainer, trainer.train_data, start_sample=consumed)
-    watch = Stopwatch(runtime.device)
-    window_losses, window_steps, window_time = {}, 0, 0.0
     iteration = start_iter
     stop_at = min(t.iters, start_iter + t.exit_after_iters) if t.exit_after_iters else t.iters
-    last_val = None  # the newest split-based validation losses
-    memory_reported = False
-    last_good, skipped = source, 0  # the newest checkpoint with finite weights; steps dropped as non-finite
-    run_id = run_id or uuid.uuid4().hex  # carried across resumes: keep_last prunes only this run's checkpoints
+    saves = Saves(recipe=recipe, trainer=trainer, recipe_yaml=dump(recipe, carried=True),
+                  run_id=run_id or uuid.uuid4().hex,  # carried across resumes: keep_last prunes only this run's checkpoints
+                  lora_base=lora_base, last_good=source, log=log, stream_meta=lambda: _stream_meta(trainer))
+    window = LogWindow(log=log, recipe=recipe, trainer=trainer, tokenizer=tokenizer, expert_stats=expert_stats,
+                       stop_at=stop_at, device=runtime.device)
+    evaluations = Evaluations(trainer=trainer, log=log, evaluate=evaluate, run_tasks=run_tasks)
+    nonfinite_policy = NonFinitePolicy(on_nonfinite=t.on_nonfinite, log=log, saves=saves)
     # Half the time the launcher gives workers after a signal goes to reaching a step boundary, half to the save.
     stops = StopRequests(save_on_signal=ck.save_on_signal, time_limit_minutes=t.time_limit_minutes, device=runtime.device,
                          max_wait_s=recipe.launch.timeout_minutes * 60 / 2, run_dir=recipe.run.dir)
     stopped = None
     try:
         while iteration < stop_at:
-            try:
-                losses, grad_norm, ok = train_step(trainer, iterators)
-            except nonfinite.NonFiniteStep as bad:
-                if t.on_nonfinite == "stop":
-                    raise _stopped_nonfinite(f"{bad} at iteration {iteration + 1} (not applied)", last_good,
-                                             t.on_nonfinite) from None
-                skipped += 1
-                log.say(f"iteration {iteration + 1}: {bad}, step skipped ({skipped} so far; train.on_nonfinite = skip)")
-                losses = None
+            losses, grad_norm, ok = nonfinite_policy.step(lambda: train_step(trainer, iterators), iteration + 1)
             iteration += 1
             consumed += t.global_batch_size
-            window_time += watch.lap()
-            for k, v in (losses or {}).items():
-                window_losses[k] = window_losses.get(k, 0.0) + v
-            window_steps += losses is not None
-            if window_steps and (iteration % t.log_interval == 0 or iteration == stop_at):
-                scale = trainer.optimizer.get_loss_scale().item() if t.precision == "fp16" else None
-                mean = {k: v / window_steps for k, v in window_losses.items()}
-                log.step(iteration=iteration, loss=mean.pop("loss"), lr=trainer.optimizer.param_groups[0]["lr"],
-                         grad_norm=float(grad_norm) if grad_norm is not None else None,
-                         seconds_per_step=window_time / window_steps, loss_scale=scale,
-                         extra={**({} if ok else {"skipped_step": True}),
-                                **({"nonfinite_skipped": skipped} if skipped else {})} or None, losses=mean,
-                         experts=expert_stats.collect(window_steps) if expert_stats else None)
-                window_losses, window_steps, window_time = {}, 0, 0.0
-                if not memory_reported:  # the first step line: measured peak memory beside the estimate
-                    from megacli.engine.memory import peak_memory_line
-
-                    log.say(peak_memory_line(recipe, tokenizer=tokenizer, device=runtime.device))
-                    memory_reported = True
-            else:
-                log.advance(iteration)
-            if t.eval_interval and (iteration % t.eval_interval == 0 or iteration == t.iters):
-                val = evaluate(trainer, trainer.valid_data, batches=t.eval_iters)
-                named = {name: evaluate(trainer, ds, batches=ds.batches) for name, ds in trainer.named_valid.items()}
-                tasks = run_tasks(iteration) if run_tasks is not None else None
-                log.evaluation(iteration=iteration, val=val, named=named, tasks=tasks)
-                last_val = val if val is not None else last_val
-                watch.lap()
+            window.step(iteration=iteration, losses=losses, grad_norm=grad_norm, ok=ok, skipped=nonfinite_policy.skipped)
+            evaluated = evaluations.step(iteration)
             stopped = stops.reason()
-            path = None
-            if ck.dir and (stopped or (ck.save_interval and iteration % ck.save_interval == 0) or iteration == stop_at):
-                if not nonfinite.weights_finite(trainer.chunks):
-                    raise _stopped_nonfinite(f"the weights are not finite after iteration {iteration} (not saved)", last_good,
-                                             t.on_nonfinite)
-                path = checkpoint.save(ckpt_dir=ck.dir, iteration=iteration, consumed_samples=consumed, chunks=trainer.chunks,
-                                       optimizer=trainer.optimizer, scheduler=trainer.scheduler, recipe_yaml=recipe_yaml,
-                                       keep_last=ck.keep_last, run_id=run_id, lora_base=lora_base,
-                                       extra_meta=_stream_meta(trainer))
-                log.say(f"saved checkpoint {path}")
-                log.plot()
-                last_good = path
-                watch.lap()
+            saved, path = saves.step(iteration=iteration, consumed=consumed, last=bool(stopped) or iteration == stop_at)
+            if evaluated or saved:
+                window.paused()
             if stopped:
                 _record_stop(run_dir=recipe.run.dir, rank=runtime.rank, reason=stopped, iteration=iteration, checkpoint=path)
                 log.say(f"stopped on {stopped} at iteration {iteration}: "
                         + (f"saved checkpoint {path}" if path else "nothing saved (no checkpoint.dir)"))
                 break
+        saves.finish()
         log.plot()
+    except BaseException:
+        saves.abort()
+        raise
     finally:
         stops.close()
         log.close()
         if hasattr(trainer.train_data, "close"):
             trainer.train_data.close()
-    if stopped:
-        return
-    if last_val is not None and is_preference(last_val):
-        log.say(f"done: {iteration} iterations | final validation loss {last_val['loss']:.4f} | "
-                f"reward accuracy {last_val['rewards/accuracy']:.3f}")
-    elif last_val is not None:
-        log.say(f"done: {iteration} iterations | final validation loss {last_val['loss']:.4f} | "
-                f"perplexity {perplexity(last_val):.2f}")
-    else:
-        log.say(f"done: {iteration} iterations")
-    if skipped:
-        log.say(f"{skipped} step(s) skipped for a non-finite loss or gradients (train.on_nonfinite = skip)")
+    if not stopped:
+        for line in (evaluations.summary(iteration), nonfinite_policy.summary()):
+            if line:
+                log.say(line)
 
 
 def _resume_stream(trainer: Trainer, meta: dict, path) -> list[str]:
@@ -459,14 +413,6 @@ def _stream_meta(trainer: Trainer) -> dict | None:
     from megacli.engine.stream_data import gathered_states
 
     return {"stream": gathered_states(trainer.train_data), "stream_sources": trainer.train_data.fingerprints}
-
-
-def _stopped_nonfinite(what: str, last_good, on_nonfinite: str):
-    from megacli.errors import UserError
-
-    good = f"the last good checkpoint is {last_good}" if last_good else "no good checkpoint was saved"
-    skip = " (train.on_nonfinite = skip drops such steps instead)" if on_nonfinite == "stop" else ""
-    return UserError(f"training stopped: {what}; {good}. Lower optim.lr or check the data{skip}")
 
 
 def _record_stop(*, run_dir: str, rank: int, reason: str, iteration: int, checkpoint) -> None:

@@ -47,3 +47,12 @@ def weights_finite(chunks) -> bool:
     params = [p for c in chunks for p in c.parameters()]
     bad = not bool(torch.stack([torch.isfinite(p).all() for p in params]).all())
     return not _any_rank([bad], _device(chunks))[0]
+
+
+def stopped(what: str, last_good, on_nonfinite: str):
+    """The error that ends a run on non-finite training, naming the newest good checkpoint."""
+    from megacli.errors import UserError
+
+    good = f"the last good checkpoint is {last_good}" if last_good else "no good checkpoint was saved"
+    skip = " (train.on_nonfinite = skip drops such steps instead)" if on_nonfinite == "stop" else ""
+    return UserError(f"training stopped: {what}; {good}. Lower optim.lr or check the data{skip}")
