@@ -2,8 +2,9 @@
 (checkpoint.async_save), in one run; with --manifest instead, a save's time with and without the
 manifest (every file's size and xxh3-64 checksum).
 
-Stall: a ~100M-parameter fp32 model stand-in trains in rounds of --steps-per-save steps (each step a
-fixed amount of matrix work plus an in-place update of every weight, as an optimizer step does).
+Stall: a ~100M-parameter fp32 model stand-in with Adam's two moments trains in rounds of
+--steps-per-save steps (each step a fixed amount of matrix work plus an in-place Adam-like update of
+the weights and moments).
 A round either saves nothing, or saves at its first step through the training loop's own save
 owner (engine.saves.Saves: megacli's checkpoint.save, Megatron-Core's async torch_dist writer and
 AsyncCallsQueue) and waits for the save at its end. A save's stall is its round's wall time minus
@@ -101,7 +102,8 @@ def manifest_overhead(args) -> None:
 
 
 class Model:
-    """Trainable stand-in: the weights as parameters (the save checks they are finite)."""
+    """Trainable stand-in with Adam's state: the weights as parameters (the save checks they are
+    finite) and two moments each, all saved, all changed in place by every step."""
 
     def __init__(self, params: float, device):
         import torch
@@ -109,7 +111,8 @@ class Model:
         rows = max(1, int(params / 64 / 1024))
         gen = torch.Generator().manual_seed(0)
         self.weights = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(rows, 1024, generator=gen).to(device))
-                                              for _ in range(64)])
+                                               for _ in range(64)])
+        self.moments = [(torch.zeros_like(p), torch.zeros_like(p)) for p in self.weights]
         self.work = torch.randn(1024, 1024, generator=gen).to(device)
 
     def parameters(self):
@@ -118,8 +121,12 @@ class Model:
     def sharded_state_dict(self) -> dict:
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-        return {f"decoder.layers.{i}.weight": ShardedTensor.from_rank_offsets(f"decoder.layers.{i}.weight", p.data, replica_id=0)
-                for i, p in enumerate(self.weights)}
+        state = {}
+        for i, (p, (m, v)) in enumerate(zip(self.weights, self.moments)):
+            for key, tensor in ((f"decoder.layers.{i}.weight", p.data), (f"optimizer.exp_avg.{i}", m),
+                                (f"optimizer.exp_avg_sq.{i}", v)):
+                state[key] = ShardedTensor.from_rank_offsets(key, tensor, replica_id=0)
+        return state
 
     def step(self, matmuls: int) -> None:
         import torch
@@ -128,8 +135,11 @@ class Model:
             x = self.work
             for _ in range(matmuls):
                 x = torch.tanh(x @ self.work)
-            for p in self.weights:  # what an optimizer step does to every page of the weights
-                p.mul_(0.9999).add_(x[0, 0] * 1e-6)
+            g = x[0, 0] * 1e-6
+            for p, (m, v) in zip(self.weights, self.moments):  # what an Adam step does to every page of its state
+                m.mul_(0.9).add_(g)
+                v.mul_(0.999).add_(g * g)
+                p.sub_(m / (v.sqrt() + 1e-8) * 1e-6)
         if x.is_cuda:
             torch.cuda.synchronize()
 
@@ -219,7 +229,8 @@ def save_stall(args) -> None:
     base = statistics.median(rounds["none"])
     stall = {kind: statistics.median(t - base for t in rounds[kind]) for kind in blocked}
     wait = {kind: statistics.median(blocked[kind]) for kind in blocked}
-    print(f"{n / 1e6:.1f}M fp32 parameters ({n * 4 / 1024**3:.2f} GiB) on {device.type}, a save every {k} steps "
+    print(f"{n / 1e6:.1f}M fp32 parameters with Adam's moments ({n * 12 / 1024**3:.2f} GiB saved) on {device.type}, "
+          f"a save every {k} steps "
           f"of {base / k * 1e3:.0f} ms, median of {args.repeats} rounds each")
     for kind in blocked:
         print(f"  {kind:5} save: stall {stall[kind]:.3f} s (the loop blocked {wait[kind]:.3f} s)")

@@ -13,6 +13,7 @@ so a crash mid-save leaves the previous checkpoint and pointer intact. The model
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -183,6 +184,9 @@ def _start_save(*, ckpt_dir: Path, iteration: int, consumed_samples: int, chunks
     if run_id is not None:
         meta["run_id"] = run_id
     meta.update(extra_meta or {})
+    if request.async_fn is not None:  # this rank writes shards: its writer then describes them for the manifest
+        request = request._replace(async_fn=functools.partial(_write_and_describe, request.async_fn, tmp, rank,
+                                                              dist.get_world_size()))
     written = request.finalize_fns  # Megatron's: collect every rank's write results, then the DCP metadata
 
     def finalize() -> None:
@@ -200,6 +204,13 @@ def _start_save(*, ckpt_dir: Path, iteration: int, consumed_samples: int, chunks
     return request._replace(finalize_fns=[finalize]), final
 
 
+def _write_and_describe(write, tmp: Path, rank: int, world: int, *args, **kwargs) -> None:
+    """Megatron-Core's shard writer, then the description of the files this rank wrote, in the
+    same (background) process."""
+    write(*args, **kwargs)
+    manifest.describe_part(tmp, rank, world)
+
+
 def _complete(tmp: Path, final: Path, ckpt_dir: Path, *, meta: dict, recipe_yaml: str, needed: int, keep_last, run_id) -> None:
     """Collective, once every rank's shards are written: the manifest of the files as they are on
     disk, then the rename into place and the `latest` pointer."""
@@ -210,7 +221,7 @@ def _complete(tmp: Path, final: Path, ckpt_dir: Path, *, meta: dict, recipe_yaml
         raise RuntimeError(f"injected crash while saving iteration {meta['iteration']}")
     dist.barrier()
     rank, world = dist.get_rank(), dist.get_world_size()
-    described = manifest.describe(tmp, manifest.files_of_rank(tmp, rank, world))  # while the files are in the page cache
+    described = manifest.described(tmp, rank, world)
     parts = [None] * world if rank == 0 else None
     dist.gather_object(described, parts, dst=0)
     if rank == 0:
