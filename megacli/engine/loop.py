@@ -12,7 +12,7 @@ from megacli.engine.cadences import Evaluations, LogWindow, NonFinitePolicy
 from megacli.engine.metrics import MetricsLog, loss_metrics
 from megacli.engine.saves import Saves
 from megacli.engine.starting_point import pretrained_source, resume_source
-from megacli.engine.stop import StopRequests
+from megacli.engine.stop import StopRequests, record_stop
 
 
 @dataclass
@@ -270,45 +270,52 @@ def describe_kernels(runtime) -> str:
     return "CPU backend: Megatron-Core on gloo, torch SDPA attention, torch norms"
 
 
-def _train(recipe, runtime, *, harness=None) -> None:
-    from megacli.plan import count_params, flops_per_token
-    from megacli.recipe.base import dump
+@dataclass(frozen=True)
+class Start:
+    """Where training starts: a resumed checkpoint's position, or pretrained weights, or nothing."""
 
-    from megacli.engine.kernels import choose_attention, describe_attention
+    iteration: int = 0
+    consumed: int = 0
+    run_id: str | None = None
+    source: object | None = None  # the checkpoint resumed
+    pretrained: object | None = None  # the weights started from, when nothing is resumed
+    notes: tuple[str, ...] = ()  # what to say about the resume
 
-    t, ck = recipe.train, recipe.checkpoint
-    choose_attention(t.attention_backend, runtime.device)
-    trainer, tokenizer = build_trainer(recipe, runtime)
-    start_iter, consumed, run_id = 0, 0, None
+
+def _start(recipe, trainer: Trainer) -> Start:
+    """Load what checkpoint.resume / checkpoint.pretrained name into the built trainer."""
+    ck = recipe.checkpoint
     source, resume_note = resume_source(ck)
-    pretrained = pretrained_source(ck) if source is None else None
-    if source is not None:
-        from megacli.engine.compat import check_resumable
+    notes = (resume_note,) if resume_note else ()
+    if source is None:
+        pretrained = pretrained_source(ck)
+        if pretrained is not None:
+            checkpoint.load(ckpt=pretrained, chunks=trainer.chunks, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
+                            load_optimizer=False, verify=ck.verify, trust_pickle=ck.trust_pickle)
+        return Start(pretrained=pretrained, notes=notes)
+    from megacli.engine.compat import check_resumable
 
-        changes_note = check_resumable(source, recipe)
-        restored = checkpoint.load(ckpt=source, chunks=trainer.chunks, optimizer=trainer.optimizer,
-                                   scheduler=trainer.scheduler, load_optimizer=ck.load_optimizer, verify=ck.verify,
-                                   trust_pickle=ck.trust_pickle)
-        start_iter, consumed, run_id = restored.iteration, restored.consumed_samples, restored.run_id
-        if recipe.data.on_the_fly and (restored.path / checkpoint.META).is_file():
-            stream_notes = _resume_stream(trainer, checkpoint.read_meta(restored.path), restored.path)
-            restored = replace(restored, notes=(*restored.notes, *stream_notes))
-    elif pretrained is not None:
-        checkpoint.load(ckpt=pretrained, chunks=trainer.chunks, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
-                        load_optimizer=False, verify=ck.verify, trust_pickle=ck.trust_pickle)
+    changes_note = check_resumable(source, recipe)
+    restored = checkpoint.load(ckpt=source, chunks=trainer.chunks, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
+                               load_optimizer=ck.load_optimizer, verify=ck.verify, trust_pickle=ck.trust_pickle)
+    if recipe.data.on_the_fly and (restored.path / checkpoint.META).is_file():
+        stream_notes = _resume_stream(trainer, checkpoint.read_meta(restored.path), restored.path)
+        restored = replace(restored, notes=(*restored.notes, *stream_notes))
+    notes += (f"resumed from {source} at iteration {restored.iteration}",) + ((changes_note,) if changes_note else ())
+    notes += restored.notes
+    if restored.iteration >= recipe.train.iters:
+        notes += (f"nothing to train: the checkpoint is at iteration {restored.iteration} and train.iters = "
+                  f"{recipe.train.iters} (raise train.iters, or set checkpoint.resume: none to start over)",)
+    return Start(iteration=restored.iteration, consumed=restored.consumed_samples, run_id=restored.run_id, source=source,
+                 notes=notes)
 
-    reporting = distributed.is_reporting_rank()
-    m = recipe.model
-    counts = count_params(recipe, trainer.vocab_size)
-    n_params = counts.total
-    log = MetricsLog(run_dir=recipe.run.dir, enabled=reporting, total_iters=t.iters, start_iter=start_iter,
-                     tokens_per_step=recipe.tokens_per_step,
-                     flops_per_step=flops_per_token(recipe, counts.active) * recipe.tokens_per_step,
-                     world_size=runtime.world_size, device=runtime.device, loggers=t.loggers_in_use,
-                     run_name=recipe.run.name, run_config=recipe.model_dump(mode="json"), resumed=source is not None)
-    p = recipe.parallel
+
+def _describe_run(log, recipe, runtime, n_params: int) -> None:
+    from megacli.engine.kernels import describe_attention
+
+    m, p, t = recipe.model, recipe.parallel, recipe.train
     experts = f" | {m.moe.num_experts} experts, top-{m.moe.router_topk}, EP {p.expert}" if m.moe else ""
-    log.say(f"megacli {recipe.model.arch} | {n_params / 1e6:.2f}M params{experts} | TP {p.tensor} × PP {p.pipeline} × "
+    log.say(f"megacli {m.arch} | {n_params / 1e6:.2f}M params{experts} | TP {p.tensor} × PP {p.pipeline} × "
             f"CP {p.context} × DP {recipe.data_parallel_size} on {runtime.world_size} {runtime.device.type} processes | "
             f"{recipe.num_microbatches} micro-batches/step | {describe_kernels(runtime)}")
     log.say(describe_attention(recipe, runtime.device))
@@ -316,6 +323,25 @@ def _train(recipe, runtime, *, harness=None) -> None:
         log.say("train.compile: each transformer layer runs through torch.compile (the first steps include compiling)")
     if t.grad_reduce_in_bf16:
         log.say("train.grad_reduce_in_bf16: gradients are accumulated and all-reduced in bf16")
+
+
+def _train(recipe, runtime, *, harness=None) -> None:
+    from megacli.engine.kernels import choose_attention
+    from megacli.plan import count_params, flops_per_token
+    from megacli.recipe.base import dump
+
+    t, ck = recipe.train, recipe.checkpoint
+    choose_attention(t.attention_backend, runtime.device)
+    trainer, tokenizer = build_trainer(recipe, runtime)
+    start = _start(recipe, trainer)
+    source = start.source
+    counts = count_params(recipe, trainer.vocab_size)
+    log = MetricsLog(run_dir=recipe.run.dir, enabled=distributed.is_reporting_rank(), total_iters=t.iters,
+                     start_iter=start.iteration, tokens_per_step=recipe.tokens_per_step,
+                     flops_per_step=flops_per_token(recipe, counts.active) * recipe.tokens_per_step,
+                     world_size=runtime.world_size, device=runtime.device, loggers=t.loggers_in_use,
+                     run_name=recipe.run.name, run_config=recipe.model_dump(mode="json"), resumed=source is not None)
+    _describe_run(log, recipe, runtime, counts.total)
     expert_stats = _expert_stats(recipe, trainer, runtime)
     for line in getattr(trainer.train_data, "summary", []) + [ds.summary for ds in trainer.named_valid.values()]:
         log.say(line)
@@ -325,35 +351,26 @@ def _train(recipe, runtime, *, harness=None) -> None:
 
         precompute(trainer, precomputed_sets(trainer), pretrained=pretrained_source(ck), fresh=source is None,
                    say=log.say)
-    if pretrained is not None:
-        log.say(f"starting from the weights of {pretrained}")
+    if start.pretrained is not None:
+        log.say(f"starting from the weights of {start.pretrained}")
     lora_base = None
     if recipe.lora is not None:
         from megacli.engine.models.lora import adapter_params
 
         lora_base = (checkpoint.lora_base_of(source) if source is not None else None) or pretrained_source(ck)
         lo = recipe.lora
-        n_lora = adapter_params(m, lo)
+        n_lora = adapter_params(recipe.model, lo)
         log.say(f"LoRA rank {lo.rank}, alpha {lo.alpha:g}, dropout {lo.dropout:g} on {', '.join(lo.targets)}: "
-                f"{n_lora / 1e6:.3f}M trainable params ({n_lora / n_params:.2%} of the model), base weights frozen")
-    if resume_note:
-        log.say(resume_note)
-    if source is not None:
-        log.say(f"resumed from {source} at iteration {start_iter}")
-        if changes_note:
-            log.say(changes_note)
-        for note in restored.notes:
-            log.say(note)
-        if start_iter >= t.iters:
-            log.say(f"nothing to train: the checkpoint is at iteration {start_iter} and train.iters = {t.iters} "
-                    f"(raise train.iters, or set checkpoint.resume: none to start over)")
+                f"{n_lora / 1e6:.3f}M trainable params ({n_lora / counts.total:.2%} of the model), base weights frozen")
+    for note in start.notes:
+        log.say(note)
 
     run_tasks = harness(recipe, trainer, tokenizer) if harness is not None and recipe.eval is not None else None
+    iteration, consumed = start.iteration, start.consumed
     iterators = data_iterators(trainer, trainer.train_data, start_sample=consumed)
-    iteration = start_iter
-    stop_at = min(t.iters, start_iter + t.exit_after_iters) if t.exit_after_iters else t.iters
+    stop_at = min(t.iters, iteration + t.exit_after_iters) if t.exit_after_iters else t.iters
     saves = Saves(recipe=recipe, trainer=trainer, recipe_yaml=dump(recipe, carried=True),
-                  run_id=run_id or uuid.uuid4().hex,  # carried across resumes: keep_last prunes only this run's checkpoints
+                  run_id=start.run_id or uuid.uuid4().hex,  # carried across resumes: keep_last prunes only this run's checkpoints
                   lora_base=lora_base, last_good=source, log=log, stream_meta=lambda: _stream_meta(trainer))
     window = LogWindow(log=log, recipe=recipe, trainer=trainer, tokenizer=tokenizer, expert_stats=expert_stats,
                        stop_at=stop_at, device=runtime.device)
@@ -375,7 +392,7 @@ def _train(recipe, runtime, *, harness=None) -> None:
             if evaluated or saved:
                 window.paused()
             if stopped:
-                _record_stop(run_dir=recipe.run.dir, rank=runtime.rank, reason=stopped, iteration=iteration, checkpoint=path)
+                record_stop(run_dir=recipe.run.dir, rank=runtime.rank, reason=stopped, iteration=iteration, checkpoint=path)
                 log.say(f"stopped on {stopped} at iteration {iteration}: "
                         + (f"saved checkpoint {path}" if path else "nothing saved (no checkpoint.dir)"))
                 break
@@ -413,19 +430,6 @@ def _stream_meta(trainer: Trainer) -> dict | None:
     from megacli.engine.stream_data import gathered_states
 
     return {"stream": gathered_states(trainer.train_data), "stream_sources": trainer.train_data.fingerprints}
-
-
-def _record_stop(*, run_dir: str, rank: int, reason: str, iteration: int, checkpoint) -> None:
-    """Tell the launcher (rank 0 only) that the workers stopped at a step boundary."""
-    if rank != 0:
-        return
-    import json
-    from pathlib import Path
-
-    from megacli.rundir import STOPPED_FILE
-
-    record = {"reason": reason, "iteration": iteration, "checkpoint": str(checkpoint) if checkpoint else None}
-    (Path(run_dir) / STOPPED_FILE).write_text(json.dumps(record) + "\n")
 
 
 def _expert_stats(recipe, trainer, runtime):

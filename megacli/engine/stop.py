@@ -140,3 +140,16 @@ def exit_unsaved(sig: signal.Signals, waited_s: float, run_dir: str | None) -> N
             print(f"error: {err}", file=sys.stderr, flush=True)
     finally:
         os._exit(err.exit_code)
+
+
+def record_stop(*, run_dir: str, rank: int, reason: str, iteration: int, checkpoint) -> None:
+    """Tell the launcher (rank 0 only) that the workers stopped at a step boundary."""
+    if rank != 0:
+        return
+    import json
+    from pathlib import Path
+
+    from megacli.rundir import STOPPED_FILE
+
+    record = {"reason": reason, "iteration": iteration, "checkpoint": str(checkpoint) if checkpoint else None}
+    (Path(run_dir) / STOPPED_FILE).write_text(json.dumps(record) + "\n")
