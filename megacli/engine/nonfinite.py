@@ -16,7 +16,7 @@ class NonFiniteStep(Exception):
         self.what = what
 
 
-def _any_rank(flags: list[bool], device) -> list[bool]:
+def any_rank(flags: list[bool], device) -> list[bool]:
     import torch.distributed as dist
 
     t = torch.tensor([float(f) for f in flags], device=device)
@@ -37,18 +37,24 @@ def check_step(chunks, reports: dict[str, tuple[float, float]], *, check_grads: 
     if check_grads:
         buffers = [b for c in chunks for b in (c.buffers + c.expert_parallel_buffers)]
         bad_grads = bool(buffers) and not bool(torch.stack([torch.isfinite(b.grad_data).all() for b in buffers]).all())
-    bad_loss, bad_grads = _any_rank([bad_loss, bad_grads], _device(chunks))
+    bad_loss, bad_grads = any_rank([bad_loss, bad_grads], _device(chunks))
     if bad_loss or bad_grads:
         raise NonFiniteStep("loss" if bad_loss else "gradients")
 
 
-def weights_finite(chunks) -> bool:
-    """Collective: whether every rank's weights are finite."""
-    params = [p for c in chunks for p in c.parameters() if p.numel()]
-    # A parameter's extremes are non-finite exactly when one of its values is (they propagate NaN):
-    # one pass over the weights, without a mask as large as them.
-    bad = not bool(torch.isfinite(torch.stack([torch.stack(torch.aminmax(p.detach())).float() for p in params])).all())
-    return not _any_rank([bad], _device(chunks))[0]
+def tensors_finite(tensors) -> bool:
+    """Whether every value of the floating-point ``tensors`` is finite: a tensor's extremes are
+    non-finite exactly when one of its values is (they propagate NaN), one pass without a mask."""
+    ends = [torch.stack(torch.aminmax(t.detach())).float() for t in tensors if t.is_floating_point() and t.numel()]
+    return not ends or bool(torch.isfinite(torch.stack(ends)).all())
+
+
+class NonFiniteSave(Exception):
+    """The state a save wrote is not finite (raised on every rank alike); it was not published."""
+
+    def __init__(self, iteration: int):
+        super().__init__(f"the weights are not finite after iteration {iteration} (not saved)")
+        self.iteration = iteration
 
 
 def stopped(what: str, last_good, on_nonfinite: str):

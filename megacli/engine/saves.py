@@ -2,7 +2,7 @@
 
 An asynchronous save (checkpoint.async_save) goes through Megatron-Core's own machinery: the save
 is planned and its shards copied off the device at a step boundary, a forked process writes them
-(Megatron-Core's AsyncCallsQueue), and training goes on. At each later step boundary the queue
+(Megatron-Core's AsyncCallsQueue), checks they are finite and hashes them, and training goes on. At each later step boundary the queue
 is asked, collectively, whether every rank's write has completed; the first boundary where it has
 runs the save's finalize step (engine.checkpoint: Megatron's write results and metadata, then the
 manifest, the rename into place and `latest`). Until then the save is `iter_N.tmp`, which nothing
@@ -47,15 +47,15 @@ class Saves:
         paused = self._publish(blocking=bool(due))  # a save waits for the one before it
         if not due:
             return paused, None
-        if not nonfinite.weights_finite(self.trainer.chunks):
-            raise nonfinite.stopped(f"the weights are not finite after iteration {iteration} (not saved)",
-                                    self.last_good, self.on_nonfinite)
         queue = None if last else self.queue
-        path = checkpoint.save(ckpt_dir=self.ck.dir, iteration=iteration, consumed_samples=consumed,
-                               chunks=self.trainer.chunks, optimizer=self.trainer.optimizer,
-                               scheduler=self.trainer.scheduler, recipe_yaml=self.recipe_yaml,
-                               keep_last=self.ck.keep_last, run_id=self.run_id, lora_base=self.lora_base,
-                               extra_meta=self.stream_meta(), queue=queue)
+        try:
+            path = checkpoint.save(ckpt_dir=self.ck.dir, iteration=iteration, consumed_samples=consumed,
+                                   chunks=self.trainer.chunks, optimizer=self.trainer.optimizer,
+                                   scheduler=self.trainer.scheduler, recipe_yaml=self.recipe_yaml,
+                                   keep_last=self.ck.keep_last, run_id=self.run_id, lora_base=self.lora_base,
+                                   extra_meta=self.stream_meta(), queue=queue, check_finite=True)
+        except nonfinite.NonFiniteSave as bad:
+            raise nonfinite.stopped(str(bad), self.last_good, self.on_nonfinite) from None
         if queue is None:
             self._published(path)
         else:
@@ -67,7 +67,10 @@ class Saves:
         ``blocking``, after waiting for them). Whether one was published."""
         if not self.in_flight:
             return False
-        done = self.queue.maybe_finalize_async_calls(blocking=blocking)
+        try:
+            done = self.queue.maybe_finalize_async_calls(blocking=blocking)
+        except nonfinite.NonFiniteSave as bad:
+            raise nonfinite.stopped(str(bad), self.last_good, self.on_nonfinite) from None
         for index in done:
             self._published(self.in_flight.pop(index))
         return bool(done)
