@@ -131,11 +131,11 @@ import os, signal, sys, time
 from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
 real = FileSystemWriterAsync.write_preloaded_data_multiproc
-trainer = os.getpid()
+trainer, flag = os.getpid(), sys.argv[1]
 
 def signal_then_write(*args, **kwargs):
-    if os.getpid() != trainer and not os.path.exists(sys.argv[1]):  # the first background write
-        open(sys.argv[1], "w").close()
+    if os.getpid() != trainer and not os.path.exists(flag):  # the first background write
+        open(flag, "w").close()
         os.kill(trainer, signal.SIGTERM)
         time.sleep(4)
     return real(*args, **kwargs)
