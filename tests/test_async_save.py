@@ -62,7 +62,9 @@ class Weights:
     def __init__(self, value: float):
         import torch
 
-        self.weight = torch.full((64, 64), value)
+        # Large enough for torch's parallel kernels, which the parent then uses before forking its writer
+        # (torch's OpenMP threads do not survive a fork: the writer must not run such a kernel).
+        self.weight = torch.full((256, 256), float(value)) * torch.ones(256, 256)
 
     def sharded_state_dict(self) -> dict:
         from megatron.core.dist_checkpointing.mapping import ShardedTensor

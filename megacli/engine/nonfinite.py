@@ -43,10 +43,24 @@ def check_step(chunks, reports: dict[str, tuple[float, float]], *, check_grads: 
 
 
 def tensors_finite(tensors) -> bool:
-    """Whether every value of the floating-point ``tensors`` is finite: a tensor's extremes are
-    non-finite exactly when one of its values is (they propagate NaN), one pass without a mask."""
-    ends = [torch.stack(torch.aminmax(t.detach())).float() for t in tensors if t.is_floating_point() and t.numel()]
-    return not ends or bool(torch.isfinite(torch.stack(ends)).all())
+    """Whether every value of the floating-point CPU ``tensors`` is finite: none has all its
+    exponent bits set (inf, NaN). Read with numpy, no torch kernel: a forked checkpoint writer runs
+    it, and torch's OpenMP threads do not survive a fork (a parallel kernel there hangs)."""
+    import numpy as np
+
+    for t in tensors:
+        bits = _EXPONENT_BITS.get(t.dtype)
+        if bits is None or not t.numel():
+            continue
+        as_int, exponent = bits
+        values = t.detach().view(as_int).numpy()
+        if np.any((values & exponent) == exponent):
+            return False
+    return True
+
+
+_EXPONENT_BITS = {torch.float32: (torch.int32, 0x7F800000), torch.bfloat16: (torch.int16, 0x7F80),
+                  torch.float16: (torch.int16, 0x7C00), torch.float64: (torch.int64, 0x7FF0000000000000)}
 
 
 class NonFiniteSave(Exception):
