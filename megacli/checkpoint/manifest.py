@@ -47,10 +47,16 @@ def describe(root: Path, names: list[str]) -> dict[str, dict]:
     return {name: {"size": (root / name).stat().st_size, ALGORITHM: s} for name, s in zip(names, sums)}
 
 
+def part_name(rank: int) -> str:
+    """A save directory's file with ``rank``'s description of the files it wrote (see described)."""
+    return f".manifest-part-{rank}.json"
+
+
 def files_of_rank(root: Path, rank: int, world_size: int) -> list[str]:
     """The files of a save directory that ``rank`` hashes: the shards it wrote; rank 0 also every
-    other file (metadata, common state, ...). The manifest itself is not listed."""
-    names = sorted(str(p.relative_to(root)) for p in Path(root).rglob("*") if p.is_file() and p.name != MANIFEST)
+    other file (metadata, common state, ...). The manifest and its parts are not listed."""
+    names = sorted(str(p.relative_to(root)) for p in Path(root).rglob("*")
+                   if p.is_file() and p.name != MANIFEST and not p.name.startswith(".manifest-part-"))
     mine = []
     for name in names:
         shard = _SHARD.search(name)
@@ -58,6 +64,23 @@ def files_of_rank(root: Path, rank: int, world_size: int) -> list[str]:
         if writer == rank:
             mine.append(name)
     return mine
+
+
+def describe_part(root: Path, rank: int, world_size: int) -> None:
+    """Describe the files ``rank`` has written so far into its part file (a writer process does it,
+    once its shards are written, while they are in the page cache)."""
+    names = files_of_rank(root, rank, world_size)
+    (Path(root) / part_name(rank)).write_text(json.dumps(describe(root, names)))
+
+
+def described(root: Path, rank: int, world_size: int) -> dict[str, dict]:
+    """``rank``'s share of the manifest: its part file (removed), completed with what it does not
+    describe (written later, e.g. the save's metadata)."""
+    part = Path(root) / part_name(rank)
+    done = json.loads(part.read_text()) if part.is_file() else {}
+    part.unlink(missing_ok=True)
+    rest = [name for name in files_of_rank(root, rank, world_size) if name not in done]
+    return {**done, **describe(root, rest)}
 
 
 def write(root: Path, parts: list[dict[str, dict]]) -> None:

@@ -13,6 +13,7 @@ so a crash mid-save leaves the previous checkpoint and pointer intact. The model
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from megacli.checkpoint import manifest, space
+from megacli.engine import nonfinite
 from megacli.checkpoint.layout import (LATEST, META, find_checkpoint, is_torch_dist_iteration, iter_name, lora_base_of,
                                       read_meta, read_recipe)
 from megacli.checkpoint.safe_pickle import allow_checked_globals, check_torch_dist, load_failure
@@ -31,6 +33,7 @@ from megacli.errors import UserError
 
 __all__ = ["LATEST", "META", "find_checkpoint", "iter_name", "lora_base_of", "read_meta", "load", "save"]
 
+NONFINITE = ".nonfinite-"  # + rank: a file a writer leaves when the tensors it wrote are not finite
 OPTIM_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
@@ -121,17 +124,36 @@ def _sharded_state(chunks, optimizer, scheduler, *, loading: bool, with_optimize
 
 def save(*, ckpt_dir: str | Path, iteration: int, consumed_samples: int, chunks, optimizer, scheduler,
          recipe_yaml: str, keep_last: int | None = None, run_id: str | None = None, extra_meta: dict | None = None,
-         lora_base: Path | None = None) -> Path:
+         lora_base: Path | None = None, queue=None, check_finite: bool = False) -> Path:
     """Save atomically; returns the final iteration directory. Collective: every rank calls it.
     ``run_id`` (kept in megacli.json) names the training run across resumes: ``keep_last`` prunes
     only the checkpoints of this run.
     With ``optimizer=None`` only the model weights are saved (no optimizer, scheduler or RNG
     state: what `megacli convert` writes); ``extra_meta`` adds entries to megacli.json.
-    ``lora_base``: save only the LoRA adapters, noting the checkpoint holding the frozen base weights."""
+    ``lora_base``: save only the LoRA adapters, noting the checkpoint holding the frozen base weights.
+    ``queue``: Megatron-Core's AsyncCallsQueue; the shards of the state as it is now are written by
+    a background process, and the directory is published (and `latest` moved) only when the
+    queue finalizes the request, after every rank's write completed. Without it, before returning.
+    ``check_finite``: the writer checks the values it wrote, and a save holding a non-finite one is
+    removed instead of published (nonfinite.NonFiniteSave)."""
+    request, final = _start_save(ckpt_dir=Path(ckpt_dir), iteration=iteration, consumed_samples=consumed_samples,
+                                 chunks=chunks, optimizer=optimizer, scheduler=scheduler, recipe_yaml=recipe_yaml,
+                                 keep_last=keep_last, run_id=run_id, extra_meta=extra_meta, lora_base=lora_base,
+                                 check_finite=check_finite)
+    if queue is None:
+        request.execute_sync()
+    else:
+        queue.schedule_async_request(request)
+    return final
+
+
+def _start_save(*, ckpt_dir: Path, iteration: int, consumed_samples: int, chunks, optimizer, scheduler,
+                recipe_yaml: str, keep_last, run_id, extra_meta, lora_base, check_finite: bool):
+    """Everything of a save that needs the live state (the shards' plan and copies, common.pt), as
+    Megatron-Core's AsyncRequest whose one finalize step completes and publishes the save."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    ckpt_dir = Path(ckpt_dir)
     final = ckpt_dir / iter_name(iteration)
     tmp = ckpt_dir / (iter_name(iteration) + ".tmp")
     rank = dist.get_rank()
@@ -150,43 +172,90 @@ def save(*, ckpt_dir: str | Path, iteration: int, consumed_samples: int, chunks,
         extra_meta = {**(extra_meta or {}), "lora": {"base": str(Path(lora_base).resolve())}}
     state = _sharded_state(chunks, optimizer, scheduler, loading=False, with_optimizer=not weights_only,
                            with_rng=not weights_only, keep=keep)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    needed = torch.tensor([space.state_bytes(state)], dtype=torch.float64, device=device)
+    needed = torch.tensor([space.state_bytes(state)], dtype=torch.float64, device=_device())
     dist.all_reduce(needed)
+    needed = int(needed.item())
     try:
-        dist_checkpointing.save(state, str(tmp))
+        request = dist_checkpointing.save(state, str(tmp), async_sharded_save=True)
     except BaseException as exc:  # torch's CheckpointException derives from BaseException
-        full = space.disk_full_error(exc, ckpt_dir=ckpt_dir, partial=tmp, needed=int(needed.item()), remove=rank == 0)
+        full = space.disk_full_error(exc, ckpt_dir=ckpt_dir, partial=tmp, needed=needed, remove=rank == 0)
         if full is not None:
             raise full from None
         raise
-    if os.environ.get("MEGACLI_TEST_CRASH_IN_SAVE") == str(iteration):
-        # Fault injection for the atomic-save test: fail after the shards are written, before publishing.
-        raise RuntimeError(f"injected crash while saving iteration {iteration}")
+    meta = {"iteration": iteration, "consumed_samples": consumed_samples, "layout": _layout(chunks), "format": "torch_dist"}
+    if weights_only:
+        meta.update(has_optimizer=False, has_rng_state=False)
+    if run_id is not None:
+        meta["run_id"] = run_id
+    meta.update(extra_meta or {})
+    if request.async_fn is not None:  # this rank writes shards: its writer then describes them for the manifest
+        request = request._replace(async_fn=functools.partial(_write_and_describe, request.async_fn, tmp, rank,
+                                                              dist.get_world_size(), check_finite))
+    written = request.finalize_fns  # Megatron's: collect every rank's write results, then the DCP metadata
+
+    def finalize() -> None:
+        try:
+            for fn in written:
+                fn()
+        except BaseException as exc:
+            full = space.disk_full_error(exc, ckpt_dir=ckpt_dir, partial=tmp, needed=needed, remove=rank == 0)
+            if full is not None:
+                raise full from None
+            raise
+        _complete(tmp, final, ckpt_dir, meta=meta, recipe_yaml=recipe_yaml, needed=needed, keep_last=keep_last,
+                  run_id=run_id, check_finite=check_finite)
+
+    return request._replace(finalize_fns=[finalize]), final
+
+
+def _write_and_describe(write, tmp: Path, rank: int, world: int, check_finite: bool, *args, **kwargs) -> None:
+    """Megatron-Core's shard writer, then the description of the files this rank wrote and (with
+    ``check_finite``) whether the tensors it wrote are finite, in the same (background) process."""
+    write(*args, **kwargs)
+    manifest.describe_part(tmp, rank, world)
+    buckets = args[1]  # (file, key, (bytes items, [(item, tensor), ...])) per file, as the writer took them
+    if check_finite and not nonfinite.tensors_finite(t for _, _, (_, items) in buckets for _, t in items):
+        (tmp / f"{NONFINITE}{rank}").touch()
+
+
+def _complete(tmp: Path, final: Path, ckpt_dir: Path, *, meta: dict, recipe_yaml: str, needed: int, keep_last, run_id,
+              check_finite: bool) -> None:
+    """Collective, once every rank's shards are written: the manifest of the files as they are on
+    disk, then the rename into place and the `latest` pointer."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    if check_finite and nonfinite.any_rank([(tmp / f"{NONFINITE}{rank}").exists()], _device())[0]:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise nonfinite.NonFiniteSave(meta["iteration"])
+    if os.environ.get("MEGACLI_TEST_CRASH_IN_SAVE") == str(meta["iteration"]):
+        # Fault injection for the atomic-save tests: fail after the shards are written, before publishing.
+        raise RuntimeError(f"injected crash while saving iteration {meta['iteration']}")
     dist.barrier()
-    world = dist.get_world_size()
-    described = manifest.describe(tmp, manifest.files_of_rank(tmp, rank, world))  # while the files are in the page cache
+    rank, world = dist.get_rank(), dist.get_world_size()
+    described = manifest.described(tmp, rank, world)
     parts = [None] * world if rank == 0 else None
     dist.gather_object(described, parts, dst=0)
     if rank == 0:
-        meta = {"iteration": iteration, "consumed_samples": consumed_samples, "layout": _layout(chunks), "format": "torch_dist"}
-        if weights_only:
-            meta.update(has_optimizer=False, has_rng_state=False)
-        if run_id is not None:
-            meta["run_id"] = run_id
-        meta.update(extra_meta or {})
         try:
             (tmp / "recipe.yaml").write_text(recipe_yaml)
             (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
             manifest.write(tmp, [*parts, manifest.describe(tmp, ["recipe.yaml", META])])
         except OSError as exc:
-            full = space.disk_full_error(exc, ckpt_dir=ckpt_dir, partial=tmp, needed=int(needed.item()), remove=True)
+            full = space.disk_full_error(exc, ckpt_dir=ckpt_dir, partial=tmp, needed=needed, remove=True)
             raise (full or exc) from None
         _publish(tmp, final, ckpt_dir)
         if keep_last and run_id is not None:
             _prune(ckpt_dir, keep_last, run_id)
     dist.barrier()
-    return final
+
+
+def _device() -> torch.device:
+    """Where this process's collectives take their tensors."""
+    import torch.distributed as dist
+
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def _publish(tmp: Path, final: Path, ckpt_dir: Path) -> None:

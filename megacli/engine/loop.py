@@ -8,9 +8,11 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from megacli.engine import checkpoint, cuda_graphs, distributed, nonfinite
+from megacli.engine.cadences import Evaluations, LogWindow, NonFinitePolicy
+from megacli.engine.metrics import MetricsLog, loss_metrics
+from megacli.engine.saves import Saves
 from megacli.engine.starting_point import pretrained_source, resume_source
-from megacli.engine.metrics import MetricsLog, Stopwatch, is_preference, loss_metrics, perplexity
-from megacli.engine.stop import StopRequests
+from megacli.engine.stop import StopRequests, record_stop
 
 
 @dataclass
@@ -270,45 +272,52 @@ def describe_kernels(runtime) -> str:
     return "CPU backend: Megatron-Core on gloo, torch SDPA attention, torch norms"
 
 
-def _train(recipe, runtime, *, harness=None) -> None:
-    from megacli.plan import count_params, flops_per_token
-    from megacli.recipe.base import dump
+@dataclass(frozen=True)
+class Start:
+    """Where training starts: a resumed checkpoint's position, or pretrained weights, or nothing."""
 
-    from megacli.engine.kernels import choose_attention, describe_attention
+    iteration: int = 0
+    consumed: int = 0
+    run_id: str | None = None
+    source: object | None = None  # the checkpoint resumed
+    pretrained: object | None = None  # the weights started from, when nothing is resumed
+    notes: tuple[str, ...] = ()  # what to say about the resume
 
-    t, ck = recipe.train, recipe.checkpoint
-    choose_attention(t.attention_backend, runtime.device)
-    trainer, tokenizer = build_trainer(recipe, runtime)
-    start_iter, consumed, run_id = 0, 0, None
+
+def _start(recipe, trainer: Trainer) -> Start:
+    """Load what checkpoint.resume / checkpoint.pretrained name into the built trainer."""
+    ck = recipe.checkpoint
     source, resume_note = resume_source(ck)
-    pretrained = pretrained_source(ck) if source is None else None
-    if source is not None:
-        from megacli.engine.compat import check_resumable
+    notes = (resume_note,) if resume_note else ()
+    if source is None:
+        pretrained = pretrained_source(ck)
+        if pretrained is not None:
+            checkpoint.load(ckpt=pretrained, chunks=trainer.chunks, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
+                            load_optimizer=False, verify=ck.verify, trust_pickle=ck.trust_pickle)
+        return Start(pretrained=pretrained, notes=notes)
+    from megacli.engine.compat import check_resumable
 
-        changes_note = check_resumable(source, recipe)
-        restored = checkpoint.load(ckpt=source, chunks=trainer.chunks, optimizer=trainer.optimizer,
-                                   scheduler=trainer.scheduler, load_optimizer=ck.load_optimizer, verify=ck.verify,
-                                   trust_pickle=ck.trust_pickle)
-        start_iter, consumed, run_id = restored.iteration, restored.consumed_samples, restored.run_id
-        if recipe.data.on_the_fly and (restored.path / checkpoint.META).is_file():
-            stream_notes = _resume_stream(trainer, checkpoint.read_meta(restored.path), restored.path)
-            restored = replace(restored, notes=(*restored.notes, *stream_notes))
-    elif pretrained is not None:
-        checkpoint.load(ckpt=pretrained, chunks=trainer.chunks, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
-                        load_optimizer=False, verify=ck.verify, trust_pickle=ck.trust_pickle)
+    changes_note = check_resumable(source, recipe)
+    restored = checkpoint.load(ckpt=source, chunks=trainer.chunks, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
+                               load_optimizer=ck.load_optimizer, verify=ck.verify, trust_pickle=ck.trust_pickle)
+    if recipe.data.on_the_fly and (restored.path / checkpoint.META).is_file():
+        stream_notes = _resume_stream(trainer, checkpoint.read_meta(restored.path), restored.path)
+        restored = replace(restored, notes=(*restored.notes, *stream_notes))
+    notes += (f"resumed from {source} at iteration {restored.iteration}",) + ((changes_note,) if changes_note else ())
+    notes += restored.notes
+    if restored.iteration >= recipe.train.iters:
+        notes += (f"nothing to train: the checkpoint is at iteration {restored.iteration} and train.iters = "
+                  f"{recipe.train.iters} (raise train.iters, or set checkpoint.resume: none to start over)",)
+    return Start(iteration=restored.iteration, consumed=restored.consumed_samples, run_id=restored.run_id, source=source,
+                 notes=notes)
 
-    reporting = distributed.is_reporting_rank()
-    m = recipe.model
-    counts = count_params(recipe, trainer.vocab_size)
-    n_params = counts.total
-    log = MetricsLog(run_dir=recipe.run.dir, enabled=reporting, total_iters=t.iters, start_iter=start_iter,
-                     tokens_per_step=recipe.tokens_per_step,
-                     flops_per_step=flops_per_token(recipe, counts.active) * recipe.tokens_per_step,
-                     world_size=runtime.world_size, device=runtime.device, loggers=t.loggers_in_use,
-                     run_name=recipe.run.name, run_config=recipe.model_dump(mode="json"), resumed=source is not None)
-    p = recipe.parallel
+
+def _describe_run(log, recipe, runtime, n_params: int) -> None:
+    from megacli.engine.kernels import describe_attention
+
+    m, p, t = recipe.model, recipe.parallel, recipe.train
     experts = f" | {m.moe.num_experts} experts, top-{m.moe.router_topk}, EP {p.expert}" if m.moe else ""
-    log.say(f"megacli {recipe.model.arch} | {n_params / 1e6:.2f}M params{experts} | TP {p.tensor} × PP {p.pipeline} × "
+    log.say(f"megacli {m.arch} | {n_params / 1e6:.2f}M params{experts} | TP {p.tensor} × PP {p.pipeline} × "
             f"CP {p.context} × DP {recipe.data_parallel_size} on {runtime.world_size} {runtime.device.type} processes | "
             f"{recipe.num_microbatches} micro-batches/step | {describe_kernels(runtime)}")
     log.say(describe_attention(recipe, runtime.device))
@@ -319,6 +328,25 @@ def _train(recipe, runtime, *, harness=None) -> None:
         log.say(f"train.cuda_graphs = {t.cuda_graphs}: Megatron-Core's CUDA graphs, captured after the first steps")
     if t.grad_reduce_in_bf16:
         log.say("train.grad_reduce_in_bf16: gradients are accumulated and all-reduced in bf16")
+
+
+def _train(recipe, runtime, *, harness=None) -> None:
+    from megacli.engine.kernels import choose_attention
+    from megacli.plan import count_params, flops_per_token
+    from megacli.recipe.base import dump
+
+    t, ck = recipe.train, recipe.checkpoint
+    choose_attention(t.attention_backend, runtime.device)
+    trainer, tokenizer = build_trainer(recipe, runtime)
+    start = _start(recipe, trainer)
+    source = start.source
+    counts = count_params(recipe, trainer.vocab_size)
+    log = MetricsLog(run_dir=recipe.run.dir, enabled=distributed.is_reporting_rank(), total_iters=t.iters,
+                     start_iter=start.iteration, tokens_per_step=recipe.tokens_per_step,
+                     flops_per_step=flops_per_token(recipe, counts.active) * recipe.tokens_per_step,
+                     world_size=runtime.world_size, device=runtime.device, loggers=t.loggers_in_use,
+                     run_name=recipe.run.name, run_config=recipe.model_dump(mode="json"), resumed=source is not None)
+    _describe_run(log, recipe, runtime, counts.total)
     expert_stats = _expert_stats(recipe, trainer, runtime)
     for line in getattr(trainer.train_data, "summary", []) + [ds.summary for ds in trainer.named_valid.values()]:
         log.say(line)
@@ -328,122 +356,65 @@ def _train(recipe, runtime, *, harness=None) -> None:
 
         precompute(trainer, precomputed_sets(trainer), pretrained=pretrained_source(ck), fresh=source is None,
                    say=log.say)
-    if pretrained is not None:
-        log.say(f"starting from the weights of {pretrained}")
+    if start.pretrained is not None:
+        log.say(f"starting from the weights of {start.pretrained}")
     lora_base = None
     if recipe.lora is not None:
         from megacli.engine.models.lora import adapter_params
 
         lora_base = (checkpoint.lora_base_of(source) if source is not None else None) or pretrained_source(ck)
         lo = recipe.lora
-        n_lora = adapter_params(m, lo)
+        n_lora = adapter_params(recipe.model, lo)
         log.say(f"LoRA rank {lo.rank}, alpha {lo.alpha:g}, dropout {lo.dropout:g} on {', '.join(lo.targets)}: "
-                f"{n_lora / 1e6:.3f}M trainable params ({n_lora / n_params:.2%} of the model), base weights frozen")
-    if resume_note:
-        log.say(resume_note)
-    if source is not None:
-        log.say(f"resumed from {source} at iteration {start_iter}")
-        if changes_note:
-            log.say(changes_note)
-        for note in restored.notes:
-            log.say(note)
-        if start_iter >= t.iters:
-            log.say(f"nothing to train: the checkpoint is at iteration {start_iter} and train.iters = {t.iters} "
-                    f"(raise train.iters, or set checkpoint.resume: none to start over)")
+                f"{n_lora / 1e6:.3f}M trainable params ({n_lora / counts.total:.2%} of the model), base weights frozen")
+    for note in start.notes:
+        log.say(note)
 
-    recipe_yaml = dump(recipe, carried=True)
     run_tasks = harness(recipe, trainer, tokenizer) if harness is not None and recipe.eval is not None else None
+    iteration, consumed = start.iteration, start.consumed
     iterators = data_iterators(trainer, trainer.train_data, start_sample=consumed)
-    watch = Stopwatch(runtime.device)
-    window_losses, window_steps, window_time = {}, 0, 0.0
-    iteration = start_iter
-    stop_at = min(t.iters, start_iter + t.exit_after_iters) if t.exit_after_iters else t.iters
-    last_val = None  # the newest split-based validation losses
-    memory_reported = False
-    last_good, skipped = source, 0  # the newest checkpoint with finite weights; steps dropped as non-finite
-    run_id = run_id or uuid.uuid4().hex  # carried across resumes: keep_last prunes only this run's checkpoints
+    stop_at = min(t.iters, iteration + t.exit_after_iters) if t.exit_after_iters else t.iters
+    saves = Saves(recipe=recipe, trainer=trainer, recipe_yaml=dump(recipe, carried=True),
+                  run_id=start.run_id or uuid.uuid4().hex,  # carried across resumes: keep_last prunes only this run's checkpoints
+                  lora_base=lora_base, last_good=source, log=log, stream_meta=lambda: _stream_meta(trainer))
+    window = LogWindow(log=log, recipe=recipe, trainer=trainer, tokenizer=tokenizer, expert_stats=expert_stats,
+                       stop_at=stop_at, device=runtime.device)
+    evaluations = Evaluations(trainer=trainer, log=log, evaluate=evaluate, run_tasks=run_tasks)
+    nonfinite_policy = NonFinitePolicy(on_nonfinite=t.on_nonfinite, log=log, saves=saves)
     # Half the time the launcher gives workers after a signal goes to reaching a step boundary, half to the save.
     stops = StopRequests(save_on_signal=ck.save_on_signal, time_limit_minutes=t.time_limit_minutes, device=runtime.device,
                          max_wait_s=recipe.launch.timeout_minutes * 60 / 2, run_dir=recipe.run.dir, saves=bool(ck.dir))
     stopped = None
     try:
         while iteration < stop_at:
-            try:
-                losses, grad_norm, ok = train_step(trainer, iterators)
-            except nonfinite.NonFiniteStep as bad:
-                if t.on_nonfinite == "stop":
-                    raise _stopped_nonfinite(f"{bad} at iteration {iteration + 1} (not applied)", last_good,
-                                             t.on_nonfinite) from None
-                skipped += 1
-                log.say(f"iteration {iteration + 1}: {bad}, step skipped ({skipped} so far; train.on_nonfinite = skip)")
-                losses = None
+            losses, grad_norm, ok = nonfinite_policy.step(lambda: train_step(trainer, iterators), iteration + 1)
             iteration += 1
             consumed += t.global_batch_size
-            window_time += watch.lap()
-            for k, v in (losses or {}).items():
-                window_losses[k] = window_losses.get(k, 0.0) + v
-            window_steps += losses is not None
-            if window_steps and (iteration % t.log_interval == 0 or iteration == stop_at):
-                scale = trainer.optimizer.get_loss_scale().item() if t.precision == "fp16" else None
-                mean = {k: v / window_steps for k, v in window_losses.items()}
-                log.step(iteration=iteration, loss=mean.pop("loss"), lr=trainer.optimizer.param_groups[0]["lr"],
-                         grad_norm=float(grad_norm) if grad_norm is not None else None,
-                         seconds_per_step=window_time / window_steps, loss_scale=scale,
-                         extra={**({} if ok else {"skipped_step": True}),
-                                **({"nonfinite_skipped": skipped} if skipped else {})} or None, losses=mean,
-                         experts=expert_stats.collect(window_steps) if expert_stats else None)
-                window_losses, window_steps, window_time = {}, 0, 0.0
-                if not memory_reported:  # the first step line: measured peak memory beside the estimate
-                    from megacli.engine.memory import peak_memory_line
-
-                    log.say(peak_memory_line(recipe, tokenizer=tokenizer, device=runtime.device))
-                    memory_reported = True
-            else:
-                log.advance(iteration)
-            if t.eval_interval and (iteration % t.eval_interval == 0 or iteration == t.iters):
-                val = evaluate(trainer, trainer.valid_data, batches=t.eval_iters)
-                named = {name: evaluate(trainer, ds, batches=ds.batches) for name, ds in trainer.named_valid.items()}
-                tasks = run_tasks(iteration) if run_tasks is not None else None
-                log.evaluation(iteration=iteration, val=val, named=named, tasks=tasks)
-                last_val = val if val is not None else last_val
-                watch.lap()
+            window.step(iteration=iteration, losses=losses, grad_norm=grad_norm, ok=ok, skipped=nonfinite_policy.skipped)
+            evaluated = evaluations.step(iteration)
             stopped = stops.reason()
-            path = None
-            if ck.dir and (stopped or (ck.save_interval and iteration % ck.save_interval == 0) or iteration == stop_at):
-                if not nonfinite.weights_finite(trainer.chunks):
-                    raise _stopped_nonfinite(f"the weights are not finite after iteration {iteration} (not saved)", last_good,
-                                             t.on_nonfinite)
-                path = checkpoint.save(ckpt_dir=ck.dir, iteration=iteration, consumed_samples=consumed, chunks=trainer.chunks,
-                                       optimizer=trainer.optimizer, scheduler=trainer.scheduler, recipe_yaml=recipe_yaml,
-                                       keep_last=ck.keep_last, run_id=run_id, lora_base=lora_base,
-                                       extra_meta=_stream_meta(trainer))
-                log.say(f"saved checkpoint {path}")
-                log.plot()
-                last_good = path
-                watch.lap()
+            saved, path = saves.step(iteration=iteration, consumed=consumed, last=bool(stopped) or iteration == stop_at)
+            if evaluated or saved:
+                window.paused()
             if stopped:
-                _record_stop(run_dir=recipe.run.dir, rank=runtime.rank, reason=stopped, iteration=iteration, checkpoint=path)
+                record_stop(run_dir=recipe.run.dir, rank=runtime.rank, reason=stopped, iteration=iteration, checkpoint=path)
                 log.say(f"stopped on {stopped} at iteration {iteration}: "
                         + (f"saved checkpoint {path}" if path else "nothing saved (no checkpoint.dir)"))
                 break
+        saves.finish()
         log.plot()
+    except BaseException:
+        saves.abort()
+        raise
     finally:
         stops.close()
         log.close()
         if hasattr(trainer.train_data, "close"):
             trainer.train_data.close()
-    if stopped:
-        return
-    if last_val is not None and is_preference(last_val):
-        log.say(f"done: {iteration} iterations | final validation loss {last_val['loss']:.4f} | "
-                f"reward accuracy {last_val['rewards/accuracy']:.3f}")
-    elif last_val is not None:
-        log.say(f"done: {iteration} iterations | final validation loss {last_val['loss']:.4f} | "
-                f"perplexity {perplexity(last_val):.2f}")
-    else:
-        log.say(f"done: {iteration} iterations")
-    if skipped:
-        log.say(f"{skipped} step(s) skipped for a non-finite loss or gradients (train.on_nonfinite = skip)")
+    if not stopped:
+        for line in (evaluations.summary(iteration), nonfinite_policy.summary()):
+            if line:
+                log.say(line)
 
 
 def _resume_stream(trainer: Trainer, meta: dict, path) -> list[str]:
@@ -464,27 +435,6 @@ def _stream_meta(trainer: Trainer) -> dict | None:
     from megacli.engine.stream_data import gathered_states
 
     return {"stream": gathered_states(trainer.train_data), "stream_sources": trainer.train_data.fingerprints}
-
-
-def _stopped_nonfinite(what: str, last_good, on_nonfinite: str):
-    from megacli.errors import UserError
-
-    good = f"the last good checkpoint is {last_good}" if last_good else "no good checkpoint was saved"
-    skip = " (train.on_nonfinite = skip drops such steps instead)" if on_nonfinite == "stop" else ""
-    return UserError(f"training stopped: {what}; {good}. Lower optim.lr or check the data{skip}")
-
-
-def _record_stop(*, run_dir: str, rank: int, reason: str, iteration: int, checkpoint) -> None:
-    """Tell the launcher (rank 0 only) that the workers stopped at a step boundary."""
-    if rank != 0:
-        return
-    import json
-    from pathlib import Path
-
-    from megacli.rundir import STOPPED_FILE
-
-    record = {"reason": reason, "iteration": iteration, "checkpoint": str(checkpoint) if checkpoint else None}
-    (Path(run_dir) / STOPPED_FILE).write_text(json.dumps(record) + "\n")
 
 
 def _expert_stats(recipe, trainer, runtime):

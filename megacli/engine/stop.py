@@ -44,6 +44,8 @@ class StopRequests:
         # Python takes signal handlers only in the main thread (a run driven from another thread has none).
         handles = save_on_signal and threading.current_thread() is threading.main_thread()
         self.previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS} if handles else {}
+        if handles:
+            _children_ignore_stop_signals(True)
         if handles and saves:
             shield_checkpoint_writer()
 
@@ -92,6 +94,8 @@ class StopRequests:
 
     def close(self) -> None:
         self.reached.set()
+        if self.previous:
+            _children_ignore_stop_signals(False)
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
         self.previous = {}
@@ -121,6 +125,30 @@ def shield_checkpoint_writer() -> None:
     _writer_manager = manager
 
 
+_ignored_in_children = False
+_hook_registered = False
+
+
+def _ignore_stop_signals() -> None:
+    if _ignored_in_children:
+        for sig in STOP_SIGNALS:
+            try:
+                signal.signal(sig, signal.SIG_IGN)
+            except ValueError:  # not the child's main thread: it keeps the inherited handler
+                pass
+
+
+def _children_ignore_stop_signals(on: bool) -> None:
+    """While a run handles stop requests, the processes it forks (Megatron-Core's checkpoint
+    writers) ignore the stop signals: a job's signal reaches every process, and a writer must not
+    stop mid-write (nor run the run's handler); the run waits for it, and it dies with the run."""
+    global _ignored_in_children, _hook_registered
+    _ignored_in_children = on
+    if on and not _hook_registered:
+        os.register_at_fork(after_in_child=_ignore_stop_signals)
+        _hook_registered = True
+
+
 def exit_unsaved(sig: signal.Signals, waited_s: float, run_dir: str | None) -> None:
     """End this worker: no step boundary came within ``waited_s`` of ``sig``. The error is
     recorded for the launcher (said here when there is none) and the process exits at once: its
@@ -139,3 +167,16 @@ def exit_unsaved(sig: signal.Signals, waited_s: float, run_dir: str | None) -> N
             print(f"error: {err}", file=sys.stderr, flush=True)
     finally:
         os._exit(err.exit_code)
+
+
+def record_stop(*, run_dir: str, rank: int, reason: str, iteration: int, checkpoint) -> None:
+    """Tell the launcher (rank 0 only) that the workers stopped at a step boundary."""
+    if rank != 0:
+        return
+    import json
+    from pathlib import Path
+
+    from megacli.rundir import STOPPED_FILE
+
+    record = {"reason": reason, "iteration": iteration, "checkpoint": str(checkpoint) if checkpoint else None}
+    (Path(run_dir) / STOPPED_FILE).write_text(json.dumps(record) + "\n")

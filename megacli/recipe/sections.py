@@ -277,6 +277,11 @@ class CheckpointSection(Section):
     overwrite: bool = False
     """Allow resume: none in a dir that already holds checkpoints (this run's saves replace those of the
     same iteration and move `latest`); without it such a run is refused."""
+    async_save: bool = True
+    """Write periodic saves in the background while training goes on (Megatron-Core's asynchronous
+    torch_dist save, in a forked process): `latest` moves once every rank's write is complete.
+    The saves of a stop and of the run's end are written before the run goes on; false: every save
+    stalls training until written. Without fork (not Linux) saves are synchronous."""
     save_on_signal: bool = True
     """On SIGTERM or SIGUSR1 (what Slurm sends before preemption or the time limit), save a checkpoint
     at the next step boundary and exit 0; copies of the signal within 5 s are one request, a signal
