@@ -13,6 +13,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# OpenMP threads wait for work asleep, not spinning: the suite runs two pytest workers (and the
+# processes they start) on two cores, where a spinning thread takes the core another process needs.
+# It changes no result (the thread count stays the engine's).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 # A tiny GPT on mock data with the byte tokenizer, fp32, 6 logged steps, no checkpoints: the
 # recipe the pretraining tests vary (same padded vocabulary, 512, at TP 1 and 2).
 TINY_GPT = [
@@ -121,6 +126,26 @@ def cli(*args, env: dict | None = None):
 
     _register()
     return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "400", **(env or {})})
+
+
+# The files that take longest on 2 cores (their durations summed), longest first. `-n 2 --dist loadfile`
+# hands whole files to the two workers in collection order, these first: a long file started last
+# would leave one worker running it alone at the end.
+LONGEST_FILES = [
+    "test_preference_training.py", "test_docs.py", "test_serve.py", "test_reshard.py", "test_megatron_lm_resume.py",
+    "test_pretrain.py", "test_bert_t5.py", "test_megatron_lm_write.py", "test_megatron_lm_moe.py", "test_megatron_lm.py",
+    "test_preference.py",
+]
+
+
+def pytest_configure(config):
+    if getattr(config.option, "dist", "no") == "loadfile":
+        config.option.loadscopereorder = False  # xdist's default: files with the most tests first
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest in collection order
 
 
 try:
