@@ -20,7 +20,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # A tiny GPT on mock data with the byte tokenizer, fp32, 6 logged steps, no checkpoints: the
 # recipe the pretraining tests vary (same padded vocabulary, 512, at TP 1 and 2).
-TINY_GPT = [
+MOCK_GPT = [
     "data.path=null", "data.mock=true", "tokenizer.type=byte", "tokenizer.path=null",
     "model.num_layers=4", "model.hidden_size=64", "model.num_attention_heads=4", "model.ffn_hidden_size=128",
     "model.seq_length=32", "model.make_vocab_size_divisible_by=256",
@@ -31,7 +31,7 @@ TINY_GPT = [
 
 # A tiny Llama-shaped GPT (RoPE, RMSNorm, SwiGLU, GQA, untied, no biases) on mock data, fp32: the
 # model the Megatron-LM interop tests write and read.
-TINY_LLAMA = [
+MOCK_LLAMA = [
     "data.path=null", "data.mock=true", "tokenizer.type=byte", "tokenizer.path=null",
     "model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4", "model.num_query_groups=2",
     "model.ffn_hidden_size=64", "model.seq_length=16", "model.activation=swiglu", "model.normalization=rmsnorm",
@@ -40,11 +40,11 @@ TINY_LLAMA = [
 ]
 
 
-def layout(tp=1, pp=1, dp=1, vp=None, sp=False, dist_opt=False) -> list[str]:
-    """The overrides of a parallel layout: TP x PP x DP workers."""
-    return [f"parallel.tensor={tp}", f"parallel.pipeline={pp}", f"parallel.sequence_parallel={str(sp).lower()}",
-            f"parallel.distributed_optimizer={str(dist_opt).lower()}", f"parallel.virtual_pipeline={vp or 'null'}",
-            f"launch.nproc={tp * pp * dp}"]
+def layout(tp=1, pp=1, dp=1, cp=1, vp=None, sp=False, dist_opt=False) -> list[str]:
+    """The overrides of a parallel layout: TP x PP x CP x DP workers."""
+    return [f"parallel.tensor={tp}", f"parallel.pipeline={pp}", f"parallel.context={cp}",
+            f"parallel.sequence_parallel={str(sp).lower()}", f"parallel.distributed_optimizer={str(dist_opt).lower()}",
+            f"parallel.virtual_pipeline={vp or 'null'}", f"launch.nproc={tp * pp * cp * dp}"]
 
 
 def sets_args(sets: list[str]) -> list[str]:
@@ -58,7 +58,8 @@ def one_worker(sets: list[str]) -> bool:
     return nproc[-1:] == ["launch.nproc=1"]
 
 
-def megacli(*args, env: dict | None = None, in_process: bool = False, timeout: float = 900) -> subprocess.CompletedProcess:
+def megacli(*args, env: dict | None = None, in_process: bool = False, timeout: float = 900,
+            cwd: Path | None = None) -> subprocess.CompletedProcess:
     """`megacli ARGS` in a fresh interpreter: the finished process. ``env`` adds to (a None value:
     removes from) this process's environment; ``in_process``: a one-worker job's worker runs in
     that interpreter (the CLI's in-process path) instead of one the launcher starts."""
@@ -71,7 +72,7 @@ def megacli(*args, env: dict | None = None, in_process: bool = False, timeout: f
         else:
             full[k] = v
     return subprocess.run([sys.executable, "-m", "megacli", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=full)
+                          timeout=timeout, env=full, cwd=cwd)
 
 
 def ok(out: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -104,11 +105,11 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {i: r["loss"] for i, r in steps(run_dir).items()}
 
 
-def assert_close(got: dict, want: dict, iterations, rel: float, key: str | None = None) -> None:
-    """|got - want| <= rel * |want| at each iteration; ``key``: the values are records, compare that field."""
+def assert_close(got: dict, want: dict, iterations, rel: float, key: str = "loss") -> None:
+    """|got - want| <= rel * |want| at each iteration, of losses by iteration or of records' ``key``."""
     for i in iterations:
-        a, b = (got[i], want[i]) if key is None else (got[i][key], want[i][key])
-        assert abs(a - b) <= rel * abs(b), f"step {i}{'' if key is None else ' ' + key}: {a} vs {b}"
+        a, b = (got[i][key], want[i][key]) if isinstance(got[i], dict) else (got[i], want[i])
+        assert abs(a - b) <= rel * abs(b), f"step {i} {key}: {a} vs {b}"
 
 
 def pretrain_losses(args: list[str], run_dir: Path, *, in_process: bool) -> tuple[subprocess.CompletedProcess, dict[int, float]]:
@@ -125,7 +126,7 @@ def cli(*args, env: dict | None = None):
     from megacli.cli import _register, app
 
     _register()
-    return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "400", **(env or {})})
+    return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "200", **(env or {})})
 
 
 # The files that take longest on 2 cores (their durations summed), longest first. `-n 2 --dist loadfile`

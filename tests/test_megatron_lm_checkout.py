@@ -26,14 +26,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, TINY_LLAMA, megacli, ok, pretrain
+from tests.conftest import ROOT, MOCK_LLAMA, megacli, ok, pretrain
 
 CHECKOUT = os.environ.get("MEGATRON_LM_CHECKOUT")
 pytestmark = [pytest.mark.megatron_lm,
               pytest.mark.skipif(not CHECKOUT, reason="MEGATRON_LM_CHECKOUT (a core_v0.16.1 checkout) is not set")]
 
 ITERS, GBS = 2, 2
-RUN = [*TINY_LLAMA, f"train.iters={ITERS}", "train.micro_batch_size=1", f"train.global_batch_size={GBS}",
+RUN = [*MOCK_LLAMA, f"train.iters={ITERS}", "train.micro_batch_size=1", f"train.global_batch_size={GBS}",
        f"checkpoint.save_interval={ITERS}", *["parallel.tensor=1", "parallel.pipeline=1", "launch.nproc=1"]]
 # A Qwen2-MoE-shaped run: 4 experts (top 2) with a gated shared expert in layer 0, layer 1 dense.
 MOE = ["model.moe.num_experts=4", "model.moe.router_topk=2", "model.moe.ffn_hidden_size=48", "model.moe.layer_freq=[1,0]",
