@@ -133,9 +133,9 @@ def cli(*args, env: dict | None = None):
 # hands whole files to the two workers in collection order, these first: a long file started last
 # would leave one worker running it alone at the end.
 LONGEST_FILES = [
-    "test_preference_training.py", "test_docs.py", "test_serve.py", "test_reshard.py", "test_megatron_lm_resume.py",
-    "test_pretrain.py", "test_bert_t5.py", "test_megatron_lm_write.py", "test_megatron_lm_moe.py", "test_megatron_lm.py",
-    "test_preference.py",
+    "test_bert_t5.py", "test_pretrain.py", "test_docs.py", "test_megatron_lm.py", "test_preference_training.py",
+    "test_serve.py", "test_megatron_lm_resume.py", "test_megatron_lm_moe.py", "test_reshard.py",
+    "test_megatron_lm_write.py", "test_preference.py",
 ]
 
 
