@@ -43,7 +43,17 @@ def _entry(rank, world_size, port, fn, args, queue):
 
 def spawn(fn, world_size: int, *args, timeout: float = 600) -> list:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; return results by rank.
-    ``fn`` must be a module-level function (it is pickled by name)."""
+    ``fn`` must be a module-level function (it is pickled by name). When the free port was taken by
+    another process before rank 0 listened on it, the processes run again on another."""
+    for attempt in range(3):
+        try:
+            return _spawn(fn, world_size, args, timeout)
+        except AssertionError as exc:
+            if "EADDRINUSE" not in str(exc) or attempt == 2:
+                raise
+
+
+def _spawn(fn, world_size: int, args: tuple, timeout: float) -> list:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()

@@ -1,17 +1,15 @@
 """What the CUDA acceptance tests (tests/test_gpu.py) share with their CPU variants: the recipe
 overrides of a run on a given device and precision, a run of `megacli pretrain` through the real
-launcher, reading metrics.jsonl back, the comparisons, and the `--dry-run` memory estimate of a
-recipe as plan.estimate computes it."""
+launcher, the comparisons of two runs' records, and the `--dry-run` memory estimate of a recipe as
+plan.estimate computes it. (Reading metrics.jsonl back, assert_close: tests/conftest.py.)"""
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).parent.parent
+from tests.conftest import ROOT, megacli, ok, sets_args
+
 RECIPES = ROOT / "recipes"
 
 # A tiny GPT on mock data, one process; 20 steps (a loss curve long enough to compare bitwise).
@@ -35,19 +33,8 @@ def pretrain(run_dir: Path, overrides: list[str], recipe: Path | None = None, ti
     """`megacli pretrain [recipe] --set ...` in a fresh process; fails the test with the run's output
     when it fails. ``in_process``: a one-worker run's worker runs in that process (the CLI's
     in-process path) instead of one the launcher starts."""
-    sets = [*overrides, f"run.dir={run_dir}"]
-    args = [sys.executable, "-m", "megacli", "pretrain", *([str(recipe)] if recipe else []),
-            *[x for s in sets for x in ("--set", s)]]
-    env = dict(os.environ, MEGACLI_IN_PROCESS="1") if in_process else None
-    out = subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out
-
-
-def steps(run_dir: Path) -> dict[int, dict]:
-    """The per-step records of metrics.jsonl (evaluations left out), by iteration."""
-    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-    return {r["iteration"]: r for r in records if "loss" in r}
+    args = ["pretrain", *([recipe] if recipe else []), *sets_args([*overrides, f"run.dir={run_dir}"])]
+    return ok(megacli(*args, in_process=in_process, timeout=timeout, cwd=ROOT))
 
 
 def assert_bitwise(a: dict[int, dict], b: dict[int, dict], keys=("loss", "grad_norm")) -> None:
@@ -56,11 +43,6 @@ def assert_bitwise(a: dict[int, dict], b: dict[int, dict], keys=("loss", "grad_n
     for i in sorted(a):
         for k in keys:
             assert a[i][k] == b[i][k], f"step {i} {k}: {a[i][k]!r} vs {b[i][k]!r}"
-
-
-def assert_close(a: dict[int, dict], b: dict[int, dict], iterations, rel: float, key: str = "loss") -> None:
-    for i in iterations:
-        assert abs(a[i][key] - b[i][key]) <= rel * abs(b[i][key]), f"step {i} {key}: {a[i][key]} vs {b[i][key]}"
 
 
 def assert_loss_falls(records: dict[int, dict], by: float, key: str = "loss") -> None:

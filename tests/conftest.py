@@ -1,4 +1,7 @@
-"""Helpers and settings several test files share."""
+"""What several test files share: the tiny recipes, the runners of `megacli` commands (a fresh
+interpreter; a one-worker run's worker in the CLI's own process), reading a run's metrics back,
+the loss comparison, and the hypothesis profile. Hugging Face model builders: tests/_convert_models.py;
+N-process gloo runs below the CLI: tests/_dist.py; CUDA runs: tests/_gpu.py."""
 
 from __future__ import annotations
 
@@ -13,19 +16,140 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SLURM_CLUSTER_SCRIPT = ROOT / ".ci" / "slurm_cluster.sh"
 
+# OpenMP threads wait for work asleep, not spinning: the suite runs two pytest workers (and the
+# processes they start) on two cores, where a spinning thread takes the core another process needs.
+# It changes no result (the thread count stays the engine's).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+# A tiny GPT on mock data with the byte tokenizer, fp32, 6 logged steps, no checkpoints: the
+# recipe the pretraining tests vary (same padded vocabulary, 512, at TP 1 and 2).
+MOCK_GPT = [
+    "data.path=null", "data.mock=true", "tokenizer.type=byte", "tokenizer.path=null",
+    "model.num_layers=4", "model.hidden_size=64", "model.num_attention_heads=4", "model.ffn_hidden_size=128",
+    "model.seq_length=32", "model.make_vocab_size_divisible_by=256",
+    "train.iters=6", "train.micro_batch_size=2", "train.global_batch_size=8", "train.log_interval=1",
+    "train.eval_interval=null", "optim.warmup_iters=1", "optim.lr=1e-2", "train.precision=fp32",
+    "checkpoint.dir=null",
+]
+
+# A tiny Llama-shaped GPT (RoPE, RMSNorm, SwiGLU, GQA, untied, no biases) on mock data, fp32: the
+# model the Megatron-LM interop tests write and read.
+MOCK_LLAMA = [
+    "data.path=null", "data.mock=true", "tokenizer.type=byte", "tokenizer.path=null",
+    "model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4", "model.num_query_groups=2",
+    "model.ffn_hidden_size=64", "model.seq_length=16", "model.activation=swiglu", "model.normalization=rmsnorm",
+    "model.position_embedding=rope", "model.untie_embeddings=true", "model.add_bias_linear=false",
+    "model.make_vocab_size_divisible_by=64", "train.eval_interval=null", "train.precision=fp32",
+]
+
+
+def layout(tp=1, pp=1, dp=1, cp=1, vp=None, sp=False, dist_opt=False) -> list[str]:
+    """The overrides of a parallel layout: TP x PP x CP x DP workers."""
+    return [f"parallel.tensor={tp}", f"parallel.pipeline={pp}", f"parallel.context={cp}",
+            f"parallel.sequence_parallel={str(sp).lower()}", f"parallel.distributed_optimizer={str(dist_opt).lower()}",
+            f"parallel.virtual_pipeline={vp or 'null'}", f"launch.nproc={tp * pp * cp * dp}"]
+
+
+def sets_args(sets: list[str]) -> list[str]:
+    """``--set`` before each override."""
+    return [x for s in sets for x in ("--set", s)]
+
+
+def one_worker(sets: list[str]) -> bool:
+    """The overrides say the run has one worker (the last launch.nproc is 1)."""
+    nproc = [s for s in sets if s.startswith("launch.nproc=")]
+    return nproc[-1:] == ["launch.nproc=1"]
+
+
+def megacli(*args, env: dict | None = None, in_process: bool = False, timeout: float = 900,
+            cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`megacli ARGS` in a fresh interpreter: the finished process. ``env`` adds to (a None value:
+    removes from) this process's environment; ``in_process``: a one-worker job's worker runs in
+    that interpreter (the CLI's in-process path) instead of one the launcher starts."""
+    full = {**os.environ, "COLUMNS": "400"}  # long tmp paths must not wrap a message
+    if in_process:
+        full["MEGACLI_IN_PROCESS"] = "1"
+    for k, v in (env or {}).items():
+        if v is None:
+            full.pop(k, None)
+        else:
+            full[k] = v
+    return subprocess.run([sys.executable, "-m", "megacli", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=full, cwd=cwd)
+
+
+def ok(out: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    """Fails the test with the process's output unless it exited 0."""
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+def pretrain(run_dir: Path, sets: list[str], *, recipe: Path | None = None, command: str = "pretrain",
+             env: dict | None = None, check: bool = True, timeout: float = 900) -> subprocess.CompletedProcess:
+    """`megacli COMMAND [RECIPE] --set SETS... --set run.dir=RUN_DIR`; a one-worker run's worker in
+    the CLI's process. ``check``: fail the test unless it exits 0."""
+    args = [command, *([recipe] if recipe else []), *sets_args([*sets, f"run.dir={run_dir}"])]
+    out = megacli(*args, env=env, in_process=one_worker(sets), timeout=timeout)
+    return ok(out) if check else out
+
+
+def records(run_dir: Path) -> list[dict]:
+    """metrics.jsonl's records, in order."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def steps(run_dir: Path) -> dict[int, dict]:
+    """The per-step records (evaluations left out), by iteration."""
+    return {r["iteration"]: r for r in records(run_dir) if "loss" in r}
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """The loss of each logged step, by iteration."""
+    return {i: r["loss"] for i, r in steps(run_dir).items()}
+
+
+def assert_close(got: dict, want: dict, iterations, rel: float, key: str = "loss") -> None:
+    """|got - want| <= rel * |want| at each iteration, of losses by iteration or of records' ``key``."""
+    for i in iterations:
+        a, b = (got[i][key], want[i][key]) if isinstance(got[i], dict) else (got[i], want[i])
+        assert abs(a - b) <= rel * abs(b), f"step {i} {key}: {a} vs {b}"
+
 
 def pretrain_losses(args: list[str], run_dir: Path, *, in_process: bool) -> tuple[subprocess.CompletedProcess, dict[int, float]]:
     """`megacli pretrain ARGS --set run.dir=RUN_DIR` in a fresh interpreter (its one worker in the CLI's
     process with ``in_process``): the finished process and the loss of each logged step."""
-    env = {**os.environ, "COLUMNS": "400"}  # long tmp paths must not wrap a message
-    if in_process:
-        env["MEGACLI_IN_PROCESS"] = "1"
-    out = subprocess.run([sys.executable, "-m", "megacli", "pretrain", *args, "--set", f"run.dir={run_dir}"],
-                         capture_output=True, text=True, timeout=900, env=env)
-    if out.returncode != 0:
-        return out, {}
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return out, {r["iteration"]: r["loss"] for r in records if "loss" in r}
+    out = megacli("pretrain", *args, "--set", f"run.dir={run_dir}", in_process=in_process)
+    return out, (losses(run_dir) if out.returncode == 0 else {})
+
+
+def cli(*args, env: dict | None = None):
+    """`megacli ARGS` in this process, through its CLI (typer's CliRunner result)."""
+    from typer.testing import CliRunner
+
+    from megacli.cli import _register, app
+
+    _register()
+    return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "200", **(env or {})})
+
+
+# The files that take longest on 2 cores (their durations summed), longest first. `-n 2 --dist loadfile`
+# hands whole files to the two workers in collection order, these first: a long file started last
+# would leave one worker running it alone at the end.
+LONGEST_FILES = [
+    "test_slurm.py", "test_bert_t5.py", "test_pretrain.py", "test_docs.py", "test_megatron_lm.py", "test_preference_training.py",
+    "test_serve.py", "test_megatron_lm_resume.py", "test_megatron_lm_moe.py", "test_reshard.py",
+    "test_megatron_lm_write.py", "test_preference.py",
+]
+
+
+def pytest_configure(config):
+    if getattr(config.option, "dist", "no") == "loadfile":
+        config.option.loadscopereorder = False  # xdist's default: files with the most tests first
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest in collection order
 
 
 @pytest.fixture(scope="session")

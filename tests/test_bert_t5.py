@@ -12,7 +12,6 @@ Losses are read back from metrics.jsonl (log_interval 1: one record per step).""
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import sys
@@ -23,6 +22,7 @@ import pytest
 from megacli.recipe import base
 from megacli.recipe.base import RecipeErrors
 from megacli.recipe.pretrain import TrainingRecipe
+from tests.conftest import assert_close, pretrain, steps as records
 
 ROOT = Path(__file__).parent.parent
 
@@ -51,12 +51,6 @@ def run(args: list[str], env: dict | None = None) -> subprocess.CompletedProcess
     out = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out
-
-
-def one_worker_env(overrides: list[str]) -> dict | None:
-    """One worker: run it in the launcher's process (the CLI's in-process path), sparing a worker start."""
-    nproc = [x for x in overrides if x.startswith("launch.nproc=")][-1:]
-    return dict(os.environ, MEGACLI_IN_PROCESS="1") if nproc == ["launch.nproc=1"] else None
 
 
 @pytest.fixture(scope="module")
@@ -99,24 +93,14 @@ def layout(tp=1, pp=1, nproc=None, sp=False, dist_opt=False, recompute="none"):
             f"launch.nproc={nproc or tp * pp}"]
 
 
-def pretrain(data: dict, run_dir: Path, overrides: list[str]) -> None:
-    sets = [*common(data), *overrides, f"run.dir={run_dir}"]
-    run([sys.executable, "-m", "megacli", "pretrain", *[x for s in sets for x in ("--set", s)]], env=one_worker_env(sets))
-
-
-def records(run_dir: Path) -> dict[int, dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {r["iteration"]: r for r in map(json.loads, lines) if "loss" in r}
-
-
-def assert_close(a: dict, b: dict, steps, rel: float, key: str = "loss"):
-    for i in steps:
-        assert abs(a[i][key] - b[i][key]) <= rel * abs(b[i][key]), f"step {i} {key}: {a[i][key]} vs {b[i][key]}"
+def train(data: dict, run_dir: Path, overrides: list[str]) -> None:
+    """`megacli pretrain` of the common recipe on the corpus with the overrides."""
+    pretrain(run_dir, [*common(data), *overrides])
 
 
 def trained(data, run_dir: Path, overrides: list[str]) -> tuple[dict, Path]:
     """A run's losses and its checkpoints (saved at steps 3 and 6: later tests resume from step 3)."""
-    pretrain(data, run_dir, overrides + [f"checkpoint.dir={run_dir / 'ck'}", "checkpoint.save_interval=3"])
+    train(data, run_dir, overrides + [f"checkpoint.dir={run_dir / 'ck'}", "checkpoint.save_interval=3"])
     return records(run_dir), run_dir / "ck"
 
 
@@ -195,7 +179,7 @@ def test_resume_reproduces_uninterrupted_run(arch, data, bert_trained, t5_traine
     """Resuming the single-process run's step-3 checkpoint gives its steps 4-6 (model, optimizer,
     scheduler, RNG and data position restored)."""
     (single, ck), model = (bert_trained, BERT) if arch == "bert" else (t5_trained, T5)
-    pretrain(data, tmp_path / "resumed", model + layout() + [f"checkpoint.resume={ck / 'iter_0000003'}"])
+    train(data, tmp_path / "resumed", model + layout() + [f"checkpoint.resume={ck / 'iter_0000003'}"])
     resumed = records(tmp_path / "resumed")
     assert sorted(resumed) == [4, 5, 6]
     assert_close(resumed, single, range(4, 7), rel=1e-6)
@@ -228,14 +212,13 @@ def test_reshard_then_resume_continues_the_loss_curve(arch, data, bert_single, t
     ck_a = (bert_tp2pp2 if arch == "bert" else t5_tp2dp2)[1]
 
     if arch == "t5":  # the checkpoint holds distributed-optimizer state: a standard run says how to convert it
-        fail = subprocess.run([sys.executable, "-m", "megacli", "pretrain", *[x for s in [*common(data), *model, *layout(),
-                               f"run.dir={tmp_path / 'wrong'}", f"checkpoint.resume={ck_a / 'iter_0000003'}"] for x in ("--set", s)]],
-                              capture_output=True, text=True, timeout=600, cwd=ROOT, env=one_worker_env(layout()))
+        fail = pretrain(tmp_path / "wrong", [*common(data), *model, *layout(), f"checkpoint.resume={ck_a / 'iter_0000003'}"],
+                        check=False)
         assert fail.returncode == 2 and "--no-distributed-optimizer" in fail.stderr, fail.stderr[-2000:]
     kind = ["--no-distributed-optimizer"] if arch == "t5" else []
     out = reshard(ck_a / "iter_0000003", tmp_path / "r1", "--tensor", "1", "--pipeline", "1", *kind)
     assert "verify: OK" in out, out
-    pretrain(data, tmp_path / "b", model + layout() + [f"checkpoint.resume={tmp_path / 'r1'}"])
+    train(data, tmp_path / "b", model + layout() + [f"checkpoint.resume={tmp_path / 'r1'}"])
     resumed = records(tmp_path / "b")
     assert sorted(resumed) == [4, 5, 6]
     for key in keys:
@@ -244,7 +227,7 @@ def test_reshard_then_resume_continues_the_loss_curve(arch, data, bert_single, t
         return
     out = reshard(tmp_path / "r1", tmp_path / "r2", "--data-parallel", "2", "--distributed-optimizer")
     assert "verify: OK" in out and "standard → distributed" in out, out
-    pretrain(data, tmp_path / "c", model + layout(nproc=2, dist_opt=True) + [f"checkpoint.resume={tmp_path / 'r2'}"])
+    train(data, tmp_path / "c", model + layout(nproc=2, dist_opt=True) + [f"checkpoint.resume={tmp_path / 'r2'}"])
     for key in keys:
         assert_close(records(tmp_path / "c"), single, range(4, 7), rel=1e-4, key=key)
 

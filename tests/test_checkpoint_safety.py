@@ -14,18 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import cli
+
 ITER = "iter_0000002"
 TINY_MODEL = {"num_layers": 1, "hidden_size": 8, "num_attention_heads": 2, "ffn_hidden_size": 16, "seq_length": 8,
               "make_vocab_size_divisible_by": 8}
-
-
-def cli(*args):
-    from typer.testing import CliRunner
-
-    from megacli.cli import _register, app
-
-    _register()
-    return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "200"})
 
 
 def write_checkpoint(root: Path, arch: str = "gpt") -> Path:

@@ -245,10 +245,10 @@ GEMMA_TRAIN = [
 def test_a_gemma_model_trains(tmp_path):
     """Every Gemma feature on (windowed + global layers, local RoPE, soft-caps, sandwich norms, scaled
     embeddings, 1 + w norms, q/k norms): pretraining runs and the loss falls."""
-    from tests.test_pretrain import layout, losses, pretrain
+    from tests.conftest import MOCK_GPT, layout, losses, pretrain
 
-    pretrain(tmp_path, "gemma", GEMMA_TRAIN + layout())
-    got = losses(tmp_path, "gemma")
+    pretrain(tmp_path / "gemma", MOCK_GPT + GEMMA_TRAIN + layout())
+    got = losses(tmp_path / "gemma")
     assert got[6] < got[1] - 0.3, got
 
 

@@ -3,9 +3,7 @@ the file and the cause named (exit 2, no traceback)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +11,7 @@ import pytest
 
 from megacli.data import indexed
 from megacli.errors import UserError
+from tests.conftest import pretrain
 
 TINY = [
     "data.mock=false", "tokenizer.type=byte", "tokenizer.path=null",
@@ -33,18 +32,16 @@ def corpus(prefix: Path, docs: int, tokens: int) -> str:
     return str(prefix)
 
 
-def pretrain(tmp: Path, overrides: list[str], timeout=120) -> subprocess.CompletedProcess:
-    sets = [*TINY, *overrides, f"run.dir={tmp / 'run'}"]
-    env = dict(os.environ, MEGACLI_IN_PROCESS="1")
-    return subprocess.run([sys.executable, "-m", "megacli", "pretrain", *[x for s in sets for x in ("--set", s)]],
-                          capture_output=True, text=True, timeout=timeout, env=env)
+def run(tmp: Path, overrides: list[str], timeout=120) -> subprocess.CompletedProcess:
+    """`megacli pretrain` of TINY with the overrides into TMP/run, finished however it finished."""
+    return pretrain(tmp / "run", [*TINY, *overrides], check=False, timeout=timeout)
 
 
 @pytest.mark.parametrize("docs,split", [(3, "98,2,0"), (1, "969,30,1")])
 def test_split_without_documents_is_refused_not_hung(tmp_path, docs, split):
     """3 documents with 98,2,0 leave the validation split empty; Megatron loops forever on it."""
     prefix = corpus(tmp_path / "c", docs, 440)
-    out = pretrain(tmp_path, [f"data.path={prefix}", f"data.split={split}"])
+    out = run(tmp_path, [f"data.path={prefix}", f"data.split={split}"])
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
     assert "Traceback" not in out.stderr
     assert f"{docs} documents" in out.stderr and "split 0 documents" in out.stderr and "data.split" in out.stderr
@@ -101,7 +98,7 @@ def test_validate_names_the_broken_file(tmp_path, kind):
 def test_truncated_bin_is_a_clear_error_before_training(tmp_path):
     prefix = corpus(tmp_path / "c", 200, 100)
     named = damage(prefix, "truncated bin")
-    out = pretrain(tmp_path, [f"data.path={prefix}", "data.split=98,2,0"])
+    out = run(tmp_path, [f"data.path={prefix}", "data.split=98,2,0"])
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
     assert "Traceback" not in out.stderr and "Exception ignored" not in out.stderr
     assert named in out.stderr.replace("\n", "") and "truncated" in out.stderr

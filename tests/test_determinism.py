@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests._gpu import TINY_GPT, assert_bitwise, assert_loss_falls, on_device, pretrain, steps
+from tests._gpu import TINY_GPT, assert_bitwise, assert_loss_falls, on_device, pretrain
+from tests.conftest import steps
 
 
 @pytest.mark.slow
@@ -34,7 +35,7 @@ def test_deterministic_kernels_are_switched_on():
 
 
 def test_the_comparisons_fail_on_a_difference():
-    from tests._gpu import assert_close
+    from tests.conftest import assert_close
 
     a = {1: {"loss": 5.0, "grad_norm": 1.0}, 2: {"loss": 4.0, "grad_norm": 0.5}}
     b = {1: {"loss": 5.0, "grad_norm": 1.0}, 2: {"loss": 4.0 + 4e-16 * 4, "grad_norm": 0.5}}

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests._gpu import TINY_GPT, assert_close, on_device, pretrain, steps
+from tests._gpu import TINY_GPT, on_device, pretrain
+from tests.conftest import assert_close, steps
 
 
 def _adamw(params):

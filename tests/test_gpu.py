@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from tests import _gpu
-from tests._gpu import TINY_GPT, assert_bitwise, assert_close, assert_loss_falls, on_device, pretrain, steps
+from tests._gpu import TINY_GPT, assert_bitwise, assert_loss_falls, on_device, pretrain
+from tests.conftest import assert_close, steps
 from tests.test_bert_t5 import BERT, T5, common, data  # noqa: F401  (data: the WordPiece corpus fixture)
 from tests.test_moe import MOE
 

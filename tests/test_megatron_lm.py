@@ -231,22 +231,25 @@ def _megacli(*args):
 
 
 def test_cli_inspect_print_structure_and_refusals(converted, tmp_path):
+    from tests.conftest import cli
+
     root, _ = converted
     src = root / "mlm_te"
-    out = _megacli("reshard", "inspect", str(src))
-    assert out.returncode == 0, out.stderr
+    # (the commands that succeed run in this process; the refusals below in their own, which must print no traceback)
+    out = cli("reshard", "inspect", src)
+    assert out.exit_code == 0, out.output
     assert "megatron-lm torch_dist" in out.stdout and "recipe (from the run's args):" in out.stdout
     assert "num_query_groups: 2" in out.stdout and "not mapped: tokenizer HuggingFaceTokenizer" in out.stdout
-    out = _megacli("convert", str(src), "--print-structure")
-    assert out.returncode == 0, out.stderr
+    out = cli("convert", src, "--print-structure")
+    assert out.exit_code == 0, out.output
     assert "Megatron-LM torch_dist checkpoint" in out.stdout
     assert "decoder.layers.self_attention.linear_qkv.weight  [2, 128, 32]  float32" in out.stdout
 
     # reshard reads it directly; verify compares every tensor with the source's.
-    out = _megacli("reshard", str(src), str(tmp_path / "resharded"), "--tensor", "1", "--pipeline", "1", "--verify")
-    assert out.returncode == 0 and "verify: OK" in out.stdout, out.stdout + out.stderr
-    out = _megacli("reshard", "verify", str(root / "mlm_local"), str(tmp_path / "resharded"))
-    assert out.returncode == 0 and "verify: OK" in out.stdout, out.stdout + out.stderr
+    out = cli("reshard", src, tmp_path / "resharded", "--tensor", "1", "--pipeline", "1", "--verify")
+    assert out.exit_code == 0 and "verify: OK" in out.stdout, out.output
+    out = cli("reshard", "verify", root / "mlm_local", tmp_path / "resharded")
+    assert out.exit_code == 0 and "verify: OK" in out.stdout, out.output
 
     # A run whose model megacli cannot express is named, not guessed; nothing is written.
     moe = tmp_path / "moe"
@@ -265,19 +268,13 @@ def test_cli_inspect_print_structure_and_refusals(converted, tmp_path):
 
 def _pretrain(recipe: Path, run_dir: Path, pretrained: Path, resume: str = "none",
               extra: tuple[str, ...] = ()) -> tuple[subprocess.CompletedProcess, list[float]]:
-    import json
-    import os
+    from tests.conftest import losses, pretrain
 
     sets = ["parallel.tensor=1", "parallel.pipeline=1", "launch.nproc=1", "train.iters=2", "train.eval_interval=null",
             "train.log_interval=1", "model.seq_length=16", "train.global_batch_size=2", f"checkpoint.resume={resume}",
-            f"checkpoint.pretrained={pretrained}", f"run.dir={run_dir}", *extra]
-    env = {**os.environ, "MEGACLI_IN_PROCESS": "1", "COLUMNS": "400"}  # long tmp paths must not wrap a message
-    out = subprocess.run([sys.executable, "-m", "megacli", "pretrain", str(recipe), *[x for s in sets for x in ("--set", s)]],
-                         capture_output=True, text=True, timeout=900, env=env)
-    if out.returncode != 0:
-        return out, []
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return out, [r["loss"] for r in records if "loss" in r]
+            f"checkpoint.pretrained={pretrained}", *extra]
+    out = pretrain(run_dir, sets, recipe=recipe, check=False)
+    return out, (list(losses(run_dir).values()) if out.returncode == 0 else [])
 
 
 def test_pretrained_weights_from_a_megatron_lm_checkpoint(converted, tmp_path):

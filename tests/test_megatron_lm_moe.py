@@ -25,12 +25,13 @@ One spawned process, tiny models (hidden 32, 2 layers, 4 experts, top 2):
 from __future__ import annotations
 
 import argparse
-import json
 import re
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.conftest import losses
 
 TOL = 1e-4
 ITERATION = 10  # of the Megatron-Core-saved checkpoint
@@ -284,13 +285,8 @@ def moe(tmp_path_factory):
     pretrain_in_process(ALL_MOE, root / "all")
     out = spawn(_moe, 1, str(root), timeout=1800)[0]
     pretrain_in_process([*ALL_MOE, f"checkpoint.resume={root / 'mlm_all'}"], root / "resumed")
-    out["all_losses"] = [_losses(root / name) for name in ("all", "resumed")]
+    out["all_losses"] = [losses(root / name) for name in ("all", "resumed")]
     return out
-
-
-def _losses(run_dir: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["iteration"]: r["loss"] for r in records if "loss" in r}
 
 
 @pytest.mark.parametrize("spec", ["te", "local"])

@@ -10,13 +10,12 @@ core_v0.16.1's own ``load_checkpoint`` does with them was checked by hand
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import pretrain
 
 ROOT = Path(__file__).resolve().parent.parent
 ITERATION, GBS, VOCAB = 2, 2, 262  # megacli's byte tokenizer: 256 bytes and its special tokens
@@ -489,11 +488,7 @@ def exported(tmp_path_factory):
 
 def pretrain_in_process(sets: list[str], run_dir: Path) -> None:
     """`megacli pretrain --set ...` (one worker, in the CLI's process) into run_dir, checkpoints in run_dir/checkpoints."""
-    env = {**os.environ, "MEGACLI_IN_PROCESS": "1"}
-    sets = [*sets, f"run.dir={run_dir}", f"checkpoint.dir={run_dir / 'checkpoints'}"]
-    run = subprocess.run([sys.executable, "-m", "megacli", "pretrain", *[x for s in sets for x in ("--set", s)]],
-                         capture_output=True, text=True, timeout=900, env=env)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    pretrain(run_dir, [*sets, f"checkpoint.dir={run_dir / 'checkpoints'}"])
 
 
 @pytest.mark.parametrize("name", ["te", "local", "te22"])

@@ -5,7 +5,6 @@ balanced, and the load-balancing loss and tokens per expert reach metrics.jsonl 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,7 @@ import pytest
 from megacli.recipe import base
 from megacli.recipe.base import RecipeErrors
 from megacli.recipe.pretrain import TrainingRecipe
-from tests.test_pretrain import assert_close, losses, pretrain
+from tests.conftest import MOCK_GPT, assert_close, losses, pretrain, records
 
 RECIPES = Path(__file__).parent.parent / "recipes"
 
@@ -86,12 +85,8 @@ def test_dry_run_plan_counts_expert_parameters():
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("moe_single")
-    pretrain(tmp, "run", MOE + SINGLE)
+    pretrain(tmp / "run", MOCK_GPT + MOE + SINGLE)
     return tmp / "run"
-
-
-def records(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow
@@ -114,11 +109,11 @@ def test_moe_loss_falls_with_balanced_experts_and_is_reported(single):
 def test_expert_parallel_matches_single_process(single, tmp_path):
     """EP=2 (DP=2, each process holds 2 experts, tokens exchanged by all-to-all on gloo) gives the
     single-process losses, load-balancing losses and expert loads."""
-    out = pretrain(tmp_path, "ep2", MOE + SINGLE + ["launch.nproc=2", "parallel.expert=2"])
+    out = pretrain(tmp_path / "ep2", MOCK_GPT + MOE + SINGLE + ["launch.nproc=2", "parallel.expert=2"])
     assert "4 experts, top-2, EP 2" in out.stdout and "load balancing" in out.stdout, out.stdout[-2000:]
     ep2 = records(tmp_path / "ep2")
     ref = records(single)
-    assert_close(losses(tmp_path, "ep2"), losses(single.parent, "run"), range(1, 7))
+    assert_close(losses(tmp_path / "ep2"), losses(single), range(1, 7), 1e-4)
     for a, b in zip(ep2, ref):
         assert abs(a["load_balancing_loss"] - b["load_balancing_loss"]) <= 1e-4 * b["load_balancing_loss"]
         assert a["expert_tokens"] == b["expert_tokens"]
@@ -128,6 +123,6 @@ def test_expert_parallel_matches_single_process(single, tmp_path):
 def test_allgather_dispatcher_matches_single_process(single, tmp_path):
     """The all-gather token dispatcher (every rank sees all tokens, keeps those for its experts)
     under EP=2 on gloo gives the same losses and expert loads as one process."""
-    pretrain(tmp_path, "ag", MOE + SINGLE + ["launch.nproc=2", "parallel.expert=2", "model.moe.dispatcher=allgather"])
-    assert_close(losses(tmp_path, "ag"), losses(single.parent, "run"), range(1, 7))
+    pretrain(tmp_path / "ag", MOCK_GPT + MOE + SINGLE + ["launch.nproc=2", "parallel.expert=2", "model.moe.dispatcher=allgather"])
+    assert_close(losses(tmp_path / "ag"), losses(single), range(1, 7), 1e-4)
     assert [r["expert_tokens"] for r in records(tmp_path / "ag")] == [r["expert_tokens"] for r in records(single)]

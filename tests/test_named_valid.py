@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from megacli.data import indexed
+from tests.conftest import pretrain
 
 SEQ = 32
 TINY = [
@@ -40,11 +39,9 @@ def corpus(prefix: Path, docs: list[int], seed: int) -> list[int]:
     return stream
 
 
-def pretrain(tmp: Path, overrides: list[str]) -> subprocess.CompletedProcess:
-    sets = [*TINY, *overrides, f"run.dir={tmp / 'run'}"]
-    env = dict(os.environ, MEGACLI_IN_PROCESS="1")
-    return subprocess.run([sys.executable, "-m", "megacli", "pretrain", *[x for s in sets for x in ("--set", s)]],
-                          capture_output=True, text=True, timeout=300, env=env)
+def run(tmp: Path, overrides: list[str]) -> subprocess.CompletedProcess:
+    """`megacli pretrain` of TINY with the overrides into TMP/run, finished however it finished."""
+    return pretrain(tmp / "run", [*TINY, *overrides], check=False, timeout=300)
 
 
 def _score(rank, world, ckpt: str, windows: dict) -> dict:
@@ -81,7 +78,7 @@ def test_named_sets_equal_standalone_scoring(tmp_path):
     streams = {"alpha": corpus(tmp_path / "alpha", [70, 130, 150], seed=1),
                "beta": corpus(tmp_path / "beta", [200, 200, 200], seed=2)}
     ck = tmp_path / "ck"
-    out = pretrain(tmp_path, [f"data.path={tmp_path / 'train'}", f"data.valid.alpha={tmp_path / 'alpha'}",
+    out = run(tmp_path, [f"data.path={tmp_path / 'train'}", f"data.valid.alpha={tmp_path / 'alpha'}",
                               f"data.valid.beta={tmp_path / 'beta'}", f"checkpoint.dir={ck}"])
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "validation set alpha: 10 samples" in out.stdout and "scores 10 of them" in out.stdout, out.stdout
@@ -113,7 +110,7 @@ def test_bad_named_set_is_refused(tmp_path, case):
         "bad name": (f"data.valid={{'web-2': {tmp_path / 'train'}}}", ["data.valid", "'web-2'", "not an identifier"]),
         "too short": (f"data.valid.web={tmp_path / 'short'}", ["data.valid.web", "holds 20 tokens", "33"]),
     }[case]
-    out = pretrain(tmp_path, [f"data.path={tmp_path / 'train'}", valid])
+    out = run(tmp_path, [f"data.path={tmp_path / 'train'}", valid])
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
     assert "Traceback" not in out.stderr
     for text in expected:
@@ -137,7 +134,7 @@ def test_sft_named_set_equals_the_same_file_as_the_validation_split(tmp_path):
     common = ["data.path=null", f"sft.train={train}", "sft.valid_fraction=0", "sft.packing=false", "sft.template=plain"]
     losses = {}
     for name, valid in (("file", f"sft.valid={held}"), ("named", f"sft.valid.held={held}")):
-        out = pretrain(tmp_path / name, [*common, valid])
+        out = run(tmp_path / name, [*common, valid])
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         records_ = [json.loads(line) for line in (tmp_path / name / "run" / "metrics.jsonl").read_text().splitlines()]
         losses[name] = {r["iteration"]: r for r in records_ if any(k.startswith("val_loss") for k in r)}

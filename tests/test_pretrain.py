@@ -8,58 +8,18 @@ back from metrics.jsonl (log_interval 1: one record per step)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-TINY = [
-    "data.path=null", "data.mock=true", "tokenizer.type=byte", "tokenizer.path=null",
-    "model.num_layers=4", "model.hidden_size=64", "model.num_attention_heads=4", "model.ffn_hidden_size=128",
-    "model.seq_length=32", "model.make_vocab_size_divisible_by=256",  # same padded vocab (512) at TP 1 and 2
-    "train.iters=6", "train.micro_batch_size=2", "train.global_batch_size=8", "train.log_interval=1",
-    "train.eval_interval=null", "optim.warmup_iters=1", "optim.lr=1e-2", "train.precision=fp32",
-    "checkpoint.dir=null",
-]
+from tests.conftest import MOCK_GPT as TINY, assert_close, layout, losses, megacli, pretrain, sets_args
 
-
-def layout(tp=1, pp=1, vp=None, nproc=None, sp=False, dist_opt=False):
-    out = [f"parallel.tensor={tp}", f"parallel.pipeline={pp}", f"parallel.sequence_parallel={str(sp).lower()}",
-           f"parallel.distributed_optimizer={str(dist_opt).lower()}", f"launch.nproc={nproc or tp * pp}"]
-    if vp:
-        out.append(f"parallel.virtual_pipeline={vp}")
-    return out
-
-
-def pretrain(tmp: Path, name: str, overrides: list[str], check=True) -> subprocess.CompletedProcess:
-    sets = [*TINY, *overrides, f"run.dir={tmp / name}"]
-    args = [sys.executable, "-m", "megacli", "pretrain", *[x for s in sets for x in ("--set", s)]]
-    # One worker: run it in the launcher's process (the CLI's in-process path), sparing a worker start.
-    nproc = [x for x in sets if x.startswith("launch.nproc=")][-1:]
-    env = dict(os.environ, MEGACLI_IN_PROCESS="1") if nproc == ["launch.nproc=1"] else None
-    out = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
-    if check:
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out
-
-
-def losses(tmp: Path, name: str) -> dict[int, float]:
-    records = [json.loads(line) for line in (tmp / name / "metrics.jsonl").read_text().splitlines()]
-    return {r["iteration"]: r["loss"] for r in records if "loss" in r}
-
-
-def assert_close(a: dict, b: dict, steps, rel=1e-4):
-    for i in steps:
-        assert abs(a[i] - b[i]) <= rel * abs(b[i]), f"step {i}: {a[i]} vs {b[i]}"
-
+REL = 1e-4  # another layout: another order of floating-point sums
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("single")
-    pretrain(tmp, "run", layout())
-    return losses(tmp, "run")
+    pretrain(tmp / "run", [*TINY, *layout()])
+    return losses(tmp / "run")
 
 
 @pytest.mark.slow
@@ -72,38 +32,38 @@ def test_tp2_pp2_sp_matches_single_process_and_checkpoint_loads_in_tp1(single, t
     """TP=2 × PP=2 with SP under 1F1B gives the single-process losses; its checkpoint at step 4
     loads into TP=1 × PP=1 and step 5 there equals step 5 of the TP2×PP2 run."""
     ck = tmp_path / "ck"
-    pretrain(tmp_path, "tp2pp2", layout(tp=2, pp=2, sp=True) + [f"checkpoint.dir={ck}", "checkpoint.save_interval=4"])
-    tp2pp2 = losses(tmp_path, "tp2pp2")
-    assert_close(tp2pp2, single, range(1, 4))
+    pretrain(tmp_path / "tp2pp2", TINY + layout(tp=2, pp=2, sp=True) + [f"checkpoint.dir={ck}", "checkpoint.save_interval=4"])
+    tp2pp2 = losses(tmp_path / "tp2pp2")
+    assert_close(tp2pp2, single, range(1, 4), REL)
     assert (ck / "latest").read_text().strip() == "iter_0000006"
-    pretrain(tmp_path, "resumed_tp1", layout() + [f"checkpoint.resume={ck / 'iter_0000004'}"])
-    resumed = losses(tmp_path, "resumed_tp1")
+    pretrain(tmp_path / "resumed_tp1", TINY + layout() + [f"checkpoint.resume={ck / 'iter_0000004'}"])
+    resumed = losses(tmp_path / "resumed_tp1")
     assert min(resumed) == 5, "training continues after the loaded iteration"
-    assert_close(resumed, tp2pp2, [5, 6])
+    assert_close(resumed, tp2pp2, [5, 6], REL)
 
 
 @pytest.mark.slow
 def test_tp2_dp2_sp_distributed_optimizer_matches_single_process(single, tmp_path):
-    pretrain(tmp_path, "tp2dp2", layout(tp=2, nproc=4, sp=True, dist_opt=True))
-    assert_close(losses(tmp_path, "tp2dp2"), single, range(1, 4))
+    pretrain(tmp_path / "tp2dp2", TINY + layout(tp=2, dp=2, sp=True, dist_opt=True))
+    assert_close(losses(tmp_path / "tp2dp2"), single, range(1, 4), REL)
 
 
 @pytest.mark.slow
 def test_interleaved_pipeline_matches_single_process(single, tmp_path):
     # 4 layers over PP=2 × 2 virtual stages: one layer per chunk; 4 micro-batches (a multiple of PP).
-    pretrain(tmp_path, "vpp", layout(pp=2, vp=2))
-    assert_close(losses(tmp_path, "vpp"), single, range(1, 4))
+    pretrain(tmp_path / "vpp", TINY + layout(pp=2, vp=2))
+    assert_close(losses(tmp_path / "vpp"), single, range(1, 4), REL)
 
 
 @pytest.mark.slow
 def test_resume_reproduces_uninterrupted_run(single, tmp_path):
     ck = tmp_path / "ck"
-    pretrain(tmp_path, "part", layout() + [f"checkpoint.dir={ck}", "train.exit_after_iters=3"])
+    pretrain(tmp_path / "part", TINY + layout() + [f"checkpoint.dir={ck}", "train.exit_after_iters=3"])
     assert (ck / "latest").read_text().strip() == "iter_0000003"
-    pretrain(tmp_path, "part", layout() + [f"checkpoint.dir={ck}"])
-    resumed = losses(tmp_path, "part")
+    pretrain(tmp_path / "part", TINY + layout() + [f"checkpoint.dir={ck}"])
+    resumed = losses(tmp_path / "part")
     # Same loss curve, steps 1-3 from the first process and 4-6 from the resumed one.
-    assert_close(resumed, single, range(1, 7), rel=1e-6)
+    assert_close(resumed, single, range(1, 7), 1e-6)
 
 
 @pytest.mark.slow
@@ -111,17 +71,15 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path):
     """A worker killed while writing iteration 4 leaves iter_0000002 and `latest` intact; the next
     run resumes from it."""
     ck = tmp_path / "ck"
-    env = dict(os.environ, MEGACLI_TEST_CRASH_IN_SAVE="4")
     sets = [*TINY, *layout(), f"checkpoint.dir={ck}", "checkpoint.save_interval=2", f"run.dir={tmp_path / 'run'}"]
-    out = subprocess.run([sys.executable, "-m", "megacli", "pretrain", *[x for s in sets for x in ("--set", s)]],
-                         capture_output=True, text=True, timeout=600, env=env)
+    out = megacli("pretrain", *sets_args(sets), env={"MEGACLI_TEST_CRASH_IN_SAVE": "4"})  # a worker the launcher starts
     assert out.returncode != 0
     # The launcher shows the failing worker's error once, not a wall of tracebacks.
     assert "rank 0 failed with RuntimeError: injected crash while saving iteration 4" in out.stderr, out.stderr
     assert out.stderr.count("Traceback") <= 1, out.stderr
     assert (ck / "latest").read_text().strip() == "iter_0000002"
     assert (ck / "iter_0000004.tmp").exists() and not (ck / "iter_0000004").exists()
-    pretrain(tmp_path, "run", layout() + [f"checkpoint.dir={ck}", "checkpoint.save_interval=2"])
+    pretrain(tmp_path / "run", TINY + layout() + [f"checkpoint.dir={ck}", "checkpoint.save_interval=2"])
     logged = [json.loads(line)["iteration"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     # The first run logged 1-4 and died saving 4; the second resumed from 2 and replaced the records of 3 and 4.
     assert logged == [1, 2, 3, 4, 5, 6]
@@ -132,8 +90,8 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path):
 @pytest.mark.slow
 def test_context_parallel_matches_single_process(single, tmp_path):
     """CP=2 (ring attention over load-balanced chunks, sequence split per rank) gives the same losses."""
-    pretrain(tmp_path, "cp2", layout(nproc=2) + ["parallel.context=2"])
-    assert_close(losses(tmp_path, "cp2"), single, range(1, 4))
+    pretrain(tmp_path / "cp2", TINY + layout(cp=2))
+    assert_close(losses(tmp_path / "cp2"), single, range(1, 4), REL)
 
 
 def double_loss(losses, *, labels, loss_mask, factor):
@@ -143,9 +101,9 @@ def double_loss(losses, *, labels, loss_mask, factor):
 
 @pytest.mark.slow
 def test_custom_loss_and_tensorboard(single, tmp_path):
-    pretrain(tmp_path, "custom", layout() + ["train.loss=tests.test_pretrain:double_loss", "train.loss_kwargs={factor: 2.0}",
+    pretrain(tmp_path / "custom", TINY + layout() + ["train.loss=tests.test_pretrain:double_loss", "train.loss_kwargs={factor: 2.0}",
                                              "train.iters=2", "train.tensorboard=true"])
-    assert abs(losses(tmp_path, "custom")[1] - 2 * single[1]) <= 1e-6 * single[1]
+    assert abs(losses(tmp_path / "custom")[1] - 2 * single[1]) <= 1e-6 * single[1]
     assert any((tmp_path / "custom" / "tensorboard").glob("events.out.tfevents.*"))
 
 

@@ -16,7 +16,7 @@ import psutil
 import pytest
 import torch
 
-from tests.test_pretrain import TINY, layout
+from tests.conftest import MOCK_GPT as TINY, layout
 
 
 def test_resumed_run_replaces_the_records_after_its_checkpoint(tmp_path):

@@ -159,6 +159,16 @@ class Server:
     """`megacli serve ARGS` on a free loopback port, up until stop()."""
 
     def __init__(self, ckpt: Path, *args, env: dict | None = None):
+        # A free port can be taken by another process before the server binds it (the workers'
+        # gloo connections use the same range): then again on another one.
+        for attempt in range(3):
+            if self._start(ckpt, args, env) or "address already in use" not in "".join(self.lines) or attempt == 2:
+                break
+        if not any(line.startswith("serving ") for line in self.lines):
+            raise AssertionError("the server did not start:\n" + "".join(self.lines)[-4000:])
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def _start(self, ckpt: Path, args, env: dict | None) -> bool:
         from tests._dist import free_port
 
         self.port = free_port()
@@ -177,10 +187,10 @@ class Server:
             ready.set()
 
         threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(180) or not any(line.startswith("serving ") for line in self.lines):
-            self.stop()
-            raise AssertionError("the server did not start:\n" + "".join(self.lines)[-4000:])
-        self.url = f"http://127.0.0.1:{self.port}"
+        if ready.wait(180) and any(line.startswith("serving ") for line in self.lines):
+            return True
+        self.stop()
+        return False
 
     def client(self, key: str = "unused", cls=None):
         return (cls or openai.OpenAI)(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=TIMEOUT)

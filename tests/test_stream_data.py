@@ -278,7 +278,7 @@ def test_pretrain_and_its_dry_run_refuse_a_corpus_without_text(tmp_path):
     from typer.testing import CliRunner
 
     from megacli.cli import _register, app
-    from tests.test_pretrain import TINY
+    from tests.conftest import MOCK_GPT as TINY
 
     path = write_jsonl(tmp_path / "empty.jsonl", [""] * 50)
     sets = [*TINY, "data.mock=false", "data.source=jsonl", f"data.files=[{path}]", f"run.dir={tmp_path / 'run'}"]
@@ -335,20 +335,20 @@ def test_validation_does_not_change_the_recipe():
 @pytest.mark.slow
 @pytest.mark.parametrize("dp", [1, 2])
 def test_pretrain_resume_mid_stream_equals_uninterrupted_run(tmp_path, dp):
-    from tests.test_pretrain import layout, losses, pretrain
+    from tests.conftest import MOCK_GPT, layout, losses, pretrain
 
     corpus = write_jsonl(tmp_path / "c.jsonl", documents(200))
     stream = ["data.mock=false", "data.source=jsonl", f"data.files=[{corpus}]", "data.reset_position_ids=true",
-              "data.tokenizer_workers=1", "train.iters=6", *layout(nproc=dp)]
-    pretrain(tmp_path, "whole", stream)
+              "data.tokenizer_workers=1", "train.iters=6", *layout(dp=dp)]
+    pretrain(tmp_path / "whole", MOCK_GPT + stream)
     ck = tmp_path / "ck"
-    pretrain(tmp_path, "part", stream + [f"checkpoint.dir={ck}", "train.exit_after_iters=3"])
+    pretrain(tmp_path / "part", MOCK_GPT + stream + [f"checkpoint.dir={ck}", "train.exit_after_iters=3"])
     saved = json.loads((ck / "iter_0000003" / "megacli.json").read_text())["stream"]
     assert [s["samples"] for s in saved] == [24 // dp] * dp  # 3 steps of 8 samples, split over the DP ranks
     assert all(s["positions"][0]["documents"] > 0 for s in saved)
     assert len({json.dumps(s) for s in saved}) == dp  # each rank at its own place in its own documents
-    pretrain(tmp_path, "part", stream + [f"checkpoint.dir={ck}"])
-    whole, resumed = losses(tmp_path, "whole"), losses(tmp_path, "part")
+    pretrain(tmp_path / "part", MOCK_GPT + stream + [f"checkpoint.dir={ck}"])
+    whole, resumed = losses(tmp_path / "whole"), losses(tmp_path / "part")
     assert sorted(resumed) == list(range(1, 7))
     for i in range(1, 7):
         assert resumed[i] == pytest.approx(whole[i], rel=1e-6, abs=0), f"step {i}"
@@ -385,7 +385,7 @@ def test_a_resume_on_changed_sources_is_refused_naming_the_source(tmp_path, monk
     from typer.testing import CliRunner
 
     from megacli.cli import _register, app
-    from tests.test_pretrain import TINY, layout
+    from tests.conftest import MOCK_GPT as TINY, layout
 
     a = write_jsonl(tmp_path / "a.jsonl", documents(200))
     b = write_jsonl(tmp_path / "b.jsonl", [t.upper() for t in documents(100)])
@@ -597,7 +597,7 @@ def test_on_the_fly_sources_are_checked_by_the_dry_run_and_before_workers_start(
     from megacli.errors import UserError
     from megacli.recipe import base
     from megacli.recipe.pretrain import TrainingRecipe
-    from tests.test_pretrain import TINY
+    from tests.conftest import MOCK_GPT as TINY
 
     corpus = write_jsonl(tmp_path / "c.jsonl", documents(4))
     (tmp_path / "c.csv").write_text("text\nx\n")

@@ -14,23 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_pretrain import TINY, layout
+from tests.conftest import MOCK_GPT as TINY, cli, layout, pretrain, records
 
 LOGGED = ["train.iters=4", "train.eval_interval=2", "train.eval_iters=1", "train.loggers=[tensorboard,wandb,mlflow]"]
 
 
-def pretrain(run_dir: Path, overrides: list[str]) -> None:
-    sets = [*TINY, *layout(), *LOGGED, *overrides, f"run.dir={run_dir}"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "MLFLOW_"))}
-    env.update(WANDB_MODE="offline", MEGACLI_IN_PROCESS="1")
-    out = subprocess.run([sys.executable, "-m", "megacli", "pretrain", *[x for s in sets for x in ("--set", s)]],
-                         capture_output=True, text=True, timeout=600, env=env)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+def run(run_dir: Path, overrides: list[str]) -> None:
+    """`megacli pretrain` with every logger, wandb offline, none of this environment's tracker settings."""
+    env = {**{k: None for k in os.environ if k.startswith(("WANDB_", "MLFLOW_"))}, "WANDB_MODE": "offline"}
+    out = pretrain(run_dir, [*TINY, *layout(), *LOGGED, *overrides], env=env)
     assert "logger off" not in out.stdout, out.stdout
-
-
-def records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +32,9 @@ def tracked(tmp_path_factory):
     after the first process."""
     run_dir = tmp_path_factory.mktemp("tracked") / "run"
     ck = f"checkpoint.dir={run_dir.parent / 'ck'}"
-    pretrain(run_dir, [ck, "train.exit_after_iters=2"])
+    run(run_dir, [ck, "train.exit_after_iters=2"])
     first_ids = json.loads((run_dir / "trackers.json").read_text())
-    pretrain(run_dir, [ck])
+    run(run_dir, [ck])
     return run_dir, first_ids
 
 
@@ -259,15 +252,6 @@ def write_run(path: Path, lines: list[dict]) -> Path:
     path.mkdir(parents=True)
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     return path
-
-
-def cli(*args):
-    from typer.testing import CliRunner
-
-    from megacli.cli import _register, app
-
-    _register()
-    return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "200"})
 
 
 def test_resumed_segments_joined_the_later_replacing_the_earlier(tmp_path):

@@ -5,12 +5,13 @@ and back."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import assert_close, cli, losses, pretrain
 
 TINY = [
     "data.path=null", "data.mock=true", "tokenizer.type=byte", "tokenizer.path=null",
@@ -25,45 +26,28 @@ SINGLE = ["parallel.pipeline=1", "launch.nproc=1"]
 PROMPT = "the quick brown fox"
 
 
-def pretrain(run_dir: Path, overrides: list[str]) -> dict[int, float]:
-    sets = [*TINY, *overrides, f"run.dir={run_dir}"]
-    env = dict(os.environ)
-    if "launch.nproc=1" in overrides:
-        env["MEGACLI_IN_PROCESS"] = "1"  # one worker: run it in the launcher's process
-    out = subprocess.run([sys.executable, "-m", "megacli", "pretrain", *[x for s in sets for x in ("--set", s)]],
-                         capture_output=True, text=True, timeout=600, env=env)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["iteration"]: r["loss"] for r in records if "loss" in r}
+def run(run_dir: Path, overrides: list[str]) -> dict[int, float]:
+    """The losses of `megacli pretrain` of TINY with the overrides."""
+    pretrain(run_dir, [*TINY, *overrides])
+    return losses(run_dir)
 
 
-def assert_close(got: dict, want: dict, steps, rel=1e-5):
-    for i in steps:
-        assert abs(got[i] - want[i]) <= rel * abs(want[i]), f"step {i}: {got[i]} vs {want[i]}"
-
-
-def cli(*args):
-    from typer.testing import CliRunner
-
-    from megacli.cli import _register, app
-
-    _register()
-    return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "200"})
+REL = 1e-5
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("uneven")
-    single = pretrain(tmp / "single", SINGLE)
+    single = run(tmp / "single", SINGLE)
     ck = tmp / "ck"
-    uneven = pretrain(tmp / "uneven", UNEVEN + [f"checkpoint.dir={ck}", "checkpoint.save_interval=2"])
+    uneven = run(tmp / "uneven", UNEVEN + [f"checkpoint.dir={ck}", "checkpoint.save_interval=2"])
     return tmp, single, uneven, ck / "iter_0000002"
 
 
 @pytest.mark.slow
 def test_pp2_with_one_layer_on_the_first_stage_matches_one_process(runs):
     _, single, uneven, ckpt = runs
-    assert_close(uneven, single, range(1, 5))
+    assert_close(uneven, single, range(1, 5), REL)
     meta = json.loads((ckpt / "megacli.json").read_text())
     assert meta["layout"]["pipeline"] == 2 and meta["layout"]["first_stage_layers"] == 1
 
@@ -71,9 +55,9 @@ def test_pp2_with_one_layer_on_the_first_stage_matches_one_process(runs):
 @pytest.mark.slow
 def test_uneven_checkpoint_resumes_at_pp1(runs):
     tmp, _, uneven, ckpt = runs
-    resumed = pretrain(tmp / "resumed", SINGLE + [f"checkpoint.resume={ckpt}"])
+    resumed = run(tmp / "resumed", SINGLE + [f"checkpoint.resume={ckpt}"])
     assert min(resumed) == 3
-    assert_close(resumed, uneven, [3, 4])
+    assert_close(resumed, uneven, [3, 4], REL)
 
 
 @pytest.mark.slow
