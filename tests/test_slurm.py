@@ -4,8 +4,6 @@ time limit (save, requeue, resume with the same losses), scancel, and a node tha
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import signal
 import subprocess
@@ -16,14 +14,14 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import ROOT
-from tests.test_pretrain import TINY
+from tests import conftest
+from tests.conftest import MOCK_GPT, ROOT
 
 # Two nodes × two tasks; a step lasts at least STEP_S (slow_loss), so a signal sent after a logged
 # step finds the run still training.
 STEP_S = 0.2
 LAYOUT = ["parallel.tensor=1", "parallel.pipeline=1", "launch.nnodes=2", "launch.nproc=2"]
-SLOW = [*TINY, "model.num_layers=2", "train.loss=tests.test_slurm:slow_loss", f"train.loss_kwargs={{seconds: {STEP_S}}}"]
+SLOW = [*MOCK_GPT, "model.num_layers=2", "train.loss=tests.test_slurm:slow_loss", f"train.loss_kwargs={{seconds: {STEP_S}}}"]
 ITERS = 12
 
 
@@ -34,8 +32,8 @@ def slow_loss(losses, *, labels, loss_mask, seconds):
 
 
 def megacli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "400", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "megacli", *args], capture_output=True, text=True, timeout=300, env=env)
+    """conftest's runner, with this checkout on the path of the jobs' workers too."""
+    return conftest.megacli(*args, env={"PYTHONPATH": str(ROOT), **(env or {})}, timeout=300)
 
 
 def submit_args(run_dir: Path, *sets: str) -> list[str]:
@@ -134,8 +132,8 @@ def wait_for_job(job: str, states: set[str], timeout: float = 240) -> dict[str, 
 
 
 def records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    """conftest's records, none before the run has written its metrics."""
+    return conftest.records(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
 
 
 def wait_for_iteration(job: str, run_dir: Path, iteration: int, timeout: float = 240) -> None:
