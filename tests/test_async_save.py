@@ -5,6 +5,7 @@ write keeps the previous checkpoint; a stop signal waits for the save in flight.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -126,6 +127,38 @@ def test_latest_moves_only_once_the_write_is_complete_and_a_failed_or_killed_wri
         queue.async_calls.clear()
         assert find_checkpoint(ck) == ck / "iter_0000002" and not (ck / "iter_0000004").exists()
         assert manifest.verify(ck).startswith("manifest: OK")
+
+
+def test_a_run_reuses_its_save_plan_in_each_new_directory(tmp_path):
+    """One strategy for a run's saves (engine.saves): from the third save on Megatron-Core's plan is
+    reused, not made again; each save, asynchronous or not, holds its own values in its own directory."""
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    from megacli.checkpoint import manifest
+    from megacli.convert.megatron_io import megatron_process
+    from megacli.engine import checkpoint
+
+    ck = tmp_path / "ck"
+    with megatron_process():
+        strategy, queue = TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True), AsyncCallsQueue()
+        for iteration in (1, 2, 3, 4):
+            checkpoint.save(ckpt_dir=ck, iteration=iteration, consumed_samples=0, chunks=[Weights(iteration)],
+                            optimizer=None, scheduler=None, recipe_yaml="{}\n", strategy=strategy,
+                            queue=queue if iteration % 2 else None)
+            assert queue.maybe_finalize_async_calls(blocking=True) == ([iteration // 2] if iteration % 2 else [])
+            assert strategy.validated_cache_reuse == (iteration > 1)  # the plan made at 1 and 2 is the same
+        for iteration in (1, 2, 3, 4):
+            saved = ck / f"iter_{iteration:07d}"
+            assert manifest.verify(saved).startswith("manifest: OK")
+            named = set(re.findall(rb"iter_\d+", (saved / ".metadata").read_bytes()))
+            assert named <= {saved.name.encode()}  # the torch_dist metadata names no other save's directory
+            empty = {"weight": ShardedTensor.from_rank_offsets("weight", torch.zeros(256, 256), replica_id=0)}
+            loaded = dist_checkpointing.load(empty, str(saved))["weight"]
+            assert torch.equal(loaded, torch.full((256, 256), float(iteration)))
 
 
 SIGNAL_IN_FLIGHT = """

@@ -124,7 +124,7 @@ def _sharded_state(chunks, optimizer, scheduler, *, loading: bool, with_optimize
 
 def save(*, ckpt_dir: str | Path, iteration: int, consumed_samples: int, chunks, optimizer, scheduler,
          recipe_yaml: str, keep_last: int | None = None, run_id: str | None = None, extra_meta: dict | None = None,
-         lora_base: Path | None = None, queue=None, check_finite: bool = False) -> Path:
+         lora_base: Path | None = None, queue=None, check_finite: bool = False, strategy=None) -> Path:
     """Save atomically; returns the final iteration directory. Collective: every rank calls it.
     ``run_id`` (kept in megacli.json) names the training run across resumes: ``keep_last`` prunes
     only the checkpoints of this run.
@@ -135,11 +135,13 @@ def save(*, ckpt_dir: str | Path, iteration: int, consumed_samples: int, chunks,
     a background process, and the directory is published (and `latest` moved) only when the
     queue finalizes the request, after every rank's write completed. Without it, before returning.
     ``check_finite``: the writer checks the values it wrote, and a save holding a non-finite one is
-    removed instead of published (nonfinite.NonFiniteSave)."""
+    removed instead of published (nonfinite.NonFiniteSave).
+    ``strategy``: a torch_dist save strategy kept across saves of one structure (engine.saves); the
+    shards' access check runs at its first save only."""
     request, final = _start_save(ckpt_dir=Path(ckpt_dir), iteration=iteration, consumed_samples=consumed_samples,
                                  chunks=chunks, optimizer=optimizer, scheduler=scheduler, recipe_yaml=recipe_yaml,
                                  keep_last=keep_last, run_id=run_id, extra_meta=extra_meta, lora_base=lora_base,
-                                 check_finite=check_finite)
+                                 check_finite=check_finite, strategy=strategy)
     if queue is None:
         request.execute_sync()
     else:
@@ -148,7 +150,7 @@ def save(*, ckpt_dir: str | Path, iteration: int, consumed_samples: int, chunks,
 
 
 def _start_save(*, ckpt_dir: Path, iteration: int, consumed_samples: int, chunks, optimizer, scheduler,
-                recipe_yaml: str, keep_last, run_id, extra_meta, lora_base, check_finite: bool):
+                recipe_yaml: str, keep_last, run_id, extra_meta, lora_base, check_finite: bool, strategy):
     """Everything of a save that needs the live state (the shards' plan and copies, common.pt), as
     Megatron-Core's AsyncRequest whose one finalize step completes and publishes the save."""
     import torch.distributed as dist
@@ -176,7 +178,9 @@ def _start_save(*, ckpt_dir: Path, iteration: int, consumed_samples: int, chunks
     dist.all_reduce(needed)
     needed = int(needed.item())
     try:
-        request = dist_checkpointing.save(state, str(tmp), async_sharded_save=True)
+        checked = strategy is not None and strategy.cached_local_plan is not None  # it saved this structure
+        request = dist_checkpointing.save(state, str(tmp), sharded_strategy=strategy, async_sharded_save=True,
+                                          validate_access_integrity=not checked)
     except BaseException as exc:  # torch's CheckpointException derives from BaseException
         full = space.disk_full_error(exc, ckpt_dir=ckpt_dir, partial=tmp, needed=needed, remove=rank == 0)
         if full is not None:

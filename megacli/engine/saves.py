@@ -38,6 +38,14 @@ class Saves:
 
             self.queue = AsyncCallsQueue()  # Megatron-Core's forked (not persistent) caller
         self.in_flight: dict[int, Path] = {}  # the queue's call index -> the directory it publishes
+        self.strategy = None
+        if self.ck.dir:
+            from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+            # A run's model and optimizer keep their structure, so Megatron-Core's save plan is reused
+            # (Megatron-LM's --ckpt-assume-constant-structure): checked against the first at the second
+            # save, not computed again from the third. Each save's writer names its own directory.
+            self.strategy = TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True)
 
     def step(self, *, iteration: int, consumed: int, last: bool) -> tuple[bool, Path | None]:
         """Collective, after each step: publish what completed, then save when due (``last``: the
@@ -53,7 +61,8 @@ class Saves:
                                    chunks=self.trainer.chunks, optimizer=self.trainer.optimizer,
                                    scheduler=self.trainer.scheduler, recipe_yaml=self.recipe_yaml,
                                    keep_last=self.ck.keep_last, run_id=self.run_id, lora_base=self.lora_base,
-                                   extra_meta=self.stream_meta(), queue=queue, check_finite=True)
+                                   extra_meta=self.stream_meta(), queue=queue, check_finite=True,
+                                   strategy=self.strategy)
         except nonfinite.NonFiniteSave as bad:
             raise nonfinite.stopped(str(bad), self.last_good, self.on_nonfinite) from None
         if queue is None:
