@@ -191,7 +191,7 @@ def test_a_stop_signal_waits_for_the_save_in_flight(tmp_path):
     ck = tmp_path / "ck"
     out = subprocess.run([sys.executable, "-c", SIGNAL_IN_FLIGHT, str(tmp_path / "signalled"), "pretrain",
                           *args(f"checkpoint.dir={ck}", "train.iters=50", f"run.dir={tmp_path / 'run'}")],
-                         capture_output=True, text=True, timeout=600, env=dict(os.environ, MEGACLI_IN_PROCESS="1"))
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ, MEGACLI_IN_PROCESS="1", COLUMNS="400"))
     text = " ".join(out.stdout.split())
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     stopped = int((ck / "latest").read_text().strip().split("_")[1])

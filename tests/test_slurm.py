@@ -146,6 +146,14 @@ def wait_for_iteration(job: str, run_dir: Path, iteration: int, timeout: float =
     raise AssertionError(f"job {job} did not log iteration {iteration} within {timeout} s")
 
 
+def wait_for_checkpoint(job: str, ck: Path, timeout: float = 240) -> None:
+    """Until the job has published a checkpoint (``latest`` written)."""
+    deadline = time.monotonic() + timeout
+    while not (ck / "latest").is_file():
+        assert time.monotonic() < deadline, f"job {job} published no checkpoint within {timeout} s: {job_fields(job)}"
+        time.sleep(0.2)
+
+
 def log_of(run_dir: Path, job: str) -> str:
     return " ".join((run_dir / "slurm" / f"{job}.out").read_text().split())
 
@@ -248,6 +256,7 @@ def test_a_node_that_stops_answering_requeues_the_job_from_the_last_complete_che
     job = submitted_job(megacli(*submit_args(run, "launch.nproc=1", "train.iters=10", f"checkpoint.dir={ck}",
                                              "checkpoint.save_interval=2")))
     wait_for_iteration(job, run, 3)
+    wait_for_checkpoint(job, ck)  # saves are asynchronous: iteration 2's is published a step or more later
     slurmd = psutil.Process(int((slurm_cluster / "pids" / "slurmd-n2.pid").read_text()))
     tasks = tasks_on("n2", job)
     assert tasks
