@@ -25,13 +25,11 @@ from megacli.checkpoint.layout import (
     META,
     RECIPE,
     fsync_dir,
-    is_legacy_dir,
-    is_megatron_lm_dir,
     iter_name,
     tmp_sibling,
 )
 from megacli.checkpoint.megacli_checkpoint import Checkpoint
-from megacli.checkpoint.source import locate
+from megacli.checkpoint.source import LEGACY, MEGACLI, MEGATRON_LM, kind_of, locate
 from megacli.checkpoint.torch_dist import write_torch_dist
 from megacli.errors import UserError
 from megacli.reshard.tensor_plan import Plan, Target, build_plan, resolve_target
@@ -69,15 +67,16 @@ def find_source(path: str | Path) -> Path:
     return found
 
 
-def _stage(src_dir: Path, where: Path, trust_pickle: bool, progress) -> tuple[Path, list[str]]:
-    """A Megatron-LM checkpoint staged as a megacli one (and what was left out); a megacli one as it is."""
+def _stage(found: Path, kind: str, where: Path, trust_pickle: bool, progress) -> tuple[Path, list[str]]:
+    """A checkpoint located as ``kind`` (checkpoint.source.locate): a Megatron-LM one staged as a
+    megacli one (and what was left out); a megacli one as it is."""
     from megacli.checkpoint.megatron_lm import dist_staging, legacy_staging
 
-    if is_megatron_lm_dir(src_dir):
-        return dist_staging.import_to_staging(src_dir, where=where, trust_pickle=trust_pickle)
-    if is_legacy_dir(src_dir):
-        return legacy_staging.import_to_staging(src_dir, where=where, trust_pickle=trust_pickle, progress=progress), []
-    return src_dir, []
+    if kind == MEGATRON_LM:
+        return dist_staging.import_to_staging(found, where=where, trust_pickle=trust_pickle)
+    if kind == LEGACY:
+        return legacy_staging.import_to_staging(found, where=where, trust_pickle=trust_pickle, progress=progress), []
+    return found, []
 
 
 def _check_output(output: Path, source: Path, overwrite: bool) -> None:
@@ -123,7 +122,7 @@ def reshard(job, *, progress: Callable[[str, int], Callable[[str], None]] | None
 
 def _reshard(job, progress) -> Result:
     start = time.perf_counter()
-    src_dir = find_source(job.source)
+    src_dir, src_kind = locate(job.source)
     output = Path(job.output)
     _check_output(output, src_dir, job.overwrite)
     from megacli.checkpoint.megatron_lm import legacy_staging, legacy_writer
@@ -138,7 +137,7 @@ def _reshard(job, progress) -> Result:
         raise UserError("--verify compares megacli checkpoints; for --format megatron, convert the result back "
                         "(`megacli convert DST BACK --to megacli`) and compare that")
     original = src_dir
-    src_dir, import_notes = _stage(src_dir, output.resolve().parent, job.trust_pickle, progress)
+    src_dir, import_notes = _stage(src_dir, src_kind, output.resolve().parent, job.trust_pickle, progress)
     try:
         src = Checkpoint(src_dir, trust_pickle=job.trust_pickle)
         target = resolve_target(src.layout, src.section("parallel"), tensor=job.tensor, pipeline=job.pipeline,
@@ -154,7 +153,7 @@ def _reshard(job, progress) -> Result:
 
             check_exportable(plan.recipe, src_dir, job.spec)
         if original != src_dir:  # imported from Megatron-LM: name its checkpoint, not the staging copy
-            fmt = "megatron-lm torch_dist" if is_megatron_lm_dir(original) else "megatron-lm torch"
+            fmt = "megatron-lm torch_dist" if src_kind == MEGATRON_LM else "megatron-lm torch"
             plan.meta["resharded_from"].update(path=str(original.resolve()), format=fmt)
             plan.notes[:0] = import_notes
 
@@ -266,25 +265,21 @@ def verify(source: str | Path, target: str | Path, *, trust_pickle: bool = False
 
 def _verify(source, target, *, trust_pickle: bool, progress) -> VerifyReport:
     from megacli.checkpoint.layout import find_checkpoint
-    from megacli.checkpoint.megatron_lm import dist_staging, legacy_staging
+    from megacli.checkpoint.megatron_lm import legacy_staging
 
-    src_dir = find_source(source)
+    src_dir, src_kind = locate(source)
     tgt_path = Path(target)
-    tgt_dir = find_checkpoint(tgt_path) if tgt_path.exists() else None
-    if tgt_dir is None:
-        if tgt_path.exists() and is_legacy_dir(tgt_path):
-            tgt_dir = legacy_staging.import_to_staging(tgt_path, where=tgt_path.resolve().parent, trust_pickle=trust_pickle, progress=progress)
-        elif tgt_path.exists() and is_megatron_lm_dir(tgt_path):
-            tgt_dir, _ = dist_staging.import_to_staging(tgt_path, where=tgt_path.resolve().parent, trust_pickle=trust_pickle)
-        else:
-            raise UserError(f"{target}: not a checkpoint (megacli, Megatron-LM torch_dist or legacy)")
-    staged_src = src_dir
-    if is_legacy_dir(src_dir) or is_megatron_lm_dir(src_dir):
-        try:
-            staged_src, _ = _stage(src_dir, tgt_path.resolve().parent, trust_pickle, progress)
-        except BaseException:
-            legacy_staging.cleanup_staging(tgt_dir)
-            raise
+    tgt_kind = kind_of(tgt_path) if tgt_path.exists() else None
+    if tgt_kind not in (MEGACLI, MEGATRON_LM, LEGACY):
+        raise UserError(f"{target}: not a checkpoint (megacli, Megatron-LM torch_dist or legacy)")
+    where = tgt_path.resolve().parent
+    tgt_dir, _ = _stage(find_checkpoint(tgt_path) if tgt_kind == MEGACLI else tgt_path, tgt_kind, where, trust_pickle,
+                        progress)
+    try:
+        staged_src, _ = _stage(src_dir, src_kind, where, trust_pickle, progress)
+    except BaseException:
+        legacy_staging.cleanup_staging(tgt_dir)
+        raise
     try:
         src = Checkpoint(staged_src, trust_pickle=trust_pickle)
         tgt = Checkpoint(tgt_dir, trust_pickle=trust_pickle)
