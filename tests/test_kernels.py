@@ -3,7 +3,8 @@ gradient reduce): train.compile (torch.compile of the step: one graph for all tr
 one each for the embedding, the final norm and the output layer with the loss; no graph break, no
 recompile), train.cuda_graphs (its Megatron-Core settings and its refusals; the graphs themselves
 are tests/test_gpu.py's), train.attention_backend (the kernel logged at start, and torch's switches
-set to it) and train.grad_reduce_in_bf16 (data-parallel, two ranks)."""
+set to it), train.grad_reduce_in_bf16 (data-parallel, two ranks), and the gradient norm and
+scaling on torch's multi-tensor kernels against Megatron-Core's local fallbacks."""
 
 from __future__ import annotations
 
@@ -272,3 +273,111 @@ def test_cuda_graphs_map_to_megatron_and_refuse_what_cannot_be_captured(tmp_path
     assert out.returncode == 2 and not losses, out.stdout[-2000:] + out.stderr[-2000:]
     assert "train.cuda_graphs = 'layers' captures CUDA graphs; this run is on cpu" in out.stdout + out.stderr
     assert "Traceback" not in out.stdout + out.stderr
+
+
+def _grad_kernels_against_megatrons(rank, world):
+    """Megatron-Core's local fallbacks and megacli's multi-tensor ones on the same tensors: the
+    norms (mixed dtypes, per tensor, none), the scaled copies, and which implementations
+    use_foreach_grad_kernels installs."""
+    import torch.distributed as dist
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    from megacli.backend import cpu
+    from megacli.engine import kernels
+
+    cpu.enable()
+    dist.init_process_group("gloo")
+    g = torch.Generator().manual_seed(0)
+    shapes = [(64, 32), (32,), (7, 3, 5), (1,), (128,)]
+    dtypes = [torch.float32, torch.bfloat16, torch.float32, torch.bfloat16, torch.float16]
+    tensors = [torch.randn(shape, generator=g).to(dtype) * 10 ** i for i, (shape, dtype) in enumerate(zip(shapes, dtypes))]
+    flag = torch.zeros(1, dtype=torch.int, device="cuda")
+    out = {"local": utils.local_multi_tensor_applier(utils.local_multi_tensor_l2_norm, flag, [tensors], False)[0],
+           "foreach": utils.local_multi_tensor_applier(kernels.foreach_l2_norm, flag, [tensors], False)[0],
+           "per_tensor": kernels.foreach_l2_norm(0, flag, [tensors], True)[1],
+           "torch_norms": torch.stack([torch.norm(t).float() for t in tensors]),
+           "empty": (kernels.foreach_l2_norm(0, flag, [[]], True), utils.local_multi_tensor_l2_norm(0, flag, [[]], False)[0])}
+    for scale in (0.37, 1.0):
+        fp32 = [torch.randn(shape, generator=g) for shape in shapes]
+        local_in_place, foreach_in_place = [t.clone() for t in tensors], [t.clone() for t in tensors]
+        utils.local_multi_tensor_scale(0, flag, [local_in_place, local_in_place], scale)
+        kernels.foreach_scale(0, flag, [foreach_in_place, foreach_in_place], scale)
+        local_copy, foreach_copy = [torch.zeros_like(t) for t in tensors], [torch.zeros_like(t) for t in tensors]
+        utils.local_multi_tensor_scale(0, flag, [fp32, local_copy], scale)
+        kernels.foreach_scale(0, flag, [fp32, foreach_copy], scale)
+        out[scale] = (local_in_place, foreach_in_place, local_copy, foreach_copy)
+    kernels.foreach_scale(0, flag, [[], []], 0.5)
+    grads = [torch.randn(shape, generator=g) for shape in shapes]
+    out["grad_norm_local"] = clip_grads.get_grad_norm_fp32(grads)
+    kernels.use_foreach_grad_kernels()
+    kernels.use_foreach_grad_kernels()
+    out["grad_norm_foreach"] = clip_grads.get_grad_norm_fp32(grads)
+    out["installed"] = [f.__name__ for f in (clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl,
+                                             optimizer.multi_tensor_scale_impl)]
+    apex_like = lambda *args: None  # noqa: E731
+    clip_grads.l2_norm_impl = clip_grads.multi_tensor_scale_impl = optimizer.multi_tensor_scale_impl = apex_like
+    kernels.use_foreach_grad_kernels()
+    out["kept"] = [f is apex_like for f in (clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl,
+                                            optimizer.multi_tensor_scale_impl)]
+    return out
+
+
+def test_foreach_grad_kernels_compute_megatrons_local_fallbacks():
+    """The gradient norm on torch._foreach_norm equals Megatron-Core's local multi_tensor_l2norm
+    (bf16/fp16 tensors' norms taken in their dtype, as it does) as one float32 element, and the
+    scaling on torch._foreach_mul equals its local multi_tensor_scale, in place and as a
+    dtype-converting copy; they replace only Megatron's local fallbacks."""
+    from tests._dist import spawn
+
+    (out,) = spawn(_grad_kernels_against_megatrons, 1)
+    assert out["foreach"].shape == (1,) and out["foreach"].dtype == torch.float32
+    torch.testing.assert_close(out["foreach"], out["local"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(out["per_tensor"], out["torch_norms"], rtol=0, atol=0)
+    (empty_norm, empty_per_tensor), empty_local = out["empty"]
+    assert empty_norm.tolist() == empty_local.tolist() == [0.0] and empty_per_tensor.numel() == 0
+    for scale in (0.37, 1.0):
+        local_in_place, foreach_in_place, local_copy, foreach_copy = out[scale]
+        for want, got in [*zip(local_in_place, foreach_in_place), *zip(local_copy, foreach_copy)]:
+            assert got.dtype == want.dtype and torch.equal(got, want), scale
+    assert out["grad_norm_foreach"] == pytest.approx(out["grad_norm_local"], rel=1e-6)
+    assert out["installed"] == ["foreach_l2_norm", "foreach_scale", "foreach_scale"]
+    assert out["kept"] == [True, True, True]
+
+
+def _local_and_foreach_runs(rank, world, root: str, port2: int):
+    """The same clipped fp32 pretraining with Megatron-Core's local fallbacks, then with megacli's
+    multi-tensor kernels, in one process; the norm implementation each run used."""
+    import os
+
+    from megatron.core.optimizer import clip_grads
+
+    from megacli.engine import kernels
+    from megacli.engine.loop import train
+    from megacli.recipe.jobs import load_job_recipe
+    from tests.conftest import MOCK_GPT, layout
+
+    install, used = kernels.use_foreach_grad_kernels, []
+    for name in ("local", "foreach"):
+        kernels.use_foreach_grad_kernels = install if name == "foreach" else (lambda: None)
+        if name == "foreach":
+            os.environ["MASTER_PORT"] = str(port2)
+        train(load_job_recipe("pretrain", None, [*MOCK_GPT, *layout(), "train.iters=4", "optim.clip_grad=0.05",
+                                                 f"run.dir={root}/{name}"]))
+        used.append(clip_grads.l2_norm_impl.__name__)
+    kernels.use_foreach_grad_kernels = install
+    return used
+
+
+@pytest.mark.slow
+def test_foreach_grad_kernels_give_the_local_fallbacks_losses(tmp_path):
+    from tests._dist import free_port, spawn
+    from tests.conftest import assert_close, steps
+
+    (used,) = spawn(_local_and_foreach_runs, 1, str(tmp_path), free_port(), timeout=600)
+    assert used == ["local_multi_tensor_l2_norm", "foreach_l2_norm"]
+    local, foreach = steps(tmp_path / "local"), steps(tmp_path / "foreach")
+    assert sorted(foreach) == sorted(local) == [1, 2, 3, 4]
+    assert all(r["grad_norm"] > 0.05 for r in local.values())  # every step clipped
+    assert_close(foreach, local, range(1, 5), rel=1e-6)
+    assert_close(foreach, local, range(1, 5), rel=1e-6, key="grad_norm")

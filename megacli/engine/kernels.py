@@ -1,6 +1,7 @@
 """Training's kernel choices without Transformer Engine: torch.compile of the model's step
-(train.compile) and SDPA's attention kernel (train.attention_backend), which is logged once at
-start as torch picks it for a training micro-batch of the model."""
+(train.compile), SDPA's attention kernel (train.attention_backend), which is logged once at
+start as torch picks it for a training micro-batch of the model, and the gradient norm and
+scaling on torch's multi-tensor kernels where Megatron-Core has no Apex kernels."""
 
 from __future__ import annotations
 
@@ -155,3 +156,46 @@ def _quiet_group_defaults() -> None:
 
     for module in (layers, mappings):
         module.get_tensor_model_parallel_group_if_none = group_if_none
+
+
+def use_foreach_grad_kernels() -> None:
+    """Without Apex or Transformer Engine, Megatron-Core's gradient norm (clip_grads) copies every
+    parameter tensor's norm to the host, each step, and its gradient scaling (clipping, the mixed
+    precision optimizer's main-to-model copies) runs a multiply and a copy per tensor. The same
+    maths on torch's multi-tensor kernels, on the device, in place of Megatron's local fallbacks
+    only: a real amp_C kernel stays. Idempotent."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = foreach_l2_norm
+    for module in (clip_grads, optimizer):
+        if module.multi_tensor_scale_impl is utils.local_multi_tensor_scale:
+            module.multi_tensor_scale_impl = foreach_scale
+
+
+def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """amp_C.multi_tensor_l2norm's call: the L2 norm of all tensors of ``tensor_lists`` as a
+    1-element float32 tensor on their device, and with ``per_tensor`` each tensor's norm (float32).
+    Each tensor's norm is taken in its own dtype, as Megatron-Core's local fallback takes it."""
+    tensors = [t for tensor_list in tensor_lists for t in tensor_list]
+    if not tensors:
+        device = noop_flag.device if noop_flag is not None else None
+        return torch.zeros(1, dtype=torch.float32, device=device), (torch.zeros(0, device=device) if per_tensor else None)
+    norms = torch.stack(torch._foreach_norm(tensors)).to(torch.float32)
+    return torch.linalg.vector_norm(norms).reshape(1), (norms if per_tensor else None)
+
+
+def foreach_scale(chunk_size, noop_flag, tensor_lists, scale) -> None:
+    """amp_C.multi_tensor_scale's call: each tensor of ``tensor_lists[1]`` = the same one of
+    ``tensor_lists[0]`` times ``scale``, in place when they are the same tensors."""
+    sources, targets = tensor_lists[0], tensor_lists[1]
+    if not sources:
+        return
+    # A host 0-d tensor, not a number: both devices then multiply bf16/fp16 tensors in float32 by
+    # the unrounded scale, as src * scale does (CPU's in-place kernel rounds a number to their dtype).
+    factor = torch.tensor(scale, dtype=torch.float64)
+    if all(s is t for s, t in zip(sources, targets)):
+        torch._foreach_mul_(targets, factor)
+    else:
+        torch._foreach_copy_(targets, sources if scale == 1.0 else torch._foreach_mul(sources, factor))

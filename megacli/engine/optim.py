@@ -10,6 +10,9 @@ from megacli.precision import params_dtype
 def build_optimizer(chunks, *, optim, precision: str, distributed_optimizer: bool, on_cuda: bool):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    from megacli.engine.kernels import use_foreach_grad_kernels
+
+    use_foreach_grad_kernels()
     config = OptimizerConfig(
         optimizer=optim.optimizer,
         lr=optim.lr,
