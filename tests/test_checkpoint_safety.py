@@ -231,6 +231,53 @@ def test_rng_objects_are_restricted_too(tmp_path):
     assert not marker.exists()
 
 
+def test_graph_safe_rng_tracker_state_is_saved_as_tensors_and_restored_into_its_generators(tmp_path):
+    """With train.cuda_graphs the tensor-parallel RNG tracker holds torch.Generator objects, which
+    the restricted unpickling refuses: a checkpoint holds their state tensors, and a load sets them
+    back into the tracker's own generators (the ones its CUDA graphs register). CPU generators
+    stand in for CUDA ones (the graph-safe tracker's constructor asks for CUDA graph support)."""
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+    from megacli.checkpoint.rng import restore_tracker, tracker_states
+    from megacli.checkpoint.safe_pickle import check_torch_dist, torch_load
+    from megacli.checkpoint.torch_dist import ObjectEntry, write_torch_dist
+    from megacli.errors import UserError
+
+    tracker = CudaRNGStatesTracker()
+    tracker.use_cudagraphable_rng = True
+    generators = {"model-parallel-rng": torch.Generator().manual_seed(1), "expert-parallel-rng": torch.Generator().manual_seed(2)}
+    tracker.set_states(dict(generators))
+
+    def checkpoint_of(path, tracker_state):
+        path.mkdir()
+        buf = io.BytesIO()
+        torch.save([{"torch": torch.get_rng_state(), "tracker": tracker_state}], buf)
+        write_torch_dist(path, [], [ObjectEntry("rng_state/shard_0.0_1.1", lambda data=buf.getvalue(): data)], {})
+        return buf.getvalue()
+
+    checkpoint_of(tmp_path / "generators", tracker.get_states())
+    with pytest.raises(UserError, match="Generator"):
+        check_torch_dist(tmp_path / "generators", trust=False)
+
+    saved = tracker_states(tracker)
+    assert all(isinstance(state, torch.Tensor) for state in saved.values())
+    data = checkpoint_of(tmp_path / "tensors", saved)
+    check_torch_dist(tmp_path / "tensors", trust=False)
+    loaded = torch_load(io.BytesIO(data), trust=False, name="rng_state")[0]["tracker"]
+    after_save = {name: torch.rand(4, generator=g) for name, g in generators.items()}
+    for g in generators.values():
+        torch.rand(7, generator=g)  # the run goes on past the save
+    restore_tracker(tracker, loaded)
+    restored = tracker.get_states()
+    assert restored.keys() == generators.keys() and all(restored[n] is g for n, g in generators.items())
+    for name, g in generators.items():
+        assert torch.equal(torch.rand(4, generator=g), after_save[name]), name
+
+    plain = CudaRNGStatesTracker()
+    restore_tracker(plain, loaded)
+    assert all(torch.equal(plain.get_states()[n], loaded[n]) for n in loaded)
+
+
 def test_corrupt_metadata_and_truncated_files_are_clear_errors(clean, tmp_path):
     import shutil
 

@@ -28,6 +28,7 @@ from megacli.checkpoint import manifest, space
 from megacli.engine import nonfinite
 from megacli.checkpoint.layout import (LATEST, META, find_checkpoint, is_torch_dist_iteration, iter_name, lora_base_of,
                                       read_meta, read_recipe)
+from megacli.checkpoint.rng import restore_tracker, tracker_states
 from megacli.checkpoint.safe_pickle import allow_checked_globals, check_torch_dist, load_failure
 from megacli.errors import UserError
 
@@ -78,7 +79,7 @@ def _rng_state():
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+        "tracker": tracker_states(tensor_parallel.get_cuda_rng_tracker()),
     }
 
 
@@ -90,7 +91,7 @@ def _set_rng_state(state) -> None:
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    restore_tracker(tensor_parallel.get_cuda_rng_tracker(), state["tracker"])
 
 
 def _rng_sharded_object(state):

@@ -194,6 +194,8 @@ def _set_rng(states) -> str | None:
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
+    from megacli.checkpoint.rng import restore_tracker
+
     if not isinstance(states, list) or not states or not isinstance(states[0], dict):
         return "its RNG state is not in Megatron-LM's layout"
     state = states[ps.get_data_parallel_rank()] if len(states) > 1 else states[0]
@@ -204,7 +206,7 @@ def _set_rng(states) -> str | None:
         torch.cuda.set_rng_state(state["cuda_rng_state"])
     tracker = state.get("rng_tracker_states") or {}
     if tracker:
-        tensor_parallel.get_cuda_rng_tracker().set_states(tracker)
+        restore_tracker(tensor_parallel.get_cuda_rng_tracker(), tracker)
     return None
 
 
