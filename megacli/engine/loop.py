@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -11,7 +11,7 @@ from megacli.engine import checkpoint, cuda_graphs, distributed, nonfinite
 from megacli.engine.cadences import Evaluations, LogWindow, NonFinitePolicy
 from megacli.engine.metrics import MetricsLog, loss_metrics
 from megacli.engine.saves import Saves
-from megacli.engine.starting_point import pretrained_source, resume_source
+from megacli.engine.starting_point import Start, load_start, pretrained_source
 from megacli.engine.stop import StopRequests, record_stop
 
 
@@ -46,13 +46,10 @@ def train(recipe, *, harness=None) -> None:
 
 
 def build_trainer(recipe, runtime) -> tuple[Trainer, object]:
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-
+    """The model (wrapped for Megatron's schedules), its optimizer and scheduler, the datasets and
+    the forward step of the recipe; and its tokenizer."""
     from megacli.data.tokenizers import load_tokenizer
     from megacli.engine import data as data_mod
-    from megacli.engine.models import build_model
-    from megacli.engine.models.config import transformer_config
-    from megacli.engine.models.init import init_weights
     from megacli.engine.optim import build_optimizer, build_scheduler
     from megacli.engine.steps import forward_step_for, load_custom_loss
     from megacli.plan import model_vocab_size
@@ -63,6 +60,29 @@ def build_trainer(recipe, runtime) -> tuple[Trainer, object]:
     if m.arch in ("bert", "t5"):  # Megatron's masked datasets read a Megatron-style tokenizer (T5: plus sentinels)
         masked_tokenizer = data_mod.MegatronTokenizer(tokenizer, sentinels=recipe.masking.sentinel_tokens if m.arch == "t5" else 0)
     vocab = model_vocab_size(recipe, tokenizer)  # what masked_tokenizer counts (T5: + sentinels)
+    config, chunks = _build_model(recipe, runtime, vocab)
+    optimizer = build_optimizer(chunks, optim=recipe.optim, precision=t.precision, distributed_optimizer=p.distributed_optimizer,
+                                on_cuda=runtime.is_cuda)
+    scheduler = build_scheduler(optimizer, optim=recipe.optim, train_iters=t.iters)
+    _set_schedule_hooks(config, chunks, optimizer, p)
+    splits, named_valid = _datasets(recipe, tokenizer, masked_tokenizer, vocab)
+    forward_step = forward_step_for(recipe, custom_loss=load_custom_loss(t.loss, t.loss_kwargs))
+    trainer = Trainer(recipe=recipe, runtime=runtime, chunks=chunks, optimizer=optimizer, scheduler=scheduler,
+                      forward_step=forward_step, train_data=splits.train, valid_data=splits.valid, vocab_size=vocab,
+                      named_valid=named_valid, reference=_reference(recipe, config, vocab, runtime))
+    return trainer, tokenizer
+
+
+def _build_model(recipe, runtime, vocab: int) -> tuple[object, list]:
+    """The TransformerConfig and the model chunks: built, initialised, on the device, compiled
+    (train.compile), in half precision (Float16Module) and wrapped in Megatron's DDP."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megacli.engine.models import build_model
+    from megacli.engine.models.config import transformer_config
+    from megacli.engine.models.init import init_weights
+
+    m, p, t = recipe.model, recipe.parallel, recipe.train
     cuda_graphs.prepare(t.cuda_graphs, device=runtime.device, seed=t.seed)
     config = transformer_config(model=m, parallel=p, precision=t.precision, on_cuda=runtime.is_cuda,
                                 deterministic_mode=t.deterministic,  # e.g. embeddings by indexing, not F.embedding
@@ -98,11 +118,13 @@ def build_trainer(recipe, runtime) -> tuple[Trainer, object]:
 
         for c in chunks:
             lift_param_sync_hooks(c, compiled)
-    optimizer = build_optimizer(chunks, optim=recipe.optim, precision=t.precision, distributed_optimizer=p.distributed_optimizer,
-                                on_cuda=runtime.is_cuda)
-    scheduler = build_scheduler(optimizer, optim=recipe.optim, train_iters=t.iters)
+    return config, chunks
 
-    # The hooks Megatron's schedules call (as Megatron-LM's training loop wires them).
+
+def _set_schedule_hooks(config, chunks: list, optimizer, p) -> None:
+    """The hooks Megatron's schedules call (as Megatron-LM's training loop wires them)."""
+    from megatron.core.distributed import finalize_model_grads
+
     config.grad_scale_func = optimizer.scale_loss
     config.finalize_model_grads_func = finalize_model_grads
     if p.overlap_grad_reduce:
@@ -112,6 +134,13 @@ def build_trainer(recipe, runtime) -> tuple[Trainer, object]:
         config.param_sync_func = [c.start_param_sync for c in chunks]
         config.param_sync_func = config.param_sync_func[0] if len(chunks) == 1 else config.param_sync_func
 
+
+def _datasets(recipe, tokenizer, masked_tokenizer, vocab: int) -> tuple[object, dict]:
+    """The training and validation splits of the recipe's data (masked, sft, preference,
+    on-the-fly or GPT datasets) and the named validation sets."""
+    from megacli.engine import data as data_mod
+
+    m, t = recipe.model, recipe.train
     train_samples = t.iters * t.global_batch_size
     valid_samples = (t.iters // t.eval_interval + 1) * t.eval_iters * t.global_batch_size if t.eval_interval else 0
     cache_dir = data_mod.cache_dir_for(recipe.data, recipe.run.dir)
@@ -152,11 +181,7 @@ def build_trainer(recipe, runtime) -> tuple[Trainer, object]:
                                                  train=t, tokenizer=tokenizer,
                                                  tokenizer_path=recipe.tokenizer.path, seq_length=m.seq_length,
                                                  cache_dir=cache_dir)
-    forward_step = forward_step_for(recipe, custom_loss=load_custom_loss(t.loss, t.loss_kwargs))
-    trainer = Trainer(recipe=recipe, runtime=runtime, chunks=chunks, optimizer=optimizer, scheduler=scheduler,
-                      forward_step=forward_step, train_data=splits.train, valid_data=splits.valid, vocab_size=vocab,
-                      named_valid=named_valid, reference=_reference(recipe, config, vocab, runtime))
-    return trainer, tokenizer
+    return splits, named_valid
 
 
 def _reference(recipe, config, vocab: int, runtime):
@@ -272,46 +297,6 @@ def describe_kernels(runtime) -> str:
     return "CPU backend: Megatron-Core on gloo, torch SDPA attention, torch norms"
 
 
-@dataclass(frozen=True)
-class Start:
-    """Where training starts: a resumed checkpoint's position, or pretrained weights, or nothing."""
-
-    iteration: int = 0
-    consumed: int = 0
-    run_id: str | None = None
-    source: object | None = None  # the checkpoint resumed
-    pretrained: object | None = None  # the weights started from, when nothing is resumed
-    notes: tuple[str, ...] = ()  # what to say about the resume
-
-
-def _start(recipe, trainer: Trainer) -> Start:
-    """Load what checkpoint.resume / checkpoint.pretrained name into the built trainer."""
-    ck = recipe.checkpoint
-    source, resume_note = resume_source(ck)
-    notes = (resume_note,) if resume_note else ()
-    if source is None:
-        pretrained = pretrained_source(ck)
-        if pretrained is not None:
-            checkpoint.load(ckpt=pretrained, chunks=trainer.chunks, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
-                            load_optimizer=False, verify=ck.verify, trust_pickle=ck.trust_pickle)
-        return Start(pretrained=pretrained, notes=notes)
-    from megacli.engine.compat import check_resumable
-
-    changes_note = check_resumable(source, recipe)
-    restored = checkpoint.load(ckpt=source, chunks=trainer.chunks, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
-                               load_optimizer=ck.load_optimizer, verify=ck.verify, trust_pickle=ck.trust_pickle)
-    if recipe.data.on_the_fly and (restored.path / checkpoint.META).is_file():
-        stream_notes = _resume_stream(trainer, checkpoint.read_meta(restored.path), restored.path)
-        restored = replace(restored, notes=(*restored.notes, *stream_notes))
-    notes += (f"resumed from {source} at iteration {restored.iteration}",) + ((changes_note,) if changes_note else ())
-    notes += restored.notes
-    if restored.iteration >= recipe.train.iters:
-        notes += (f"nothing to train: the checkpoint is at iteration {restored.iteration} and train.iters = "
-                  f"{recipe.train.iters} (raise train.iters, or set checkpoint.resume: none to start over)",)
-    return Start(iteration=restored.iteration, consumed=restored.consumed_samples, run_id=restored.run_id, source=source,
-                 notes=notes)
-
-
 def _describe_run(log, recipe, runtime, n_params: int) -> None:
     from megacli.engine.kernels import describe_attention
 
@@ -333,50 +318,71 @@ def _describe_run(log, recipe, runtime, n_params: int) -> None:
 def _train(recipe, runtime, *, harness=None) -> None:
     from megacli.engine.kernels import choose_attention
     from megacli.plan import count_params, flops_per_token
-    from megacli.recipe.base import dump
 
-    t, ck = recipe.train, recipe.checkpoint
+    t = recipe.train
     choose_attention(t.attention_backend, runtime.device)
     trainer, tokenizer = build_trainer(recipe, runtime)
-    start = _start(recipe, trainer)
-    source = start.source
+    start = load_start(recipe, trainer)
     counts = count_params(recipe, trainer.vocab_size)
     log = MetricsLog(run_dir=recipe.run.dir, enabled=distributed.is_reporting_rank(), total_iters=t.iters,
                      start_iter=start.iteration, tokens_per_step=recipe.tokens_per_step,
                      flops_per_step=flops_per_token(recipe, counts.active) * recipe.tokens_per_step,
                      world_size=runtime.world_size, device=runtime.device, loggers=t.loggers_in_use,
-                     run_name=recipe.run.name, run_config=recipe.model_dump(mode="json"), resumed=source is not None)
+                     run_name=recipe.run.name, run_config=recipe.model_dump(mode="json"), resumed=start.source is not None)
     _describe_run(log, recipe, runtime, counts.total)
     expert_stats = _expert_stats(recipe, trainer, runtime)
+    _prepare_start(log, recipe, trainer, start, n_params=counts.total)
+    run_tasks = harness(recipe, trainer, tokenizer) if harness is not None and recipe.eval is not None else None
+    _run_steps(log, recipe, trainer, start, tokenizer=tokenizer, expert_stats=expert_stats, run_tasks=run_tasks)
+
+
+def _prepare_start(log, recipe, trainer: Trainer, start: Start, *, n_params: int) -> None:
+    """What is said and done before the first step: the datasets' summaries, the reference's
+    scores (preference tuning with reference: precompute), the starting weights, the adapters
+    and the resume's notes."""
     for line in getattr(trainer.train_data, "summary", []) + [ds.summary for ds in trainer.named_valid.values()]:
         log.say(line)
-    pref = recipe.preference
+    pref, ck = recipe.preference, recipe.checkpoint
     if pref is not None and pref.loss != "simpo" and pref.reference == "precompute":
         from megacli.engine.preference import precompute
 
-        precompute(trainer, precomputed_sets(trainer), pretrained=pretrained_source(ck), fresh=source is None,
+        precompute(trainer, precomputed_sets(trainer), pretrained=pretrained_source(ck), fresh=start.source is None,
                    say=log.say)
     if start.pretrained is not None:
         log.say(f"starting from the weights of {start.pretrained}")
-    lora_base = None
     if recipe.lora is not None:
         from megacli.engine.models.lora import adapter_params
 
-        lora_base = (checkpoint.lora_base_of(source) if source is not None else None) or pretrained_source(ck)
         lo = recipe.lora
         n_lora = adapter_params(recipe.model, lo)
         log.say(f"LoRA rank {lo.rank}, alpha {lo.alpha:g}, dropout {lo.dropout:g} on {', '.join(lo.targets)}: "
-                f"{n_lora / 1e6:.3f}M trainable params ({n_lora / counts.total:.2%} of the model), base weights frozen")
+                f"{n_lora / 1e6:.3f}M trainable params ({n_lora / n_params:.2%} of the model), base weights frozen")
     for note in start.notes:
         log.say(note)
 
-    run_tasks = harness(recipe, trainer, tokenizer) if harness is not None and recipe.eval is not None else None
+
+def _lora_base(recipe, start: Start):
+    """The base checkpoint a LoRA run's saves name: the resumed checkpoint's, else checkpoint.pretrained."""
+    if recipe.lora is None:
+        return None
+    source = start.source
+    return (checkpoint.lora_base_of(source) if source is not None else None) or pretrained_source(recipe.checkpoint)
+
+
+def _run_steps(log, recipe, trainer: Trainer, start: Start, *, tokenizer, expert_stats, run_tasks) -> None:
+    """Train from the start to train.iters (or train.exit_after_iters), each step followed by its
+    cadences (log window, evaluations, saves) and a check for a stop request; then the last save,
+    the plot and the summaries."""
+    from megacli.recipe.base import dump
+
+    t, ck, runtime = recipe.train, recipe.checkpoint, trainer.runtime
     iteration, consumed = start.iteration, start.consumed
     iterators = data_iterators(trainer, trainer.train_data, start_sample=consumed)
     stop_at = min(t.iters, iteration + t.exit_after_iters) if t.exit_after_iters else t.iters
     saves = Saves(recipe=recipe, trainer=trainer, recipe_yaml=dump(recipe, carried=True),
                   run_id=start.run_id or uuid.uuid4().hex,  # carried across resumes: keep_last prunes only this run's checkpoints
-                  lora_base=lora_base, last_good=source, log=log, stream_meta=lambda: _stream_meta(trainer))
+                  lora_base=_lora_base(recipe, start), last_good=start.source, log=log,
+                  stream_meta=lambda: _stream_meta(trainer))
     window = LogWindow(log=log, recipe=recipe, trainer=trainer, tokenizer=tokenizer, expert_stats=expert_stats,
                        stop_at=stop_at, device=runtime.device)
     evaluations = Evaluations(trainer=trainer, log=log, evaluate=evaluate, run_tasks=run_tasks)
@@ -415,17 +421,6 @@ def _train(recipe, runtime, *, harness=None) -> None:
         for line in (evaluations.summary(iteration), nonfinite_policy.summary()):
             if line:
                 log.say(line)
-
-
-def _resume_stream(trainer: Trainer, meta: dict, path) -> list[str]:
-    from megatron.core import parallel_state as ps
-
-    from megacli.engine.stream_data import resumed_state
-
-    trainer.train_data.start_state, notes = resumed_state(
-        trainer.train_data, meta, checkpoint=path, dp_rank=ps.get_data_parallel_rank(),
-        dp_size=ps.get_data_parallel_world_size())
-    return notes
 
 
 def _stream_meta(trainer: Trainer) -> dict | None:

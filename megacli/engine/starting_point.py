@@ -1,8 +1,10 @@
 """Where a training run starts: the checkpoint it resumes (checkpoint.resume) or the weights it
-starts from (checkpoint.pretrained), with the refusals that keep earlier checkpoints safe."""
+starts from (checkpoint.pretrained), with the refusals that keep earlier checkpoints safe, and
+loading them into the built trainer."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from megacli.checkpoint.megatron_lm.dist_reader import MegatronLMCheckpoint, weights_dir
@@ -56,3 +58,55 @@ def resume_source(ck) -> tuple[Path | None, str | None]:
         raise UserError(f"checkpoint.resume = {ck.resume!r}: no checkpoint there (expected a directory with "
                         f"'{checkpoint.LATEST}' or '{checkpoint.META}')")
     return found, None
+
+
+@dataclass(frozen=True)
+class Start:
+    """Where training starts: a resumed checkpoint's position, or pretrained weights, or nothing."""
+
+    iteration: int = 0
+    consumed: int = 0
+    run_id: str | None = None
+    source: object | None = None  # the checkpoint resumed
+    pretrained: object | None = None  # the weights started from, when nothing is resumed
+    notes: tuple[str, ...] = ()  # what to say about the resume
+
+
+def load_start(recipe, trainer) -> Start:
+    """Load what checkpoint.resume / checkpoint.pretrained name into the built trainer (engine.loop.Trainer)."""
+    ck = recipe.checkpoint
+    source, resume_note = resume_source(ck)
+    notes = (resume_note,) if resume_note else ()
+    if source is None:
+        pretrained = pretrained_source(ck)
+        if pretrained is not None:
+            checkpoint.load(ckpt=pretrained, chunks=trainer.chunks, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
+                            load_optimizer=False, verify=ck.verify, trust_pickle=ck.trust_pickle)
+        return Start(pretrained=pretrained, notes=notes)
+    from megacli.engine.compat import check_resumable
+
+    changes_note = check_resumable(source, recipe)
+    restored = checkpoint.load(ckpt=source, chunks=trainer.chunks, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
+                               load_optimizer=ck.load_optimizer, verify=ck.verify, trust_pickle=ck.trust_pickle)
+    if recipe.data.on_the_fly and (restored.path / checkpoint.META).is_file():
+        stream_notes = _resume_stream(trainer, checkpoint.read_meta(restored.path), restored.path)
+        restored = replace(restored, notes=(*restored.notes, *stream_notes))
+    notes += (f"resumed from {source} at iteration {restored.iteration}",) + ((changes_note,) if changes_note else ())
+    notes += restored.notes
+    if restored.iteration >= recipe.train.iters:
+        notes += (f"nothing to train: the checkpoint is at iteration {restored.iteration} and train.iters = "
+                  f"{recipe.train.iters} (raise train.iters, or set checkpoint.resume: none to start over)",)
+    return Start(iteration=restored.iteration, consumed=restored.consumed_samples, run_id=restored.run_id, source=source,
+                 notes=notes)
+
+
+def _resume_stream(trainer, meta: dict, path) -> list[str]:
+    """On-the-fly data: this rank's stream continues where the checkpoint's left off; the notes to say."""
+    from megatron.core import parallel_state as ps
+
+    from megacli.engine.stream_data import resumed_state
+
+    trainer.train_data.start_state, notes = resumed_state(
+        trainer.train_data, meta, checkpoint=path, dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size())
+    return notes
