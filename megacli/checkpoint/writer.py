@@ -47,6 +47,11 @@ class Plan:
     notes: list[str] = field(default_factory=list)
 
     @property
+    def origin(self) -> Path:
+        """What the plan's tensors are read from (for messages)."""
+        return self.source.path if self.source is not None else Path(self.meta["converted_from"]["path"])
+
+    @property
     def total_bytes(self) -> int:
         total = 0
         for t in self.tensors:

@@ -178,10 +178,10 @@ def _hf_to_megacli(source: Source, work: Path, final: Path, *, parallel, dtype: 
 
 
 def hf_plan(source: Source, *, parallel, dtype: str | None, tokenizer: dict, resume: Path, say: Say,
-            chunking=None):
+            per_rank_chunks: bool = False):
     """The checkpoint Plan of a Hugging Face model's weights (converted lazily, as the writer asks)
     under the recipe a conversion writes (``tokenizer``: its section; ``resume``: where the
-    checkpoint will be), and the model's architecture. ``chunking``: see weights_plan."""
+    checkpoint will be), and the model's architecture. ``per_rank_chunks``: see weights_plan."""
     from megacli.convert import families
     from megacli.convert.mapping import unconsumed
     from megacli.convert.weights_plan import weights_plan
@@ -214,7 +214,7 @@ def hf_plan(source: Source, *, parallel, dtype: str | None, tokenizer: dict, res
         return table.to_megatron(key, lambda name: weights.get(by_name[name])).to(target)
 
     plan = weights_plan(recipe=recipe, fetch=fetch, vocab_size=recipe.model.vocab_size, iteration=0,
-                        check_keys=check_keys, chunking=chunking,
+                        check_keys=check_keys, per_rank_chunks=per_rank_chunks,
                         extra_meta={"converted_from": {"format": "hf", "path": str(src.resolve()), "architecture": arch}})
     return plan, arch
 

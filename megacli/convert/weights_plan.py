@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 import torch
 
-from megacli.checkpoint.megacli_checkpoint import Layout
+from megacli.checkpoint.megacli_checkpoint import Layout, target_chunks
 from megacli.checkpoint.sharding import is_vocab_key
 from megacli.checkpoint.torch_dist import ObjectEntry, TensorEntry
 from megacli.checkpoint.writer import Plan
@@ -45,11 +45,12 @@ class _Piece:
 
 def weights_plan(*, recipe, fetch: Callable[[str], torch.Tensor], vocab_size: int, iteration: int,
                  extra_meta: dict, check_keys: Callable[[list[str]], None] | None = None,
-                 chunking: Callable[[str, tuple[int, ...]], list[Box]] | None = None) -> Plan:
+                 per_rank_chunks: bool = False) -> Plan:
     """The weights-only megacli checkpoint of ``recipe``'s model whose canonical tensors ``fetch``
     returns (vocabulary rows padded here for the recipe's TP). ``check_keys`` sees every canonical
-    key first (to report all missing or unused source tensors at once). ``chunking(key, shape)``:
-    the boxes each tensor is stored in (default: the pieces the model saves at TP=1)."""
+    key first (to report all missing or unused source tensors at once). ``per_rank_chunks``: store
+    each tensor in the boxes the recipe's tensor-parallel ranks hold (as a reshard writes), not in
+    the pieces the model saves at TP=1 (as the engine's save in one process)."""
     from megacli.recipe.model import padded_vocab_size
 
     m = recipe.model
@@ -60,7 +61,8 @@ def weights_plan(*, recipe, fetch: Callable[[str], torch.Tensor], vocab_size: in
     source = _Fetched(fetch, vocab_size)
     tensors = []
     for key, (shape, dtype, pieces) in entries.items():
-        boxes = chunking(key, shape) if chunking else [p.box for p in pieces]
+        boxes = (target_chunks(key, shape, tp=recipe.parallel.tensor, gated=m.gated) if per_rank_chunks
+                 else [p.box for p in pieces])
         tensors.append(TensorEntry(key=key, shape=shape, dtype=dtype, chunks=boxes, how="converted",
                                    region=source.region_of(pieces, dtype, boxes)))
     meta = {"iteration": iteration, "consumed_samples": 0, "layout": Layout(tensor=1, pipeline=1).as_meta(),

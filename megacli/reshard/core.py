@@ -27,7 +27,7 @@ from megacli.checkpoint.layout import (
     iter_name,
     tmp_sibling,
 )
-from megacli.checkpoint.megacli_checkpoint import Checkpoint
+from megacli.checkpoint.megacli_checkpoint import Checkpoint, Layout
 from megacli.checkpoint.source import LEGACY, MEGACLI, MEGATRON_LM, kind_of, locate
 from megacli.checkpoint.writer import Plan, write_checkpoint
 from megacli.errors import UserError
@@ -55,6 +55,7 @@ class Result:
     notes: list[str] = field(default_factory=list)
     verified: Optional[VerifyReport] = None
     format: str = "torch_dist"
+    action: str = "resharded"
 
 
 # ---------------------------------------------------------------- locating checkpoints
@@ -164,6 +165,27 @@ def _reshard(job, progress) -> Result:
                       format=job.format)
     finally:
         legacy_staging.cleanup_staging(src_dir)
+
+
+def export_converted(job, plan: Plan, *, source_layout: str, progress=None) -> Result:
+    """A conversion's plan (convert.weights_plan: weights read from another format) written as a
+    Megatron-LM torch_dist checkpoint (``job``: a ReshardSection with format megatron), atomically."""
+    from megacli.checkpoint.megatron_lm.dist_export import check_exportable
+
+    start = time.perf_counter()
+    output = Path(job.output)
+    _check_output(output, plan.origin, job.overwrite)
+    check_exportable(plan.recipe, plan.origin, job.spec)
+    it_name = iter_name(plan.meta["iteration"])
+    _write_output(job, plan, output, it_name, progress)
+    p = plan.recipe.parallel
+    layout = Layout(tensor=p.tensor, pipeline=p.pipeline, virtual_pipeline=p.virtual_pipeline,
+                    data=plan.recipe.data_parallel_size, context=p.context, first_stage_layers=p.first_stage_layers,
+                    last_stage_layers=p.last_stage_layers)
+    return Result(output=output, iteration_dir=output / it_name, source=plan.origin, source_layout=source_layout,
+                  target_layout=str(layout), tensors=len(plan.tensors), objects=len(plan.objects),
+                  bytes=plan.total_bytes, seconds=time.perf_counter() - start, notes=plan.notes, format=job.format,
+                  action="converted")
 
 
 def _num_layers(src: Checkpoint) -> int:
