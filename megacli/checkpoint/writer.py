@@ -3,8 +3,9 @@
 A ``Plan`` says what a checkpoint holds: lazy tensor entries (each produces any box of its global
 tensor on demand), sharded objects, the common state, the recipe and ``megacli.json``. ``write_plan``
 writes it as one iteration directory (torch_dist shards, common.pt, recipe.yaml, megacli.json and,
-for a conversion, manifest.json as the engine's saves have it); ``write_checkpoint`` adds the ``latest`` pointer beside it. Both write into a
-directory the caller renames into place once it is complete, so nothing half-written is published.
+for a conversion, manifest.json as the engine's saves have it); ``write_checkpoint`` adds the
+``latest`` pointer beside it. Both write into a directory the caller renames into place once it is
+complete, so nothing half-written is published.
 """
 
 from __future__ import annotations
