@@ -73,16 +73,17 @@ def weights_plan(*, recipe, fetch: Callable[[str], torch.Tensor], vocab_size: in
 def _described(recipe, padded_vocab: int) -> tuple[dict, list[ObjectEntry]]:
     """The stored tensors of the recipe's model, key -> (global shape, dtype, pieces), and its
     sharded objects (extra state), as saved at TP=PP=1."""
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
-
-    from megacli.engine.models import build_model
-    from megacli.engine.models.config import transformer_config
     from megacli.recipe.sections import ParallelSection
 
     single = recipe.model_copy(update={"parallel": ParallelSection()})
     entries: dict[str, tuple[tuple[int, ...], torch.dtype, list[_Piece]]] = {}
     objects: list[ObjectEntry] = []
-    with megatron_process():
+    with megatron_process():  # first: it imports Megatron-Core the CPU backend's way (megacli.backend.cpu)
+        from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+
+        from megacli.engine.models import build_model
+        from megacli.engine.models.config import transformer_config
+
         config = transformer_config(model=recipe.model, parallel=single.parallel, precision=recipe.train.precision,
                                     on_cuda=False, use_cpu_initialization=True, perform_initialization=False)
         state = build_model(recipe=single, config=config, vocab_size=padded_vocab)[0].sharded_state_dict()
