@@ -235,6 +235,10 @@ def test_converted_checkpoint_layout_and_recipe(converted):
     assert (ck / "latest").read_text().strip() == "iter_0000000"
     meta = json.loads((ck / "iter_0000000" / "megacli.json").read_text())
     assert meta["has_optimizer"] is False and meta["format"] == "torch_dist" and meta["converted_from"]["architecture"] == "GPT2LMHeadModel"
+    assert meta["layout"] == {"tensor": 1, "pipeline": 1, "virtual_pipeline": None, "data": 1, "context": 1}
+    from megacli.checkpoint import manifest
+
+    assert manifest.verify(ck).startswith("manifest: OK")  # checked before a load, as a training save's
     recipe = yaml.safe_load((ck / "iter_0000000" / "recipe.yaml").read_text())
     assert recipe["parallel"]["tensor"] == 2 and recipe["parallel"]["pipeline"] == 2 and recipe["launch"]["nproc"] == 4
     assert recipe["model"]["activation"] == "gelu_tanh" and recipe["model"]["position_embedding"] == "learned"

@@ -32,7 +32,7 @@ LAYERS = (
 # Imports between packages of one layer, allowed one way.
 SIDEWAYS = {
     # convert builds the recipe's model (engine.models) for the keys, shapes and sharding of the
-    # checkpoint it writes, and saves it through engine.checkpoint, as training does.
+    # checkpoint it writes (through checkpoint.writer, as reshard does).
     ("convert", "engine"),
 }
 

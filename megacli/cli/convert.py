@@ -87,16 +87,13 @@ def _load_recipe(paths: list[str], overrides: list[str], *, trust_pickle: bool =
 
 def _to_megatron(c, *, tensor, pipeline, virtual_pipeline) -> Path:
     """A Megatron-LM torch_dist checkpoint from a megacli or Megatron-LM legacy checkpoint (through
-    reshard, with its optimizer state), or from an HF model (converted to megacli weights first, in a
-    staging directory beside DST)."""
-    import shutil
-
-    from megacli.checkpoint.layout import tmp_sibling
+    reshard, with its optimizer state), or from an HF model (its weights converted as they are
+    written)."""
     from megacli.checkpoint.source import HF, kind_of
     from megacli.errors import UserError
     from megacli.recipe.reshard import ReshardSection
     from megacli.recipe.sections import ParallelSection
-    from megacli.reshard import reshard
+    from megacli.reshard import core
     from megacli.reshard.view import print_result
     from rich.console import Console
 
@@ -106,21 +103,19 @@ def _to_megatron(c, *, tensor, pipeline, virtual_pipeline) -> Path:
                         "optimizer state belongs to it); convert to megacli with --dtype first")
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise UserError(f"{dst} exists and is not empty; choose a new or empty directory")
-    staging = None
-    try:
-        if kind_of(src) == HF:
-            from megacli.convert import convert as run
+    job = ReshardSection(source=str(src), output=str(dst), tensor=tensor, pipeline=pipeline,
+                         virtual_pipeline=virtual_pipeline, format="megatron", spec=c.spec,
+                         trust_pickle=c.trust_pickle, progress=False, overwrite=dst.exists())
+    if kind_of(src) == HF:
+        from megacli.convert.run import hf_plan, hf_tokenizer_section, pipeline_split, resolve_source
 
-            staging = tmp_sibling(dst.resolve(), "megacli")
-            shutil.rmtree(staging, ignore_errors=True)
-            layout = ParallelSection(tensor=tensor or 1, pipeline=pipeline or 1, virtual_pipeline=virtual_pipeline)
-            src = run(src, staging, to="megacli", parallel=layout, trust_pickle=c.trust_pickle, say=typer.echo)
-        job = ReshardSection(source=str(src), output=str(dst), tensor=tensor, pipeline=pipeline,
-                             virtual_pipeline=virtual_pipeline, format="megatron", spec=c.spec,
-                             trust_pickle=c.trust_pickle, progress=False, overwrite=dst.exists())
-        result = reshard(job)
-    finally:
-        if staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
+        layout = ParallelSection(tensor=tensor or 1, pipeline=pipeline or 1, virtual_pipeline=virtual_pipeline)
+        source = resolve_source(src, trust=c.trust_pickle)
+        plan, arch = hf_plan(source, parallel=layout, dtype=None, tokenizer=hf_tokenizer_section(source.path),
+                             resume=dst.resolve(), say=typer.echo, per_rank_chunks=True)
+        typer.echo(pipeline_split(plan.recipe, asked=layout))
+        result = core.export_converted(job, plan, source_layout=f"Hugging Face {arch}")
+    else:
+        result = core.reshard(job)
     print_result(result, Console(highlight=False))
     return dst

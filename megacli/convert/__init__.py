@@ -6,7 +6,8 @@ either, for the model families in ``megacli.convert.families``.
     convert("ckpt/llama", "hf/llama-out")                       # back to Hugging Face
 
 Modules: ``mapping`` (rule tables and tensor transforms), ``families`` (one module per HF
-family), ``hf_io`` (HF directories), ``megatron_io`` (global tensors <-> torch_dist checkpoints),
+family), ``hf_io`` (HF directories), ``megatron_io`` (global tensors read from torch_dist checkpoints),
+``weights_plan`` (converted weights as a checkpoint plan, for megacli.checkpoint.writer),
 ``structure`` (--print-structure), ``run`` (the conversions). Megatron-LM legacy checkpoints are
 read by ``megacli.checkpoint.megatron_lm.legacy_reader``.
 """

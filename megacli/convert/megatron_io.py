@@ -1,15 +1,9 @@
 """Between layout-free global tensors and Megatron's sharded (torch_dist) checkpoints.
 
 A torch_dist checkpoint stores every tensor in its global (unsharded) shape, whatever layout wrote
-it, and loads under any TP/PP/DP. So:
-
-* writing builds the model once at TP=1, PP=1 in a single gloo process, only for its sharded state
-  dict (canonical keys, shapes, sharding metadata; its parameters are never filled), hands the
-  converted global tensors to that state dict and saves with the engine's ``checkpoint.save``
-  (weights only). The target layout is the recipe's ``parallel:`` section and the vocabulary
-  padding it implies;
-* reading needs no model: the checkpoint's own metadata gives keys, global shapes and dtypes, and
-  Megatron's loader reads one layer at a time.
+it, and loads under any TP/PP/DP. So reading needs no model: the checkpoint's own metadata gives
+keys, global shapes and dtypes, and Megatron's loader reads one layer at a time. Writing is
+convert.weights_plan's (the model's sharded state dict as a checkpoint Plan).
 
 Canonical keys are the ShardedTensor keys of ``GPTModel.sharded_state_dict()`` with the global
 layer number put back after ``layers.`` (there, layers are stacked along a leading axis). A MoE
@@ -28,11 +22,9 @@ import torch
 
 from megacli.checkpoint.sharding import is_vocab_key
 from megacli.checkpoint.torch_dist import NOT_MODEL, STACKED, TorchDistReader
-from megacli.convert.mapping import fit_vocab_rows
 from megacli.errors import UserError
 
 _LAYER_IN_STATE_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_LOCAL_EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
 
 
 @contextlib.contextmanager
@@ -48,7 +40,7 @@ def megatron_process():
     if not torch.cuda.is_available():
         from megacli.backend import cpu
 
-        cpu.enable()  # dist_checkpointing synchronizes CUDA; on a CPU-only build that must be a no-op
+        cpu.enable()  # Megatron-Core calls CUDA while building a model; on a CPU-only build those are no-ops
     from megatron.core import parallel_state as ps
     owns_group = not dist.is_initialized()
     if owns_group:
@@ -74,27 +66,6 @@ def unstacked_key(state_key: str, sharded_key: str) -> str:
     return f"{head}{sep}layers.{m.group(1)}.{tail}"
 
 
-def _entries(state: dict) -> list[tuple[str, str, object]]:
-    """(canonical key, state-dict key, ShardedTensor or factory) of the sharded state dict of a
-    model built at TP=PP=1 (local layer = global layer); extra-state objects left out."""
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-    return [(unstacked_key(state_key, sh.key), state_key, sh) for state_key, sh in state.items()
-            if sh is not None and not isinstance(sh, ShardedObject)]
-
-
-class _FilledModel:
-    """Stands in for a model chunk in ``checkpoint.save``: the model's sharded state dict with the
-    converted tensors as data. The model's own parameters are never written to (torch.empty
-    pages stay unallocated), so the conversion holds each weight once."""
-
-    def __init__(self, state: dict):
-        self._state = state
-
-    def sharded_state_dict(self) -> dict:
-        return self._state
-
-
 def shape_mismatch(key: str, got: tuple, want: tuple, source: str) -> UserError:
     """A shape error that says which tensor, both shapes, and the likely cause."""
     got, want = tuple(got), tuple(want)
@@ -109,71 +80,6 @@ def shape_mismatch(key: str, got: tuple, want: tuple, source: str) -> UserError:
                 cause = (f"the source holds 1/{w // g} of dimension {diff[0]}: a tensor-parallel shard "
                          f"(a TP={w // g} checkpoint read as TP=1?)")
     return UserError(f"shape mismatch for {key}: {source} has {list(got)}, the model expects {list(want)} ({cause})")
-
-
-def write_checkpoint(*, recipe, dst: Path, iteration: int, fetch: Callable[[str], torch.Tensor], vocab_size: int,
-                     extra_meta: dict | None = None, check_keys: Callable[[list[str]], None] | None = None) -> Path:
-    """Build the recipe's model at TP=PP=1 (for its sharded state dict: the canonical keys, shapes
-    and sharding metadata), give every entry the tensor ``fetch(canonical key)`` returns (global,
-    any float dtype; vocabulary rows are padded for the recipe's TP here) and save it as a
-    weights-only megacli checkpoint under ``dst``. ``check_keys`` sees every canonical key before
-    anything is read (to report all missing or unused source tensors at once). Returns the
-    iteration directory."""
-    from megacli.engine import checkpoint
-    from megacli.engine.models import build_model
-    from megacli.engine.models.config import transformer_config
-    from megacli.recipe.model import padded_vocab_size
-    from megacli.recipe.base import dump
-    from megacli.recipe.sections import ParallelSection
-
-    m = recipe.model
-    padded = padded_vocab_size(vocab_size, divisible_by=m.make_vocab_size_divisible_by, tensor_parallel=recipe.parallel.tensor)
-    single = recipe.model_copy(update={"parallel": ParallelSection()})
-    with megatron_process():
-        config = transformer_config(model=m, parallel=single.parallel, precision=recipe.train.precision, on_cuda=False,
-                                    use_cpu_initialization=True, perform_initialization=False)
-        chunks = build_model(recipe=single, config=config, vocab_size=padded)
-        state = chunks[0].sharded_state_dict()
-        entries = _entries(state)
-        if check_keys:
-            check_keys(list(dict.fromkeys(key for key, _, _ in entries)))
-        stacked: dict[str, torch.Tensor] = {}  # the current MoE block's stacked expert tensors, fetched once
-        with torch.no_grad():
-            for key, state_key, sh in entries:
-                expert = _LOCAL_EXPERT.search(state_key)
-                if expert is None:
-                    tensor = fetch(key)
-                else:  # one entry per expert, all under the layer's stacked key (built at EP=1: local = global)
-                    if key not in stacked:
-                        block = key[: key.index(".experts.")]
-                        stacked = {k: v for k, v in stacked.items() if k.startswith(block + ".")}
-                        stacked[key] = fetch(key)
-                    tensor = stacked[key][int(expert.group(1))]
-                want = tuple(sh.data.shape)
-                if is_vocab_key(key) and tensor.dim() == len(want) and tensor.shape[1:] == want[1:]:
-                    tensor = fit_vocab_rows(tensor, rows=want[0], vocab_size=vocab_size, key=key)
-                if tuple(tensor.shape) != want:
-                    raise shape_mismatch(key, tensor.shape, want, "the source")
-                state[state_key] = _with_data(sh, tensor.to(sh.data.dtype))
-                del tensor
-        return checkpoint.save(ckpt_dir=dst, iteration=iteration, consumed_samples=0, chunks=[_FilledModel(state)],
-                               optimizer=None, scheduler=None, recipe_yaml=dump(recipe, carried=True), extra_meta=extra_meta)
-
-
-def _with_data(sh, tensor: torch.Tensor):
-    """``sh`` holding ``tensor``. A factory (SwiGLU's fc1: [gate; up] saved as two halves) is built
-    into its ShardedTensors, each given its own copy of its half: Megatron's writer would copy
-    halves that are views of one storage anyway, all at once before writing."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
-
-    if not isinstance(sh, ShardedTensorFactory):
-        sh.data = tensor
-        return sh
-    built = sh.build()
-    halves = tensor.chunk(len(built), dim=0)
-    for part, half in zip(built, halves):
-        part.data = half.clone()
-    return built
 
 
 class CheckpointReader:

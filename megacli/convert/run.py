@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Callable, Iterable
 
-from megacli.checkpoint.layout import HF_DIR, LATEST, META, TRACKER, carried_hf_dir
+from megacli.checkpoint.layout import HF_DIR, LATEST, META, TRACKER, carried_hf_dir, iter_name
 from megacli.checkpoint.source import Source, open_checkpoint
 from megacli.convert import hf_io
 from megacli.errors import UserError
@@ -158,9 +158,33 @@ def tokenizer_section(final_hf_dir: Path, copied: list[str]) -> dict:
 
 def _hf_to_megacli(source: Source, work: Path, final: Path, *, parallel, dtype: str | None,
                    say: Say) -> None:
+    from megacli.checkpoint.writer import write_checkpoint
+
+    src = source.path
+    hf_dir = work / HF_DIR
+    hf_dir.mkdir()
+    shutil.copy2(src / hf_io.CONFIG, hf_dir / hf_io.CONFIG)
+    if (src / hf_io.GENERATION_CONFIG).is_file():
+        shutil.copy2(src / hf_io.GENERATION_CONFIG, hf_dir / hf_io.GENERATION_CONFIG)
+    copied = hf_io.copy_tokenizer_files(src, hf_dir)
+    tokenizer = tokenizer_section(final / HF_DIR, copied)
+    plan, arch = hf_plan(source, parallel=parallel, dtype=dtype, tokenizer=tokenizer, resume=final, say=say)
+    ckpt = write_checkpoint(plan, work, iter_name(0), with_manifest=True)
+    p = plan.recipe.parallel
+    say(f"{arch} -> megacli checkpoint {final / ckpt.name} ({plan.recipe.train.precision}; prepared for TP={p.tensor} "
+        f"PP={p.pipeline}{f' VPP={p.virtual_pipeline}' if p.virtual_pipeline else ''}; loads under any layout)")
+    say(pipeline_split(plan.recipe, asked=parallel))
+    say(f"tokenizer: {tokenizer['type']}" + (f" ({', '.join(copied)})" if copied else " (the source has no tokenizer files)"))
+
+
+def hf_plan(source: Source, *, parallel, dtype: str | None, tokenizer: dict, resume: Path, say: Say,
+            per_rank_chunks: bool = False):
+    """The checkpoint Plan of a Hugging Face model's weights (converted lazily, as the writer asks)
+    under the recipe a conversion writes (``tokenizer``: its section; ``resume``: where the
+    checkpoint will be), and the model's architecture. ``per_rank_chunks``: see weights_plan."""
     from megacli.convert import families
     from megacli.convert.mapping import unconsumed
-    from megacli.convert.megatron_io import write_checkpoint
+    from megacli.convert.weights_plan import weights_plan
 
     src = source.path
     config = hf_io.read_json(src / hf_io.CONFIG)
@@ -171,15 +195,7 @@ def _hf_to_megacli(source: Source, work: Path, final: Path, *, parallel, dtype: 
     weights = hf_io.HFWeights(src, trust_pickle=source.trust)
     precision = dtype or precision_of(weights.dtype())
     target = params_dtype(precision)
-
-    hf_dir = work / HF_DIR
-    hf_dir.mkdir()
-    shutil.copy2(src / hf_io.CONFIG, hf_dir / hf_io.CONFIG)
-    if (src / hf_io.GENERATION_CONFIG).is_file():
-        shutil.copy2(src / hf_io.GENERATION_CONFIG, hf_dir / hf_io.GENERATION_CONFIG)
-    copied = hf_io.copy_tokenizer_files(src, hf_dir)
-    tokenizer = tokenizer_section(final / HF_DIR, copied)
-    recipe = converted_recipe(model=model, parallel=parallel, precision=precision, tokenizer=tokenizer, resume=final)
+    recipe = converted_recipe(model=model, parallel=parallel, precision=precision, tokenizer=tokenizer, resume=resume)
     table = family.table(recipe.model)
     by_name = {table.normalize_hf(k): k for k in weights.keys()}
 
@@ -197,19 +213,21 @@ def _hf_to_megacli(source: Source, work: Path, final: Path, *, parallel, dtype: 
     def fetch(key: str):
         return table.to_megatron(key, lambda name: weights.get(by_name[name])).to(target)
 
-    ckpt = write_checkpoint(recipe=recipe, dst=work, iteration=0, fetch=fetch, vocab_size=recipe.model.vocab_size,
-                            check_keys=check_keys,
-                            extra_meta={"converted_from": {"format": "hf", "path": str(src.resolve()), "architecture": arch}})
-    p = recipe.parallel
-    say(f"{arch} -> megacli checkpoint {final / ckpt.name} ({precision}; prepared for TP={p.tensor} PP={p.pipeline}"
-        f"{f' VPP={p.virtual_pipeline}' if p.virtual_pipeline else ''}; loads under any layout)")
-    say(pipeline_split(recipe, asked=parallel))
-    say(f"tokenizer: {tokenizer['type']}" + (f" ({', '.join(copied)})" if copied else " (the source has no tokenizer files)"))
+    plan = weights_plan(recipe=recipe, fetch=fetch, vocab_size=recipe.model.vocab_size, iteration=0,
+                        check_keys=check_keys, per_rank_chunks=per_rank_chunks,
+                        extra_meta={"converted_from": {"format": "hf", "path": str(src.resolve()), "architecture": arch}})
+    return plan, arch
+
+
+def hf_tokenizer_section(src: Path) -> dict:
+    """The recipe's tokenizer for the tokenizer files of an HF directory, read where they are."""
+    return tokenizer_section(src, [name for name in hf_io.TOKENIZER_FILES if (src / name).is_file()])
 
 
 def _legacy_to_megacli(legacy, work: Path, final: Path, *, parallel, dtype: str | None, say: Say, label: str) -> None:
     """A Megatron-LM checkpoint (``legacy``: a LegacyCheckpoint or MegatronLMCheckpoint) -> megacli."""
-    from megacli.convert.megatron_io import write_checkpoint
+    from megacli.checkpoint.writer import write_checkpoint
+    from megacli.convert.weights_plan import weights_plan
 
     model = legacy.model_section()
     precision = dtype or precision_of(legacy.dtype())
@@ -231,11 +249,12 @@ def _legacy_to_megacli(legacy, work: Path, final: Path, *, parallel, dtype: str 
                             + (f"; missing {', '.join(missing[:6])}" if missing else "")
                             + (f"; unexpected {', '.join(extra[:6])}" if extra else ""))
 
-    ckpt = write_checkpoint(recipe=recipe, dst=work, iteration=legacy.iteration, vocab_size=model["vocab_size"],
-                            fetch=lambda key: legacy.get(key).to(target), check_keys=check_keys,
-                            extra_meta={"converted_from": {"format": label.lower(), "path": str(legacy.root.resolve()),
-                                                           "layout": {"tensor": legacy.tp, "pipeline": legacy.pp,
-                                                                      "virtual_pipeline": legacy.vp}}})
+    plan = weights_plan(recipe=recipe, iteration=legacy.iteration, vocab_size=model["vocab_size"],
+                        fetch=lambda key: legacy.get(key).to(target), check_keys=check_keys,
+                        extra_meta={"converted_from": {"format": label.lower(), "path": str(legacy.root.resolve()),
+                                                       "layout": {"tensor": legacy.tp, "pipeline": legacy.pp,
+                                                                  "virtual_pipeline": legacy.vp}}})
+    ckpt = write_checkpoint(plan, work, iter_name(legacy.iteration), with_manifest=True)
     say(f"{label} {model['arch'].upper()} checkpoint (TP={legacy.tp} PP={legacy.pp}, iteration "
         f"{legacy.iteration}) -> megacli checkpoint {final / ckpt.name} ({precision}; tokenizer: {tokenizer['type']})")
     say(pipeline_split(recipe, asked=parallel))
@@ -300,7 +319,9 @@ def _merge_lora(source: Source, work: Path, final: Path, *, parallel, dtype: str
                 say: Say) -> None:
     """A LoRA run's checkpoint -> a full megacli checkpoint (adapters merged into the base weights),
     with the tokenizer files and HF config the run used."""
-    from megacli.convert.megatron_io import megatron_process, write_checkpoint
+    from megacli.checkpoint.writer import write_checkpoint
+    from megacli.convert.megatron_io import megatron_process
+    from megacli.convert.weights_plan import weights_plan
 
     ckpt, recipe = source.ckpt, source.recipe
     reader_of, what = _weights_of(source)
@@ -322,8 +343,9 @@ def _merge_lora(source: Source, work: Path, final: Path, *, parallel, dtype: str
     out = converted_recipe(model={**recipe.model.model_dump(), "vocab_size": vocab}, parallel=parallel, precision=precision,
                            tokenizer=tokenizer, resume=final)
     target = params_dtype(precision)
-    written = write_checkpoint(recipe=out, dst=work, iteration=0, fetch=lambda key: tensors.pop(key).to(target),
-                               vocab_size=vocab, extra_meta={"converted_from": {"format": "megacli lora", "path": str(ckpt.resolve())}})
+    plan = weights_plan(recipe=out, iteration=0, fetch=lambda key: tensors.pop(key).to(target), vocab_size=vocab,
+                        extra_meta={"converted_from": {"format": "megacli lora", "path": str(ckpt.resolve())}})
+    written = write_checkpoint(plan, work, iter_name(0), with_manifest=True)
     say(f"{what} -> megacli checkpoint {final / written.name} ({precision})")
 
 

@@ -59,7 +59,7 @@ def _layout(chunks) -> dict:
         "data": ps.get_data_parallel_world_size(),
         "context": ps.get_context_parallel_world_size(),
     }
-    config = getattr(unwrap(chunks[0]), "config", None)  # none: weights written by convert, in one process
+    config = getattr(unwrap(chunks[0]), "config", None)  # none: a stand-in for a model chunk
     for key in ("first_stage_layers", "last_stage_layers"):
         given = getattr(config, f"num_layers_in_{key.split('_')[0]}_pipeline_stage", None)
         if given is not None:  # uneven stages only: even layouts keep the keys older checkpoints have
@@ -130,7 +130,7 @@ def save(*, ckpt_dir: str | Path, iteration: int, consumed_samples: int, chunks,
     ``run_id`` (kept in megacli.json) names the training run across resumes: ``keep_last`` prunes
     only the checkpoints of this run.
     With ``optimizer=None`` only the model weights are saved (no optimizer, scheduler or RNG
-    state: what `megacli convert` writes); ``extra_meta`` adds entries to megacli.json.
+    state, as in a converted checkpoint); ``extra_meta`` adds entries to megacli.json.
     ``lora_base``: save only the LoRA adapters, noting the checkpoint holding the frozen base weights.
     ``queue``: Megatron-Core's AsyncCallsQueue; the shards of the state as it is now are written by
     a background process, and the directory is published (and `latest` moved) only when the

@@ -12,7 +12,6 @@ DST is a checkpoint directory like the engine's: ``DST/latest`` names ``DST/iter
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import time
@@ -28,11 +27,11 @@ from megacli.checkpoint.layout import (
     iter_name,
     tmp_sibling,
 )
-from megacli.checkpoint.megacli_checkpoint import Checkpoint
+from megacli.checkpoint.megacli_checkpoint import Checkpoint, Layout
 from megacli.checkpoint.source import LEGACY, MEGACLI, MEGATRON_LM, kind_of, locate
-from megacli.checkpoint.torch_dist import write_torch_dist
+from megacli.checkpoint.writer import Plan, write_checkpoint
 from megacli.errors import UserError
-from megacli.reshard.tensor_plan import Plan, Target, build_plan, resolve_target
+from megacli.reshard.tensor_plan import Target, build_plan, resolve_target
 from megacli.reshard.verification import VerifyReport, verify_against, verify_plan
 
 
@@ -56,6 +55,7 @@ class Result:
     notes: list[str] = field(default_factory=list)
     verified: Optional[VerifyReport] = None
     format: str = "torch_dist"
+    action: str = "resharded"
 
 
 # ---------------------------------------------------------------- locating checkpoints
@@ -167,6 +167,27 @@ def _reshard(job, progress) -> Result:
         legacy_staging.cleanup_staging(src_dir)
 
 
+def export_converted(job, plan: Plan, *, source_layout: str, progress=None) -> Result:
+    """A conversion's plan (convert.weights_plan: weights read from another format) written as a
+    Megatron-LM torch_dist checkpoint (``job``: a ReshardSection with format megatron), atomically."""
+    from megacli.checkpoint.megatron_lm.dist_export import check_exportable
+
+    start = time.perf_counter()
+    output = Path(job.output)
+    _check_output(output, plan.origin, job.overwrite)
+    check_exportable(plan.recipe, plan.origin, job.spec)
+    it_name = iter_name(plan.meta["iteration"])
+    _write_output(job, plan, output, it_name, progress)
+    p = plan.recipe.parallel
+    layout = Layout(tensor=p.tensor, pipeline=p.pipeline, virtual_pipeline=p.virtual_pipeline,
+                    data=plan.recipe.data_parallel_size, context=p.context, first_stage_layers=p.first_stage_layers,
+                    last_stage_layers=p.last_stage_layers)
+    return Result(output=output, iteration_dir=output / it_name, source=plan.origin, source_layout=source_layout,
+                  target_layout=str(layout), tensors=len(plan.tensors), objects=len(plan.objects),
+                  bytes=plan.total_bytes, seconds=time.perf_counter() - start, notes=plan.notes, format=job.format,
+                  action="converted")
+
+
 def _num_layers(src: Checkpoint) -> int:
     from megacli.recipe.model import ModelSection
 
@@ -191,9 +212,7 @@ def _write_output(job, plan: Plan, output: Path, it_name: str, progress) -> Veri
             fsync_dir(tmp)
             _replace(tmp, output)
             return None
-        it_dir = tmp / it_name
-        it_dir.mkdir(parents=True)
-        write_plan(plan, it_dir, progress)
+        it_dir = write_checkpoint(plan, tmp, it_name, progress)
         report = None
         if job.verify:
             report = verify_plan(plan, it_dir, progress)
@@ -204,8 +223,6 @@ def _write_output(job, plan: Plan, output: Path, it_name: str, progress) -> Veri
                                                       progress=progress))
             shutil.rmtree(tmp)
             tmp = legacy_tmp
-        else:
-            (tmp / LATEST).write_text(it_name + "\n")
         fsync_dir(tmp)
         _replace(tmp, output)
         return report
@@ -223,18 +240,6 @@ def _check_precision(src: Checkpoint, plan: Plan) -> None:
     if before != after:
         raise UserError(f"train.precision {before} → {after}: reshard changes the layout, not the precision "
                         f"(the optimizer state differs between them)")
-
-
-def write_plan(plan: Plan, it_dir: Path, progress=None) -> None:
-    """The torch_dist shards, common state, recipe.yaml and, last, megacli.json (the marker of a
-    complete checkpoint) into an existing empty directory."""
-    from megacli.recipe.base import dump
-
-    done = progress("writing", len(plan.tensors) + len(plan.objects)) if progress else (lambda key: None)
-    write_torch_dist(it_dir, plan.tensors, plan.objects, plan.common, on_done=done)
-    (it_dir / RECIPE).write_text(dump(plan.recipe, carried=True))
-    (it_dir / META).write_text(json.dumps(plan.meta, indent=2) + "\n")
-    fsync_dir(it_dir)
 
 
 def _replace(tmp: Path, output: Path) -> None:

@@ -29,28 +29,21 @@ the new (pipeline, tensor) grid and rewrites the labels.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Optional
 
 import torch
 
 from megacli.checkpoint.sharding import is_vocab_key
-from megacli.checkpoint.torch_dist import ObjectEntry, TensorEntry
+from megacli.checkpoint.torch_dist import TensorEntry
 from megacli.checkpoint.megacli_checkpoint import OPT_PREFIX, Checkpoint, Layout, split_optimizer_key, target_chunks
+from megacli.checkpoint.writer import Plan, Target
 from megacli.errors import UserError
 from megacli.recipe.sections import sequence_parallel_on
 from megacli.recipe.stages import pick_split
 from megacli.reshard.objects import plan_objects
 
 # ---------------------------------------------------------------- the target
-
-
-@dataclass(frozen=True)
-class Target:
-    layout: Layout
-    distributed_optimizer: bool
-    sequence_parallel: bool
-    overrides: tuple[str, ...] = ()
 
 
 def resolve_target(src_layout: Layout, src_parallel: dict, *, tensor=None, pipeline=None, virtual_pipeline=None,
@@ -113,28 +106,6 @@ def target_recipe(src: Checkpoint, target: Target):
 
 
 # ---------------------------------------------------------------- the plan
-
-
-@dataclass
-class Plan:
-    source: Checkpoint
-    target: Target
-    recipe: object
-    tensors: list[TensorEntry]
-    objects: list[ObjectEntry]
-    common: dict
-    meta: dict
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def total_bytes(self) -> int:
-        total = 0
-        for t in self.tensors:
-            n = 1
-            for s in t.shape:
-                n *= s
-            total += n * torch.empty((), dtype=t.dtype).element_size()
-        return total
 
 
 def build_plan(src: Checkpoint, target: Target, recipe=None) -> Plan:

@@ -48,7 +48,7 @@ def _short(key: str, width: int = 56) -> str:
 def print_result(result, console) -> None:
     from megacli.checkpoint.space import size_text
 
-    console.print(f"resharded {result.source} ({result.source_layout}) → {result.iteration_dir} ({result.target_layout}): "
+    console.print(f"{result.action} {result.source} ({result.source_layout}) → {result.iteration_dir} ({result.target_layout}): "
                   f"{result.tensors} tensors ({size_text(result.bytes)}) and {result.objects} objects in {result.seconds:.1f} s",
                   markup=False, soft_wrap=True)
     for note in result.notes:

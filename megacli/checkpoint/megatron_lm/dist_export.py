@@ -1,6 +1,7 @@
-"""Export a reshard plan (a megacli checkpoint under its target layout) as a Megatron-LM torch_dist
-checkpoint (megacli.checkpoint.megatron_lm.dist_writer): the plan's tensors as they are, its objects and
-common state in Megatron-LM's form, its recipe as Megatron-LM's full ``args``."""
+"""Export a checkpoint plan (megacli.checkpoint.writer: a reshard's, a megacli checkpoint under its
+target layout, or a conversion's weights) as a Megatron-LM torch_dist checkpoint
+(megacli.checkpoint.megatron_lm.dist_writer): the plan's tensors as they are, its objects and common
+state in Megatron-LM's form, its recipe as Megatron-LM's full ``args``."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def check_exportable(recipe, where, spec: str | None = None) -> None:
 def export(plan, root: Path, *, spec: str = "te", trust_pickle: bool = False, progress=None) -> list[str]:
     """Write ``plan`` under ``root`` (an existing empty directory) as a Megatron-LM checkpoint with the ``spec`` layer names (te or local). Returns notes for the user."""
     recipe = plan.recipe
-    check_exportable(recipe, plan.source.path, spec)
+    check_exportable(recipe, plan.origin, spec)
     iteration = int(plan.meta.get("iteration", 0))
     gbs = recipe.train.global_batch_size
     consumed = int(plan.meta.get("consumed_samples", iteration * gbs))
@@ -43,7 +44,7 @@ def export(plan, root: Path, *, spec: str = "te", trust_pickle: bool = False, pr
                          transformer_impl=mlw.TRANSFORMER_IMPL[spec])
     sched = plan.common.get("scheduler")
     if sched is not None:  # megacli counts scheduler steps in iterations, Megatron-LM in samples
-        sched = scale_scheduler(sched, gbs, str(plan.source.path))
+        sched = scale_scheduler(sched, gbs, str(plan.origin))
     common = mlw.common_state(args=args, iteration=iteration, optimizer=plan.common.get("optimizer"),
                               opt_param_scheduler=sched, distributed_optimizer=recipe.parallel.distributed_optimizer)
     m = recipe.model
@@ -57,7 +58,7 @@ def export(plan, root: Path, *, spec: str = "te", trust_pickle: bool = False, pr
     if m.add_bias_linear and m.activation in ("gelu", "squared_relu"):
         notes.append(f"{m.activation} with biases: in Megatron-LM pass --no-bias-gelu-fusion (its fused bias-GeLU, on "
                      f"by default, is the tanh approximation; --use-checkpoint-args does not carry the option)")
-    rng = plan.source.rng_objects
+    rng = plan.source.rng_objects if plan.source is not None else {}
     if rng and plan.source.reader.read_object(next(iter(rng.values())))[0].get("cuda") is None:
         notes.append("RNG state is the CPU backend's (CPU generator states): in Megatron-LM on CUDA, load with "
                      "--no-load-rng")
