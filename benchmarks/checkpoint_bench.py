@@ -148,7 +148,7 @@ class _Log:
     def say(self, text: str) -> None:
         pass
 
-    def plot(self) -> None:
+    def plot(self, *, background: bool = False) -> None:
         pass
 
 
