@@ -145,7 +145,8 @@ class MetricsLog:
     def plot(self, *, background: bool = False) -> None:
         """Redraw <run.dir>/plot.png from metrics.jsonl; skipped without matplotlib. ``background``:
         in a process of its own that the training loop does not wait for (a redraw takes a second
-        or more on a long run), unless the previous one is still drawing; otherwise after it."""
+        or more on a long run), skipped while the previous one still draws. A redraw in the
+        foreground waits for the one in the background first."""
         import importlib.util
 
         if not self.enabled or not self.path.is_file() or importlib.util.find_spec("matplotlib") is None:
