@@ -148,7 +148,7 @@ class _Log:
     def say(self, text: str) -> None:
         pass
 
-    def plot(self) -> None:
+    def plot(self, *, background: bool = False) -> None:
         pass
 
 
@@ -189,35 +189,43 @@ def one_process():
         dist.destroy_process_group()
 
 
+# Where the loop blocked in a round with a save: in the step boundary that starts the save, in the
+# later ones (an asynchronous save's completion checks and its finalize step), and in the wait for
+# the save at the round's end (the writer not done yet, then the finalize step).
+PHASES = ("at the save", "later boundaries", "at the round's end")
+
+
 def save_stall(args) -> None:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="ckpt_bench_"))
     k = args.steps_per_save
     rounds: dict[str, list[float]] = {"none": [], "sync": [], "async": []}
-    blocked: dict[str, list[float]] = {"sync": [], "async": []}
+    blocked: dict[str, list[dict[str, float]]] = {"sync": [], "async": []}
     with one_process() as device:
         model = Model(args.params, device)
         n = sum(p.numel() for p in model.parameters())
         saves = {kind: saves_for(model, work / kind, async_save=kind == "async", steps_per_save=k) for kind in blocked}
         counted = 0
         try:
-            for r in range(args.repeats + 1):  # round 0 warms up (imports, allocator, first fork) and is not counted
+            # rounds 0 and 1 warm up (imports, allocator, first fork; the saves' plan, reused from the third
+            # save on) and are not counted
+            for r in range(args.repeats + 2):
                 order = ("none", "sync", "async") if r % 2 else ("async", "sync", "none")
                 for kind in order:
                     counted += 1
-                    start, waited = time.perf_counter(), 0.0
+                    start, waited = time.perf_counter(), dict.fromkeys(PHASES, 0.0)
                     for i in range(k):
                         model.step(args.matmuls)
                         if kind != "none":  # due at the round's first step (a multiple of k) only
                             t0 = time.perf_counter()
                             saves[kind].step(iteration=counted * k + i, consumed=0, last=False)
-                            waited += time.perf_counter() - t0
+                            waited[PHASES[min(i, 1)]] += time.perf_counter() - t0
                     if kind != "none":
                         t0 = time.perf_counter()
                         saves[kind].finish()
-                        waited += time.perf_counter() - t0
+                        waited[PHASES[2]] += time.perf_counter() - t0
                     elapsed = time.perf_counter() - start
                     shutil.rmtree(work / kind, ignore_errors=True)  # not timed: only the newest save is kept
-                    if r:
+                    if r > 1:
                         rounds[kind].append(elapsed)
                         if kind != "none":
                             blocked[kind].append(waited)
@@ -228,14 +236,15 @@ def save_stall(args) -> None:
                 shutil.rmtree(work, ignore_errors=True)
     base = statistics.median(rounds["none"])
     stall = {kind: statistics.median(t - base for t in rounds[kind]) for kind in blocked}
-    wait = {kind: statistics.median(blocked[kind]) for kind in blocked}
+    wait = {kind: statistics.median(sum(w.values()) for w in blocked[kind]) for kind in blocked}
     print(f"{n / 1e6:.1f}M fp32 parameters with Adam's moments ({n * 12 / 1024**3:.2f} GiB saved) on {device.type}, "
           f"a save every {k} steps "
           f"of {base / k * 1e3:.0f} ms, median of {args.repeats} rounds each")
     for kind in blocked:
-        print(f"  {kind:5} save: stall {stall[kind]:.3f} s (the loop blocked {wait[kind]:.3f} s)")
-    print(f"  async stall / sync stall: {stall['async'] / stall['sync']:.1%} "
-          f"(blocked: {wait['async'] / wait['sync']:.1%})")
+        split = ", ".join(f"{phase} {statistics.median(w[phase] for w in blocked[kind]):.3f} s" for phase in PHASES)
+        print(f"  {kind:5} save: the loop blocked {wait[kind]:.3f} s ({split}); round stall {stall[kind]:.3f} s")
+    print(f"  async / sync, loop blocked: {wait['async'] / wait['sync']:.1%}; "
+          f"round stall: {stall['async'] / stall['sync']:.1%}")
 
 
 def main() -> None:

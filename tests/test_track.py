@@ -115,6 +115,31 @@ def test_tensorboard_and_plot_png_written_by_the_run(tracked):
     assert (run_dir / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_redraw_after_a_save_runs_beside_the_loop_and_the_last_one_waits_for_it(tmp_path):
+    """A published save redraws plot.png in a process of its own (the loop does not wait for it, nor
+    start a second one while it draws); the run's last redraw waits for it, then draws."""
+    import torch
+
+    from megacli.engine.metrics import MetricsLog
+
+    log = MetricsLog(run_dir=str(tmp_path), enabled=True, total_iters=2, start_iter=0, tokens_per_step=1,
+                     flops_per_step=1.0, world_size=1, device=torch.device("cpu"), loggers=[])
+    try:
+        (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"iteration": i, "loss": 3.0 - i, "lr": 1e-3}) + "\n"
+                                                        for i in (1, 2)))
+        start = time.perf_counter()
+        log.plot(background=True)
+        drawing = log.plotter
+        log.plot(background=True)
+        assert time.perf_counter() - start < 0.5 and drawing.poll() is None  # importing matplotlib alone takes longer
+        assert log.plotter is drawing and not (tmp_path / "plot.png").exists()
+        log.plot()
+        assert drawing.returncode == 0 and log.plotter is None
+        assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    finally:
+        log.close()
+
+
 @pytest.mark.slow
 def test_only_the_last_pipeline_stage_logs(tmp_path):
     """PP=2 on two processes: one W&B run and one MLflow run, from the stage that holds the loss."""

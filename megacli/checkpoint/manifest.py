@@ -40,11 +40,18 @@ def _threads(n_files: int) -> int:
 
 
 def describe(root: Path, names: list[str]) -> dict[str, dict]:
-    """{name: {"size", "xxh3_64"}} for files under root, hashed in parallel."""
+    """{name: {"size", "xxh3_64"}} for files under root, hashed in parallel when more than one is
+    large (starting threads costs more than hashing small files: a save's finalize step hashes its
+    metadata files while the training loop waits)."""
     root = Path(root)
-    with ThreadPoolExecutor(_threads(len(names))) as pool:
-        sums = list(pool.map(lambda name: checksum(root / name), names))
-    return {name: {"size": (root / name).stat().st_size, ALGORITHM: s} for name, s in zip(names, sums)}
+    sizes = [(root / name).stat().st_size for name in names]
+    threads = _threads(sum(size >= _CHUNK for size in sizes))
+    if threads == 1:
+        sums = [checksum(root / name) for name in names]
+    else:
+        with ThreadPoolExecutor(threads) as pool:
+            sums = list(pool.map(lambda name: checksum(root / name), names))
+    return {name: {"size": size, ALGORITHM: s} for name, size, s in zip(names, sizes, sums)}
 
 
 def part_name(rank: int) -> str:

@@ -165,7 +165,6 @@ def _start_save(*, ckpt_dir: Path, iteration: int, consumed_samples: int, chunks
         for stale in ckpt_dir.glob("iter_*.tmp"):
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
-    dist.barrier()
     weights_only = optimizer is None
     keep = None
     if lora_base is not None:
@@ -176,7 +175,7 @@ def _start_save(*, ckpt_dir: Path, iteration: int, consumed_samples: int, chunks
     state = _sharded_state(chunks, optimizer, scheduler, loading=False, with_optimizer=not weights_only,
                            with_rng=not weights_only, keep=keep)
     needed = torch.tensor([space.state_bytes(state)], dtype=torch.float64, device=_device())
-    dist.all_reduce(needed)
+    dist.all_reduce(needed)  # also the barrier after which every rank finds tmp made
     needed = int(needed.item())
     try:
         checked = strategy is not None and strategy.cached_local_plan is not None  # it saved this structure
@@ -229,24 +228,24 @@ def _complete(tmp: Path, final: Path, ckpt_dir: Path, *, meta: dict, recipe_yaml
     disk, then the rename into place and the `latest` pointer."""
     import torch.distributed as dist
 
-    rank = dist.get_rank()
-    if check_finite and nonfinite.any_rank([(tmp / f"{NONFINITE}{rank}").exists()], _device())[0]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # One exchange (the training loop waits for it): whether each rank wrote a non-finite value, and
+    # its description of the files it wrote.
+    reports = [None] * world
+    dist.all_gather_object(reports, (check_finite and (tmp / f"{NONFINITE}{rank}").exists(),
+                                     manifest.described(tmp, rank, world)))
+    if any(nonfinite_written for nonfinite_written, _ in reports):
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise nonfinite.NonFiniteSave(meta["iteration"])
     if os.environ.get("MEGACLI_TEST_CRASH_IN_SAVE") == str(meta["iteration"]):
         # Fault injection for the atomic-save tests: fail after the shards are written, before publishing.
         raise RuntimeError(f"injected crash while saving iteration {meta['iteration']}")
-    dist.barrier()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    described = manifest.described(tmp, rank, world)
-    parts = [None] * world if rank == 0 else None
-    dist.gather_object(described, parts, dst=0)
     if rank == 0:
         try:
             (tmp / "recipe.yaml").write_text(recipe_yaml)
             (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
-            manifest.write(tmp, [*parts, manifest.describe(tmp, ["recipe.yaml", META])])
+            manifest.write(tmp, [*(part for _, part in reports), manifest.describe(tmp, ["recipe.yaml", META])])
         except OSError as exc:
             full = space.disk_full_error(exc, ckpt_dir=ckpt_dir, partial=tmp, needed=needed, remove=True)
             raise (full or exc) from None

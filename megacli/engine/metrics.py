@@ -104,6 +104,7 @@ class MetricsLog:
         """``loggers``: train.loggers_in_use; ``run_config``: the resolved recipe as a dict (the
         trackers' run config); ``resumed``: continue the tracker runs named in the run directory."""
         self.enabled = enabled
+        self.plotter = None  # the process redrawing plot.png in the background
         self.tokens_per_step = tokens_per_step
         self.flops_per_step = flops_per_step
         self.world_size = world_size
@@ -141,11 +142,28 @@ class MetricsLog:
 
             self.console.print(Text("warning: ", style="yellow") + Text(text))  # user text printed as is
 
-    def plot(self) -> None:
-        """Redraw <run.dir>/plot.png from metrics.jsonl; skipped without matplotlib."""
+    def plot(self, *, background: bool = False) -> None:
+        """Redraw <run.dir>/plot.png from metrics.jsonl; skipped without matplotlib. ``background``:
+        in a process of its own that the training loop does not wait for (a redraw takes a second
+        or more on a long run), skipped while the previous one still draws. A redraw in the
+        foreground waits for the one in the background first."""
         import importlib.util
 
         if not self.enabled or not self.path.is_file() or importlib.util.find_spec("matplotlib") is None:
+            return
+        if self.plotter is not None:
+            if background and self.plotter.poll() is None:
+                return
+            self.plotter.wait()
+            self.plotter = None
+        if background:
+            import subprocess
+            import sys
+
+            self.plotter = subprocess.Popen(
+                [sys.executable, "-c", "import sys; from megacli.plot.figure import write_run_plot; "
+                 "from pathlib import Path; write_run_plot(Path(sys.argv[1]))", str(self.path.parent)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             return
         from megacli.plot.figure import write_run_plot
 

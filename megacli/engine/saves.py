@@ -86,7 +86,7 @@ class Saves:
 
     def _published(self, path: Path) -> None:
         self.log.say(f"saved checkpoint {path}")
-        self.log.plot()
+        self.log.plot(background=True)
         self.last_good = path
 
     def finish(self) -> None:
