@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from megacli.checkpoint.source import user_source
 from megacli.engine import checkpoint, cuda_graphs, distributed, nonfinite
 from megacli.engine.cadences import Evaluations, LogWindow, NonFinitePolicy
 from megacli.engine.metrics import MetricsLog, loss_metrics
@@ -292,14 +293,14 @@ def _start(recipe, trainer: Trainer) -> Start:
     if source is None:
         pretrained = pretrained_source(ck)
         if pretrained is not None:
-            checkpoint.load(ckpt=pretrained, chunks=trainer.chunks, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
-                            load_optimizer=False, verify=ck.verify, trust_pickle=ck.trust_pickle)
+            checkpoint.load(source=user_source(pretrained, ck), chunks=trainer.chunks, optimizer=trainer.optimizer,
+                            scheduler=trainer.scheduler, load_optimizer=False, verify=ck.verify)
         return Start(pretrained=pretrained, notes=notes)
     from megacli.engine.compat import check_resumable
 
     changes_note = check_resumable(source, recipe)
-    restored = checkpoint.load(ckpt=source, chunks=trainer.chunks, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
-                               load_optimizer=ck.load_optimizer, verify=ck.verify, trust_pickle=ck.trust_pickle)
+    restored = checkpoint.load(source=user_source(source, ck), chunks=trainer.chunks, optimizer=trainer.optimizer,
+                               scheduler=trainer.scheduler, load_optimizer=ck.load_optimizer, verify=ck.verify)
     if recipe.data.on_the_fly and (restored.path / checkpoint.META).is_file():
         stream_notes = _resume_stream(trainer, checkpoint.read_meta(restored.path), restored.path)
         restored = replace(restored, notes=(*restored.notes, *stream_notes))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from megacli.checkpoint.megatron_lm.dist_reader import MegatronLMCheckpoint, weights_dir
-from megacli.checkpoint.source import MEGATRON_LM, kind_of
+from megacli.checkpoint.source import MEGATRON_LM, kind_of, user_source
 from megacli.engine import checkpoint
 from megacli.errors import UserError
 
@@ -17,7 +17,7 @@ def pretrained_source(ck) -> Path | None:
         return None
     found = checkpoint.find_checkpoint(ck.pretrained)
     if found is None and kind_of(ck.pretrained) == MEGATRON_LM:
-        return weights_dir(Path(ck.pretrained), trust_pickle=ck.trust_pickle)
+        return weights_dir(user_source(ck.pretrained, ck))
     if found is None:
         raise UserError(f"checkpoint.pretrained = {ck.pretrained!r}: no checkpoint there (convert a Hugging Face "
                         f"model with `megacli convert`, or give a megacli or Megatron-LM torch_dist checkpoint directory)")
@@ -51,7 +51,7 @@ def resume_source(ck) -> tuple[Path | None, str | None]:
                               f"checkpoint, {complete[-1].name}")
     found = checkpoint.find_checkpoint(ck.resume)
     if found is None and kind_of(ck.resume) == MEGATRON_LM:
-        return MegatronLMCheckpoint(Path(ck.resume), trust_pickle=ck.trust_pickle).it_dir, None
+        return MegatronLMCheckpoint(user_source(ck.resume, ck)).it_dir, None
     if found is None:
         raise UserError(f"checkpoint.resume = {ck.resume!r}: no checkpoint there (expected a directory with "
                         f"'{checkpoint.LATEST}' or '{checkpoint.META}')")
