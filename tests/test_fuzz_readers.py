@@ -362,7 +362,7 @@ def test_safetensors_index(tmp_path, data):
     root = tmp_path / "hf"
     _hf_dir(root)
     (root / SAFE_INDEX).write_bytes(data)
-    weights = outcome(HFWeights, root)
+    weights = outcome(HFWeights, Source(root))
     if weights is not None:
         assert set(weights._where) <= {"a", "b"}
 
