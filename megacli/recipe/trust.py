@@ -35,7 +35,7 @@ def granted(user: dict, section: str, field: str) -> bool:
 def trusts_pickles(section) -> bool:
     """The user's pickle-trust decision in a validated section of their recipe (checkpoint, convert
     or reshard); megacli.checkpoint.source.user_source turns it into the Source that carries it."""
-    return getattr(section, PICKLE)
+    return section.trust_pickle
 
 
 def grant_pickles(raw: dict, section: str) -> None:
