@@ -13,6 +13,7 @@ import zlib
 from pathlib import Path
 
 from megacli.checkpoint.layout import iter_name
+from megacli.checkpoint.source import Source
 
 VOCAB = 300  # not a multiple of 128: padding differs at TP=1 (384) and TP=2 (512)
 
@@ -175,8 +176,8 @@ def round_trip(d: Path, *, parallel, say=lambda *_: None) -> dict:
 
     from megacli.convert import convert
 
-    convert(d / "hf", d / "mc", parallel=parallel, say=say)
-    convert(d / "mc", d / "hf2", say=say)
+    convert(Source(d / "hf"), d / "mc", parallel=parallel, say=say)
+    convert(Source(d / "mc"), d / "hf2", say=say)
     a, b = load_file(d / "hf" / "model.safetensors"), load_file(d / "hf2" / "model.safetensors")
     return {"same_keys": sorted(a) == sorted(b), "bitwise": all(torch.equal(a[k], b[k]) for k in a if k in b),
             "config": [json.loads((d / x / "config.json").read_text()) for x in ("hf", "hf2")]}
@@ -228,13 +229,13 @@ def megacli_logits(ckpt_dir: Path, toks, overrides: tuple[str, ...] = ()):
         from megacli.checkpoint.megatron_lm.dist_reader import MegatronLMCheckpoint
         from megacli.recipe.base import apply_overrides, validate
 
-        src = MegatronLMCheckpoint(Path(ckpt_dir))
+        src = MegatronLMCheckpoint(Source(Path(ckpt_dir)))
         ckpt, recipe = src.it_dir, validate(TrainingRecipe, apply_overrides(src.recipe(), sets), str(ckpt_dir))
     else:
         recipe = load(TrainingRecipe, ckpt / "recipe.yaml", sets)
     config = transformer_config(model=recipe.model, parallel=recipe.parallel, precision="fp32", on_cuda=False)
     chunks = build_model(recipe=recipe, config=config, vocab_size=recipe.model.vocab_size)
-    checkpoint.load(ckpt=ckpt, chunks=chunks, optimizer=None, scheduler=None, load_optimizer=False)
+    checkpoint.load(source=Source(ckpt), chunks=chunks, optimizer=None, scheduler=None, load_optimizer=False)
     for c in chunks:
         c.eval()
     b, s = toks.shape
@@ -280,7 +281,7 @@ def _canonical_from_hf(hf_dir: Path, *, padded_rows: int) -> tuple[dict, object]
     family, _ = families.for_hf_config(config)
     model = ModelSection(**family.model_section(config))
     table = family.table(model)
-    weights = hf_io.HFWeights(hf_dir)
+    weights = hf_io.HFWeights(Source(hf_dir))
     by_name = {table.normalize_hf(k): k for k in weights.keys()}
     out = {}
     for rule in table.rules:

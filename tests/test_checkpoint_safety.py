@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from megacli.checkpoint.source import Source
+
 from tests.conftest import cli
 
 ITER = "iter_0000002"
@@ -309,7 +311,7 @@ def test_truncated_legacy_file_is_a_clear_error(tmp_path):
     torch.save({"args": argparse.Namespace(num_layers=1), "checkpoint_version": 3.0, "model": {"w": torch.ones(64)}}, f)
     f.write_bytes(f.read_bytes()[:-100])
     with pytest.raises(UserError, match=r"model_optim_rng.pt: cannot read .*truncated or corrupt"):
-        LegacyCheckpoint(tmp_path / "legacy")
+        LegacyCheckpoint(Source(tmp_path / "legacy"))
 
 
 @pytest.mark.parametrize("shard", ["../other/model.safetensors", "../../etc/passwd", "/etc/passwd", "a/../../x"])
@@ -325,7 +327,7 @@ def test_safetensors_index_may_not_leave_the_model_directory(tmp_path, shard):
     save_file({"w": torch.ones(2)}, other / "model.safetensors")
     (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": shard}}))
     with pytest.raises(UserError, match="outside"):
-        HFWeights(model)
+        HFWeights(Source(model))
 
 
 def test_pickled_pytorch_model_bin_needing_code_is_a_clear_error(tmp_path):
@@ -335,9 +337,9 @@ def test_pickled_pytorch_model_bin_needing_code_is_a_clear_error(tmp_path):
     marker = tmp_path / "code-ran"
     torch.save({"w": torch.ones(2), "x": _Payload(marker, pickle.dumps(1))}, tmp_path / "pytorch_model.bin")
     with pytest.raises(UserError, match=r"pytorch_model.bin: refused to unpickle builtins.eval"):
-        HFWeights(tmp_path)
+        HFWeights(Source(tmp_path))
     assert not marker.exists()
-    assert "w" in HFWeights(tmp_path, trust_pickle=True).keys() and marker.exists()
+    assert "w" in HFWeights(Source(tmp_path, True)).keys() and marker.exists()
 
 
 def test_an_hf_directory_given_to_generate_or_serve_is_read_as_convert_reads_it(tmp_path):
@@ -361,7 +363,7 @@ def test_an_hf_directory_given_to_generate_or_serve_is_read_as_convert_reads_it(
         assert_refused(cli(*command, "--set", f"run.dir={run}"), marker, "pytorch_model.bin")
         assert not run.exists(), "nothing is left of the refused conversion"
     recipe = build_recipe(None, {"checkpoint": str(hf)}, tensor=None, pipeline=None, overrides=[f"run.dir={run}"],
-                          trust_pickle=True)
+                          trusted=True)
     assert marker.exists() and recipe.generate.checkpoint == str(run / "converted" / "hf")
 
 

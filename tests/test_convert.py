@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from megacli.checkpoint.source import Source
+
 from tests import _convert_models as cm
 from tests._convert_models import MODELS
 
@@ -167,11 +169,11 @@ def _prepare(rank, world, root: str):
                      "export_logits": cm.max_diff(cm.hf_logits(cm.load_hf(d / "hf2"), toks), ref)}
     # bf16 both ways, and an export in many small shards.
     d = root / "llama_untied_gqa"
-    convert(d / "hf", d / "mc_bf16", dtype="bf16", say=say)
-    convert(d / "mc_bf16", d / "hf_bf16", say=say)
+    convert(Source(d / "hf"), d / "mc_bf16", dtype="bf16", say=say)
+    convert(Source(d / "mc_bf16"), d / "hf_bf16", say=say)
     a, b = load_file(d / "hf" / "model.safetensors"), load_file(d / "hf_bf16" / "model.safetensors")
     out["bf16_round_trip"] = all(b[k].dtype == torch.bfloat16 and torch.equal(a[k].to(torch.bfloat16), b[k]) for k in a)
-    convert(d / "mc", d / "hf_sharded", max_shard_size="20KB", say=say)
+    convert(Source(d / "mc"), d / "hf_sharded", max_shard_size="20KB", say=say)
     out["shards"] = sorted(p.name for p in (d / "hf_sharded").glob("*.safetensors"))
     out["sharded_logits"] = cm.max_diff(cm.hf_logits(cm.load_hf(d / "hf_sharded"), toks), torch.load(d / "hf_logits.pt"))
 
@@ -181,10 +183,10 @@ def _prepare(rank, world, root: str):
     for case, (name, tp, pp, style) in legacy_cases.items():
         d = root / case
         cm.write_legacy(root / name / "hf", d / "ckpt", tp=tp, pp=pp, style=style)
-        convert(d / "ckpt", d / "hf", to="hf", say=say)
+        convert(Source(d / "ckpt"), d / "hf", to="hf", say=say)
         out[case] = {"hf_logits": cm.max_diff(cm.hf_logits(cm.load_hf(d / "hf"), toks), torch.load(root / name / "hf_logits.pt"))}
-    convert(root / "legacy_mcore" / "ckpt", root / "legacy_mcore" / "mc", say=say)
-    out["structure"] = {fmt: list(structure(p)) for fmt, p in
+    convert(Source(root / "legacy_mcore" / "ckpt"), root / "legacy_mcore" / "mc", say=say)
+    out["structure"] = {fmt: list(structure(Source(p))) for fmt, p in
                         (("hf", root / "qwen2" / "hf"), ("megacli", root / "qwen2" / "mc"), ("legacy", root / "legacy_mcore" / "ckpt"))}
 
     # The converted checkpoints through the engine at TP=1 PP=1 (prepared for TP=2 PP=2: other padding).
@@ -375,12 +377,12 @@ def test_convert_recipe_and_one_off_arguments(tmp_path):
 def test_trust_pickle_flag_reaches_the_recipe_as_the_flags_value(tmp_path):
     from megacli.cli.convert import _load_recipe
 
-    assert _load_recipe(["src", "dst"], [], trust_pickle=True).convert.trust_pickle is True
+    assert _load_recipe(["src", "dst"], [], trusted=True).convert.trust_pickle is True
     assert _load_recipe(["src", "dst"], []).convert.trust_pickle is False
     recipe = tmp_path / "convert.yaml"
     recipe.write_text("convert:\n  source: a\n  destination: b\n")
-    assert _load_recipe([str(recipe)], [], trust_pickle=True).convert.trust_pickle is True
-    assert _load_recipe([str(recipe)], ["convert.trust_pickle=false"], trust_pickle=True).convert.trust_pickle is False
+    assert _load_recipe([str(recipe)], [], trusted=True).convert.trust_pickle is True
+    assert _load_recipe([str(recipe)], ["convert.trust_pickle=false"], trusted=True).convert.trust_pickle is False
 
 
 def test_converted_recipe_for_a_target_layout(tmp_path):

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from megacli.checkpoint.source import Source
+
 from tests import _convert_models as cm
 
 TOL = 1e-4
@@ -91,7 +93,7 @@ def _megacli_logits(ckpt_dir: Path):
                                                          "parallel.sequence_parallel=false", f"launch.nproc={tp * pp}"])
     config = transformer_config(model=recipe.model, parallel=recipe.parallel, precision="fp32", on_cuda=False)
     chunks = build_model(recipe=recipe, config=config, vocab_size=recipe.model.vocab_size)
-    checkpoint.load(ckpt=ckpt, chunks=chunks, optimizer=None, scheduler=None, load_optimizer=False)
+    checkpoint.load(source=Source(ckpt), chunks=chunks, optimizer=None, scheduler=None, load_optimizer=False)
     chunks[0].eval()
     toks, types, attend = _batch()
 
@@ -192,10 +194,10 @@ def test_a_pretraining_checkpoint_with_gamma_beta_names_imports_as_masked_lm(tmp
     save_file(renamed, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "architectures": ["BertForMaskedLM"]}))
-    convert(tmp_path / "hf", tmp_path / "mc", say=lambda *_: None)
+    convert(Source(tmp_path / "hf"), tmp_path / "mc", say=lambda *_: None)
     recipe = load(TrainingRecipe, next((tmp_path / "mc").glob("iter_*")) / "recipe.yaml")
     assert (recipe.model.norm_position, recipe.model.bert_binary_head, recipe.model.token_types) == ("post", False, 2)
-    convert(tmp_path / "mc", tmp_path / "hf2", say=lambda *_: None)
+    convert(Source(tmp_path / "mc"), tmp_path / "hf2", say=lambda *_: None)
     back = load_file(tmp_path / "hf2" / "model.safetensors")
     assert not any(k.startswith(("bert.pooler", "cls.seq_relationship")) for k in back)
     assert all(torch.equal(back[k], weights[k]) for k in back)
@@ -290,7 +292,7 @@ def test_megatron_lm_legacy_bert_checkpoint_converts_with_the_same_logits(tmp_pa
     source = _build_hf(tmp_path / "hf", "MegatronBertForPreTraining")
     _write_legacy_bert(tmp_path / "hf", tmp_path / "legacy", tp=tp, pp=pp, style=style)
     said = []
-    convert(tmp_path / "legacy", tmp_path / "out", to="hf", say=said.append)
+    convert(Source(tmp_path / "legacy"), tmp_path / "out", to="hf", say=said.append)
     assert any("legacy BERT checkpoint" in s for s in said), said
     exported = MegatronBertForPreTraining.from_pretrained(tmp_path / "out").eval()
     assert exported.config.vocab_size == cm.VOCAB + 2
@@ -301,11 +303,11 @@ def test_megatron_lm_legacy_bert_checkpoint_converts_with_the_same_logits(tmp_pa
     assert AutoTokenizer.from_pretrained(tmp_path / "out")(text, add_special_tokens=False)["input_ids"] == \
         [words.index(w) for w in text.lower().split()]
 
-    convert(tmp_path / "legacy", tmp_path / "mc", say=lambda *_: None)
+    convert(Source(tmp_path / "legacy"), tmp_path / "mc", say=lambda *_: None)
     recipe = load(TrainingRecipe, next((tmp_path / "mc").glob("iter_*")) / "recipe.yaml")
     assert (recipe.model.arch, recipe.model.norm_position, recipe.model.bert_binary_head) == ("bert", "pre", True)
     assert (recipe.tokenizer.type, Path(recipe.tokenizer.path).name) == ("wordpiece", "vocab.txt")
-    convert(tmp_path / "mc", tmp_path / "hf2", say=lambda *_: None)
+    convert(Source(tmp_path / "mc"), tmp_path / "hf2", say=lambda *_: None)
     a, b = load_file(tmp_path / "out" / "model.safetensors"), load_file(tmp_path / "hf2" / "model.safetensors")
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -326,13 +328,13 @@ def test_legacy_t5_is_refused_and_reshard_refuses_bert(tmp_path):
     torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 1, "model": model}, d / "model_optim_rng.pt")
     (tmp_path / "t5" / "latest_checkpointed_iteration.txt").write_text("1")
     with pytest.raises(UserError, match="encoder-decoder"):
-        convert(tmp_path / "t5", tmp_path / "out", say=lambda *_: None)
+        convert(Source(tmp_path / "t5"), tmp_path / "out", say=lambda *_: None)
     assert not (tmp_path / "out").exists()
 
     _build_hf(tmp_path / "hf", "MegatronBertForPreTraining")
     _write_legacy_bert(tmp_path / "hf", tmp_path / "bert", tp=1, pp=1, style="legacy")
     with pytest.raises(UserError, match="megacli convert"):
-        open_source(tmp_path / "bert")
+        open_source(Source(tmp_path / "bert"))
 
 
 @pytest.mark.slow

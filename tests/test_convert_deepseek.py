@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from megacli.checkpoint.source import Source
 from megacli.errors import UserError
 from tests import _convert_models as cm
 
@@ -116,15 +117,15 @@ def _prepare(rank, world, root: str):
         d = root / name
         shutil.copytree(d / "mc", d / "mc_bare")
         shutil.rmtree(d / "mc_bare" / "hf")
-        convert(d / "mc_bare", d / "hf3", say=lambda *_: None)
+        convert(Source(d / "mc_bare"), d / "hf3", say=lambda *_: None)
         out[name]["bare_export_logits"] = cm.max_diff(cm.hf_logits(cm.load_hf(d / "hf3"), toks),
                                                       torch.load(d / "hf_logits.pt"))
     # Multi-token prediction: dropped on import, with a note; the rest converts as before.
     d = root / "deepseek_v3"
     added = _add_mtp_layer(d / "hf", d / "hf_mtp")
     said = []
-    convert(d / "hf_mtp", d / "mc_mtp", say=said.append)
-    convert(d / "mc_mtp", d / "hf_mtp2", say=lambda *_: None)
+    convert(Source(d / "hf_mtp"), d / "mc_mtp", say=said.append)
+    convert(Source(d / "mc_mtp"), d / "hf_mtp2", say=lambda *_: None)
     a, b = load_file(d / "hf_mtp" / "model.safetensors"), load_file(d / "hf_mtp2" / "model.safetensors")
     out["mtp"] = {"said": said, "added": added, "kept": sorted(set(a) - set(b)) == added and set(b) < set(a),
                   "bitwise": all(torch.equal(a[k], b[k]) for k in b),

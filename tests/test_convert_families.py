@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from megacli.checkpoint.source import Source
 from megacli.errors import UserError
 from megacli.recipe.base import RecipeError
 from megacli.recipe.model import ModelSection
@@ -195,7 +196,7 @@ def _megacli_norm_grads(ckpt_dir: Path, toks) -> dict:
     recipe = load(TrainingRecipe, ckpt / "recipe.yaml", [*TP2PP2, "parallel.sequence_parallel=false", "train.global_batch_size=8"])
     config = transformer_config(model=recipe.model, parallel=recipe.parallel, precision="fp32", on_cuda=False)
     chunks = build_model(recipe=recipe, config=config, vocab_size=recipe.model.vocab_size)
-    checkpoint.load(ckpt=ckpt, chunks=chunks, optimizer=None, scheduler=None, load_optimizer=False)
+    checkpoint.load(source=Source(ckpt), chunks=chunks, optimizer=None, scheduler=None, load_optimizer=False)
     net = chunks[0]
     b, s = toks.shape
     positions = torch.arange(s).unsqueeze(0).expand(b, s)

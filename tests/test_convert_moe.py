@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from megacli.checkpoint.source import Source
+
 from tests import _convert_models as cm
 
 TOL = 1e-4
@@ -32,7 +34,7 @@ def _convert_both_ways(rank, world, root: str) -> dict:
         bare = d / "mc_bare"  # as a MoE trained from scratch: no Hugging Face config to carry
         shutil.copytree(d / "mc", bare)
         shutil.rmtree(bare / "hf")
-        convert(bare, d / "hf3", say=lambda *_: None)
+        convert(Source(bare), d / "hf3", say=lambda *_: None)
         out[name]["bare_export_logits"] = cm.max_diff(cm.hf_logits(cm.load_hf(d / "hf3"), toks), ref)
     distributed.setup(parallel=ParallelSection(), launch=LaunchSection(device="cpu"), seed=0)
     for name in cm.MOE_MODELS:

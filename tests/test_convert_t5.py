@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from megacli.checkpoint.source import Source
+
 from tests import _convert_models as cm
 
 TOL = 1e-4
@@ -74,7 +76,7 @@ def _megacli_logits(ckpt_dir: Path):
                                                          f"launch.nproc={tp}"])
     config = transformer_config(model=recipe.model, parallel=recipe.parallel, precision="fp32", on_cuda=False)
     model = build_model(recipe=recipe, config=config, vocab_size=recipe.model.vocab_size)[0]
-    checkpoint.load(ckpt=ckpt, chunks=[model], optimizer=None, scheduler=None, load_optimizer=False)
+    checkpoint.load(source=Source(ckpt), chunks=[model], optimizer=None, scheduler=None, load_optimizer=False)
     model.eval()
     enc, dec, attend = _batch()
     pad = (attend == 0)[:, None, None, :]

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from megacli.checkpoint.source import Source
+
 pytest.importorskip("lm_eval")
 
 NAMES = ["gpt2", "llama_tied_gqa"]
@@ -123,7 +125,7 @@ def _prepare(rank, world, root: str):
             config = json.loads((hf / file).read_text())
             config.update(bos_token_id=0, eos_token_id=0)
             (hf / file).write_text(json.dumps(config))
-        convert(hf, root / name / "mc", say=lambda *_: None)
+        convert(Source(hf), root / name / "mc", say=lambda *_: None)
         results = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={hf},dtype=float32", tasks=TASKS,
                                           batch_size=1, limit=LIMIT, task_manager=TaskManager(include_path=str(tasks)),
                                           log_samples=True, bootstrap_iters=0, device="cpu")

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from megacli.checkpoint.source import Source
 from megacli.data.sft import SftDataset, SftStats, read_records, render, tokenize
 from megacli.data.tokenizers import load_tokenizer
 from megacli.errors import UserError
@@ -244,7 +245,7 @@ def _lora_tp2_then_tp1(rank, world, base: str, data: str, out: str, sp: bool = T
     runtime = distributed.setup(parallel=recipe.parallel, launch=recipe.launch, seed=recipe.train.seed)
     trainer, _ = build_trainer(recipe, runtime)
     pretrained = checkpoint.find_checkpoint(base)
-    checkpoint.load(ckpt=pretrained, chunks=trainer.chunks, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
+    checkpoint.load(source=Source(pretrained), chunks=trainer.chunks, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
                     load_optimizer=False)
     net = unwrap(trainer.chunks[0])
     frozen_before = {n: p.detach().clone() for n, p in net.named_parameters() if not p.requires_grad}
@@ -262,7 +263,7 @@ def _lora_tp2_then_tp1(rank, world, base: str, data: str, out: str, sp: bool = T
     recipe = recipe_at(1)
     ps.initialize_model_parallel(tensor_model_parallel_size=1)
     trainer, _ = build_trainer(recipe, runtime)
-    restored = checkpoint.load(ckpt=saved, chunks=trainer.chunks, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
+    restored = checkpoint.load(source=Source(saved), chunks=trainer.chunks, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
                                load_optimizer=True)
     later_tp1 = steps(trainer, data_iterators(trainer, trainer.train_data, start_sample=restored.consumed_samples), 2)
     logits_tp1 = cm.megacli_logits(saved, toks)
@@ -288,7 +289,7 @@ def test_lora_at_tp2_equals_tp1_and_the_merged_export(tmp_path, converted_llama)
     assert r["first"][-1] < r["first"][0], r["first"]
     np.testing.assert_allclose(r["later_tp1"], r["later_tp2"], rtol=1e-5)  # resume at another layout, same steps
 
-    stored = CheckpointReader(Path(r["saved"])).canonical_keys()
+    stored = CheckpointReader(Source(Path(r["saved"]))).canonical_keys()
     assert stored and all(k.endswith(("lora_a", "lora_b")) for k in stored), stored  # adapters only
     assert json.loads((Path(r["saved"]) / "megacli.json").read_text())["lora"]["base"] == str(
         (base / "iter_0000000").resolve())

@@ -18,6 +18,7 @@ import pytest
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import example, given, strategies as st  # noqa: E402
 
+from megacli.checkpoint.source import Source  # noqa: E402
 from megacli.errors import UserError  # noqa: E402
 from megacli.recipe.base import RecipeErrors  # noqa: E402
 
@@ -361,7 +362,7 @@ def test_safetensors_index(tmp_path, data):
     root = tmp_path / "hf"
     _hf_dir(root)
     (root / SAFE_INDEX).write_bytes(data)
-    weights = outcome(HFWeights, root)
+    weights = outcome(HFWeights, Source(root))
     if weights is not None:
         assert set(weights._where) <= {"a", "b"}
 
@@ -425,7 +426,7 @@ def test_a_safetensors_index_without_a_weight_map_is_named(tmp_path, index):
     _hf_dir(tmp_path)
     (tmp_path / SAFE_INDEX).write_bytes(index)
     with pytest.raises(UserError, match="no weight_map"):
-        HFWeights(tmp_path)
+        HFWeights(Source(tmp_path))
 
 
 @pytest.mark.parametrize("header, expected", [
@@ -456,7 +457,7 @@ def test_a_tensor_shard_that_is_a_hostile_pickle_is_refused_by_megacli_not_torch
     metadata.storage_data[index] = _StorageInfo(relative_path="evil.distcp", offset=0, length=evil.stat().st_size)
     (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
     with pytest.raises(UserError) as info:
-        TorchDistReader(ckpt).read("w")
+        TorchDistReader(Source(ckpt)).read("w")
     message = str(info.value)
     assert "refused to unpickle builtins.exec" in message and "evil.distcp" in message, message
     assert "Weights only load failed" not in message and not marker.exists()
@@ -469,7 +470,7 @@ def test_a_malformed_metadata_json_beside_a_torch_dist_checkpoint_is_named(tmp_p
     ckpt = _torch_dist_dir(tmp_path)
     (ckpt / "metadata.json").write_bytes(content)
     with pytest.raises(UserError, match="metadata.json"):
-        TorchDistReader(ckpt)
+        TorchDistReader(Source(ckpt))
 
 
 @pytest.mark.parametrize("content, expected", [(b"- a list\n", "not a recipe"), (b"model: [1,\n", "cannot read")])

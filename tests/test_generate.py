@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from megacli.checkpoint.source import Source
+
 
 PROMPTS = ["the quick brown", "lazy dog jumps over the", "fox", "over the lazy dog the quick brown fox"]
 NEW = 10
@@ -119,7 +121,7 @@ def _prepare(rank, world, root: str):
     refs = {}
     for name in NAMES:
         model = cm.build_hf(name, root / name / "hf", with_tokenizer=True)
-        convert(root / name / "hf", root / name / "mc", say=lambda *_: None)
+        convert(Source(root / name / "hf"), root / name / "mc", say=lambda *_: None)
         refs[name] = _hf_references(model, AutoTokenizer.from_pretrained(root / name / "hf"))
     ours = _decode_all(root, {n: refs[n]["stop_token"] for n in NAMES})
     return refs, ours

@@ -16,6 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megacli.checkpoint.source import Source
+
 from tests import _gpu
 from tests._gpu import TINY_GPT, assert_bitwise, assert_loss_falls, on_device, pretrain
 from tests.conftest import assert_close, steps
@@ -165,7 +167,7 @@ def _convert_and_decode(rank, world, root: str) -> dict:
     hf_models = {}
     for name in GENERATE_MODELS:  # every conversion first: convert sets up (and tears down) its own parallel state
         hf_models[name] = cm.build_hf(name, root / name / "hf", with_tokenizer=True).to("cuda")
-        convert(root / name / "hf", root / name / "mc", say=lambda *_: None)
+        convert(Source(root / name / "hf"), root / name / "mc", say=lambda *_: None)
     for name, hf in hf_models.items():
         tok = AutoTokenizer.from_pretrained(root / name / "hf")
         ref = []

@@ -27,6 +27,7 @@ import torch
 from megacli.checkpoint.layout import TRACKER, iter_name
 from megacli.checkpoint.megatron_lm.dist_reader import canonical_key
 from megacli.checkpoint.megatron_lm.keys import LOCAL_NAMES
+from megacli.checkpoint.source import Source
 
 TOL = 1e-4
 ITERATION = 10
@@ -170,22 +171,22 @@ def _prepare(rank, world, root: str):
     toks = cm.tokens()
     ref = cm.hf_logits(cm.build_hf("llama_untied_gqa", root / "hf"), toks)
     say = lambda *_: None  # noqa: E731
-    convert(root / "hf", root / "mc", parallel=ParallelSection(tensor=2, pipeline=2), say=say)
+    convert(Source(root / "hf"), root / "mc", parallel=ParallelSection(tensor=2, pipeline=2), say=say)
     reshard(ReshardSection(source=str(root / "mc"), output=str(root / "mc22"), tensor=2, pipeline=2))
     mc22 = find_checkpoint(root / "mc22")
-    original = {k: t for g in CheckpointReader(mc22).groups() for k, t in g.items()}
+    original = {k: t for g in CheckpointReader(Source(mc22)).groups() for k, t in g.items()}
     out = {}
     for spec in ("te", "local"):
         src = write_megatron_lm(mc22, root / f"mlm_{spec}", spec=spec, args=llama_args())
         r = out[spec] = {"locate": [locate(src)[1], locate(src / iter_name(ITERATION))[1]], "legacy": is_legacy_dir(src)}
-        convert(src, root / f"hf_{spec}", to="hf", say=say)
+        convert(Source(src), root / f"hf_{spec}", to="hf", say=say)
         r["hf_logits"] = cm.max_diff(cm.hf_logits(cm.load_hf(root / f"hf_{spec}"), toks), ref)
-        convert(src, root / f"mc_{spec}", to="megacli", say=say)
-        back = {k: t for g in CheckpointReader(find_checkpoint(root / f"mc_{spec}")).groups() for k, t in g.items()}
+        convert(Source(src), root / f"mc_{spec}", to="megacli", say=say)
+        back = {k: t for g in CheckpointReader(Source(find_checkpoint(root / f"mc_{spec}"))).groups() for k, t in g.items()}
         r["same_keys"] = sorted(back) == sorted(original)
         # Vocabulary rows are padded for each checkpoint's own layout: the real 300 rows compared.
         r["bitwise"] = [k for k in original if k in back and not torch.equal(back[k][:300], original[k][:300])]
-        info = inspect(src)
+        info = inspect(Source(src))
         r["recipe"], r["not_mapped"], r["format"] = info["recipe"], info["not_mapped"], info["format"]
     return out
 
@@ -321,7 +322,7 @@ def test_bert_from_megatron_lm_layout_converts_to_hf(tmp_path):
     from tests.test_convert_bert import _build_hf, _hf_logits
 
     ref = _hf_logits(_build_hf(tmp_path / "hf", "MegatronBertForPreTraining"))
-    convert(tmp_path / "hf", tmp_path / "mc", say=lambda *_: None)
+    convert(Source(tmp_path / "hf"), tmp_path / "mc", say=lambda *_: None)
     ck = find_checkpoint(tmp_path / "mc")
     args = argparse.Namespace(
         num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=64, max_position_embeddings=64,
@@ -331,9 +332,9 @@ def test_bert_from_megatron_lm_layout_converts_to_hf(tmp_path):
         vocab_file=str(tmp_path / "hf" / "vocab.txt"), hidden_dropout=0.1, attention_dropout=0.1)
     for spec in ("te", "local"):
         src = write_megatron_lm(ck, tmp_path / f"mlm_{spec}", spec=spec, args=args)
-        stored = set(TorchDistReader(src / iter_name(ITERATION)).tensors)
+        stored = set(TorchDistReader(Source(src / iter_name(ITERATION))).tensors)
         assert ("encoder.layers.input_layernorm.bias" in stored) == (spec == "local"), sorted(stored)
-        convert(src, tmp_path / f"hf_{spec}", to="hf", say=lambda *_: None)
+        convert(Source(src), tmp_path / f"hf_{spec}", to="hf", say=lambda *_: None)
         got = _hf_logits(transformers.AutoModelForPreTraining.from_pretrained(tmp_path / f"hf_{spec}").eval())
         assert got[0].shape[-1] == ref[0].shape[-1] + 2
         assert [cm.max_diff(a[..., :b.shape[-1]], b) for a, b in zip(got, ref)] == [0.0, 0.0], spec
@@ -380,7 +381,7 @@ def t5_source(root: Path):
             if name.endswith("SelfAttention.q.weight") or name.endswith("EncDecAttention.q.weight"):
                 p.mul_(COMMON["d_kv"] ** -0.5)
         ref = hf(input_ids=enc, attention_mask=attend, decoder_input_ids=dec).logits.float()
-    convert(root / "hf", root / "mc", say=lambda *_: None)
+    convert(Source(root / "hf"), root / "mc", say=lambda *_: None)
     return find_checkpoint(root / "mc"), ref
 
 
@@ -401,19 +402,19 @@ def test_t5_from_megatron_lm_layout_converts_to_hf_and_megacli(tmp_path):
 
     ck, ref = t5_source(tmp_path)
     enc, dec, attend = _batch()
-    original = {k: t for g in CheckpointReader(ck).groups() for k, t in g.items()}
+    original = {k: t for g in CheckpointReader(Source(ck)).groups() for k, t in g.items()}
     for spec in ("te", "local"):
         src = write_megatron_lm(ck, tmp_path / f"mlm_{spec}", spec=spec, args=t5_args())
-        convert(src, tmp_path / f"hf_{spec}", to="hf", say=lambda *_: None)
+        convert(Source(src), tmp_path / f"hf_{spec}", to="hf", say=lambda *_: None)
         got = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path / f"hf_{spec}").eval()
         with torch.no_grad():
             logits = got(input_ids=enc, attention_mask=attend, decoder_input_ids=dec).logits.float()
         assert cm.max_diff(logits[..., :cm.VOCAB], ref[..., :cm.VOCAB]) < TOL, spec
-        convert(src, tmp_path / f"mc_{spec}", to="megacli", say=lambda *_: None)
-        back = {k: t for g in CheckpointReader(find_checkpoint(tmp_path / f"mc_{spec}")).groups() for k, t in g.items()}
+        convert(Source(src), tmp_path / f"mc_{spec}", to="megacli", say=lambda *_: None)
+        back = {k: t for g in CheckpointReader(Source(find_checkpoint(tmp_path / f"mc_{spec}"))).groups() for k, t in g.items()}
         assert sorted(back) == sorted(original), spec
         assert [k for k in original if not torch.equal(back[k][:cm.VOCAB], original[k][:cm.VOCAB])] == [], spec
-    recipe = MegatronLMCheckpoint(tmp_path / "mlm_te").recipe()
+    recipe = MegatronLMCheckpoint(Source(tmp_path / "mlm_te")).recipe()
     m = recipe["model"]
     assert (m["arch"], m["num_layers"], m["seq_length"], m["decoder_seq_length"], m["position_embedding"],
             m["activation"], m["add_bias_linear"], m.get("softmax_scale")) == ("t5", 2, 32, 16, "relative", "swiglu",
@@ -421,4 +422,4 @@ def test_t5_from_megatron_lm_layout_converts_to_hf_and_megacli(tmp_path):
     assert "decoder_num_layers" not in m and recipe["masking"] == {"sentinel_tokens": 100}
     other = write_megatron_lm(ck, tmp_path / "mlm_buckets", spec="te", args=t5_args(relative_attention_num_buckets=64))
     with pytest.raises(UserError, match="relative_attention_num_buckets 64"):
-        MegatronLMCheckpoint(other).model_section()
+        MegatronLMCheckpoint(Source(other)).model_section()

@@ -31,6 +31,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from megacli.checkpoint.source import Source
+
 from tests.conftest import losses
 
 TOL = 1e-4
@@ -126,7 +128,7 @@ def _megatron_core_saves(mc: Path, it_dir: Path, args) -> dict:
 
     model = _mcore_gpt(args)
     state = model.state_dict()
-    for group in CheckpointReader(mc).groups():
+    for group in CheckpointReader(Source(mc)).groups():
         for key, t in group.items():
             m = _EXPERT.match(key)
             if m:
@@ -162,19 +164,19 @@ def _moe(rank, world, root: str):
     _save_stacked(root)
 
     def canonical(path):
-        return {k: t for g in CheckpointReader(find_checkpoint(path)).groups() for k, t in g.items()}
+        return {k: t for g in CheckpointReader(Source(find_checkpoint(path))).groups() for k, t in g.items()}
 
     # ---- written: the run's Qwen2-MoE-shaped checkpoint -> Megatron-LM (te, local) -> megacli / HF / Megatron-Core
     src = find_checkpoint(root / "run" / "checkpoints")
-    convert(src.parent, root / "hf", to="hf", say=say)
+    convert(Source(src.parent), root / "hf", to="hf", say=say)
     run_toks = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
     ref = cm.hf_logits(cm.load_hf(root / "hf"), run_toks)
-    source = TorchDistReader(src)
+    source = TorchDistReader(Source(src))
     for spec in ("te", "local"):
         dst = root / f"mlm_{spec}"
         reshard(ReshardSection(source=str(src), output=str(dst), format="megatron", spec=spec, progress=False))
         it_dir = dst / iter_name(ITERS)
-        written = TorchDistReader(it_dir)
+        written = TorchDistReader(Source(it_dir))
         args = torch_load(it_dir / "common.pt", trust=False, name="common.pt")["args"]
         r = out[spec] = {"args": {k: getattr(args, k) for k in (
             "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "moe_shared_expert_intermediate_size",
@@ -188,12 +190,12 @@ def _moe(rank, world, root: str):
         r["same_keys"] = sorted(written.tensors) == sorted(renamed)
         r["differ"] = [k for k, s in renamed.items() if not torch.equal(written.read(k), source.read(s))]
         r["moe_extra"] = sorted(k for k in written.objects if "pre_mlp_layernorm._extra_state" in k)
-        r["moe_section"] = (MegatronLMCheckpoint(dst).recipe()["model"]["moe"], read_recipe(src)["model"]["moe"])
+        r["moe_section"] = (MegatronLMCheckpoint(Source(dst)).recipe()["model"]["moe"], read_recipe(src)["model"]["moe"])
         reshard(ReshardSection(source=str(dst), output=str(root / f"back_{spec}"), progress=False))
-        back = TorchDistReader(find_checkpoint(root / f"back_{spec}"))
+        back = TorchDistReader(Source(find_checkpoint(root / f"back_{spec}")))
         r["back_keys"] = sorted(back.tensors) == sorted(source.tensors)
         r["back_differ"] = [k for k in source.tensors if not torch.equal(back.read(k), source.read(k))]
-        convert(dst, root / f"hf_{spec}", to="hf", say=say)
+        convert(Source(dst), root / f"hf_{spec}", to="hf", say=say)
         r["hf_logits"] = cm.max_diff(cm.hf_logits(cm.load_hf(root / f"hf_{spec}"), run_toks), ref)
     inspected = CliRunner().invoke(app, ["reshard", "inspect", str(root / "mlm_te")])
     out["inspect"] = [inspected.exit_code, inspected.output]
@@ -211,7 +213,7 @@ def _moe(rank, world, root: str):
 
     # ---- read: Mixtral saved by Megatron-Core (local spec, --moe-layer-freq 1: layers stacked)
     mix_ref = cm.hf_logits(cm.build_hf("mixtral", root / "hf_mix"), toks)
-    convert(root / "hf_mix", root / "mc_mix", say=say)
+    convert(Source(root / "hf_mix"), root / "mc_mix", say=say)
     margs = _mixtral_args()
     mlm = root / "mlm_mix"
     with megatron_process():
@@ -220,18 +222,18 @@ def _moe(rank, world, root: str):
     torch.save({"args": margs, "checkpoint_version": 3.0, "iteration": ITERATION, "num_floating_point_operations_so_far": 0},
                mlm / iter_name(ITERATION) / "common.pt")
     (mlm / TRACKER).write_text(str(ITERATION))
-    stored = TorchDistReader(mlm / iter_name(ITERATION)).tensors
+    stored = TorchDistReader(Source(mlm / iter_name(ITERATION))).tensors
     out["mix_stored"] = {k: tuple(v.shape) for k, v in stored.items() if "mlp" in k}
-    out["mix_recipe"] = MegatronLMCheckpoint(mlm).recipe()
-    convert(mlm, root / "hf_mix2", to="hf", say=say)
+    out["mix_recipe"] = MegatronLMCheckpoint(Source(mlm)).recipe()
+    convert(Source(mlm), root / "hf_mix2", to="hf", say=say)
     out["mix_hf_logits"] = cm.max_diff(cm.hf_logits(cm.load_hf(root / "hf_mix2"), toks), mix_ref)
-    convert(mlm, root / "mc_mix2", to="megacli", say=say)
+    convert(Source(mlm), root / "mc_mix2", to="megacli", say=say)
     want, got = canonical(root / "mc_mix"), canonical(root / "mc_mix2")
     out["mix_back"] = sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
     reshard(ReshardSection(source=str(mlm), output=str(root / "mix_resharded"), progress=False))
     got = canonical(root / "mix_resharded")
     out["mix_resharded"] = sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
-    out["mix_resharded_extra"] = sorted(k for k in TorchDistReader(find_checkpoint(root / "mix_resharded")).objects
+    out["mix_resharded_extra"] = sorted(k for k in TorchDistReader(Source(find_checkpoint(root / "mix_resharded"))).objects
                                         if k.startswith("decoder.layers.1.") and "_extra_state" in k)
     with megatron_process():
         out["mix_engine_logits"] = cm.max_diff(cm.megacli_logits(mlm, toks)[..., :cm.VOCAB], mix_ref)
@@ -239,10 +241,10 @@ def _moe(rank, world, root: str):
 
     # ---- resumed: the all-MoE run's step 2, saved by Megatron-LM with its layers stacked
     stacked = root / "mlm_all"
-    out["all_stored"] = sorted(k for k in TorchDistReader(stacked / iter_name(2)).tensors if "router" in k)
+    out["all_stored"] = sorted(k for k in TorchDistReader(Source(stacked / iter_name(2))).tensors if "router" in k)
     reshard(ReshardSection(source=str(stacked), output=str(root / "all_back"), progress=False))
-    src, back = TorchDistReader(find_checkpoint(root / "all" / "checkpoints" / iter_name(2))), \
-        TorchDistReader(find_checkpoint(root / "all_back"))
+    src, back = TorchDistReader(Source(find_checkpoint(root / "all" / "checkpoints" / iter_name(2)))), \
+        TorchDistReader(Source(find_checkpoint(root / "all_back")))
     out["all_back_keys"] = sorted(back.tensors) == sorted(src.tensors)
     out["all_back_optimizer"] = sum(k.startswith("optimizer.") for k in back.tensors)
     out["all_back_differ"] = [k for k in src.tensors if not torch.equal(back.read(k), src.read(k))]
@@ -265,7 +267,7 @@ def _save_stacked(root: Path) -> None:
     recipe = load(TrainingRecipe, found / "recipe.yaml", [f"run.dir={root / 'w'}", "checkpoint.dir=null"])
     with distributed.running(parallel=recipe.parallel, launch=recipe.launch, seed=recipe.train.seed) as runtime:
         trainer, _ = build_trainer(recipe, runtime)
-        checkpoint.load(ckpt=found, chunks=trainer.chunks, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
+        checkpoint.load(source=Source(found), chunks=trainer.chunks, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
                         load_optimizer=True)
         args = megatron_args(recipe, iteration=2, consumed_samples=2 * recipe.train.global_batch_size,
                              vocab_size=VOCAB)

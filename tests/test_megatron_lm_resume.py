@@ -29,6 +29,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from megacli.checkpoint.source import Source
+
 from tests.conftest import pretrain_losses
 from tests.test_megatron_lm import llama_args
 
@@ -143,7 +145,7 @@ def _write(rank, world, root: str):
     with distributed.running(parallel=recipe.parallel, launch=recipe.launch, seed=recipe.train.seed) as runtime:
         for name, (recipe, found) in made.items():
             trainer, _ = build_trainer(recipe, runtime)
-            checkpoint.load(ckpt=found, chunks=trainer.chunks, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
+            checkpoint.load(source=Source(found), chunks=trainer.chunks, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
                             load_optimizer=True)
             if name == "dist":
                 save_as_megatron_lm(trainer, recipe, root / "mlm_dist", iteration=2, spec="te", sharding="dp_reshardable")
@@ -211,7 +213,7 @@ def test_refusals_name_the_field(chain, tmp_path):
     with pytest.raises(UserError, match=r"model.ffn_hidden_size = 96 \(checkpoint: 64\)"):
         check_resumable(it_dir, wide)
     # A schedule other than the run's.
-    src = MegatronLMCheckpoint(it_dir)
+    src = MegatronLMCheckpoint(Source(it_dir))
     for sets, field in ((["optim.lr=3e-3"], "optim.lr"), (["train.iters=8"], "optim.decay_iters")):
         r = load(TrainingRecipe, root / "ck_a" / "iter_0000002" / "recipe.yaml", sets)
         opt = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=r.optim.lr)
@@ -236,9 +238,9 @@ def test_reshard_carries_the_layout_free_optimizer_state(chain, tmp_path):
                                        "--pipeline", "1", "--verify"], env={"COLUMNS": "200"})
         assert res.exit_code == 0 and "verify: OK" in res.output, res.output
         assert ("optimizer state not carried" in res.output) != carried and "RNG state not carried" not in res.output
-        written = TorchDistReader(tmp_path / name / "iter_0000002")
+        written = TorchDistReader(Source(tmp_path / name / "iter_0000002"))
         (rng,) = written.read_object("rng_state/shard_0.0_1.1")
-        (saved,) = TorchDistReader(root / f"mlm_{name}" / "iter_0000002").read_object("rng_state/shard_0.0_2.2")[0]
+        (saved,) = TorchDistReader(Source(root / f"mlm_{name}" / "iter_0000002")).read_object("rng_state/shard_0.0_2.2")[0]
         assert rng["random"] == saved["random_rng_state"] and torch.equal(rng["torch"], saved["torch_rng_state"])
         assert sorted(rng["tracker"]) == sorted(saved["rng_tracker_states"]) and all(
             torch.equal(rng["tracker"][k], saved["rng_tracker_states"][k]) for k in rng["tracker"])

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from megacli.checkpoint.source import Source
+
 from tests.conftest import pretrain
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -266,21 +268,21 @@ def _export_features(rank, world, root: str):
     for name in ("mistral_window_llama3_1", "qwen2_window"):
         d = root / name
         ref = cm.hf_logits(cm.build_hf(name, d / "hf"), toks)
-        convert(d / "hf", d / "mc", say=say)
+        convert(Source(d / "hf"), d / "mc", say=say)
         src = find_checkpoint(d / "mc")
         reshard(ReshardSection(source=str(src), output=str(d / "mlm"), format="megatron", spec="te", progress=False))
         args = torch_load(d / "mlm" / iter_name(0) / "common.pt", trust=False, name="common.pt")["args"]
         r = out[name] = {"args": {k: getattr(args, k) for k in ("window_size", "window_attn_skip_freq",
                                                                 "use_rope_scaling", "rope_scaling_factor")}}
-        r["model"] = (MegatronLMCheckpoint(d / "mlm").recipe()["model"], cm.load_hf(d / "hf").config.to_dict())
-        original = {k: t for g in CheckpointReader(src).groups() for k, t in g.items()}
-        convert(d / "mlm", d / "back", to="megacli", say=say)
-        back = {k: t for g in CheckpointReader(find_checkpoint(d / "back")).groups() for k, t in g.items()}
+        r["model"] = (MegatronLMCheckpoint(Source(d / "mlm")).recipe()["model"], cm.load_hf(d / "hf").config.to_dict())
+        original = {k: t for g in CheckpointReader(Source(src)).groups() for k, t in g.items()}
+        convert(Source(d / "mlm"), d / "back", to="megacli", say=say)
+        back = {k: t for g in CheckpointReader(Source(find_checkpoint(d / "back"))).groups() for k, t in g.items()}
         r["same_keys"] = sorted(back) == sorted(original)
         r["differ"] = [k for k in original if k in back and not torch.equal(back[k], original[k])]
-        r["recipes"] = [_features(c["model"]) for c in (MegatronLMCheckpoint(d / "mlm").recipe(), _recipe(find_checkpoint(d / "back")),
+        r["recipes"] = [_features(c["model"]) for c in (MegatronLMCheckpoint(Source(d / "mlm")).recipe(), _recipe(find_checkpoint(d / "back")),
                                   _recipe(src))]
-        convert(d / "mlm", d / "hf_back", to="hf", say=say)
+        convert(Source(d / "mlm"), d / "hf_back", to="hf", say=say)
         r["logits"] = cm.max_diff(cm.hf_logits(cm.load_hf(d / "hf_back"), toks), ref)
         torch.save(ref, d / "hf_logits.pt")
     # megacli's engine runs the model read back from Megatron-LM (window and RoPE scaling from its args)
@@ -348,7 +350,7 @@ def _export(rank, world, root: str):
 
     root = Path(root)
     src = find_checkpoint(root / "run" / "checkpoints")
-    source = TorchDistReader(src)
+    source = TorchDistReader(Source(src))
     out: dict = {}
     for name, spec, tp, pp in (("te", "te", 1, 1), ("local", "local", 1, 1), ("te22", "te", 2, 2)):
         dst = root / f"mlm_{name}"
@@ -357,7 +359,7 @@ def _export(rank, world, root: str):
         it_dir = dst / iter_name(ITERATION)
         r = out[name] = {"tracker": (dst / TRACKER).read_text(), "files": sorted(p.name for p in it_dir.iterdir()),
                          "root": sorted(p.name for p in dst.iterdir())}
-        written = TorchDistReader(it_dir)
+        written = TorchDistReader(Source(it_dir))
         common = torch_load(it_dir / "common.pt", trust=False, name="common.pt")  # megacli's restricted unpickler
         args = common["args"]
         r["common"] = {k: v for k, v in common.items() if k not in ("args", "optimizer")}
@@ -378,20 +380,20 @@ def _export(rank, world, root: str):
         ours = source.read_object("rng_state/shard_0.0_1.1")[0]
         r["rng_torch_kept"] = torch.equal(state[0][0]["torch_rng_state"], ours["torch"])
         # megacli's Megatron-LM reader: the run's model back from the args
-        r["recipe_model"] = MegatronLMCheckpoint(dst).recipe()["model"]
+        r["recipe_model"] = MegatronLMCheckpoint(Source(dst)).recipe()["model"]
 
     say = lambda *_: None  # noqa: E731
-    original = {k: t for g in CheckpointReader(src).groups() for k, t in g.items()}
+    original = {k: t for g in CheckpointReader(Source(src)).groups() for k, t in g.items()}
     for spec in ("te", "local"):
-        convert(root / f"mlm_{spec}", root / f"back_{spec}", to="megacli", say=say)
-        back = {k: t for g in CheckpointReader(find_checkpoint(root / f"back_{spec}")).groups() for k, t in g.items()}
+        convert(Source(root / f"mlm_{spec}"), root / f"back_{spec}", to="megacli", say=say)
+        back = {k: t for g in CheckpointReader(Source(find_checkpoint(root / f"back_{spec}"))).groups() for k, t in g.items()}
         out[spec]["back_keys"] = sorted(back) == sorted(original)
         out[spec]["back_differ"] = [k for k in original if not torch.equal(back[k], original[k])]
     toks = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
-    convert(src.parent, root / "hf_src", to="hf", say=say)
+    convert(Source(src.parent), root / "hf_src", to="hf", say=say)
     ref = cm.hf_logits(cm.load_hf(root / "hf_src"), toks)
     for spec in ("te", "local"):
-        convert(root / f"mlm_{spec}", root / f"hf_{spec}", to="hf", say=say)
+        convert(Source(root / f"mlm_{spec}"), root / f"hf_{spec}", to="hf", say=say)
         out[spec]["logits"] = cm.max_diff(cm.hf_logits(cm.load_hf(root / f"hf_{spec}"), toks), ref)
 
     # The command line: HF -> Megatron-LM (weights only, through a staging megacli checkpoint); a
@@ -406,7 +408,7 @@ def _export(rank, world, root: str):
     if run.exit_code == 0:
         common = torch_load(root / "from_hf" / "iter_0000000" / "common.pt", trust=False, name="common.pt")
         out["cli"].append(sorted(common))
-        hf = {k: t for g in CheckpointReader(root / "from_hf" / "iter_0000000",
+        hf = {k: t for g in CheckpointReader(Source(root / "from_hf" / "iter_0000000"),
                                               rename=lambda k, _: None if "_extra_state" in k else k).groups()
               for k, t in g.items()}
         # HF holds the real vocabulary rows only (the padding rows are new zeros)
@@ -426,7 +428,7 @@ def _export(rank, world, root: str):
 
     back_dir = find_checkpoint(root / "legacy_back")
     out["legacy_model"] = (read_recipe(back_dir)["model"], read_recipe(src)["model"])
-    again = TorchDistReader(back_dir)
+    again = TorchDistReader(Source(back_dir))
     out["legacy_differ"] = [k for k in source.tensors if not k.startswith("optimizer.")
                             and not torch.equal(again.read(k), source.read(k))]
 
@@ -441,7 +443,7 @@ def _export(rank, world, root: str):
                            "shapes": {k: tuple(v.shape) for k, v in local["model"].items() if torch.is_tensor(v)},
                            "reference": _local_spec_state(local["args"].padded_vocab_size)}
     reshard(ReshardSection(source=str(root / "legacy_local"), output=str(root / "legacy_local_back"), progress=False))
-    again = TorchDistReader(find_checkpoint(root / "legacy_local_back"))
+    again = TorchDistReader(Source(find_checkpoint(root / "legacy_local_back")))
     out["legacy_local"]["same_tensors"] = sorted(again.tensors) == sorted(source.tensors)
     out["legacy_local"]["differ"] = [k for k in source.tensors if not torch.equal(again.read(k), source.read(k))]
     return out
@@ -592,7 +594,7 @@ def test_t5_megacli_to_megatron_lm_and_back_bitwise(tmp_path):
     from tests.test_megatron_lm import ITERATION as MLM_ITERATION, t5_args, t5_source, write_megatron_lm
 
     ck, _ = t5_source(tmp_path)
-    convert(write_megatron_lm(ck, tmp_path / "mlm", spec="te", args=t5_args()), tmp_path / "mc_read", to="megacli",
+    convert(Source(write_megatron_lm(ck, tmp_path / "mlm", spec="te", args=t5_args())), tmp_path / "mc_read", to="megacli",
             say=lambda *_: None)
     src = find_checkpoint(tmp_path / "mc_read")
     reshard(ReshardSection(source=str(src), output=str(tmp_path / "out"), format="megatron", spec="te", progress=False))
@@ -603,13 +605,13 @@ def test_t5_megacli_to_megatron_lm_and_back_bitwise(tmp_path):
                                           "vocab_extra_ids", "swiglu")} == \
         {"num_layers": 2, "encoder_num_layers": 2, "decoder_num_layers": 2, "seq_length": 32, "encoder_seq_length": 32,
          "decoder_seq_length": 16, "position_embedding_type": "relative", "vocab_extra_ids": 100, "swiglu": True}
-    objects = set(TorchDistReader(it_dir).objects)
+    objects = set(TorchDistReader(Source(it_dir)).objects)
     assert {"encoder.final_layernorm._extra_state/shard_0_1", "decoder.final_layernorm._extra_state/shard_0_1",
             "decoder.layers.pre_cross_attn_layernorm._extra_state/shard_1_2"} <= objects, sorted(objects)
-    convert(tmp_path / "out", tmp_path / "back", to="megacli", say=lambda *_: None)
+    convert(Source(tmp_path / "out"), tmp_path / "back", to="megacli", say=lambda *_: None)
     back_ck = find_checkpoint(tmp_path / "back")
-    original = {k: t for g in CheckpointReader(src).groups() for k, t in g.items()}
-    back = {k: t for g in CheckpointReader(back_ck).groups() for k, t in g.items()}
+    original = {k: t for g in CheckpointReader(Source(src)).groups() for k, t in g.items()}
+    back = {k: t for g in CheckpointReader(Source(back_ck)).groups() for k, t in g.items()}
     assert sorted(back) == sorted(original) and [k for k in original if not torch.equal(back[k], original[k])] == []
     assert read_recipe(back_ck)["model"] == read_recipe(src)["model"]
     deeper = ModelSection(**{**read_recipe(src)["model"], "decoder_num_layers": 3})

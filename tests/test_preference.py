@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from megacli.checkpoint.source import Source
 from megacli.data.preference import PreferenceDataset, PreferenceStats, read_pairs, tokenize_pair
 from megacli.data.tokenizers import load_tokenizer
 from megacli.errors import UserError
@@ -134,7 +135,7 @@ def tiny_llama(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("pref")
     cm.build_hf("llama_tied_gqa", root / "hf", with_tokenizer=True)
-    convert(root / "hf", root / "base")
+    convert(Source(root / "hf"), root / "base")
     write_jsonl(root / "pairs.jsonl", PAIRS)
     write_jsonl(root / "pairs_bos.jsonl", BOS_PAIRS)
     write_jsonl(root / "pair_one.jsonl", PAIRS[:1])
@@ -171,7 +172,7 @@ def _megacli_steps(rank, world, root: str, cases: dict, scale: float):
         if runtime is None:
             runtime = distributed.setup(parallel=recipe.parallel, launch=recipe.launch, seed=recipe.train.seed)
         trainer, _ = build_trainer(recipe, runtime)
-        checkpoint.load(ckpt=checkpoint.find_checkpoint(base), chunks=trainer.chunks, optimizer=trainer.optimizer,
+        checkpoint.load(source=Source(checkpoint.find_checkpoint(base)), chunks=trainer.chunks, optimizer=trainer.optimizer,
                         scheduler=trainer.scheduler, load_optimizer=False)
         net = unwrap(trainer.chunks[0])
         with torch.no_grad():
@@ -303,7 +304,7 @@ def _three_steps(rank, world, root: str):
             ps.initialize_model_parallel(tensor_model_parallel_size=1)
         trainer, _ = build_trainer(recipe, runtime)
         start = checkpoint.find_checkpoint(base)
-        checkpoint.load(ckpt=start, chunks=trainer.chunks, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
+        checkpoint.load(source=Source(start), chunks=trainer.chunks, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
                         load_optimizer=False)
         if mode == "precompute":
             precompute(trainer, precomputed_sets(trainer), pretrained=start, fresh=True, say=lambda text: None)

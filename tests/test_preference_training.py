@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from megacli.checkpoint.source import Source
+
 from tests.test_preference import tiny_llama  # noqa: F401  (the module-scoped fixture)
 
 # ---------------------------------------------------------------- parallel layout
@@ -43,7 +45,7 @@ def _steps_at(rank, world, root: str, layouts: list[tuple[int, int]]):
             ps.destroy_model_parallel()
             ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
         trainer, _ = build_trainer(recipe, runtime)
-        checkpoint.load(ckpt=checkpoint.find_checkpoint(base), chunks=trainer.chunks, optimizer=trainer.optimizer,
+        checkpoint.load(source=Source(checkpoint.find_checkpoint(base)), chunks=trainer.chunks, optimizer=trainer.optimizer,
                         scheduler=trainer.scheduler, load_optimizer=False)
         iterators = data_iterators(trainer, trainer.train_data, start_sample=0)
         steps = [train_step(trainer, iterators)[0] for _ in range(3)]

@@ -14,6 +14,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from megacli.checkpoint.source import Source
+
 from tests.conftest import pretrain_losses
 from tests.test_megatron_lm_resume import TINY, TOL
 
@@ -138,7 +140,7 @@ def test_reshard_inspect_tables_keep_tensor_names_whole_in_a_pipe(chain):
         res = cli("reshard", "inspect", ckpt)
         assert res.exit_code == 0, res.output
         lines = res.output.splitlines()
-        names = [t["name"] for t in inspect(ckpt)["tensors"] if t["kind"] == "model"]
+        names = [t["name"] for t in inspect(Source(ckpt))["tensors"] if t["kind"] == "model"]
         assert names and all(any(name in line for line in lines) for name in names), res.output
         assert any(str(ckpt) in line for line in lines), res.output
 

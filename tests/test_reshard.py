@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from megacli.checkpoint.source import Source
+
 from tests.conftest import MOCK_GPT, assert_close, cli, layout, losses, pretrain
 
 TINY = [*MOCK_GPT, "model.activation=swiglu"]
@@ -41,7 +43,7 @@ def entries(ckpt: Path) -> dict:
     """What a torch_dist checkpoint holds, without the data: tensors (shape, dtype, chunks) and objects."""
     from megacli.checkpoint.torch_dist import TorchDistReader
 
-    r = TorchDistReader(ckpt)
+    r = TorchDistReader(Source(ckpt))
     return {"tensors": {k: (v.shape, v.dtype, sorted(v.chunks)) for k, v in r.tensors.items()},
             "objects": sorted(r.objects)}
 
@@ -126,13 +128,13 @@ def test_optimizer_kind_round_trip_and_vocab_padding(chain):
     back = reshard(ReshardSection(source=str(chain["r2"]), output=str(tmp / "r3"), tensor=1, data_parallel=1,
                                   distributed_optimizer=False, sequence_parallel=False))
     assert back.target_layout == "TP 1 × PP 1 × DP 1"
-    report = verify(chain["r1"], tmp / "r3")
+    report = verify(Source(chain["r1"]), Source(tmp / "r3"))
     assert report.ok, report.line()
     assert entries(tmp / "r3" / "iter_0000002") == entries(chain["r1"] / "iter_0000002")
 
     wide = reshard(ReshardSection(source=str(chain["r1"]), output=str(tmp / "r_tp4"), tensor=4, verify=True))
     assert wide.verified.ok and any("1024 rows" in n for n in wide.notes), wide.notes
-    src, dst = TorchDistReader(chain["r1"] / "iter_0000002"), TorchDistReader(tmp / "r_tp4" / "iter_0000002")
+    src, dst = TorchDistReader(Source(chain["r1"] / "iter_0000002")), TorchDistReader(Source(tmp / "r_tp4" / "iter_0000002"))
     for key in ("embedding.word_embeddings.weight", "optimizer.state.exp_avg.embedding.word_embeddings.weight"):
         old, new = src.read(key), dst.read(key)
         assert new.shape == (1024, 64) and (new[:512] == old).all() and (new[512:] == 0).all()
@@ -167,7 +169,7 @@ def test_verify_catches_a_corrupted_shard(chain, tmp_path):
     bad = tmp_path / "r2_bad"
     shutil.copytree(chain["r2"], bad)
     it = bad / "iter_0000002"
-    reader = TorchDistReader(it)
+    reader = TorchDistReader(Source(it))
     # Flip bytes in the middle of the largest stored chunk's data.
     import torch
     from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -195,7 +197,7 @@ def test_verify_reads_megatron_lm_exports_and_weights_only_targets(chain, tmp_pa
     mlm, weights = tmp_path / "mlm", tmp_path / "weights"
     res = cli("reshard", chain["r1"], mlm, "--format", "megatron", "--no-progress")
     assert res.exit_code == 0, res.output
-    convert(mlm, weights, to="megacli", say=lambda *_: None)
+    convert(Source(mlm), weights, to="megacli", say=lambda *_: None)
     for src, dst in ((chain["r1"], mlm), (mlm, chain["r1"])):
         res = cli("reshard", "verify", src, dst)
         assert res.exit_code == 0 and res.stdout.startswith("verify: OK"), (src, dst, res.output)
@@ -293,8 +295,8 @@ def test_megatron_lm_legacy_round_trip(chain, tmp_path):
     assert [g["wd_mult"] for g in groups] == [1.0, 0.0] and last["optimizer"]["state"][0]["step"] == 2
     assert last["opt_param_scheduler"]["num_steps"] == 16  # Megatron-LM counts samples
 
-    legacy = LegacyCheckpoint(mlm)
-    ours = TorchDistReader(chain["r1"] / "iter_0000002")
+    legacy = LegacyCheckpoint(Source(mlm))
+    ours = TorchDistReader(Source(chain["r1"] / "iter_0000002"))
     assert torch.equal(legacy.get("embedding.word_embeddings.weight"), ours.read("embedding.word_embeddings.weight"))
     assert torch.equal(legacy.get("decoder.layers.3.mlp.linear_fc1.weight"), ours.read("decoder.layers.mlp.linear_fc1.weight")[3])
 

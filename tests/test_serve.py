@@ -25,6 +25,8 @@ pytest.importorskip("sse_starlette")
 openai = pytest.importorskip("openai")
 import httpx  # noqa: E402  (openai's; imported here, not first in a client thread)
 
+from megacli.checkpoint.source import Source
+
 NAMES = ["gpt2", "llama_tied_gqa"]
 PROMPTS = ["the quick brown", "lazy dog jumps over the", "fox", "over the lazy dog the quick brown fox jumps"]
 CHATS = [[{"role": "user", "content": "the quick brown fox"}],
@@ -62,7 +64,7 @@ def _prepare(rank, world, root: str):
     refs = {}
     for name in NAMES:
         cm.build_hf(name, root / name / "hf", with_tokenizer=True)
-        convert(root / name / "hf", root / name / "mc", say=lambda *_: None)
+        convert(Source(root / name / "hf"), root / name / "mc", say=lambda *_: None)
         tok_dir = root / name / "mc" / "hf"
         config = json.loads((tok_dir / "tokenizer_config.json").read_text())
         (tok_dir / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
@@ -129,7 +131,7 @@ def _from_hf_dir(d: Path) -> dict:
     out["later"] = {"run_dir": str(later_run)}
     for key, src in (("same", same), ("changed", changed)):
         said = []
-        converted_in_run(src, later_run, tensor=1, pipeline=1, dtype=None, trust_pickle=False, say=said.append)
+        converted_in_run(Source(src), later_run, tensor=1, pipeline=1, dtype=None, say=said.append)
         meta = json.loads((later_run / "converted" / "hf" / "iter_0000000" / "megacli.json").read_text())
         out["later"][key] = {"said": said, "converted_from": meta["converted_from"]["path"]}
     return out

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from megacli.checkpoint.source import Source
+
 from tests.conftest import assert_close, cli, losses, pretrain
 
 TINY = [
@@ -69,7 +71,7 @@ def test_reshard_to_pp3_and_back_to_the_uneven_split(runs):
     assert out.exit_code == 0, out.output
     meta = json.loads((tmp / "pp3" / "iter_0000002" / "megacli.json").read_text())
     assert meta["layout"]["pipeline"] == 3 and "first_stage_layers" not in meta["layout"]  # 3 layers split evenly
-    assert sorted(k for k in TorchDistReader(tmp / "pp3" / "iter_0000002").objects if k.startswith("rng_state")) == \
+    assert sorted(k for k in TorchDistReader(Source(tmp / "pp3" / "iter_0000002")).objects if k.startswith("rng_state")) == \
         [f"rng_state/shard_{p}.0_3.1" for p in range(3)]
     out = cli("reshard", tmp / "pp3", tmp / "back", "--pipeline", 2)
     assert out.exit_code == 0, out.output
@@ -79,7 +81,7 @@ def test_reshard_to_pp3_and_back_to_the_uneven_split(runs):
     import yaml
 
     assert yaml.safe_load((back / "recipe.yaml").read_text())["parallel"]["first_stage_layers"] == 1
-    a, b = TorchDistReader(ckpt), TorchDistReader(back)
+    a, b = TorchDistReader(Source(ckpt)), TorchDistReader(Source(back))
     assert set(a.tensors) == set(b.tensors)
     for key, info in a.tensors.items():
         full = (0,) * len(info.shape)
@@ -172,7 +174,7 @@ def test_megatron_lm_legacy_export_and_import_keep_the_uneven_split(runs):
     assert out.exit_code == 0, out.output
     back = tmp / "imported" / "iter_0000002"
     assert json.loads((back / "megacli.json").read_text())["layout"]["first_stage_layers"] == 1
-    a, b = TorchDistReader(ckpt), TorchDistReader(back)
+    a, b = TorchDistReader(Source(ckpt)), TorchDistReader(Source(back))
     for key, info in a.tensors.items():
         if not key.startswith("optimizer."):
             full = (0,) * len(info.shape)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import re
-from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -17,20 +16,20 @@ from megacli.checkpoint.megatron_lm.args import arg
 from megacli.checkpoint.megatron_lm.args_to_recipe import recipe_from_args
 from megacli.checkpoint.megacli_checkpoint import RNG_KEY, Checkpoint, describe_split, split_optimizer_key
 from megacli.checkpoint.sharding import GATED_SPLIT, split_of
-from megacli.checkpoint.source import locate
+from megacli.checkpoint.source import Source, locate
 from megacli.checkpoint.torch_dist import TorchDistReader
 
 
-def inspect(path: str | Path, *, trust_pickle: bool = False) -> dict:
+def inspect(source: Source) -> dict:
     """Format, layout, iteration, recipe and a row per tensor (global shape, dtype, split)."""
-    src, kind = locate(path)
+    src, kind = locate(source.path)
     if kind == "legacy":
-        return _inspect_legacy(src, trust_pickle=trust_pickle)
+        return _inspect_legacy(source.at(src))
     if kind == "megatron-lm":
         from megacli.checkpoint.megatron_lm.dist_contents import inspect_megatron_lm
 
-        return inspect_megatron_lm(src, trust_pickle=trust_pickle)
-    ck = Checkpoint(src, trust_pickle=trust_pickle)
+        return inspect_megatron_lm(source.at(src))
+    ck = Checkpoint(source.at(src))
     meta = ck.meta
     tensors = []
     total = 0
@@ -71,9 +70,9 @@ def inspect(path: str | Path, *, trust_pickle: bool = False) -> dict:
     }
 
 
-def _inspect_legacy(path: Path, *, trust_pickle: bool = False) -> dict:
+def _inspect_legacy(source: Source) -> dict:
     """inspect's answer for a legacy checkpoint (global shapes from the shards' shapes; nothing merged)."""
-    src = LegacyCheckpoint(path, trust_pickle=trust_pickle, optimizer=True)
+    src = LegacyCheckpoint(source, optimizer=True)
     rows: dict[str, dict] = {}
     total = 0
     for p in range(src.pp):
@@ -110,7 +109,7 @@ def _inspect_legacy(path: Path, *, trust_pickle: bool = False) -> dict:
     src.forget_stage()
     args = src.args
     return {
-        "path": str(path), "format": "megatron-lm legacy (torch)", "iteration": src.iteration,
+        "path": str(source.path), "format": "megatron-lm legacy (torch)", "iteration": src.iteration,
         "consumed_samples": arg(args, "consumed_train_samples"),
         "layout": {"tensor": src.tp, "pipeline": src.pp, "virtual_pipeline": src.vp if src.vp > 1 else None,
                    "data": arg(args, "data_parallel_size", 1), "context": arg(args, "context_parallel_size", 1)},
@@ -125,28 +124,28 @@ def _inspect_legacy(path: Path, *, trust_pickle: bool = False) -> dict:
     }
 
 
-def structure(path: Path, *, trust_pickle: bool = False) -> Iterator[str]:
+def structure(source: Source) -> Iterator[str]:
     """Lines for `--print-structure`: a header, then each stored tensor's key, shape and dtype (a
     megacli checkpoint's global shapes, layers stacked; a legacy checkpoint's per rank file)."""
-    src, kind = locate(path)
+    src, kind = locate(source.path)
     if kind == "megatron-lm":
         from megacli.checkpoint.megatron_lm.dist_contents import structure_megatron_lm
 
-        header, rows = structure_megatron_lm(src, trust_pickle=trust_pickle)
+        header, rows = structure_megatron_lm(source.at(src))
         yield header
         for key, shape, dtype in rows:
             yield row(key, shape, dtype)
         return
     if kind == "megacli":
         meta = read_meta(src)
-        reader = TorchDistReader(src, trust_pickle=trust_pickle)
+        reader = TorchDistReader(source.at(src))
         yield (f"megacli checkpoint {src}: iteration {meta.get('iteration')}, saved under {meta.get('layout')}, "
                f"optimizer state: {'yes' if meta.get('has_optimizer', True) else 'no'}; global shapes "
                f"(layers stacked along the first axis)")
         for key, info in sorted(reader.tensors.items()):
             yield row(key, info.shape, info.dtype)
         return
-    legacy = LegacyCheckpoint(src, trust_pickle=trust_pickle)
+    legacy = LegacyCheckpoint(source.at(src))
     a = legacy.args
     yield (f"Megatron-LM legacy checkpoint {legacy.it_dir}: iteration {legacy.iteration}, TP={legacy.tp} PP={legacy.pp} "
            f"VPP={legacy.vp}; {a.num_layers} layers, hidden {a.hidden_size}, {a.num_attention_heads} heads; "

@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from megacli.checkpoint.layout import RECIPE, read_meta, read_recipe
 from megacli.checkpoint.sharding import GATED_SPLIT, rank_pieces, split_of
 from megacli.checkpoint.torch_dist import STACKED, TorchDistReader
 from megacli.errors import UserError
 from megacli.recipe.stages import chunk_layers, stage_of_layer
+
+if TYPE_CHECKING:
+    from megacli.checkpoint.source import Source
 
 OPT_PREFIX = "optimizer.state."
 RNG_KEY = re.compile(r"^rng_state/shard_(\d+)\.(\d+)_(\d+)\.(\d+)$")
@@ -78,8 +80,9 @@ class Layout:
 class Checkpoint:
     """A megacli torch_dist checkpoint (iteration directory): labels, recipe and entries."""
 
-    def __init__(self, path: Path, *, trust_pickle: bool = False):
-        self.path = path
+    def __init__(self, source: Source):
+        self.source = source
+        self.path = path = source.path
         self.meta = read_meta(path)
         fmt = self.meta.get("format", "torch_dist")
         if fmt != "torch_dist":
@@ -89,7 +92,7 @@ class Checkpoint:
             raise UserError(f"{path}: no {RECIPE} (reshard needs the run's recipe to know the model and write the new one)")
         self.recipe_raw = read_recipe(path)
         self.layout = Layout.from_meta(self.meta.get("layout") or {})
-        self.reader = TorchDistReader(path, trust_pickle=trust_pickle)
+        self.reader = TorchDistReader(source)
         self._common: dict | None = None
 
     @property

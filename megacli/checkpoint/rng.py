@@ -19,7 +19,7 @@ def tracker_states(tracker) -> dict:
 
 def restore_tracker(tracker, states: dict) -> None:
     """Set saved states into ``tracker``: tensors, or generators (a Megatron-LM checkpoint of a run
-    with CUDA graphs, read with trust_pickle). A graph-safe tracker keeps its generators, each set
+    with CUDA graphs, read with the user's pickle trust). A graph-safe tracker keeps its generators, each set
     to its saved state."""
     from megatron.core import tensor_parallel
 

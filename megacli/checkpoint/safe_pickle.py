@@ -26,11 +26,15 @@ import re
 import signal
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from megacli.checkpoint.files import check_members, named_inside, require_regular
 from megacli.errors import UserError
+
+if TYPE_CHECKING:
+    from megacli.checkpoint.source import Source
 
 DCP_METADATA = ".metadata"
 COMMON = "common.pt"
@@ -230,13 +234,13 @@ def check_torch_dist(ckpt: Path, *, trust: bool):
     return metadata
 
 
-def check_checkpoint(path: str | Path, *, trust: bool) -> None:
-    """``check_torch_dist`` for the megacli checkpoint at ``path`` (if there is one) and the LoRA
+def check_checkpoint(source: Source) -> None:
+    """``check_torch_dist`` for the megacli checkpoint ``source`` (if it is one) and the LoRA
     base checkpoint it names: a launcher's check before its workers load them."""
     from megacli.checkpoint.layout import find_checkpoint, lora_base_of
 
-    ckpt = find_checkpoint(path) if Path(path).exists() else None
-    if ckpt is None or trust:
+    ckpt = find_checkpoint(source.path) if source.path.exists() else None
+    if ckpt is None or source.trust:
         return
     for each in (ckpt, lora_base_of(ckpt)):
         if each is not None:

@@ -1,7 +1,7 @@
-"""A checkpoint to read, recognised once. ``open_checkpoint`` is the one place megacli tells its
-formats apart: a megacli checkpoint (run or iteration directory), Megatron-LM's torch_dist or legacy
-(``--ckpt-format torch``) one, a Hugging Face model directory. The Source it returns carries the
-user's trust decision (``--trust-pickle``) to what reads it; only the command line sets it."""
+"""A checkpoint to read. ``kind_of`` is the one place megacli tells its formats apart: a megacli
+checkpoint (run or iteration directory), Megatron-LM's torch_dist or legacy (``--ckpt-format torch``)
+one, a Hugging Face model directory. A Source carries the user's trust decision (``--trust-pickle``)
+to what reads it; ``user_source`` is the one place it is made from the user's choice."""
 
 from __future__ import annotations
 
@@ -38,14 +38,29 @@ def kind_of(path: str | Path) -> str | None:
 
 @dataclass(frozen=True)
 class Source:
-    """A recognised checkpoint: ``kind`` (megacli, megatron-lm, legacy or hf), the path as given and,
-    for a megacli checkpoint, its iteration directory ``ckpt``; ``trust``: unpickle what it holds
-    without the allow-list (the user's --trust-pickle)."""
+    """A checkpoint to read at ``path`` and the user's trust in it: ``trust``, unpickle what it
+    holds without the allow-list (their --trust-pickle). Its ``kind`` (megacli, megatron-lm, legacy,
+    hf; None: none of them) and, for a megacli checkpoint, its iteration directory ``ckpt`` are
+    recognised when first asked. What reads a checkpoint takes its Source and passes ``trust`` on."""
 
     path: Path
-    kind: str
     trust: bool = False
-    ckpt: Path | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "path", Path(self.path))
+
+    def at(self, path: str | Path) -> Source:
+        """``path`` (this checkpoint's iteration directory, a staged copy of it, the base it names)
+        read with this one's trust."""
+        return Source(Path(path), self.trust)
+
+    @functools.cached_property
+    def kind(self) -> str | None:
+        return kind_of(self.path)
+
+    @functools.cached_property
+    def ckpt(self) -> Path | None:
+        return find_checkpoint(self.path) if self.kind == MEGACLI else None
 
     @functools.cached_property
     def recipe(self):
@@ -62,13 +77,13 @@ class Source:
         return lora_base_of(self.ckpt) if self.ckpt is not None else None
 
 
-def open_checkpoint(path: str | Path, *, trust: bool = False) -> Source | None:
-    """The checkpoint at ``path``, recognised (None when it is in no format megacli reads)."""
-    path = Path(path)
-    kind = kind_of(path)
-    if kind is None:
-        return None
-    return Source(path, kind, trust=trust, ckpt=find_checkpoint(path) if kind == MEGACLI else None)
+def user_source(path: str | Path, trusted) -> Source:
+    """The checkpoint the user named at ``path``, with the trust they gave it: ``trusted`` is their
+    --trust-pickle flag, or the recipe section (checkpoint, convert, reshard) that holds their choice.
+    Commands and the engine make every Source they read from here; readers only pass it on."""
+    from megacli.recipe.trust import trusts_pickles
+
+    return Source(Path(path), trusted if isinstance(trusted, bool) else trusts_pickles(trusted))
 
 
 def locate(path: str | Path) -> tuple[Path, str]:
@@ -77,8 +92,8 @@ def locate(path: str | Path) -> tuple[Path, str]:
     path = Path(path)
     if not path.exists():
         raise UserError(f"{path}: no such checkpoint")
-    source = open_checkpoint(path)
-    if source is not None and source.kind != HF:
+    source = Source(path)
+    if source.kind not in (None, HF):
         return source.ckpt or path, source.kind
     raise UserError(f"{path}: not a checkpoint (expected a directory with '{LATEST}' or '{META}', or a Megatron-LM "
                     f"checkpoint with {TRACKER}, an iter_* directory holding .metadata and common.pt, or mp_rank_* "

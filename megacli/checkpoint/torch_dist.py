@@ -24,12 +24,15 @@ import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
 from megacli.checkpoint.safe_pickle import COMMON, DCP_METADATA, check_torch_dist, first_line, torch_load
 from megacli.errors import UserError
+
+if TYPE_CHECKING:
+    from megacli.checkpoint.source import Source
 
 # A layer-stacked key (``decoder.layers.self_attention...``): its tensors have a leading layer axis.
 STACKED = re.compile(r"(?:^|\.)layers\.(?!\d)")
@@ -71,11 +74,11 @@ class TensorInfo:
 class TorchDistReader:
     """The entries of one torch_dist checkpoint directory."""
 
-    def __init__(self, path: str | Path, *, trust_pickle: bool = False):
+    def __init__(self, source: Source):
         from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-        self.path = Path(path)
-        self.trust_pickle = trust_pickle
+        self.source = source
+        self.path = source.path
         if not (self.path / DCP_METADATA).is_file():
             raise UserError(f"{self.path}: no {DCP_METADATA} (not a torch_dist checkpoint, or an incomplete one)")
         backend = self.path / BACKEND_META
@@ -87,7 +90,7 @@ class TorchDistReader:
             kind = kind.get("sharded_backend") if isinstance(kind, dict) else None
             if kind != "torch_dist":
                 raise UserError(f"{self.path}: sharded backend {kind!r}; only torch_dist checkpoints can be resharded")
-        self.metadata = check_torch_dist(self.path, trust=trust_pickle)
+        self.metadata = check_torch_dist(self.path, trust=source.trust)
         self._cache: list[tuple[tuple, torch.Tensor]] = []
         self._index: dict[str, tuple] = {}
         self.cache_chunks = 2
@@ -104,7 +107,7 @@ class TorchDistReader:
         path = self.path / COMMON
         if not path.is_file():
             return {}
-        return torch_load(path, trust=self.trust_pickle, name=path)
+        return torch_load(path, trust=self.source.trust, name=path)
 
     def read(self, key: str) -> torch.Tensor:
         """The global tensor ``key``, assembled from all its chunks."""
@@ -181,7 +184,7 @@ class TorchDistReader:
                 if f.tell() < storage.offset + storage.length:
                     raise UserError(f"{self.path / storage.relative_path}: truncated ({where} needs bytes up to "
                                     f"{storage.offset + storage.length})")
-                t = torch_load(_RangeFile(f, storage.offset, storage.length), trust=self.trust_pickle,
+                t = torch_load(_RangeFile(f, storage.offset, storage.length), trust=self.source.trust,
                                name=f"{self.path / storage.relative_path} ({where})")
         except UserError:
             raise
@@ -224,7 +227,7 @@ class TorchDistReader:
         return self._bytes(storage, key)
 
     def read_object(self, key: str):
-        return torch_load(io.BytesIO(self.read_object_bytes(key)), trust=self.trust_pickle, name=f"{self.path} ({key})")
+        return torch_load(io.BytesIO(self.read_object_bytes(key)), trust=self.source.trust, name=f"{self.path} ({key})")
 
     def files(self) -> list[Path]:
         return sorted(self.path.glob("*.distcp"))

@@ -36,7 +36,7 @@ def convert(
     max_shard_size: Annotated[Optional[str], typer.Option("--max-shard-size", help="HF export: largest shard, e.g. 2GB.",
                                                           show_default=False)] = None,
     print_structure: Annotated[bool, typer.Option("--print-structure", help="List keys, shapes and dtypes of PATH.")] = False,
-    trust_pickle: Annotated[bool, typer.Option("--trust-pickle", help=TRUST_PICKLE_HELP)] = False,
+    trusted: Annotated[bool, typer.Option("--trust-pickle", help=TRUST_PICKLE_HELP)] = False,
     set_: SetOpt = None,
 ) -> None:
     from megacli.errors import UserError
@@ -45,32 +45,34 @@ def convert(
     if print_structure:
         if len(paths) != 1:
             raise UserError("--print-structure takes one PATH (an HF directory, a megacli or a Megatron-LM legacy checkpoint)")
+        from megacli.checkpoint.source import user_source
         from megacli.convert.structure import structure
 
-        for line in structure(Path(paths[0]), trust_pickle=trust_pickle):
+        for line in structure(user_source(paths[0], trusted)):
             typer.echo(line)
         return
     flags = {"convert.to": to, "convert.spec": spec, "convert.dtype": dtype, "convert.max_shard_size": max_shard_size,
              "parallel.tensor": tensor, "parallel.pipeline": pipeline, "parallel.virtual_pipeline": virtual_pipeline}
     overrides = [f"{k}={v}" for k, v in flags.items() if v is not None]
-    recipe = _load_recipe(paths, overrides + list(set_ or []), trust_pickle=trust_pickle)
+    recipe = _load_recipe(paths, overrides + list(set_ or []), trusted=trusted)
     c = recipe.convert
     if c.to == "megatron":
         dst = _to_megatron(c, tensor=tensor, pipeline=pipeline, virtual_pipeline=virtual_pipeline)
         typer.echo(f"wrote {dst}")
         return
+    from megacli.checkpoint.source import user_source
     from megacli.convert import convert as run
 
-    dst = run(c.source, c.destination, to=c.to, parallel=recipe.parallel, dtype=c.dtype, max_shard_size=c.max_shard_size,
-              trust_pickle=c.trust_pickle, say=typer.echo)
+    dst = run(user_source(c.source, c), c.destination, to=c.to, parallel=recipe.parallel, dtype=c.dtype,
+              max_shard_size=c.max_shard_size, say=typer.echo)
     typer.echo(f"wrote {dst}")
 
 
-def _load_recipe(paths: list[str], overrides: list[str], *, trust_pickle: bool = False):
-    """The convert recipe: RECIPE or SRC DST, then the flags and --set; ``trust_pickle`` (the user's
-    --trust-pickle) sets convert.trust_pickle as the flag's value."""
+def _load_recipe(paths: list[str], overrides: list[str], *, trusted: bool = False):
+    """The convert recipe: RECIPE or SRC DST, then the flags and --set; ``trusted`` (the user's
+    --trust-pickle) grants the convert section's pickle trust."""
     from megacli.errors import UserError
-    from megacli.recipe import base
+    from megacli.recipe import base, trust
     from megacli.recipe.convert import ConvertRecipe
 
     if len(paths) == 1 and paths[0].endswith((".yaml", ".yml")):
@@ -80,8 +82,8 @@ def _load_recipe(paths: list[str], overrides: list[str], *, trust_pickle: bool =
     else:
         raise UserError("usage: megacli convert RECIPE.yaml | megacli convert SRC DST [options] | "
                         "megacli convert PATH --print-structure")
-    if trust_pickle and isinstance(raw.setdefault("convert", {}), dict):
-        raw["convert"]["trust_pickle"] = True
+    if trusted:
+        trust.grant_pickles(raw, "convert")
     return base.validate(ConvertRecipe, base.apply_overrides(raw, overrides), source)
 
 
@@ -89,7 +91,7 @@ def _to_megatron(c, *, tensor, pipeline, virtual_pipeline) -> Path:
     """A Megatron-LM torch_dist checkpoint from a megacli or Megatron-LM legacy checkpoint (through
     reshard, with its optimizer state), or from an HF model (its weights converted as they are
     written)."""
-    from megacli.checkpoint.source import HF, kind_of
+    from megacli.checkpoint.source import HF, user_source
     from megacli.errors import UserError
     from megacli.recipe.reshard import ReshardSection
     from megacli.recipe.sections import ParallelSection
@@ -98,6 +100,7 @@ def _to_megatron(c, *, tensor, pipeline, virtual_pipeline) -> Path:
     from rich.console import Console
 
     src, dst = Path(c.source).expanduser(), Path(c.destination).expanduser()
+    given = user_source(src, c)
     if c.dtype is not None:
         raise UserError("--dtype with --to megatron: a Megatron-LM checkpoint keeps the source's precision (its "
                         "optimizer state belongs to it); convert to megacli with --dtype first")
@@ -105,17 +108,17 @@ def _to_megatron(c, *, tensor, pipeline, virtual_pipeline) -> Path:
         raise UserError(f"{dst} exists and is not empty; choose a new or empty directory")
     job = ReshardSection(source=str(src), output=str(dst), tensor=tensor, pipeline=pipeline,
                          virtual_pipeline=virtual_pipeline, format="megatron", spec=c.spec,
-                         trust_pickle=c.trust_pickle, progress=False, overwrite=dst.exists())
-    if kind_of(src) == HF:
+                         progress=False, overwrite=dst.exists())
+    if given.kind == HF:
         from megacli.convert.run import hf_plan, hf_tokenizer_section, pipeline_split, resolve_source
 
         layout = ParallelSection(tensor=tensor or 1, pipeline=pipeline or 1, virtual_pipeline=virtual_pipeline)
-        source = resolve_source(src, trust=c.trust_pickle)
+        source = resolve_source(given)
         plan, arch = hf_plan(source, parallel=layout, dtype=None, tokenizer=hf_tokenizer_section(source.path),
                              resume=dst.resolve(), say=typer.echo, per_rank_chunks=True)
         typer.echo(pipeline_split(plan.recipe, asked=layout))
         result = core.export_converted(job, plan, source_layout=f"Hugging Face {arch}")
     else:
-        result = core.reshard(job)
+        result = core.reshard(job, source=given)
     print_result(result, Console(highlight=False))
     return dst

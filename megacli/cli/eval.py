@@ -30,7 +30,7 @@ def eval_(
     output: Annotated[Optional[Path], _opt("Write the harness's results JSON here.", "--output", "-o")] = None,
     recipe: Annotated[Optional[Path], _opt("YAML recipe with an `eval:` section (flags override it).", "--recipe")] = None,
     trust_task_code: Annotated[bool, typer.Option("--trust-task-code", help=TRUST_TASK_CODE_HELP)] = False,
-    trust_pickle: Annotated[bool, typer.Option("--trust-pickle", help=TRUST_PICKLE_HELP)] = False,
+    trusted: Annotated[bool, typer.Option("--trust-pickle", help=TRUST_PICKLE_HELP)] = False,
     set_: SetOpt = None,
 ) -> None:
     from megacli.cli.generate import build_recipe, launch_job
@@ -44,6 +44,6 @@ def eval_(
     if trust_task_code:
         flags["trust_task_code"] = True
     job = build_recipe(recipe, flags, tensor=tensor, pipeline=pipeline, overrides=set_ or [], job="eval",
-                       trust_pickle=trust_pickle)
+                       trusted=trusted)
     check_tasks(job.eval)  # before any model is loaded: unknown tasks, data not available
     launch_job(job, "eval")

@@ -40,7 +40,7 @@ def generate(
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Recompute the whole sequence each step (no KV cache).")] = False,
     score: Annotated[Optional[Path], _opt("Report log-likelihood and perplexity of this text/JSONL file.", "--score")] = None,
     cloze: Annotated[Optional[Path], _opt("LAMBADA-style last-word accuracy on this JSONL file.", "--cloze")] = None,
-    trust_pickle: Annotated[bool, typer.Option("--trust-pickle", help=TRUST_PICKLE_HELP)] = False,
+    trusted: Annotated[bool, typer.Option("--trust-pickle", help=TRUST_PICKLE_HELP)] = False,
     set_: SetOpt = None,
 ) -> None:
     flags = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
@@ -56,7 +56,7 @@ def generate(
         flags["use_cache"] = False
     if output:  # before the checkpoint is read at all
         check_writable(output)
-    job = build_recipe(recipe, flags, tensor=tensor, pipeline=pipeline, overrides=set_ or [], trust_pickle=trust_pickle)
+    job = build_recipe(recipe, flags, tensor=tensor, pipeline=pipeline, overrides=set_ or [], trusted=trusted)
     g = job.generate
     if g.output and not output:  # the recipe file's generate.output
         check_writable(Path(g.output))
@@ -70,7 +70,7 @@ def generate(
 
 
 def build_recipe(recipe_path: Optional[Path], flags: dict, *, tensor: Optional[int], pipeline: Optional[int],
-                 overrides: list[str], job: str = "generate", trust_pickle: bool = False):
+                 overrides: list[str], job: str = "generate", trusted: bool = False):
     """The checkpoint's recipe (less any trust it claims: megacli.recipe.trust), then the RECIPE file's
     sections, then the flags (the ``job`` section: generate, eval or serve), then --set. A Hugging Face
     directory or a Megatron-LM legacy checkpoint is converted into the run directory first
@@ -81,15 +81,15 @@ def build_recipe(recipe_path: Optional[Path], flags: dict, *, tensor: Optional[i
     from megacli.checkpoint.layout import find_checkpoint
     from megacli.checkpoint.megatron_lm.dist_reader import recipe_for_weights
     from megacli.checkpoint.safe_pickle import check_checkpoint
-    from megacli.checkpoint.source import HF, LEGACY, MEGATRON_LM, kind_of
+    from megacli.checkpoint.source import HF, LEGACY, MEGATRON_LM, kind_of, user_source
     from megacli.convert.in_run import converted_in_run
     from megacli.errors import UserError
     from megacli.recipe import base
     from megacli.recipe.jobs import recipe_model
 
     given = base.read_yaml(recipe_path) if recipe_path else {}
-    if trust_pickle:
-        given["checkpoint"] = {**(given.get("checkpoint") or {}), "trust_pickle": True}
+    if trusted:
+        trust.grant_pickles(given, "checkpoint")
     user = base.apply_overrides(given, overrides)
     section = {**(given.get(job) or {}), **flags}
     source = section.get("checkpoint")
@@ -102,16 +102,15 @@ def build_recipe(recipe_path: Optional[Path], flags: dict, *, tensor: Optional[i
     kind = kind_of(Path(source))
     if ckpt is None and kind in (LEGACY, HF):
         run_dir = Path((user.get("run") or {}).get("dir", f"runs/{job}"))
-        converted = converted_in_run(Path(source), run_dir, tensor=tp, pipeline=pp,
+        converted = converted_in_run(user_source(source, trust.pickles_granted(user)), run_dir, tensor=tp, pipeline=pp,
                                      dtype=(user.get("train") or {}).get("precision"),
-                                     trust_pickle=trust.granted(user, "checkpoint", "trust_pickle"),
                                      say=lambda line: typer.echo(line, err=True))
         source = section["checkpoint"] = str(converted)
         ckpt = find_checkpoint(converted)
     if ckpt is not None:
         carried = base.read_yaml(ckpt / "recipe.yaml")
     elif kind == MEGATRON_LM:  # the model from its run's args
-        ckpt, carried = recipe_for_weights(Path(source), trust_pickle=trust.granted(user, "checkpoint", "trust_pickle"))
+        ckpt, carried = recipe_for_weights(user_source(source, trust.pickles_granted(user)))
     else:
         raise UserError(f"{source}: not a megacli checkpoint (no `latest` or megacli.json), a Megatron-LM torch_dist "
                         f"or legacy one, nor a Hugging Face model directory (config.json)")
@@ -130,7 +129,7 @@ def build_recipe(recipe_path: Optional[Path], flags: dict, *, tensor: Optional[i
     raw = base.apply_overrides(raw, overrides)
     source = f"{recipe_path} (over {ckpt / 'recipe.yaml'})" if recipe_path else f"{ckpt / 'recipe.yaml'} + {job} options"
     recipe = base.validate(recipe_model(job), raw, source)
-    check_checkpoint(ckpt, trust=recipe.checkpoint.trust_pickle)
+    check_checkpoint(user_source(ckpt, recipe.checkpoint))
     return recipe
 
 

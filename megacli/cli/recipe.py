@@ -75,8 +75,9 @@ def from_command(
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the recipe here (default: print it).",
                                                    show_default=False)] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing --output file.")] = False,
-    trust_pickle: Annotated[bool, typer.Option("--trust-pickle", help=TRUST_PICKLE_HELP)] = False,
+    trusted: Annotated[bool, typer.Option("--trust-pickle", help=TRUST_PICKLE_HELP)] = False,
 ) -> None:
+    from megacli.checkpoint.source import user_source
     from megacli.convert.recipe_of import recipe_of, render
     from megacli.errors import UserError
 
@@ -84,7 +85,7 @@ def from_command(
         raise UserError(f"{output} exists; pass --force to replace it")
     if output is not None and output.is_dir():
         raise UserError(f"{output} is a directory; give a file name such as {output / 'recipe.yaml'}")
-    text = render(recipe_of(checkpoint, trust_pickle=trust_pickle))
+    text = render(recipe_of(user_source(checkpoint, trusted)))
     if output is None:
         typer.echo(text, nl=False)
         return

@@ -41,12 +41,13 @@ def run_command(
     overwrite: Annotated[Optional[bool], typer.Option("--overwrite", help="Replace an existing DST once the new checkpoint is complete.", show_default=False)] = None,
     verify: Annotated[Optional[bool], typer.Option("--verify", help="Compare every reassembled global tensor with the source before publishing.", show_default=False)] = None,
     progress: Annotated[Optional[bool], typer.Option("--progress/--no-progress", help="Show the progress bar.", show_default=False)] = None,
-    trust_pickle: Annotated[Optional[bool], typer.Option("--trust-pickle", help=TRUST_PICKLE_HELP, show_default=False)] = None,
+    trusted: Annotated[Optional[bool], typer.Option("--trust-pickle", help=TRUST_PICKLE_HELP, show_default=False)] = None,
     set_: SetOpt = None,
 ) -> None:
     from pathlib import Path
 
     from megacli.errors import UserError
+    from megacli.recipe import trust
     from megacli.recipe.base import apply_overrides, read_yaml, validate
     from megacli.recipe.reshard import ReshardRecipe
 
@@ -64,10 +65,11 @@ def run_command(
     section = dict(raw.get("reshard") or {})
     given = {"tensor": tensor, "pipeline": pipeline, "virtual_pipeline": virtual_pipeline, "data_parallel": data_parallel,
              "distributed_optimizer": distributed_optimizer, "sequence_parallel": sequence_parallel,
-             "format": output_format, "spec": spec, "overwrite": overwrite, "verify": verify, "progress": progress,
-             "trust_pickle": trust_pickle}
+             "format": output_format, "spec": spec, "overwrite": overwrite, "verify": verify, "progress": progress}
     section.update({k: v for k, v in given.items() if v is not None})
     raw["reshard"] = section
+    if trusted:
+        trust.grant_pickles(raw, "reshard")
     job_sets = [s for s in set_ or [] if s.split("=", 1)[0].strip().startswith("reshard.")]
     target_sets = [s for s in set_ or [] if s not in job_sets]
     raw = apply_overrides(raw, job_sets)
@@ -95,15 +97,16 @@ def run_reshard(job) -> None:
 def inspect_command(
     checkpoint: Annotated[str, typer.Argument(help="Checkpoint directory (with `latest`), iteration directory, or Megatron-LM checkpoint.", show_default=False)],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of tables.")] = False,
-    trust_pickle: Annotated[bool, typer.Option("--trust-pickle", help=TRUST_PICKLE_HELP)] = False,
+    trusted: Annotated[bool, typer.Option("--trust-pickle", help=TRUST_PICKLE_HELP)] = False,
 ) -> None:
     import json
 
     from megacli.checkpoint.contents import inspect
+    from megacli.checkpoint.source import user_source
     from megacli.cli.common import output_console
     from megacli.reshard.inspect_tables import render
 
-    info = inspect(checkpoint, trust_pickle=trust_pickle)
+    info = inspect(user_source(checkpoint, trusted))
     if as_json:
         typer.echo(json.dumps(info, indent=2, default=str))
     else:
@@ -117,11 +120,12 @@ def verify_command(
     source: Annotated[str, typer.Argument(help="The original checkpoint.", show_default=False)],
     target: Annotated[str, typer.Argument(help="The resharded checkpoint.", show_default=False)],
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show the progress bar.")] = True,
-    trust_pickle: Annotated[bool, typer.Option("--trust-pickle", help=TRUST_PICKLE_HELP)] = False,
+    trusted: Annotated[bool, typer.Option("--trust-pickle", help=TRUST_PICKLE_HELP)] = False,
 ) -> None:
     from rich.console import Console
 
     from megacli.checkpoint import manifest
+    from megacli.checkpoint.source import user_source
     from megacli.errors import UserError
     from megacli.reshard import verify
     from megacli.reshard.view import progress_bars
@@ -133,7 +137,7 @@ def verify_command(
         console.print(f"verify: FAILED - {mismatch}", markup=False)
         raise typer.Exit(1) from None
     with progress_bars(progress) as bars:
-        report = verify(source, target, trust_pickle=trust_pickle, progress=bars)
+        report = verify(user_source(source, trusted), user_source(target, trusted), progress=bars)
     console.print(report.line(), markup=False)
     for line in filter(None, checked):
         console.print(line, markup=False)

@@ -30,7 +30,7 @@ def serve(
     tensor: Annotated[Optional[int], _opt("Tensor-parallel size to run in (default 1).", "--tensor", "-t")] = None,
     pipeline: Annotated[Optional[int], _opt("Pipeline-parallel size to run in (default 1).", "--pipeline")] = None,
     recipe: Annotated[Optional[Path], _opt("YAML recipe with a `serve:` section (flags override it).", "--recipe")] = None,
-    trust_pickle: Annotated[bool, typer.Option("--trust-pickle", help=TRUST_PICKLE_HELP)] = False,
+    trusted: Annotated[bool, typer.Option("--trust-pickle", help=TRUST_PICKLE_HELP)] = False,
     set_: SetOpt = None,
 ) -> None:
     from megacli.cli.generate import build_recipe, launch_job
@@ -46,7 +46,7 @@ def serve(
              "max_batch": max_batch, "max_queue": max_queue}
     flags = {k: v for k, v in flags.items() if v is not None}
     job = build_recipe(recipe, flags, tensor=tensor, pipeline=pipeline, overrides=set_ or [], job="serve",
-                       trust_pickle=trust_pickle)
+                       trusted=trusted)
     if api_key is not None:
         if not api_key.strip():
             raise UserError("--api-key is empty")

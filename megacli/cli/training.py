@@ -107,8 +107,9 @@ def _check_pickles(ck) -> None:
     """Refuse checkpoints the run may load whose pickles could run code, once, before any worker
     unpickles them (each worker checks again before loading)."""
     from megacli.checkpoint.safe_pickle import check_checkpoint
+    from megacli.checkpoint.source import user_source
 
     resume = {"none": None, "auto": ck.dir}.get(ck.resume, ck.resume)
     for path in (resume, ck.pretrained):
         if path:
-            check_checkpoint(path, trust=ck.trust_pickle)
+            check_checkpoint(user_source(path, ck))

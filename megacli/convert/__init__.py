@@ -1,9 +1,10 @@
 """Checkpoint conversion: Hugging Face ⇄ megacli (Megatron-Core torch_dist), Megatron-LM legacy ->
 either, for the model families in ``megacli.convert.families``.
 
+    from megacli.checkpoint.source import Source
     from megacli.convert import convert
-    convert("hf/llama", "ckpt/llama", parallel=ParallelSection(tensor=2, pipeline=2), dtype="bf16")
-    convert("ckpt/llama", "hf/llama-out")                       # back to Hugging Face
+    convert(Source("hf/llama"), "ckpt/llama", parallel=ParallelSection(tensor=2, pipeline=2), dtype="bf16")
+    convert(Source("ckpt/llama"), "hf/llama-out")               # back to Hugging Face
 
 Modules: ``mapping`` (rule tables and tensor transforms), ``families`` (one module per HF
 family), ``hf_io`` (HF directories), ``megatron_io`` (global tensors read from torch_dist checkpoints),

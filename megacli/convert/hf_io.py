@@ -14,12 +14,15 @@ import math
 import os
 import shutil
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 
 from megacli.checkpoint.files import named_inside, require_regular
 from megacli.errors import UserError
+
+if TYPE_CHECKING:
+    from megacli.checkpoint.source import Source
 
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
@@ -95,9 +98,9 @@ def read_safetensors_tensor(f: Path, entry: dict, data_start: int) -> torch.Tens
 class HFWeights:
     """The tensors of an HF directory, read one at a time (safetensors headers parsed once)."""
 
-    def __init__(self, root: Path, *, trust_pickle: bool = False):
-        self.root = root
-        self.trust_pickle = trust_pickle
+    def __init__(self, source: Source):
+        self.source = source
+        self.root = root = source.path
         self._where: dict[str, Path] = {}
         self._headers: dict[Path, tuple[dict, int]] = {}
         self._bin_cache: tuple[Path, dict] | None = None
@@ -142,7 +145,7 @@ class HFWeights:
         if self._bin_cache is None or self._bin_cache[0] != f:
             from megacli.checkpoint.safe_pickle import torch_load
 
-            sd = torch_load(f, trust=self.trust_pickle, name=f, mmap=True)
+            sd = torch_load(f, trust=self.source.trust, name=f, mmap=True)
             if not isinstance(sd, dict):
                 raise UserError(f"{f}: holds a {type(sd).__name__}, not a state dict of tensors")
             self._bin_cache = (f, sd)

@@ -18,17 +18,20 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from megacli.errors import UserError
+
+if TYPE_CHECKING:
+    from megacli.checkpoint.source import Source
 
 CONVERTED_DIR = "converted"
 _CHUNK = 1 << 24
 
 
-def converted_in_run(src: Path, run_dir: Path, *, tensor: int, pipeline: int, dtype: str | None, trust_pickle: bool,
+def converted_in_run(source: Source, run_dir: Path, *, tensor: int, pipeline: int, dtype: str | None,
                      say: Callable[[str], None]) -> Path:
-    """The megacli checkpoint of ``src``, a Hugging Face directory or a Megatron-LM legacy checkpoint,
+    """The megacli checkpoint of ``source``, a Hugging Face directory or a Megatron-LM legacy checkpoint,
     under ``run_dir`` (converted for
     TP=``tensor`` PP=``pipeline`` in ``dtype``, None: the source's), made now or reused; ``say`` gets
     one line saying which, with the path."""
@@ -40,9 +43,10 @@ def converted_in_run(src: Path, run_dir: Path, *, tensor: int, pipeline: int, dt
 
     if dtype is not None and dtype not in PRECISIONS:
         raise UserError(f"train.precision = {dtype!r}: expected one of {', '.join(PRECISIONS)}")
-    from megacli.checkpoint.source import LEGACY, kind_of
+    from megacli.checkpoint.source import LEGACY
 
-    legacy = kind_of(src) == LEGACY
+    src = source.path
+    legacy = source.kind == LEGACY
     kind = "a Megatron-LM legacy checkpoint" if legacy else "a Hugging Face model"
     folder = run_dir / CONVERTED_DIR
     name = src.resolve().name
@@ -60,8 +64,8 @@ def converted_in_run(src: Path, run_dir: Path, *, tensor: int, pipeline: int, dt
             shutil.rmtree(dst, ignore_errors=True)
             say(f"{src}: {kind}; converting it (TP={tensor} PP={pipeline}, "
                 f"{dtype or 'its own precision'}) into {dst}")
-            convert(src, dst, to="megacli", parallel=ParallelSection(tensor=tensor, pipeline=pipeline), dtype=dtype,
-                    trust_pickle=trust_pickle, say=lambda _line: None)
+            convert(source, dst, to="megacli", parallel=ParallelSection(tensor=tensor, pipeline=pipeline), dtype=dtype,
+                    say=lambda _line: None)
             draft.write_text(json.dumps(record, indent=1) + "\n")
             draft.replace(record_file)
         except BaseException:

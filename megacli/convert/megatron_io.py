@@ -16,13 +16,16 @@ from __future__ import annotations
 import contextlib
 import re
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
 from megacli.checkpoint.sharding import is_vocab_key
 from megacli.checkpoint.torch_dist import NOT_MODEL, STACKED, TorchDistReader
 from megacli.errors import UserError
+
+if TYPE_CHECKING:
+    from megacli.checkpoint.source import Source
 
 _LAYER_IN_STATE_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -87,10 +90,9 @@ class CheckpointReader:
     keys, without building a model, one layer at a time. ``rename(stored key, all stored keys)``
     gives another writer's key its canonical name (None: not a weight)."""
 
-    def __init__(self, ckpt: Path, *, trust_pickle: bool = False,
-                 rename: Callable[[str, set[str]], str | None] | None = None):
-        self.ckpt = ckpt
-        self.reader = TorchDistReader(ckpt, trust_pickle=trust_pickle)
+    def __init__(self, source: Source, *, rename: Callable[[str, set[str]], str | None] | None = None):
+        self.ckpt = ckpt = source.path
+        self.reader = TorchDistReader(source)
         self.all_tensors = {k: (info.shape, info.dtype) for k, info in self.reader.tensors.items()}
         self.stored = {k: v for k, v in self.all_tensors.items() if k.split(".")[0] not in NOT_MODEL}
         self.stored_as: dict[str, str] = {}  # canonical -> stored key, when renamed
@@ -163,9 +165,10 @@ class MergedLoRA:
     """A LoRA run's checkpoint read as full weights (the interface of CheckpointReader): its base
     checkpoint's tensors, each adapted weight replaced by W + (alpha / rank)·B·A."""
 
-    def __init__(self, ckpt: Path, *, base: Path, scale: float, trust_pickle: bool = False):
-        self.base = CheckpointReader(base, trust_pickle=trust_pickle)
-        self.adapters, self.scale = CheckpointReader(ckpt, trust_pickle=trust_pickle), scale
+    def __init__(self, source: Source, *, base: Path, scale: float):
+        ckpt = source.path
+        self.base = CheckpointReader(source.at(base))
+        self.adapters, self.scale = CheckpointReader(source), scale
         for key in self.adapters.canonical_keys():
             if not key.endswith(("lora_a", "lora_b")):
                 raise UserError(f"{ckpt}: a LoRA checkpoint holds adapters only, not {key}")
@@ -195,11 +198,11 @@ class MegatronLMWeights:
     """A Megatron-LM torch_dist checkpoint (megacli.checkpoint.megatron_lm.dist_reader) with its weights read
     as the converters read a legacy checkpoint's: canonical keys, one layer at a time."""
 
-    def __init__(self, path: Path, *, trust_pickle: bool = False):
+    def __init__(self, source: Source):
         from megacli.checkpoint.megatron_lm.dist_reader import MegatronLMCheckpoint, canonical_key
 
-        self.src = MegatronLMCheckpoint(path, trust_pickle=trust_pickle)
-        self.weights = CheckpointReader(self.src.it_dir, trust_pickle=trust_pickle, rename=canonical_key)
+        self.src = MegatronLMCheckpoint(source)
+        self.weights = CheckpointReader(source.at(self.src.it_dir), rename=canonical_key)
         self._loaded: dict[str, torch.Tensor] | None = None
 
     def __getattr__(self, name):  # args, iteration, layout, model section, tokenizer: the checkpoint's

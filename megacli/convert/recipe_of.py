@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megacli.errors import UserError
+
+if TYPE_CHECKING:
+    from megacli.checkpoint.source import Source
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,16 +27,16 @@ class CheckpointRecipe:
     """What to set before using the recipe."""
 
 
-def recipe_of(path: str | Path, *, trust_pickle: bool = False) -> CheckpointRecipe:
-    from megacli.checkpoint.source import HF, kind_of, locate
+def recipe_of(source: Source) -> CheckpointRecipe:
+    from megacli.checkpoint.source import HF, locate
 
-    path = Path(path).expanduser()
-    if kind_of(path) == HF:
-        return _from_hf(path, trust_pickle=trust_pickle)
-    src, kind = locate(path)
+    source = source.at(source.path.expanduser())
+    if source.kind == HF:
+        return _from_hf(source)
+    src, kind = locate(source.path)
     if kind == "megacli":
         return _from_megacli(src)
-    return _from_megatron_lm(src, kind, trust_pickle=trust_pickle)
+    return _from_megatron_lm(source.at(src), kind)
 
 
 def _validated(raw: dict, source: str):
@@ -56,15 +60,16 @@ def _from_megacli(ckpt: Path) -> CheckpointRecipe:
                             [f"to continue this run: --set checkpoint.resume={ckpt}"])
 
 
-def _from_megatron_lm(src: Path, kind: str, *, trust_pickle: bool) -> CheckpointRecipe:
+def _from_megatron_lm(source: Source, kind: str) -> CheckpointRecipe:
     from megacli.checkpoint.megatron_lm.args import arg
     from megacli.checkpoint.megatron_lm.args_to_recipe import recipe_from_args
     from megacli.checkpoint.megatron_lm.args import args_not_reproduced
 
+    src = source.path
     if kind == "megatron-lm":
         from megacli.checkpoint.megatron_lm.dist_reader import MegatronLMCheckpoint
 
-        ck = MegatronLMCheckpoint(src, trust_pickle=trust_pickle)
+        ck = MegatronLMCheckpoint(source)
         raw = ck.recipe()
         if raw is None:
             raise UserError(f"{src}: its model has no megacli recipe: " + "; ".join(ck.unmapped()))
@@ -73,7 +78,7 @@ def _from_megatron_lm(src: Path, kind: str, *, trust_pickle: bool) -> Checkpoint
     else:
         from megacli.checkpoint.megatron_lm.legacy_reader import LegacyCheckpoint
 
-        ck = LegacyCheckpoint(src, trust_pickle=trust_pickle)
+        ck = LegacyCheckpoint(source)
         raw = recipe_from_args(ck)
         not_mapped = ck.tokenizer_not_found()
         label = "Megatron-LM legacy checkpoint"
@@ -92,16 +97,17 @@ def _from_megatron_lm(src: Path, kind: str, *, trust_pickle: bool) -> Checkpoint
     return CheckpointRecipe(recipe, source, not_mapped, steps)
 
 
-def _from_hf(src: Path, *, trust_pickle: bool) -> CheckpointRecipe:
+def _from_hf(source: Source) -> CheckpointRecipe:
     from megacli.convert import families, hf_io
     from megacli.convert.run import tokenizer_section
     from megacli.precision import precision_of
 
+    src = source.path
     config = hf_io.read_json(src / hf_io.CONFIG)
     family, arch = families.for_hf_config(config)
     model = family.model_section(config)
     present = [name for name in ("tokenizer.json", "tokenizer.model") if (src / name).is_file()]
-    precision = precision_of(hf_io.HFWeights(src, trust_pickle=trust_pickle).dtype())
+    precision = precision_of(hf_io.HFWeights(source).dtype())
     raw = {"model": model, "tokenizer": tokenizer_section(src, present), "train": {"precision": precision},
            "data": {"mock": True} if model["arch"] == "gpt" else {"path": "SET/data.path/TO/A/PREFIX_text_sentence"}}
     source = f"Hugging Face {arch} directory {src}"

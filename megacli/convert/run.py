@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from megacli.checkpoint.layout import HF_DIR, LATEST, META, TRACKER, carried_hf_dir, iter_name
-from megacli.checkpoint.source import Source, open_checkpoint
+from megacli.checkpoint.source import Source
 from megacli.convert import hf_io
 from megacli.errors import UserError
 from megacli.precision import DTYPES, params_dtype, precision_of
@@ -31,12 +31,12 @@ _HF_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 Say = Callable[[str], None]
 
 
-def resolve_source(path: Path, *, trust: bool = False) -> Source:
+def resolve_source(source: Source) -> Source:
     """What a conversion reads, recognised (megacli.checkpoint.source), its recipe read for a megacli checkpoint."""
+    path = source.path
     if not path.exists():
         raise UserError(f"{path}: no such file or directory")
-    source = open_checkpoint(path, trust=trust)
-    if source is None:
+    if source.kind is None:
         raise UserError(f"{path}: not a Hugging Face model directory (config.json), a megacli checkpoint ({META} or "
                         f"{LATEST}) or a Megatron-LM checkpoint ({TRACKER}, an iter_* directory with .metadata and "
                         f"common.pt, or mp_rank_* directories)")
@@ -45,15 +45,15 @@ def resolve_source(path: Path, *, trust: bool = False) -> Source:
     return source
 
 
-def convert(src: str | Path, dst: str | Path, *, to: str | None = None, parallel=None, dtype: str | None = None,
-            max_shard_size: str | int = "2GB", trust_pickle: bool = False, say: Say = print) -> Path:
-    """Convert ``src`` (format detected) to ``to`` (default: megacli for HF and Megatron-LM sources, hf
+def convert(source: Source, dst: str | Path, *, to: str | None = None, parallel=None, dtype: str | None = None,
+            max_shard_size: str | int = "2GB", say: Say = print) -> Path:
+    """Convert ``source`` (format detected) to ``to`` (default: megacli for HF and Megatron-LM sources, hf
     for megacli checkpoints) under ``dst``. ``parallel`` (a ParallelSection) is the layout a megacli
     checkpoint is prepared for. Returns ``dst``."""
     from megacli.recipe.sections import ParallelSection
 
-    src, dst = Path(src).expanduser(), Path(dst).expanduser()
-    source = resolve_source(src, trust=trust_pickle)
+    src, dst = source.path.expanduser(), Path(dst).expanduser()
+    source = resolve_source(source.at(src))
     fmt = source.kind
     to = to or ("hf" if fmt == "megacli" else "megacli")
     if to not in ("hf", "megacli"):
@@ -83,11 +83,11 @@ def convert(src: str | Path, dst: str | Path, *, to: str | None = None, parallel
             if fmt == "legacy":
                 from megacli.checkpoint.megatron_lm.legacy_reader import LegacyCheckpoint
 
-                legacy, label = LegacyCheckpoint(src, trust_pickle=source.trust), "Megatron-LM legacy"
+                legacy, label = LegacyCheckpoint(source), "Megatron-LM legacy"
             else:
                 from megacli.convert.megatron_io import MegatronLMWeights
 
-                legacy, label = MegatronLMWeights(src, trust_pickle=source.trust), "Megatron-LM torch_dist"
+                legacy, label = MegatronLMWeights(source), "Megatron-LM torch_dist"
             if to == "hf":
                 _legacy_to_hf(legacy, work, dtype=dtype, max_shard_size=max_shard_size, say=say, label=label)
             else:
@@ -192,7 +192,7 @@ def hf_plan(source: Source, *, parallel, dtype: str | None, tokenizer: dict, res
     model = family.model_section(config)
     for note in getattr(family, "import_notes", lambda _config: [])(config):
         say(f"note: {note}")
-    weights = hf_io.HFWeights(src, trust_pickle=source.trust)
+    weights = hf_io.HFWeights(source)
     precision = dtype or precision_of(weights.dtype())
     target = params_dtype(precision)
     recipe = converted_recipe(model=model, parallel=parallel, precision=precision, tokenizer=tokenizer, resume=resume)
@@ -287,11 +287,11 @@ def _weights_of(source: Source):
 
     ckpt, base, recipe = source.ckpt, source.lora_base, source.recipe
     if base is None:
-        return (lambda: CheckpointReader(ckpt, trust_pickle=source.trust)), f"megacli checkpoint {ckpt}"
+        return (lambda: CheckpointReader(source.at(ckpt))), f"megacli checkpoint {ckpt}"
     if recipe.lora is None:
         raise UserError(f"{ckpt} holds LoRA adapters but its recipe.yaml has no lora section (rank and alpha)")
     scale = recipe.lora.alpha / recipe.lora.rank
-    return ((lambda: MergedLoRA(ckpt, base=base, scale=scale, trust_pickle=source.trust)),
+    return ((lambda: MergedLoRA(source.at(ckpt), base=base, scale=scale)),
             f"LoRA checkpoint {ckpt} merged into {base}")
 
 

@@ -30,6 +30,7 @@ from megacli.checkpoint.layout import (LATEST, META, find_checkpoint, is_torch_d
                                       read_meta, read_recipe)
 from megacli.checkpoint.rng import restore_tracker, tracker_states
 from megacli.checkpoint.safe_pickle import allow_checked_globals, check_torch_dist, load_failure
+from megacli.checkpoint.source import Source
 from megacli.errors import UserError
 
 __all__ = ["LATEST", "META", "find_checkpoint", "iter_name", "lora_base_of", "read_meta", "load", "save"]
@@ -353,31 +354,31 @@ def _check_optimizer_kind(ckpt: Path, optimizer) -> None:
             f"`megacli reshard {ckpt} NEW_DIR {flag}`, or set checkpoint.load_optimizer=false to load the weights only.")
 
 
-def load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool, verify: bool = True,
-         trust_pickle: bool = False) -> Restored:
+def load(*, source: Source, chunks, optimizer, scheduler, load_optimizer: bool, verify: bool = True) -> Restored:
     """Load model (and optimizer, scheduler, RNG when asked and possible) into the built chunks.
     The RNG state is restored only when the layout is unchanged (it is per rank). ``verify``: check
     the files against the checkpoint's manifest first.
 
     A model with LoRA adapters takes its base weights from a full checkpoint (the adapters keep
     their initial values) or from the base a LoRA checkpoint names, then the adapters from it.
-    ``trust_pickle``: unpickle whatever the checkpoint holds (see megacli.checkpoint.safe_pickle)."""
+    ``source`` (an iteration directory) carries the user's trust in its pickles (megacli.checkpoint.safe_pickle)."""
     from megacli.engine.models.common import unwrap
     from megacli.engine.models.lora import is_adapter_key
 
     has_adapters = any(is_adapter_key(name) for c in chunks for name, _ in unwrap(c).named_parameters())
+    ckpt = source.path
     base = lora_base_of(ckpt)
     if base is None:
         keep = None if not has_adapters else (lambda k: not is_adapter_key(k))
-        return _load(ckpt=ckpt, chunks=chunks, optimizer=optimizer, scheduler=scheduler, load_optimizer=load_optimizer,
-                     keep=keep, verify=verify, trust_pickle=trust_pickle)
+        return _load(source=source, chunks=chunks, optimizer=optimizer, scheduler=scheduler, load_optimizer=load_optimizer,
+                     keep=keep, verify=verify)
     if not has_adapters:
         raise UserError(f"{ckpt} holds LoRA adapters only: load it with its recipe's lora section, or merge them into "
                         f"the base weights first (`megacli convert {ckpt} DST --to megacli`)")
-    _load(ckpt=base, chunks=chunks, optimizer=None, scheduler=None, load_optimizer=False,
-          keep=lambda k: not is_adapter_key(k), verify=verify, trust_pickle=trust_pickle)
-    return _load(ckpt=ckpt, chunks=chunks, optimizer=optimizer, scheduler=scheduler, load_optimizer=load_optimizer,
-                 keep=is_adapter_key, verify=verify, trust_pickle=trust_pickle)
+    _load(source=source.at(base), chunks=chunks, optimizer=None, scheduler=None, load_optimizer=False,
+          keep=lambda k: not is_adapter_key(k), verify=verify)
+    return _load(source=source, chunks=chunks, optimizer=optimizer, scheduler=scheduler, load_optimizer=load_optimizer,
+                 keep=is_adapter_key, verify=verify)
 
 
 def _check_manifest(ckpt: Path) -> None:
@@ -392,11 +393,11 @@ def _check_manifest(ckpt: Path) -> None:
         raise manifest.mismatch_error(ckpt, found)
 
 
-def _load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool, keep, verify: bool,
-          trust_pickle: bool) -> Restored:
+def _load(*, source: Source, chunks, optimizer, scheduler, load_optimizer: bool, keep, verify: bool) -> Restored:
     from megatron.core import dist_checkpointing
 
-    check_torch_dist(ckpt, trust=trust_pickle)  # Megatron and torch unpickle these files unrestricted
+    ckpt = source.path
+    check_torch_dist(ckpt, trust=source.trust)  # Megatron and torch unpickle these files unrestricted
     if verify:
         _check_manifest(ckpt)
     if is_torch_dist_iteration(ckpt):  # Megatron-LM's own torch_dist checkpoint
@@ -404,8 +405,8 @@ def _load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool, kee
         from megacli.engine.models.common import unwrap
 
         iteration, consumed, notes = megatron_lm_resume.load(
-            ckpt=ckpt, chunks=[unwrap(c) for c in chunks], optimizer=optimizer, scheduler=scheduler, load_optimizer=load_optimizer, keep=keep,
-            trust_pickle=trust_pickle, model_keys=_model_keys, prepare_optimizer=_prepare_distributed_optimizer_load)
+            source=source, chunks=[unwrap(c) for c in chunks], optimizer=optimizer, scheduler=scheduler, load_optimizer=load_optimizer,
+            keep=keep, model_keys=_model_keys, prepare_optimizer=_prepare_distributed_optimizer_load)
         return Restored(iteration=iteration, consumed_samples=consumed, path=ckpt, notes=tuple(notes))
     meta = read_meta(ckpt)
     restore_rng = meta.get("layout") == _layout(chunks) and meta.get("has_rng_state", True)

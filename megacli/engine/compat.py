@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from megacli.checkpoint.layout import read_recipe
-from megacli.checkpoint.source import MEGATRON_LM, kind_of
+from megacli.checkpoint.source import MEGATRON_LM, Source, kind_of, user_source
 from megacli.errors import UserError
 
 # Dotted recipe fields that change the meaning (or the shape) of the saved weights.
@@ -48,7 +48,7 @@ def check_resumable(ckpt: Path, recipe) -> str | None:
     if saved_file.is_file():
         saved = read_recipe(Path(ckpt))
     elif kind_of(ckpt) == MEGATRON_LM:
-        saved, foreign = _megatron_lm_recipe(Path(ckpt), recipe.checkpoint.trust_pickle), True
+        saved, foreign = _megatron_lm_recipe(user_source(ckpt, recipe.checkpoint)), True
     else:
         return None
     current = recipe.model_dump(mode="json")
@@ -87,14 +87,14 @@ def check_resumable(ckpt: Path, recipe) -> str | None:
     return note
 
 
-def _megatron_lm_recipe(it_dir: Path, trust_pickle: bool) -> dict:
+def _megatron_lm_recipe(source: Source) -> dict:
     """The recipe a Megatron-LM checkpoint's args map to; a model megacli cannot express is refused."""
     from megacli.checkpoint.megatron_lm.dist_reader import MegatronLMCheckpoint
 
-    src = MegatronLMCheckpoint(it_dir, trust_pickle=trust_pickle)
+    src = MegatronLMCheckpoint(source)
     raw = src.recipe()
     if raw is None:
-        raise UserError(f"cannot resume {it_dir}: " + "; ".join(src.unmapped()))
+        raise UserError(f"cannot resume {source.path}: " + "; ".join(src.unmapped()))
     return raw
 
 

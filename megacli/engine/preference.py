@@ -84,6 +84,7 @@ class Reference:
 def build_reference_chunks(recipe, config, vocab_size: int, device, pretrained: Path | None) -> list:
     """A frozen model in the recipe's layout holding the starting weights (the checkpoint's, or the
     seeded initialisation without one), in eval mode."""
+    from megacli.checkpoint.source import user_source
     from megacli.engine import checkpoint
     from megacli.engine.models import build_model
     from megacli.engine.models.init import init_weights
@@ -99,8 +100,8 @@ def build_reference_chunks(recipe, config, vocab_size: int, device, pretrained: 
         chunks = [Float16Module(config, c) for c in chunks]
     if pretrained is not None:
         ck = recipe.checkpoint
-        checkpoint.load(ckpt=pretrained, chunks=chunks, optimizer=None, scheduler=None, load_optimizer=False,
-                        verify=ck.verify, trust_pickle=ck.trust_pickle)
+        checkpoint.load(source=user_source(pretrained, ck), chunks=chunks, optimizer=None, scheduler=None,
+                        load_optimizer=False, verify=ck.verify)
     for c in chunks:
         c.requires_grad_(False)
         c.eval()

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from megacli.checkpoint.megatron_lm.dist_reader import MegatronLMCheckpoint, weights_dir
-from megacli.checkpoint.source import MEGATRON_LM, kind_of
+from megacli.checkpoint.source import MEGATRON_LM, kind_of, user_source
 from megacli.engine import checkpoint
 from megacli.errors import UserError
 
@@ -19,7 +19,7 @@ def pretrained_source(ck) -> Path | None:
         return None
     found = checkpoint.find_checkpoint(ck.pretrained)
     if found is None and kind_of(ck.pretrained) == MEGATRON_LM:
-        return weights_dir(Path(ck.pretrained), trust_pickle=ck.trust_pickle)
+        return weights_dir(user_source(ck.pretrained, ck))
     if found is None:
         raise UserError(f"checkpoint.pretrained = {ck.pretrained!r}: no checkpoint there (convert a Hugging Face "
                         f"model with `megacli convert`, or give a megacli or Megatron-LM torch_dist checkpoint directory)")
@@ -53,7 +53,7 @@ def resume_source(ck) -> tuple[Path | None, str | None]:
                               f"checkpoint, {complete[-1].name}")
     found = checkpoint.find_checkpoint(ck.resume)
     if found is None and kind_of(ck.resume) == MEGATRON_LM:
-        return MegatronLMCheckpoint(Path(ck.resume), trust_pickle=ck.trust_pickle).it_dir, None
+        return MegatronLMCheckpoint(user_source(ck.resume, ck)).it_dir, None
     if found is None:
         raise UserError(f"checkpoint.resume = {ck.resume!r}: no checkpoint there (expected a directory with "
                         f"'{checkpoint.LATEST}' or '{checkpoint.META}')")
@@ -80,14 +80,14 @@ def load_start(recipe, trainer) -> Start:
     if source is None:
         pretrained = pretrained_source(ck)
         if pretrained is not None:
-            checkpoint.load(ckpt=pretrained, chunks=trainer.chunks, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
-                            load_optimizer=False, verify=ck.verify, trust_pickle=ck.trust_pickle)
+            checkpoint.load(source=user_source(pretrained, ck), chunks=trainer.chunks, optimizer=trainer.optimizer,
+                            scheduler=trainer.scheduler, load_optimizer=False, verify=ck.verify)
         return Start(pretrained=pretrained, notes=notes)
     from megacli.engine.compat import check_resumable
 
     changes_note = check_resumable(source, recipe)
-    restored = checkpoint.load(ckpt=source, chunks=trainer.chunks, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
-                               load_optimizer=ck.load_optimizer, verify=ck.verify, trust_pickle=ck.trust_pickle)
+    restored = checkpoint.load(source=user_source(source, ck), chunks=trainer.chunks, optimizer=trainer.optimizer,
+                               scheduler=trainer.scheduler, load_optimizer=ck.load_optimizer, verify=ck.verify)
     if recipe.data.on_the_fly and (restored.path / checkpoint.META).is_file():
         stream_notes = _resume_stream(trainer, checkpoint.read_meta(restored.path), restored.path)
         restored = replace(restored, notes=(*restored.notes, *stream_notes))

@@ -27,7 +27,7 @@ def load_for_decoding(recipe, runtime, *, vocab_size: int):
     from pathlib import Path
 
     from megacli.checkpoint.megatron_lm import dist_reader as megatron_lm
-    from megacli.checkpoint.source import MEGATRON_LM, kind_of
+    from megacli.checkpoint.source import MEGATRON_LM, kind_of, user_source
     from megacli.engine import checkpoint
     from megacli.engine.models import build_model
     from megacli.engine.models.common import unwrap
@@ -36,15 +36,15 @@ def load_for_decoding(recipe, runtime, *, vocab_size: int):
     source = recipe.generate.checkpoint
     ckpt = checkpoint.find_checkpoint(source) if source else None
     if ckpt is None and source and kind_of(Path(source)) == MEGATRON_LM:
-        ckpt = megatron_lm.weights_dir(Path(source), trust_pickle=recipe.checkpoint.trust_pickle)
+        ckpt = megatron_lm.weights_dir(user_source(source, recipe.checkpoint))
     if ckpt is None:
         raise UserError(f"generate.checkpoint = {source!r}: no checkpoint there (a directory with `latest` "
                         f"or an iter_* directory)")
     config = transformer_config(model=recipe.model, parallel=recipe.parallel, precision=recipe.train.precision,
                                 on_cuda=runtime.is_cuda)
     chunks = [c.to(runtime.device) for c in build_model(recipe=recipe, config=config, vocab_size=vocab_size)]
-    checkpoint.load(ckpt=ckpt, chunks=chunks, optimizer=None, scheduler=None, load_optimizer=False,
-                    trust_pickle=recipe.checkpoint.trust_pickle)
+    checkpoint.load(source=user_source(ckpt, recipe.checkpoint), chunks=chunks, optimizer=None, scheduler=None,
+                    load_optimizer=False)
     return unwrap(chunks[0]).eval(), config, ckpt
 
 

@@ -11,9 +11,10 @@ user's, so a downloaded checkpoint cannot grant itself trust; and a recipe writt
 
 from __future__ import annotations
 
+PICKLE = "trust_pickle"  # the field of the checkpoint, convert and reshard sections
+
 # (section, field) of every recipe field that lifts a guard.
-FIELDS = (("checkpoint", "trust_pickle"), ("convert", "trust_pickle"), ("reshard", "trust_pickle"),
-          ("eval", "trust_task_code"))
+FIELDS = (("checkpoint", PICKLE), ("convert", PICKLE), ("reshard", PICKLE), ("eval", "trust_task_code"))
 
 
 def carried(raw: dict) -> dict:
@@ -29,3 +30,21 @@ def granted(user: dict, section: str, field: str) -> bool:
     """Whether the user's own recipe (their file with --set and flags applied; never a carried one)
     sets ``section.field`` to true."""
     return (user.get(section) or {}).get(field) is True
+
+
+def trusts_pickles(section) -> bool:
+    """The user's pickle-trust decision in a validated section of their recipe (checkpoint, convert
+    or reshard); megacli.checkpoint.source.user_source turns it into the Source that carries it."""
+    return section.trust_pickle
+
+
+def grant_pickles(raw: dict, section: str) -> None:
+    """The --trust-pickle flag into the user's raw recipe: ``section``'s field set to true."""
+    given = raw.get(section) or {}
+    if isinstance(given, dict):  # anything else: validation names it
+        raw[section] = {**given, PICKLE: True}
+
+
+def pickles_granted(user: dict) -> bool:
+    """Whether the user's own raw recipe trusts the pickles of the checkpoint it runs."""
+    return granted(user, "checkpoint", PICKLE)

@@ -28,7 +28,7 @@ from megacli.checkpoint.layout import (
     tmp_sibling,
 )
 from megacli.checkpoint.megacli_checkpoint import Checkpoint, Layout
-from megacli.checkpoint.source import LEGACY, MEGACLI, MEGATRON_LM, kind_of, locate
+from megacli.checkpoint.source import LEGACY, MEGACLI, MEGATRON_LM, Source, kind_of, locate, user_source
 from megacli.checkpoint.writer import Plan, write_checkpoint
 from megacli.errors import UserError
 from megacli.reshard.tensor_plan import Target, build_plan, resolve_target
@@ -67,16 +67,16 @@ def find_source(path: str | Path) -> Path:
     return found
 
 
-def _stage(found: Path, kind: str, where: Path, trust_pickle: bool, progress) -> tuple[Path, list[str]]:
+def _stage(found: Source, kind: str, where: Path, progress) -> tuple[Path, list[str]]:
     """A checkpoint located as ``kind`` (checkpoint.source.locate): a Megatron-LM one staged as a
     megacli one (and what was left out); a megacli one as it is."""
     from megacli.checkpoint.megatron_lm import dist_staging, legacy_staging
 
     if kind == MEGATRON_LM:
-        return dist_staging.import_to_staging(found, where=where, trust_pickle=trust_pickle)
+        return dist_staging.import_to_staging(found, where=where)
     if kind == LEGACY:
-        return legacy_staging.import_to_staging(found, where=where, trust_pickle=trust_pickle, progress=progress), []
-    return found, []
+        return legacy_staging.import_to_staging(found, where=where, progress=progress), []
+    return found.path, []
 
 
 def _check_output(output: Path, source: Path, overwrite: bool) -> None:
@@ -111,18 +111,20 @@ def _one_thread():
         torch.set_num_threads(before)
 
 
-def reshard(job, *, progress: Callable[[str, int], Callable[[str], None]] | None = None) -> Result:
+def reshard(job, *, source: Source | None = None,
+            progress: Callable[[str, int], Callable[[str], None]] | None = None) -> Result:
     """Write ``job.source`` (a ReshardSection) under a new layout to ``job.output`` (a checkpoint
-    directory with `latest`), atomically.
+    directory with `latest`), atomically; ``source``: what to read there, when another command
+    decided the user's trust in it (default: job.source with the job's own).
 
     ``progress(description, total)`` returns a callback called with each finished entry's key."""
     with _one_thread():
-        return _reshard(job, progress)
+        return _reshard(job, source or user_source(job.source, job), progress)
 
 
-def _reshard(job, progress) -> Result:
+def _reshard(job, source: Source, progress) -> Result:
     start = time.perf_counter()
-    src_dir, src_kind = locate(job.source)
+    src_dir, src_kind = locate(source.path)
     output = Path(job.output)
     _check_output(output, src_dir, job.overwrite)
     from megacli.checkpoint.megatron_lm import legacy_staging, legacy_writer
@@ -137,9 +139,9 @@ def _reshard(job, progress) -> Result:
         raise UserError("--verify compares megacli checkpoints; for --format megatron, convert the result back "
                         "(`megacli convert DST BACK --to megacli`) and compare that")
     original = src_dir
-    src_dir, import_notes = _stage(src_dir, src_kind, output.resolve().parent, job.trust_pickle, progress)
+    src_dir, import_notes = _stage(source.at(src_dir), src_kind, output.resolve().parent, progress)
     try:
-        src = Checkpoint(src_dir, trust_pickle=job.trust_pickle)
+        src = Checkpoint(source.at(src_dir))
         target = resolve_target(src.layout, src.section("parallel"), tensor=job.tensor, pipeline=job.pipeline,
                                 virtual_pipeline=job.virtual_pipeline, data_parallel=job.data_parallel,
                                 distributed_optimizer=distributed_optimizer, sequence_parallel=job.sequence_parallel,
@@ -208,7 +210,7 @@ def _write_output(job, plan: Plan, output: Path, it_name: str, progress) -> Veri
             from megacli.checkpoint.megatron_lm.dist_export import export
 
             tmp.mkdir(parents=True)
-            plan.notes.extend(export(plan, tmp, spec=job.spec, trust_pickle=job.trust_pickle, progress=progress))
+            plan.notes.extend(export(plan, tmp, spec=job.spec, progress=progress))
             fsync_dir(tmp)
             _replace(tmp, output)
             return None
@@ -219,7 +221,7 @@ def _write_output(job, plan: Plan, output: Path, it_name: str, progress) -> Veri
             if not report.ok:
                 raise VerifyFailed(report.line() + f" (the unverified output is left in {tmp})")
         if job.format == "legacy":
-            plan.notes.extend(legacy_writer.export(it_dir, legacy_tmp, spec=job.spec, trust_pickle=job.trust_pickle,
+            plan.notes.extend(legacy_writer.export(plan.source.source.at(it_dir), legacy_tmp, spec=job.spec,
                                                       progress=progress))
             shutil.rmtree(tmp)
             tmp = legacy_tmp
@@ -261,33 +263,33 @@ def _replace(tmp: Path, output: Path) -> None:
 # ---------------------------------------------------------------- verify
 
 
-def verify(source: str | Path, target: str | Path, *, trust_pickle: bool = False, progress=None) -> VerifyReport:
+def verify(source: Source, target: Source, *, progress=None) -> VerifyReport:
     """Rebuild the plan SRC → (TARGET's layout and optimizer kind) and compare every entry of
     TARGET with what the plan says it must hold."""
     with _one_thread():
-        return _verify(source, target, trust_pickle=trust_pickle, progress=progress)
+        return _verify(source, target, progress=progress)
 
 
-def _verify(source, target, *, trust_pickle: bool, progress) -> VerifyReport:
+def _verify(source: Source, target: Source, *, progress) -> VerifyReport:
     from megacli.checkpoint.layout import find_checkpoint
     from megacli.checkpoint.megatron_lm import legacy_staging
 
-    src_dir, src_kind = locate(source)
-    tgt_path = Path(target)
+    src_dir, src_kind = locate(source.path)
+    tgt_path = target.path
     tgt_kind = kind_of(tgt_path) if tgt_path.exists() else None
     if tgt_kind not in (MEGACLI, MEGATRON_LM, LEGACY):
-        raise UserError(f"{target}: not a checkpoint (megacli, Megatron-LM torch_dist or legacy)")
+        raise UserError(f"{tgt_path}: not a checkpoint (megacli, Megatron-LM torch_dist or legacy)")
     where = tgt_path.resolve().parent
-    tgt_dir, _ = _stage(find_checkpoint(tgt_path) if tgt_kind == MEGACLI else tgt_path, tgt_kind, where, trust_pickle,
+    tgt_dir, _ = _stage(target.at(find_checkpoint(tgt_path)) if tgt_kind == MEGACLI else target, tgt_kind, where,
                         progress)
     try:
-        staged_src, _ = _stage(src_dir, src_kind, where, trust_pickle, progress)
+        staged_src, _ = _stage(source.at(src_dir), src_kind, where, progress)
     except BaseException:
         legacy_staging.cleanup_staging(tgt_dir)
         raise
     try:
-        src = Checkpoint(staged_src, trust_pickle=trust_pickle)
-        tgt = Checkpoint(tgt_dir, trust_pickle=trust_pickle)
+        src = Checkpoint(source.at(staged_src))
+        tgt = Checkpoint(target.at(tgt_dir))
         t_par = tgt.section("parallel")
         from megacli.recipe.base import validate
         from megacli.recipe.pretrain import TrainingRecipe

@@ -40,7 +40,8 @@ class VerifyReport:
 
 
 def verify_plan(plan: Plan, it_dir: Path, progress=None) -> VerifyReport:
-    return verify_against(plan, Checkpoint(it_dir), progress)
+    """The checkpoint written from ``plan`` at ``it_dir`` (read with its source's trust) against the plan."""
+    return verify_against(plan, Checkpoint(plan.source.source.at(it_dir)), progress)
 
 
 def verify_against(plan: Plan, tgt: Checkpoint, progress=None) -> VerifyReport:
@@ -92,7 +93,7 @@ def _entry_mismatches(plan: Plan, tgt: Checkpoint, want_t: dict, want_o: dict, w
     # local-spec checkpoint stores none where a TE-spec one stores empty ones.
     for key in sorted(set(want_o) - set(reader.objects)):
         if not (is_extra_state(key) and _records_nothing(lambda: torch_load(
-                io.BytesIO(want_o[key].produce()), trust=reader.trust_pickle, name=f"the planned {key}"))):
+                io.BytesIO(want_o[key].produce()), trust=reader.source.trust, name=f"the planned {key}"))):
             mismatches.append(f"{key} missing")
     for key in sorted(set(reader.objects) - set(want_o)):
         if not (is_extra_state(key) and _records_nothing(lambda: reader.read_object(key))):
@@ -130,7 +131,7 @@ def _object_mismatch(reader, key: str, entry) -> str | None:
     try:
         extra = is_extra_state(key)
         if RNG_KEY.match(key) or extra:
-            got, want = reader.read_object(key), torch_load(io.BytesIO(entry.produce()), trust=reader.trust_pickle,
+            got, want = reader.read_object(key), torch_load(io.BytesIO(entry.produce()), trust=reader.source.trust,
                                                             name=f"the planned {key}")
             if extra:
                 # Transformer Engine's FP8 bookkeeping, not weights: compared where both sides

@@ -3,16 +3,20 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import TYPE_CHECKING
+
 from megacli.checkpoint.megatron_lm.args import arg
 from megacli.checkpoint.megacli_checkpoint import describe_split
 from megacli.checkpoint.megatron_lm.dist_reader import FORMAT, MegatronLMCheckpoint
 
+if TYPE_CHECKING:
+    from megacli.checkpoint.source import Source
 
-def inspect_megatron_lm(path: Path, *, trust_pickle: bool = False) -> dict:
+
+def inspect_megatron_lm(source: Source) -> dict:
     """inspect's answer (see megacli.checkpoint.contents.inspect) plus ``not_mapped``: what of the
     run's args the recipe does not carry."""
-    src = MegatronLMCheckpoint(path, trust_pickle=trust_pickle)
+    src = MegatronLMCheckpoint(source)
     reader = src.reader
     tensors, total = [], 0
     for key, info in reader.tensors.items():
@@ -26,7 +30,7 @@ def inspect_megatron_lm(path: Path, *, trust_pickle: bool = False) -> dict:
     dp = int(arg(args, "data_parallel_size", 1))
     has_optimizer = any(t["kind"] == "optimizer" for t in tensors) or any(k.startswith("optimizer") for k in other)
     return {
-        "path": str(path), "format": FORMAT, "iteration": src.iteration,
+        "path": str(source.path), "format": FORMAT, "iteration": src.iteration,
         "consumed_samples": arg(args, "consumed_train_samples"),
         "layout": {"tensor": src.tp, "pipeline": src.pp, "virtual_pipeline": src.vp if src.vp > 1 else None,
                    "data": dp, "context": int(arg(args, "context_parallel_size", 1))},
@@ -42,9 +46,9 @@ def inspect_megatron_lm(path: Path, *, trust_pickle: bool = False) -> dict:
     }
 
 
-def structure_megatron_lm(path: Path, *, trust_pickle: bool = False) -> tuple[str, list[tuple]]:
+def structure_megatron_lm(source: Source) -> tuple[str, list[tuple]]:
     """`--print-structure`: a header, and each stored tensor's (key, global shape, dtype), layers stacked."""
-    src = MegatronLMCheckpoint(path, trust_pickle=trust_pickle)
+    src = MegatronLMCheckpoint(source)
     a = src.args
     header = (f"Megatron-LM torch_dist checkpoint {src.it_dir}: iteration {src.iteration}, saved under TP={src.tp} "
               f"PP={src.pp}; {a.num_layers} layers, hidden {a.hidden_size}, {a.num_attention_heads} heads; global shapes "

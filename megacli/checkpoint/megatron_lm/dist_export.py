@@ -31,7 +31,7 @@ def check_exportable(recipe, where, spec: str | None = None) -> None:
                         f"bias); write --spec te")
 
 
-def export(plan, root: Path, *, spec: str = "te", trust_pickle: bool = False, progress=None) -> list[str]:
+def export(plan, root: Path, *, spec: str = "te", progress=None) -> list[str]:
     """Write ``plan`` under ``root`` (an existing empty directory) as a Megatron-LM checkpoint with the ``spec`` layer names (te or local). Returns notes for the user."""
     recipe = plan.recipe
     check_exportable(recipe, plan.origin, spec)
@@ -50,7 +50,7 @@ def export(plan, root: Path, *, spec: str = "te", trust_pickle: bool = False, pr
     m = recipe.model
     objects = mlw.megatron_objects(plan.objects, spec=spec, num_layers=m.num_layers, qk_layernorm=m.qk_layernorm,
                                    moe_layers=m.moe_layers() if m.moe is not None else None, t5=m.arch == "t5",
-                                   trust_pickle=trust_pickle)
+                                   source=plan.source.source if plan.source is not None else None)
     notes = [f"Megatron-LM torch_dist checkpoint for the {spec} layer spec (--transformer-impl {mlw.TRANSFORMER_IMPL[spec]})"]
     if "optimizer" not in plan.common:
         notes.append("weights only (the source has no optimizer state): load with --finetune or --no-load-optim "

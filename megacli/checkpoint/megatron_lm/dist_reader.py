@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megacli.checkpoint.layout import is_torch_dist_iteration, tracked_iteration
 from megacli.checkpoint.megatron_lm.keys import FUSED_INTO, MOE_NORM, fused_prefix
@@ -27,6 +28,9 @@ from megacli.checkpoint.megatron_lm.args import arg, model_section_from_args, mo
 from megacli.checkpoint.safe_pickle import COMMON, DCP_METADATA, torch_load
 from megacli.checkpoint.torch_dist import NOT_MODEL, STACKED, TorchDistReader, is_extra_state
 from megacli.errors import UserError
+
+if TYPE_CHECKING:
+    from megacli.checkpoint.source import Source
 
 __all__ = ["FORMAT", "MegatronLMCheckpoint", "canonical_key", "recipe_for_weights", "weights_dir"]
 
@@ -75,15 +79,14 @@ class MegatronLMCheckpoint(ArgsDescribed):
     """A Megatron-LM torch_dist checkpoint: its run's args, iteration, stored entries (``reader``)
     and the canonical names of its model weights (``model_keys``)."""
 
-    def __init__(self, path: Path, *, trust_pickle: bool = False):
-        self.root = Path(path)
-        self.trust_pickle = trust_pickle
+    def __init__(self, source: Source):
+        self.root = source.path
         self.it_dir = tracked_iteration(self.root) or self.root
         if not is_torch_dist_iteration(self.it_dir):
             raise UserError(f"{self.it_dir}: not a Megatron-LM torch_dist iteration directory (needs {DCP_METADATA} "
                             f"and {COMMON})")
         common_path = self.it_dir / COMMON
-        self.common = torch_load(common_path, trust=trust_pickle, name=common_path)
+        self.common = torch_load(common_path, trust=source.trust, name=common_path)
         if not isinstance(self.common, dict):
             raise UserError(f"{common_path}: holds a {type(self.common).__name__}, not Megatron-LM's common state dict")
         version = self.common.get("checkpoint_version", 0) or 0
@@ -101,7 +104,7 @@ class MegatronLMCheckpoint(ArgsDescribed):
         self.vp = int(arg(self.args, "virtual_pipeline_model_parallel_size", 1))
         self.first_stage_layers = arg(self.args, "decoder_first_pipeline_num_layers") or None  # uneven stages
         self.last_stage_layers = arg(self.args, "decoder_last_pipeline_num_layers") or None
-        self.reader = TorchDistReader(self.it_dir, trust_pickle=trust_pickle)
+        self.reader = TorchDistReader(source.at(self.it_dir))
         model = {k: v for k, v in self.reader.tensors.items() if k.split(".")[0] not in NOT_MODEL}
         names = set(model)
         # canonical name -> stored key, for every model weight
@@ -176,17 +179,17 @@ class MegatronLMCheckpoint(ArgsDescribed):
         return self.unmapped() + self.tokenizer_not_found()
 
 
-def weights_dir(path: Path, *, trust_pickle: bool = False) -> Path:
+def weights_dir(source: Source) -> Path:
     """The iteration directory of a Megatron-LM torch_dist checkpoint that megacli's engine loads
     weights from directly (local-spec norm names are renamed, stacked MoE layers read, as it loads)."""
-    return MegatronLMCheckpoint(path, trust_pickle=trust_pickle).it_dir
+    return MegatronLMCheckpoint(source).it_dir
 
 
-def recipe_for_weights(path: Path, *, trust_pickle: bool = False) -> tuple[Path, dict]:
+def recipe_for_weights(source: Source) -> tuple[Path, dict]:
     """(iteration directory, raw recipe) for running a Megatron-LM checkpoint's weights in megacli
     (generate): the recipe its args map to; what cannot be mapped is refused, named."""
-    src = MegatronLMCheckpoint(path, trust_pickle=trust_pickle)
+    src = MegatronLMCheckpoint(source)
     raw = src.recipe()
     if raw is None:
-        raise UserError(f"{path}: " + "; ".join(src.unmapped()))
+        raise UserError(f"{source.path}: " + "; ".join(src.unmapped()))
     return src.it_dir, raw

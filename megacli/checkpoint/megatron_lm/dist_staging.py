@@ -28,6 +28,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,6 +43,9 @@ from megacli.checkpoint.safe_pickle import DCP_METADATA
 from megacli.checkpoint.torch_dist import BACKEND_META, STACKED, is_extra_state
 from megacli.errors import UserError
 from megacli.checkpoint.megatron_lm.legacy_staging import STAGING_PREFIX
+
+if TYPE_CHECKING:
+    from megacli.checkpoint.source import Source
 
 _STACKED_OBJECT = re.compile(r"^(?P<head>(?:.+\.)?layers\.)(?P<module>(?!\d)[^/]+)/shard_(?P<offsets>[\d.]+)_(?P<shape>[\d.]+)$")
 
@@ -148,16 +152,16 @@ def _layers_apart(meta, where: Path) -> None:
         meta.planner_data.update({name: (name,) for name in per_layer})
 
 
-def import_to_staging(path: Path, *, where: Path, trust_pickle: bool = False) -> tuple[Path, list[str]]:
-    """Stage the Megatron-LM checkpoint at ``path`` under ``where``; returns (the staged iteration
+def import_to_staging(source: Source, *, where: Path) -> tuple[Path, list[str]]:
+    """Stage the Megatron-LM checkpoint ``source`` under ``where``; returns (the staged iteration
     directory, notes on what was left out)."""
     from megacli.recipe.base import dump, validate
     from megacli.recipe.pretrain import TrainingRecipe
 
-    src = MegatronLMCheckpoint(Path(path), trust_pickle=trust_pickle)
+    src = MegatronLMCheckpoint(source)
     raw = src.recipe()
     if raw is None:
-        raise UserError(f"{path}: " + "; ".join(src.unmapped()))
+        raise UserError(f"{source.path}: " + "; ".join(src.unmapped()))
     notes = []
     opt_common = src.common.get("optimizer")
     sharding = (opt_common or {}).get("param_state_sharding_type") if isinstance(opt_common, dict) else None

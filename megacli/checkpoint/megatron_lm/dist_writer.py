@@ -24,7 +24,7 @@ from __future__ import annotations
 import io
 import re
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 
@@ -34,6 +34,9 @@ from megacli.checkpoint.megatron_lm.keys import MOE_NORM, fused_prefix
 from megacli.checkpoint.safe_pickle import torch_load
 from megacli.checkpoint.torch_dist import ObjectEntry, write_torch_dist
 from megacli.errors import UserError
+
+if TYPE_CHECKING:
+    from megacli.checkpoint.source import Source
 
 SPECS = ("te", "local")
 TRANSFORMER_IMPL = {"te": "transformer_engine", "local": "local"}
@@ -85,11 +88,12 @@ def rng_for_megatron_lm(state: dict) -> dict:
 
 def megatron_objects(objects: Iterable[ObjectEntry], *, spec: str, num_layers: int, qk_layernorm: bool,
                      moe_layers: list[int] | None = None, t5: bool = False,
-                     trust_pickle: bool = False) -> list[ObjectEntry]:
+                     source: Source | None) -> list[ObjectEntry]:
     """The sharded objects of the Megatron-LM checkpoint from megacli's: extra state per spec, RNG
     state renamed, anything else as stored. ``t5``: an encoder-decoder (its encoder's final norm and
     the decoder layers' pre-cross-attention norms are TENorms too). ``moe_layers`` (a MoE model: 1 per MoE layer): the
-    layers are keyed one by one (``decoder.layers.N.``), not stacked."""
+    layers are keyed one by one (``decoder.layers.N.``), not stacked. ``source``: the checkpoint the
+    objects come from (None: a conversion's, made in this process)."""
     if spec not in SPECS:
         raise UserError(f"--spec {spec!r}: expected one of {', '.join(SPECS)}")
     extra = _saved(extra_state_value(spec))
@@ -99,7 +103,7 @@ def megatron_objects(objects: Iterable[ObjectEntry], *, spec: str, num_layers: i
             out.append(ObjectEntry(o.key, (lambda: extra), how=f"{spec} extra state"))
         elif RNG_KEY.match(o.key):
             def produce(o=o):
-                stored = torch_load(io.BytesIO(o.produce()), trust=trust_pickle, name=o.key)
+                stored = torch_load(io.BytesIO(o.produce()), trust=source is not None and source.trust, name=o.key)
                 if not (isinstance(stored, list) and stored and all(isinstance(s, dict) for s in stored)):
                     raise UserError(f"{o.key}: unexpected RNG state layout ({type(stored).__name__})")
                 # Megatron-LM's object is a list of states (one per data-parallel rank with

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
@@ -39,6 +39,9 @@ from megacli.checkpoint.megatron_lm.args import arg, model_section_from_args
 from megacli.checkpoint.safe_pickle import torch_load
 from megacli.errors import UserError
 from megacli.recipe.stages import chunk_layers, split_problem, stage_of_layer
+
+if TYPE_CHECKING:
+    from megacli.checkpoint.source import Source
 
 # Legacy-model (megatron/legacy/model) and local-spec names -> canonical (TE-style) names.
 _RENAMES = [
@@ -100,10 +103,10 @@ class LegacyCheckpoint(ArgsDescribed):
     optimizer state), one pipeline stage's files (all its tensor-parallel ranks, memory-mapped)
     open at a time."""
 
-    def __init__(self, path: Path, *, trust_pickle: bool = False, optimizer: bool = False):
-        self.root = path
-        self.trust_pickle = trust_pickle
-        self.it_dir = iteration_dir(path)
+    def __init__(self, source: Source, *, optimizer: bool = False):
+        self.source = source
+        self.root = source.path
+        self.it_dir = iteration_dir(self.root)
         self.files = rank_files(self.it_dir)
         self.tp = 1 + max(t for t, _ in self.files)
         self.pp = 1 + max(p for _, p in self.files)
@@ -143,7 +146,7 @@ class LegacyCheckpoint(ArgsDescribed):
 
     def read(self, f: Path) -> dict:
         """One rank file (allow-listed unpickling unless the checkpoint is trusted)."""
-        return torch_load(f, trust=self.trust_pickle, name=f, mmap=True)
+        return torch_load(f, trust=self.source.trust, name=f, mmap=True)
 
     def _arch(self, first: dict) -> str:
         """gpt or bert, from the first and last stage's keys: BERT has a masked-LM head (lm_head.*)

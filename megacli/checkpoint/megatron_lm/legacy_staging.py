@@ -34,6 +34,7 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -44,6 +45,9 @@ from megacli.checkpoint.megatron_lm.args_to_recipe import recipe_from_args, scal
 from megacli.checkpoint.sharding import GATED_SPLIT, split_of
 from megacli.errors import UserError
 
+if TYPE_CHECKING:
+    from megacli.checkpoint.source import Source
+
 STAGING_PREFIX = ".megacli-legacy-"
 # The linear modules with Transformer Engine extra state (fp8 metadata), as megacli's torch_dist keeps them.
 EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
@@ -52,21 +56,21 @@ EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv"
 # ---------------------------------------------------------------- reading
 
 
-def open_source(path: Path, *, trust_pickle: bool = False) -> LegacyCheckpoint:
+def open_source(source: Source) -> LegacyCheckpoint:
     """A legacy GPT checkpoint to import with its optimizer state."""
-    src = LegacyCheckpoint(Path(path), trust_pickle=trust_pickle, optimizer=True)
+    src = LegacyCheckpoint(source, optimizer=True)
     if src.arch != "gpt":
         raise UserError(f"{src.it_dir}: a Megatron-LM {src.arch.upper()} checkpoint; reshard imports legacy GPT "
                         f"checkpoints with their optimizer state. For the weights, use `megacli convert "
-                        f"{path} DST` (then pretrain/finetune from DST)")
+                        f"{source.path} DST` (then pretrain/finetune from DST)")
     if (src.it_dir / "distrib_optim.pt").exists() or any(src.it_dir.glob("mp_rank_*/distrib_optim.pt")):
         raise UserError(f"{src.it_dir}: distributed-optimizer state (distrib_optim.pt) is not supported; resume the "
                         f"run in Megatron-LM once with --ckpt-format torch_dist, or without --use-distributed-optimizer")
     return src
 
 
-def import_to_staging(path: Path, *, where: Path, trust_pickle: bool = False, progress=None) -> Path:
-    """Write the legacy checkpoint at ``path`` as a megacli torch_dist checkpoint in its own
+def import_to_staging(source: Source, *, where: Path, progress=None) -> Path:
+    """Write the legacy checkpoint ``source`` as a megacli torch_dist checkpoint in its own
     layout, in a new staging directory under ``where``; returns the iteration directory."""
     from megacli.checkpoint.torch_dist import ObjectEntry, TensorEntry, write_torch_dist
     from megacli.recipe.base import dump, validate
@@ -74,7 +78,7 @@ def import_to_staging(path: Path, *, where: Path, trust_pickle: bool = False, pr
     from megacli.checkpoint.megacli_checkpoint import OPT_PREFIX, Layout
     from megacli.checkpoint.megacli_checkpoint import target_chunks
 
-    src = open_source(path, trust_pickle=trust_pickle)
+    src = open_source(source)
     raw = recipe_from_args(src)
     recipe = validate(TrainingRecipe, raw, f"the recipe made from {src.it_dir}'s args")
     gbs = recipe.train.global_batch_size
@@ -178,7 +182,7 @@ def import_to_staging(path: Path, *, where: Path, trust_pickle: bool = False, pr
             "layout": Layout(tensor=src.tp, pipeline=src.pp, virtual_pipeline=src.vp if src.vp > 1 else None,
                              data=recipe.data_parallel_size, context=recipe.parallel.context,
                              first_stage_layers=src.first_stage_layers, last_stage_layers=src.last_stage_layers).as_meta(),
-            "format": "torch_dist", "imported_from": {"path": str(Path(path).resolve()), "format": "megatron-lm torch"}}
+            "format": "torch_dist", "imported_from": {"path": str(source.path.resolve()), "format": "megatron-lm torch"}}
     if not src.has_optimizer:
         meta["has_optimizer"] = False
     (it_dir / "recipe.yaml").write_text(dump(recipe, carried=True))

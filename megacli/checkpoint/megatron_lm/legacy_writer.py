@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -19,6 +19,9 @@ from megacli.errors import UserError
 from megacli.checkpoint.megatron_lm.args_to_recipe import scale_scheduler
 from megacli.checkpoint.megatron_lm.keys import LOCAL_NAMES
 from megacli.checkpoint.megatron_lm.legacy_staging import EXTRA_STATE_MODULES
+
+if TYPE_CHECKING:
+    from megacli.checkpoint.source import Source
 
 # Parameter order of a Megatron-Core GPT layer, per layer spec, in megacli's (Transformer Engine)
 # names: the order of the layer's state_dict() and so of the standard optimizer's indices. TE spec:
@@ -65,8 +68,8 @@ def check_exportable(recipe, where: Path) -> None:
                         f"MoE checkpoints. Write a torch_dist one: `megacli reshard {where} DST --format megatron`")
 
 
-def export(it_dir: Path, out: Path, *, spec: str = "te", trust_pickle: bool = False, progress=None) -> list[str]:
-    """Write the megacli checkpoint ``it_dir`` (standard optimizer, any layout) as a Megatron-LM
+def export(source: Source, out: Path, *, spec: str = "te", progress=None) -> list[str]:
+    """Write the megacli checkpoint ``source`` (an iteration directory) (standard optimizer, any layout) as a Megatron-LM
     legacy checkpoint for the ``spec`` layer spec (te or local) in its layout under ``out``
     (created). Returns notes for the user."""
     from megacli.recipe.base import validate
@@ -75,7 +78,8 @@ def export(it_dir: Path, out: Path, *, spec: str = "te", trust_pickle: bool = Fa
 
     if spec not in SPECS:
         raise UserError(f"--spec {spec!r}: expected one of {', '.join(SPECS)}")
-    ck = Checkpoint(it_dir, trust_pickle=trust_pickle)
+    it_dir = source.path
+    ck = Checkpoint(source)
     if ck.optimizer_kind == "distributed":
         raise UserError("internal error: export needs the standard optimizer's format")
     recipe = validate(TrainingRecipe, ck.recipe_raw, str(it_dir / "recipe.yaml"))

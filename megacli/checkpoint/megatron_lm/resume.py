@@ -19,12 +19,15 @@ What Megatron-LM core_v0.16.1's megatron/training/checkpointing.py saves, and wh
 from __future__ import annotations
 
 from contextlib import contextmanager
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megacli.checkpoint.megatron_lm.args import arg
 from megacli.checkpoint.megatron_lm.args_to_recipe import scale_scheduler
 from megacli.checkpoint.megatron_lm.dist_reader import MegatronLMCheckpoint
 from megacli.errors import UserError
+
+if TYPE_CHECKING:
+    from megacli.checkpoint.source import Source
 
 # Megatron-LM's sharding types that a different tensor/pipeline layout can read.
 _RESHARDABLE = ("fully_reshardable", "fully_sharded_model_space", "fully_sharded_bucket_space")
@@ -210,7 +213,7 @@ def _set_rng(states) -> str | None:
     return None
 
 
-def load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool, keep, trust_pickle: bool, model_keys,
+def load(*, source: Source, chunks, optimizer, scheduler, load_optimizer: bool, keep, model_keys,
          prepare_optimizer):
     """Load a Megatron-LM torch_dist iteration directory into the built chunks, bare (no DDP or
     Float16Module wrappers), and with ``load_optimizer`` the optimizer, scheduler and RNG state.
@@ -219,7 +222,7 @@ def load(*, ckpt: Path, chunks, optimizer, scheduler, load_optimizer: bool, keep
 
     from megacli.checkpoint.safe_pickle import allow_checked_globals, load_failure
 
-    src = MegatronLMCheckpoint(ckpt, trust_pickle=trust_pickle)
+    src = MegatronLMCheckpoint(source)
     notes = []
     resume = load_optimizer and optimizer is not None
     if resume and not has_optimizer_state(src):
