@@ -1,6 +1,7 @@
 """What several test files share: the tiny recipes, the runners of `megacli` commands (a fresh
-interpreter; a one-worker run's worker in the CLI's own process), reading a run's metrics back,
-the loss comparison, and the hypothesis profile. Hugging Face model builders: tests/_convert_models.py;
+interpreter; a warm one per pytest worker for one-process commands, a one-worker run's worker in
+the CLI's own process; this process), reading a run's metrics back, the loss comparison, and the
+hypothesis profile. Hugging Face model builders: tests/_convert_models.py;
 N-process gloo runs below the CLI: tests/_dist.py; CUDA runs: tests/_gpu.py."""
 
 from __future__ import annotations

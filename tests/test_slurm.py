@@ -120,8 +120,14 @@ def submitted_job(out: subprocess.CompletedProcess) -> str:
 
 
 def job_fields(job: str) -> dict[str, str]:
-    shown = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True, check=True).stdout
-    return dict(re.findall(r"(\w+)=(\S*)", shown))
+    """The job's fields as scontrol shows them; asked again when scontrol fails (a busy slurmctld
+    can drop its connection)."""
+    for attempt in range(5):
+        shown = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True)
+        if shown.returncode == 0:
+            return dict(re.findall(r"(\w+)=(\S*)", shown.stdout))
+        time.sleep(1)
+    raise AssertionError(f"scontrol show job {job} failed ({shown.returncode}): {shown.stderr}")
 
 
 def wait_for_job(job: str, states: set[str], timeout: float = 240) -> dict[str, str]:
@@ -232,7 +238,7 @@ SCANCEL = {"TERM-to-the-steps": ["--signal=TERM"], "TERM-to-the-batch-shell": ["
 @pytest.fixture(scope="module")
 def cancelled(slurm_cluster, tmp_path_factory):
     """One 2-node × 1-task job per way of SCANCEL, at the same time, checkpointing every 2 steps;
-    each stopped that way once it has logged step 3, and ended. Each: (run dir, checkpoint dir,
+    each stopped that way once it has logged step 3 and published a checkpoint, and ended. Each: (run dir, checkpoint dir,
     job id, final fields)."""
     root = tmp_path_factory.mktemp("scancel")
     jobs = {}
@@ -240,8 +246,9 @@ def cancelled(slurm_cluster, tmp_path_factory):
         run, ck = root / name / "run", root / name / "ck"
         jobs[name] = (run, ck, submitted_job(megacli(*submit_args(run, "launch.nproc=1", "train.iters=1000",
                                                                   f"checkpoint.dir={ck}", "checkpoint.save_interval=2"))))
-    for name, (run, _, job) in jobs.items():
+    for name, (run, ck, job) in jobs.items():
         wait_for_iteration(job, run, 3)
+        wait_for_checkpoint(job, ck)  # saves are asynchronous: iteration 2's is published a step or more later
         subprocess.run(["scancel", *SCANCEL[name], job], check=True)
     return ended(jobs)
 
