@@ -170,9 +170,10 @@ def _stop_warm() -> None:
             proc.kill()
 
 
-def megacli_here(*args, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
-    """`megacli ARGS` as megacli runs it (this process's environment, ``env`` added, and directory),
-    in a warm interpreter: one process per pytest worker, started on first use, where torch and
+def megacli_here(*args, env: dict | None = None, timeout: float = 900,
+                 cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`megacli ARGS` as megacli runs it (this process's environment, ``env`` added; in ``cwd``, by
+    default this process's directory), in a warm interpreter: one process per pytest worker, started on first use, where torch and
     Megatron-Core are imported once rather than once per command, and where a one-worker job's
     worker runs in the CLI's process (MEGACLI_IN_PROCESS). The pytest process itself stays free of
     the runs' threads and of the CPU backend's patches of torch."""
@@ -197,7 +198,7 @@ def megacli_here(*args, env: dict | None = None, timeout: float = 900) -> subpro
         else:
             environ[k] = v
     command = ["megacli", *map(str, args)]
-    conn.send((command[1:], environ, os.getcwd()))
+    conn.send((command[1:], environ, str(cwd or os.getcwd())))
     if not conn.poll(timeout):
         _stop_warm()
         raise subprocess.TimeoutExpired(command, timeout)
