@@ -1,6 +1,7 @@
 """What several test files share: the tiny recipes, the runners of `megacli` commands (a fresh
-interpreter; a one-worker run's worker in the CLI's own process), reading a run's metrics back,
-the loss comparison, and the hypothesis profile. Hugging Face model builders: tests/_convert_models.py;
+interpreter; a warm one per pytest worker for one-process commands, a one-worker run's worker in
+the CLI's own process; this process), reading a run's metrics back, the loss comparison, and the
+hypothesis profile. Hugging Face model builders: tests/_convert_models.py;
 N-process gloo runs below the CLI: tests/_dist.py; CUDA runs: tests/_gpu.py."""
 
 from __future__ import annotations
@@ -85,11 +86,18 @@ def ok(out: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 
 
 def pretrain(run_dir: Path, sets: list[str], *, recipe: Path | None = None, command: str = "pretrain",
-             env: dict | None = None, check: bool = True, timeout: float = 900) -> subprocess.CompletedProcess:
-    """`megacli COMMAND [RECIPE] --set SETS... --set run.dir=RUN_DIR`; a one-worker run's worker in
-    the CLI's process. ``check``: fail the test unless it exits 0."""
+             env: dict | None = None, check: bool = True, timeout: float = 900,
+             fresh: bool = False) -> subprocess.CompletedProcess:
+    """`megacli COMMAND [RECIPE] --set SETS... --set run.dir=RUN_DIR`: a one-worker run in the warm
+    interpreter (megacli_here), its worker in the CLI's process; any other in a fresh interpreter
+    that starts its workers. ``fresh``: a one-worker run in a fresh interpreter too (what only an
+    exiting process shows, such as errors printed at its exit). ``check``: fail the test unless it
+    exits 0."""
     args = [command, *([recipe] if recipe else []), *sets_args([*sets, f"run.dir={run_dir}"])]
-    out = megacli(*args, env=env, in_process=one_worker(sets), timeout=timeout)
+    if one_worker(sets) and not fresh:
+        out = megacli_here(*args, env=env, timeout=timeout)
+    else:
+        out = megacli(*args, env=env, in_process=one_worker(sets), timeout=timeout)
     return ok(out) if check else out
 
 
@@ -116,10 +124,91 @@ def assert_close(got: dict, want: dict, iterations, rel: float, key: str = "loss
 
 
 def pretrain_losses(args: list[str], run_dir: Path, *, in_process: bool) -> tuple[subprocess.CompletedProcess, dict[int, float]]:
-    """`megacli pretrain ARGS --set run.dir=RUN_DIR` in a fresh interpreter (its one worker in the CLI's
-    process with ``in_process``): the finished process and the loss of each logged step."""
-    out = megacli("pretrain", *args, "--set", f"run.dir={run_dir}", in_process=in_process)
+    """`megacli pretrain ARGS --set run.dir=RUN_DIR`: with ``in_process`` (a one-worker run) in the warm
+    interpreter (megacli_here), else in a fresh one that starts the workers; the finished process
+    and the loss of each logged step."""
+    args = [*args, "--set", f"run.dir={run_dir}"]
+    out = megacli_here("pretrain", *args) if in_process else megacli("pretrain", *args)
     return out, (losses(run_dir) if out.returncode == 0 else {})
+
+
+def _serve_commands(conn) -> None:
+    """The warm interpreter's loop (see megacli_here): each request (args, environment, cwd) runs
+    `megacli ARGS` through its CLI in that environment and directory, answered with (exit code,
+    stdout, stderr); an uncaught exception exits 1 with its traceback on stderr, as a process would."""
+    import traceback
+
+    while True:
+        try:
+            args, environ, cwd = conn.recv()
+        except EOFError:  # the pytest worker has gone
+            return
+        env = {**{k: None for k in os.environ if k not in environ}, **environ}
+        before = os.getcwd()
+        os.chdir(cwd)
+        try:
+            result = cli(*args, env=env)
+        finally:
+            os.chdir(before)
+        stderr = result.stderr
+        if result.exception is not None and not isinstance(result.exception, SystemExit):
+            stderr += "".join(traceback.format_exception(*result.exc_info))
+        conn.send((result.exit_code, result.stdout, stderr))
+
+
+_warm = None  # this pytest worker's warm interpreter: (process, connection)
+
+
+def _stop_warm() -> None:
+    global _warm
+    if _warm is not None:
+        proc, conn = _warm
+        _warm = None
+        conn.close()  # its loop ends
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+
+
+def megacli_here(*args, env: dict | None = None, timeout: float = 900,
+                 cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`megacli ARGS` as megacli runs it (this process's environment, ``env`` added; in ``cwd``, by
+    default this process's directory), in a warm interpreter: one process per pytest worker, started on first use, where torch and
+    Megatron-Core are imported once rather than once per command, and where a one-worker job's
+    worker runs in the CLI's process (MEGACLI_IN_PROCESS). The pytest process itself stays free of
+    the runs' threads and of the CPU backend's patches of torch."""
+    global _warm
+    import atexit
+    import multiprocessing
+
+    if _warm is None or not _warm[0].is_alive():
+        ctx = multiprocessing.get_context("spawn")
+        conn, child = ctx.Pipe()
+        proc = ctx.Process(target=_serve_commands, args=(child,), name="megacli-warm")
+        proc.start()
+        child.close()
+        if _warm is None:
+            atexit.register(_stop_warm)
+        _warm = (proc, conn)
+    proc, conn = _warm
+    environ = {**os.environ, "COLUMNS": "400", "MEGACLI_IN_PROCESS": "1"}
+    for k, v in (env or {}).items():
+        if v is None:
+            environ.pop(k, None)
+        else:
+            environ[k] = v
+    command = ["megacli", *map(str, args)]
+    conn.send((command[1:], environ, str(cwd or os.getcwd())))
+    if not conn.poll(timeout):
+        _stop_warm()
+        raise subprocess.TimeoutExpired(command, timeout)
+    try:
+        code, stdout, stderr = conn.recv()
+    except EOFError:  # it died (a crash, or os._exit in a run): the next command starts another
+        proc.join(30)
+        _warm = None
+        return subprocess.CompletedProcess(command, proc.exitcode, "", f"the warm interpreter died (exit {proc.exitcode})")
+    return subprocess.CompletedProcess(command, code, stdout, stderr)
 
 
 def cli(*args, env: dict | None = None):

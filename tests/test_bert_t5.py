@@ -22,7 +22,7 @@ import pytest
 from megacli.recipe import base
 from megacli.recipe.base import RecipeErrors
 from megacli.recipe.pretrain import TrainingRecipe
-from tests.conftest import assert_close, pretrain, steps as records
+from tests.conftest import assert_close, megacli_here, ok, pretrain, steps as records
 
 ROOT = Path(__file__).parent.parent
 
@@ -383,10 +383,8 @@ def test_t5_generation_tp1_equals_tp2_and_the_full_decoder(t5_trained, tmp_path)
     ck = t5_trained[1]
     prompts = ["The cat sees the red ball", "A dog follows the morning train near the river"]
     out = tmp_path / "out.jsonl"
-    res = subprocess.run([sys.executable, "-m", "megacli", "generate", "--checkpoint", str(ck), "--prompt", prompts[0],
-                          "--prompt", prompts[1], "-n", "6", "--output", str(out), "--set", "generate.stop_at_eod=false",
-                          "--set", f"run.dir={tmp_path / 'gen'}"], capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert res.returncode == 0, res.stderr[-3000:]
+    ok(megacli_here("generate", "--checkpoint", ck, "--prompt", prompts[0], "--prompt", prompts[1], "-n", "6",
+                    "--output", out, "--set", "generate.stop_at_eod=false", "--set", f"run.dir={tmp_path / 'gen'}"))
     tp1 = [json.loads(line)["tokens"] for line in out.read_text().splitlines()]
     assert all(len(t) == 6 for t in tp1)
     results = spawn(_t5_generate_tp2, 2, str(ck), prompts)

@@ -5,14 +5,12 @@ Megatron-LM legacy checkpoints (TP=2 PP=2 Megatron-Core keys, TP=2 legacy-model 
 -> megacli.
 
 The conversions run in one spawned process (module fixture), the TP=2 PP=2 check in four gloo
-processes; a few subprocess calls check the command line itself."""
+processes; the command line runs in this process, its refusals in a process of their own."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +20,7 @@ from megacli.checkpoint.source import Source
 
 from tests import _convert_models as cm
 from tests._convert_models import MODELS
+from tests.conftest import megacli, megacli_here
 
 TOL = 1e-4
 
@@ -322,21 +321,17 @@ def test_megacli_logits_match_hf_at_tp2_pp2(converted):
 # ---------------------------------------------------------------- the command line
 
 
-def _megacli(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "megacli", *args], capture_output=True, text=True, timeout=900, **kw)
-
-
 @pytest.mark.slow
 def test_cli_one_off_convert_and_print_structure(converted, tmp_path):
     import yaml
 
     root, _ = converted
     dst = tmp_path / "mc"
-    out = _megacli("convert", str(root / "mistral" / "hf"), str(dst), "--tensor", "2", "--pipeline", "2", "--dtype", "bf16")
+    out = megacli_here("convert", str(root / "mistral" / "hf"), str(dst), "--tensor", "2", "--pipeline", "2", "--dtype", "bf16")
     assert out.returncode == 0, out.stderr
     recipe = yaml.safe_load((dst / "iter_0000000" / "recipe.yaml").read_text())
     assert recipe["train"]["precision"] == "bf16" and recipe["parallel"]["tensor"] == 2
-    out = _megacli("convert", str(dst), "--print-structure")
+    out = megacli_here("convert", str(dst), "--print-structure")
     assert out.returncode == 0 and "decoder.layers.mlp.linear_fc1.weight  [2, 128, 32]  bfloat16" in out.stdout, out.stderr
 
 
@@ -348,7 +343,7 @@ def test_pretrain_starts_from_a_converted_checkpoint(converted, tmp_path):
     ck = root / "llama_tied_gqa" / "mc"
     sets = ["train.iters=2", "train.eval_interval=null", "train.log_interval=1", "model.seq_length=16",
             "train.global_batch_size=2", f"run.dir={tmp_path / 'run'}"]
-    out = _megacli("pretrain", str(ck / "iter_0000000" / "recipe.yaml"), *[x for s in sets for x in ("--set", s)])
+    out = megacli("pretrain", str(ck / "iter_0000000" / "recipe.yaml"), *[x for s in sets for x in ("--set", s)])
     assert out.returncode == 0, out.stderr[-3000:]
     said = "".join(out.stdout.split())  # the console wraps long lines
     assert f"resumedfrom{ck.resolve() / 'iter_0000000'}atiteration0" in said, out.stdout
@@ -407,9 +402,9 @@ def test_cli_errors_are_one_message(tmp_path):
     hf = tmp_path / "falcon"
     hf.mkdir()
     (hf / "config.json").write_text(json.dumps({"architectures": ["FalconForCausalLM"]}))
-    out = _megacli("convert", str(hf), str(tmp_path / "out"))
+    out = megacli("convert", str(hf), str(tmp_path / "out"))  # a process of its own: no traceback on its stderr
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "FalconForCausalLM" in out.stderr and "LlamaForCausalLM" in out.stderr
-    out = _megacli("convert", str(tmp_path / "missing"), str(tmp_path / "out"))
+    out = megacli("convert", str(tmp_path / "missing"), str(tmp_path / "out"))
     assert out.returncode == 2 and "no such file or directory" in out.stderr
     assert not (tmp_path / "out").exists()

@@ -153,10 +153,10 @@ def test_generate_greedy_equals_hf_generate(converted, tensor, tmp_path):
     Face's greedy tokens for a padded batch: the decoder starts from the carried config's
     decoder_start_token_id, the encoder masks the padding."""
     import json
-    import subprocess
-    import sys
 
     from transformers import AutoTokenizer, T5ForConditionalGeneration
+
+    from tests.conftest import megacli, megacli_here
 
     root, _ = converted
     hf_dir = root / GENERATE_MODEL / "hf"
@@ -174,8 +174,7 @@ def test_generate_greedy_equals_hf_generate(converted, tensor, tmp_path):
     out = tmp_path / "out.jsonl"
     args = ["--checkpoint", root / GENERATE_MODEL / "mc", *[x for p in PROMPTS for x in ("--prompt", p)], "-n", NEW,
             "--tensor", tensor, "--output", out, "--set", "generate.stop_at_eod=false", "--set", f"run.dir={tmp_path / 'run'}"]
-    res = subprocess.run([sys.executable, "-m", "megacli", "generate", *map(str, args)], capture_output=True, text=True,
-                         timeout=600)
+    res = megacli_here("generate", *args) if tensor == 1 else megacli("generate", *args)  # TP 2: the launcher's workers
     assert res.returncode == 0, res.stderr[-3000:]
     got = [json.loads(line)["tokens"] for line in out.read_text().splitlines()]
     assert got == want

@@ -33,8 +33,9 @@ def corpus(prefix: Path, docs: int, tokens: int) -> str:
 
 
 def run(tmp: Path, overrides: list[str], timeout=120) -> subprocess.CompletedProcess:
-    """`megacli pretrain` of TINY with the overrides into TMP/run, finished however it finished."""
-    return pretrain(tmp / "run", [*TINY, *overrides], check=False, timeout=timeout)
+    """`megacli pretrain` of TINY with the overrides into TMP/run in a fresh interpreter (nothing may
+    be printed at its exit either), finished however it finished."""
+    return pretrain(tmp / "run", [*TINY, *overrides], check=False, timeout=timeout, fresh=True)
 
 
 @pytest.mark.parametrize("docs,split", [(3, "98,2,0"), (1, "969,30,1")])

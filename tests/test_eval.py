@@ -13,8 +13,6 @@ user sees before any model loads."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -147,11 +145,6 @@ def prepared(tmp_path_factory):
     return root, spawn(_prepare, 1, str(root), timeout=1800)[0]
 
 
-def _megacli_eval(*args, timeout=900):
-    return subprocess.run([sys.executable, "-m", "megacli", "eval", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout)
-
-
 def _eval_args(root: Path, name: str, out: Path, *layout: str) -> list[str]:
     """``layout``: more command-line arguments (--tensor, --pipeline, --set)."""
     return [str(a) for a in (root / name / "mc", "--tasks", ",".join(TASKS), "--include-path", root / "tasks",
@@ -160,7 +153,9 @@ def _eval_args(root: Path, name: str, out: Path, *layout: str) -> list[str]:
 
 
 def _run_ours(root: Path, name: str, out: Path, *layout: str) -> dict:
-    res = _megacli_eval(*_eval_args(root, name, out, *layout))
+    from tests.conftest import megacli
+
+    res = megacli("eval", *_eval_args(root, name, out, *layout))
     assert res.returncode == 0, res.stderr[-4000:]
     return _read_ours(res.stdout, out)
 
@@ -197,30 +192,23 @@ def _assert_same(ours: dict, ref: dict) -> None:
                     assert _close(a[0], b[0]) and a[1] == b[1], (task, doc, a, b)
 
 
-# The one-process `megacli eval` runs (each model at TP=1, and GPT-2 with eval.add_bos), one after the
-# other in one interpreter (the command's single-process path runs in the process that calls it);
-# each run's console output is told apart by a marker line.
-_TP1_SCRIPT = ("import sys, json\nfrom megacli.cli import _register, app\n_register()\n"
-               "for key, args in json.loads(sys.argv[1]):\n"
-               "    print(f'@@run {key}', flush=True)\n"
-               "    app(['eval', *args], standalone_mode=False)\n"
-               "    sys.stdout.flush()\n")
-
-
 @pytest.fixture(scope="module")
 def tp1_runs(prepared, tmp_path_factory):
+    """The one-process `megacli eval` runs (each model at TP=1, and GPT-2 with eval.add_bos), in
+    conftest's warm interpreter."""
+    from tests.conftest import megacli_here
+
     root, _ = prepared
     base = tmp_path_factory.mktemp("eval_tp1")
     runs = {name: (name, ()) for name in [*NAMES, MOE]}
     runs["gpt2+bos"] = ("gpt2", ("--set", "eval.add_bos=true"))
-    args = [[key, _eval_args(root, name, base / key.replace("+", "_") / "results.json", *extra)]
-            for key, (name, extra) in runs.items()]
-    res = subprocess.run([sys.executable, "-c", _TP1_SCRIPT, json.dumps(args)], capture_output=True, text=True,
-                         timeout=1800)
-    assert res.returncode == 0, res.stderr[-4000:]
-    outputs = dict(part.split("\n", 1) for part in res.stdout.split("@@run ")[1:])
-    assert sorted(outputs) == sorted(runs), res.stdout[-2000:]
-    return {key: _read_ours(outputs[key], base / key.replace("+", "_") / "results.json") for key in runs}
+    found = {}
+    for key, (name, extra) in runs.items():
+        out = base / key.replace("+", "_") / "results.json"
+        res = megacli_here("eval", *_eval_args(root, name, out, *extra))
+        assert res.returncode == 0, res.stderr[-4000:]
+        found[key] = _read_ours(res.stdout, out)
+    return found
 
 
 @pytest.mark.slow

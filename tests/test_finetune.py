@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +17,7 @@ from megacli.checkpoint.source import Source
 from megacli.data.sft import SftDataset, SftStats, read_records, render, tokenize
 from megacli.data.tokenizers import load_tokenizer
 from megacli.errors import UserError
+from tests.conftest import megacli, megacli_here
 
 BYTE = load_tokenizer(type="byte", path=None)
 EOD, PAD = BYTE.eod, BYTE.pad
@@ -175,8 +174,7 @@ def converted_llama(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("llama")
     cm.build_hf("llama_tied_gqa", root / "hf", with_tokenizer=True)
-    out = subprocess.run([sys.executable, "-m", "megacli", "convert", str(root / "hf"), str(root / "base")],
-                         capture_output=True, text=True, timeout=600)
+    out = megacli_here("convert", str(root / "hf"), str(root / "base"))
     assert out.returncode == 0, out.stderr[-2000:]
     rng = random.Random(0)
     words = "the quick brown fox jumps over lazy dog".split()
@@ -198,8 +196,7 @@ def test_finetune_from_a_converted_model_then_export(tmp_path, converted_llama):
             "train.eval_iters=2", "train.log_interval=4", "optim.lr=3e-3", "optim.warmup_iters=2", "launch.nproc=2",
             "parallel.tensor=2"]
     recipe = base / "iter_0000000" / "recipe.yaml"
-    out = subprocess.run([sys.executable, "-m", "megacli", "finetune", str(recipe), *[x for s in sets for x in ("--set", s)]],
-                         capture_output=True, text=True, timeout=900)
+    out = megacli("finetune", str(recipe), *[x for s in sets for x in ("--set", s)])
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert re.search(r"train: \d+ examples -> \d+ sequences; \d+ of \d+ tokens carry loss", out.stdout), out.stdout
     assert "starting from the weights of" in out.stdout
@@ -207,8 +204,7 @@ def test_finetune_from_a_converted_model_then_export(tmp_path, converted_llama):
     valid = [r["val_loss"] for r in records if "val_loss" in r]
     assert len(valid) >= 2 and valid[-1] < valid[0] - 0.5, valid
 
-    out = subprocess.run([sys.executable, "-m", "megacli", "convert", str(tmp_path / "ft"), str(tmp_path / "hf_out")],
-                         capture_output=True, text=True, timeout=600)
+    out = megacli_here("convert", str(tmp_path / "ft"), str(tmp_path / "hf_out"))
     assert out.returncode == 0, out.stderr[-2000:]
     from tests._dist import spawn
 
@@ -294,8 +290,7 @@ def test_lora_at_tp2_equals_tp1_and_the_merged_export(tmp_path, converted_llama)
     assert json.loads((Path(r["saved"]) / "megacli.json").read_text())["lora"]["base"] == str(
         (base / "iter_0000000").resolve())
 
-    out = subprocess.run([sys.executable, "-m", "megacli", "convert", str(tmp_path / "lora"), str(tmp_path / "hf_lora")],
-                         capture_output=True, text=True, timeout=600)
+    out = megacli_here("convert", str(tmp_path / "lora"), str(tmp_path / "hf_lora"))
     assert out.returncode == 0, out.stderr[-2000:]
     assert "merged into" in out.stdout
     merged = cm.hf_logits(cm.load_hf(tmp_path / "hf_lora"), cm.tokens())

@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -189,8 +187,10 @@ def test_tp2_pp2_decodes_as_hugging_face(generated):
 
 
 def _megacli(*args):
-    return subprocess.run([sys.executable, "-m", "megacli", "generate", *map(str, args)], capture_output=True, text=True,
-                          timeout=600)
+    """`megacli generate ARGS` in this process (its one worker too)."""
+    from tests.conftest import megacli_here
+
+    return megacli_here("generate", *args)
 
 
 @pytest.mark.slow

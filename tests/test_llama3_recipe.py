@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -47,7 +46,9 @@ def _commands(text: str, prefix: str) -> list[list[str]]:
 
 
 def _megacli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megacli", *args], cwd=cwd, capture_output=True, text=True, timeout=900)
+    from tests.conftest import megacli_here
+
+    return megacli_here(*args, cwd=cwd)
 
 
 @pytest.mark.slow

@@ -299,14 +299,11 @@ def test_pretrained_weights_from_a_megatron_lm_checkpoint(converted, tmp_path):
 
 def test_generate_from_a_megatron_lm_checkpoint(converted):
     """generate -c takes a Megatron-LM checkpoint: the model from its args (the tokenizer given)."""
-    import os
+    from tests.conftest import megacli_here, ok
 
     root, _ = converted
-    env = {**os.environ, "MEGACLI_IN_PROCESS": "1"}
-    out = subprocess.run([sys.executable, "-m", "megacli", "generate", "-c", str(root / "mlm_te"), "-p", "the", "-n", "3",
-                          "--set", "tokenizer.type=byte", "--set", f"run.dir={root / 'gen'}"],
-                         capture_output=True, text=True, timeout=900, env=env)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    ok(megacli_here("generate", "-c", root / "mlm_te", "-p", "the", "-n", "3", "--set", "tokenizer.type=byte",
+                    "--set", f"run.dir={root / 'gen'}"))
 
 
 def test_bert_from_megatron_lm_layout_converts_to_hf(tmp_path):

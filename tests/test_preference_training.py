@@ -73,21 +73,16 @@ def test_tp2_pp2_gives_the_tp1_losses(tiny_llama):
 
 
 def _finetune(root: Path, run: Path, *sets: str) -> tuple[list[dict], str]:
-    """`megacli finetune` (one in-process worker) from the converted checkpoint, resuming from its own
-    checkpoint.dir when that holds one: metrics.jsonl's records and the console output."""
-    import os
-    import subprocess
-    import sys
+    """`megacli finetune` from the converted checkpoint (conftest's pretrain: one worker in this
+    process), resuming from its own checkpoint.dir when that holds one: metrics.jsonl's records and
+    the console output."""
+    from tests.conftest import pretrain
 
     base = root / "base"
     args = [f"checkpoint.pretrained={base}", f"checkpoint.dir={run / 'ck'}", "checkpoint.resume=auto",
-            "checkpoint.load_optimizer=true", f"run.dir={run}",
-            "launch.device=cpu",
+            "checkpoint.load_optimizer=true", "launch.device=cpu",
             "model.seq_length=48", "preference.template=chatml", "train.precision=fp32", "train.log_interval=1", *sets]
-    out = subprocess.run([sys.executable, "-m", "megacli", "finetune", str(base / "iter_0000000" / "recipe.yaml"),
-                          *[x for s in args for x in ("--set", s)]], capture_output=True, text=True, timeout=900,
-                         env={**os.environ, "MEGACLI_IN_PROCESS": "1"})
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    out = pretrain(run, args, recipe=base / "iter_0000000" / "recipe.yaml", command="finetune")
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()], out.stdout
 
 

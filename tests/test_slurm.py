@@ -1,6 +1,7 @@
 """`megacli submit` and training under Slurm: the sbatch script, the checks against the cluster, and
 (marked slurm) jobs on a real two-node cluster on this host: a run to its end, the warning before the
-time limit (save, requeue, resume with the same losses), scancel, and a node that stops answering."""
+time limit (save, requeue, resume with the same losses), scancel, and a node that stops answering.
+Jobs that fit on the nodes together (4 CPUs each) run at the same time."""
 
 from __future__ import annotations
 
@@ -32,8 +33,10 @@ def slow_loss(losses, *, labels, loss_mask, seconds):
 
 
 def megacli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """conftest's runner, with this checkout on the path of the jobs' workers too."""
-    return conftest.megacli(*args, env={"PYTHONPATH": str(ROOT), **(env or {})}, timeout=300)
+    """`megacli ARGS` in conftest's warm interpreter, with this checkout on the path of the jobs'
+    workers too (sbatch passes its environment on to the job), which start as a fresh submit's would."""
+    return conftest.megacli_here(*args, env={"PYTHONPATH": str(ROOT), "MEGACLI_IN_PROCESS": None, **(env or {})},
+                                 timeout=300)
 
 
 def submit_args(run_dir: Path, *sets: str) -> list[str]:
@@ -117,8 +120,14 @@ def submitted_job(out: subprocess.CompletedProcess) -> str:
 
 
 def job_fields(job: str) -> dict[str, str]:
-    shown = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True, check=True).stdout
-    return dict(re.findall(r"(\w+)=(\S*)", shown))
+    """The job's fields as scontrol shows them; asked again when scontrol fails (a busy slurmctld
+    can drop its connection)."""
+    for attempt in range(5):
+        shown = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True)
+        if shown.returncode == 0:
+            return dict(re.findall(r"(\w+)=(\S*)", shown.stdout))
+        time.sleep(1)
+    raise AssertionError(f"scontrol show job {job} failed ({shown.returncode}): {shown.stderr}")
 
 
 def wait_for_job(job: str, states: set[str], timeout: float = 240) -> dict[str, str]:
@@ -158,19 +167,33 @@ def log_of(run_dir: Path, job: str) -> str:
     return " ".join((run_dir / "slurm" / f"{job}.out").read_text().split())
 
 
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"}
+
+
+def ended(jobs: dict[str, tuple]) -> dict[str, tuple]:
+    """Each job of ``jobs`` (name: (run dir, ..., job id)) once it has ended: its tuple with the
+    job's final fields added."""
+    return {name: (*job, wait_for_job(job[-1], ENDED)) for name, job in jobs.items()}
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(slurm_cluster, tmp_path_factory):
-    """A 2-node × 2-task run to its end: the run directory and its job id."""
-    run = tmp_path_factory.mktemp("slurm_jobs") / "whole"
-    job = submitted_job(megacli(*submit_args(run)))
-    fields = wait_for_job(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"})
-    assert fields["JobState"] == "COMPLETED", (run / "slurm" / f"{job}.out").read_text() + (run / "slurm" / f"{job}.err").read_text()
-    return run, job
+def two_jobs(slurm_cluster, tmp_path_factory):
+    """Two 2-node × 2-task runs at the same time, both ended: "whole" runs to its end; "warned" is
+    sent USR1 to its batch shell once it has logged step 3, as `--signal=B:USR1@N` sends it before
+    the time limit. Each: (run dir, job id, final fields)."""
+    root = tmp_path_factory.mktemp("slurm_jobs")
+    whole, warned = root / "whole", root / "warned"
+    jobs = {"whole": (whole, submitted_job(megacli(*submit_args(whole)))),
+            "warned": (warned, submitted_job(megacli(*submit_args(warned, f"checkpoint.dir={root / 'ck'}"))))}
+    wait_for_iteration(jobs["warned"][1], warned, 3)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", jobs["warned"][1]], check=True)
+    return ended(jobs)
 
 
 @pytest.mark.slurm
-def test_a_two_node_job_runs_to_its_end(uninterrupted):
-    run, job = uninterrupted
+def test_a_two_node_job_runs_to_its_end(two_jobs):
+    run, job, fields = two_jobs["whole"]
+    assert fields["JobState"] == "COMPLETED", (run / "slurm" / f"{job}.out").read_text() + (run / "slurm" / f"{job}.err").read_text()
     logged = records(run)
     assert [r["iteration"] for r in logged] == list(range(1, ITERS + 1))
     assert {r["slurm_restart_count"] for r in logged} == {0}
@@ -178,15 +201,11 @@ def test_a_two_node_job_runs_to_its_end(uninterrupted):
 
 
 @pytest.mark.slurm
-def test_the_warning_saves_requeues_and_resumes_with_the_same_losses(uninterrupted, tmp_path):
+def test_the_warning_saves_requeues_and_resumes_with_the_same_losses(two_jobs):
     """USR1 to the batch shell, as `--signal=B:USR1@N` sends it before the time limit: the tasks save
     at the next step boundary, the job requeues itself and resumes from that checkpoint."""
-    whole, _ = uninterrupted
-    run = tmp_path / "run"
-    job = submitted_job(megacli(*submit_args(run, f"checkpoint.dir={tmp_path / 'ck'}")))
-    wait_for_iteration(job, run, 3)
-    subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True)
-    fields = wait_for_job(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"})
+    whole = two_jobs["whole"][0]
+    run, job, fields = two_jobs["warned"]
     log = log_of(run, job)
     assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", log
     stopped_at = int(re.search(r"stopped on SIGUSR1 at iteration (\d+): saved checkpoint", log).group(1))
@@ -212,23 +231,39 @@ def complete_checkpoint(ck: Path, *, unfinished_allowed: bool = False) -> int:
     return int((ck / "latest").read_text().strip().split("_")[1])
 
 
+# The ways of stopping a job with scancel: its options.
+SCANCEL = {"TERM-to-the-steps": ["--signal=TERM"], "TERM-to-the-batch-shell": ["--batch", "--signal=TERM"], "cancel": []}
+
+
+@pytest.fixture(scope="module")
+def cancelled(slurm_cluster, tmp_path_factory):
+    """One 2-node × 1-task job per way of SCANCEL, at the same time, checkpointing every 2 steps;
+    each stopped that way once it has logged step 3 and published a checkpoint, and ended. Each: (run dir, checkpoint dir,
+    job id, final fields)."""
+    root = tmp_path_factory.mktemp("scancel")
+    jobs = {}
+    for name in SCANCEL:
+        run, ck = root / name / "run", root / name / "ck"
+        jobs[name] = (run, ck, submitted_job(megacli(*submit_args(run, "launch.nproc=1", "train.iters=1000",
+                                                                  f"checkpoint.dir={ck}", "checkpoint.save_interval=2"))))
+    for name, (run, ck, job) in jobs.items():
+        wait_for_iteration(job, run, 3)
+        wait_for_checkpoint(job, ck)  # saves are asynchronous: iteration 2's is published a step or more later
+        subprocess.run(["scancel", *SCANCEL[name], job], check=True)
+    return ended(jobs)
+
+
 @pytest.mark.slurm
-@pytest.mark.parametrize("scancel", [["--signal=TERM"], ["--batch", "--signal=TERM"], []],
-                         ids=["TERM-to-the-steps", "TERM-to-the-batch-shell", "cancel"])
-def test_scancel_leaves_only_complete_checkpoints(slurm_cluster, tmp_path, scancel):
+@pytest.mark.parametrize("way", list(SCANCEL))
+def test_scancel_leaves_only_complete_checkpoints(cancelled, way):
     """TERM to the tasks (plain --signal), or to the batch shell, which passes it on: they save at the
     next step boundary and the job ends. A plain scancel (TERM to everything, KILL 10 s later): what
     was saved stays complete."""
-    run, ck = tmp_path / "run", tmp_path / "ck"
-    job = submitted_job(megacli(*submit_args(run, "launch.nproc=1", "train.iters=1000", f"checkpoint.dir={ck}",
-                                             "checkpoint.save_interval=2")))
-    wait_for_iteration(job, run, 3)
-    subprocess.run(["scancel", *scancel, job], check=True)
-    fields = wait_for_job(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"})
+    run, ck, job, fields = cancelled[way]
     log = log_of(run, job)
     assert fields["Restarts"] == "0", log
-    saved = complete_checkpoint(ck, unfinished_allowed=not scancel)
-    if scancel:
+    saved = complete_checkpoint(ck, unfinished_allowed=not SCANCEL[way])
+    if SCANCEL[way]:
         assert fields["JobState"] == "COMPLETED", log
         assert f"stopped on SIGTERM at iteration {saved}: saved checkpoint" in log
     else:
@@ -275,7 +310,7 @@ def test_a_node_that_stops_answering_requeues_the_job_from_the_last_complete_che
         assert saved >= 2
     finally:
         slurmd.send_signal(signal.SIGCONT)
-    fields = wait_for_job(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"})
+    fields = wait_for_job(job, ENDED)
     log = log_of(run, job)
     assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", log
     assert f"resumed from {ck / f'iter_{saved:07d}'} at iteration {saved}" in log

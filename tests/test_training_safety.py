@@ -35,13 +35,19 @@ def refused(out: subprocess.CompletedProcess, *needles: str) -> str:
     return text
 
 
-def nan_at_step(losses, *, labels, loss_mask, step):
-    """A custom loss that is NaN at the given (1-based) call - one call per step with one micro-batch."""
-    nan_at_step.calls = getattr(nan_at_step, "calls", 0) + 1
-    return losses * float("nan") if nan_at_step.calls == step else losses
+_CALLS: dict[str, int] = {}  # nan_at_step's calls, by run (one process may train several)
 
 
-NAN_AT_3 = ["train.loss=tests.test_training_safety:nan_at_step", "train.loss_kwargs={step: 3}"]
+def nan_at_step(losses, *, labels, loss_mask, step, run):
+    """A custom loss that is NaN at the given (1-based) call of the run named ``run`` - one call per
+    step with one micro-batch."""
+    _CALLS[run] = _CALLS.get(run, 0) + 1
+    return losses * float("nan") if _CALLS[run] == step else losses
+
+
+def nan_at_3(run_dir: Path) -> list[str]:
+    """The overrides of a run into ``run_dir`` whose loss is NaN at step 3."""
+    return ["train.loss=tests.test_training_safety:nan_at_step", f"train.loss_kwargs={{step: 3, run: '{run_dir}'}}"]
 
 
 # ---------------------------------------------------------------- non-finite training
@@ -49,7 +55,7 @@ NAN_AT_3 = ["train.loss=tests.test_training_safety:nan_at_step", "train.loss_kwa
 
 def test_nonfinite_loss_stops_naming_iteration_and_last_good_checkpoint(tmp_path):
     ck = tmp_path / "ck"
-    out = run(tmp_path / "run", NAN_AT_3 + [f"checkpoint.dir={ck}", "checkpoint.save_interval=2"])
+    out = run(tmp_path / "run", nan_at_3(tmp_path / "run") + [f"checkpoint.dir={ck}", "checkpoint.save_interval=2"])
     refused(out, "non-finite loss at iteration 3", f"last good checkpoint is {ck / 'iter_0000002'}")
     assert sorted(p.name for p in ck.iterdir()) == ["iter_0000002", "latest"]
 
@@ -95,7 +101,7 @@ def test_an_infinite_lr_is_refused_before_anything_runs(tmp_path):
 
 def test_nonfinite_skip_drops_the_step_and_counts_it(tmp_path):
     ck = tmp_path / "ck"
-    out = ok(run(tmp_path / "run", NAN_AT_3 + ["train.on_nonfinite=skip", f"checkpoint.dir={ck}"]))
+    out = ok(run(tmp_path / "run", nan_at_3(tmp_path / "run") + ["train.on_nonfinite=skip", f"checkpoint.dir={ck}"]))
     assert "iteration 3: non-finite loss, step skipped" in " ".join(out.stdout.split())
     logged = {r["iteration"]: r for r in records(tmp_path / "run") if "loss" in r}
     assert sorted(logged) == [1, 2, 4] and logged[4]["nonfinite_skipped"] == 1
