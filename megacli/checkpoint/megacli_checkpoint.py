@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from megacli.checkpoint.layout import RECIPE, read_meta, read_recipe
 from megacli.checkpoint.sharding import GATED_SPLIT, rank_pieces, split_of
+from megacli.checkpoint.source import Source
 from megacli.checkpoint.torch_dist import STACKED, TorchDistReader
 from megacli.errors import UserError
 from megacli.recipe.stages import chunk_layers, stage_of_layer
-
-if TYPE_CHECKING:
-    from megacli.checkpoint.source import Source
 
 OPT_PREFIX = "optimizer.state."
 RNG_KEY = re.compile(r"^rng_state/shard_(\d+)\.(\d+)_(\d+)\.(\d+)$")

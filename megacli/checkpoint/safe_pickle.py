@@ -26,15 +26,12 @@ import re
 import signal
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from megacli.checkpoint.files import check_members, named_inside, require_regular
+from megacli.checkpoint.source import Source
 from megacli.errors import UserError
-
-if TYPE_CHECKING:
-    from megacli.checkpoint.source import Source
 
 DCP_METADATA = ".metadata"
 COMMON = "common.pt"

@@ -24,15 +24,13 @@ import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from megacli.checkpoint.safe_pickle import COMMON, DCP_METADATA, check_torch_dist, first_line, torch_load
+from megacli.checkpoint.source import Source
 from megacli.errors import UserError
-
-if TYPE_CHECKING:
-    from megacli.checkpoint.source import Source
 
 # A layer-stacked key (``decoder.layers.self_attention...``): its tensors have a leading layer axis.
 STACKED = re.compile(r"(?:^|\.)layers\.(?!\d)")

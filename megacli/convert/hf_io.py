@@ -14,15 +14,13 @@ import math
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
 import torch
 
 from megacli.checkpoint.files import named_inside, require_regular
+from megacli.checkpoint.source import Source
 from megacli.errors import UserError
-
-if TYPE_CHECKING:
-    from megacli.checkpoint.source import Source
 
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"

@@ -18,12 +18,10 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
+from megacli.checkpoint.source import Source
 from megacli.errors import UserError
-
-if TYPE_CHECKING:
-    from megacli.checkpoint.source import Source
 
 CONVERTED_DIR = "converted"
 _CHUNK = 1 << 24

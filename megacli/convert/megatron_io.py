@@ -16,16 +16,14 @@ from __future__ import annotations
 import contextlib
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Callable, Iterator
 
 import torch
 
 from megacli.checkpoint.sharding import is_vocab_key
+from megacli.checkpoint.source import Source
 from megacli.checkpoint.torch_dist import NOT_MODEL, STACKED, TorchDistReader
 from megacli.errors import UserError
-
-if TYPE_CHECKING:
-    from megacli.checkpoint.source import Source
 
 _LAYER_IN_STATE_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 

@@ -3,10 +3,8 @@ headers and metadata where the format allows (no tensor data for safetensors and
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
-
-if TYPE_CHECKING:
-    from megacli.checkpoint.source import Source
+from typing import Iterator
+from megacli.checkpoint.source import Source
 
 
 def structure(source: Source) -> Iterator[str]:

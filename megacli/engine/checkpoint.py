@@ -26,11 +26,11 @@ import torch
 
 from megacli.checkpoint import manifest, space
 from megacli.engine import nonfinite
-from megacli.checkpoint.layout import (LATEST, META, find_checkpoint, is_torch_dist_iteration, iter_name, lora_base_of,
+from megacli.checkpoint.layout import (LATEST, META, find_checkpoint, iter_name, lora_base_of,
                                       read_meta, read_recipe)
 from megacli.checkpoint.rng import restore_tracker, tracker_states
 from megacli.checkpoint.safe_pickle import allow_checked_globals, check_torch_dist, load_failure
-from megacli.checkpoint.source import Source
+from megacli.checkpoint.source import MEGATRON_LM, Source
 from megacli.errors import UserError
 
 __all__ = ["LATEST", "META", "find_checkpoint", "iter_name", "lora_base_of", "read_meta", "load", "save"]
@@ -400,7 +400,7 @@ def _load(*, source: Source, chunks, optimizer, scheduler, load_optimizer: bool,
     check_torch_dist(ckpt, trust=source.trust)  # Megatron and torch unpickle these files unrestricted
     if verify:
         _check_manifest(ckpt)
-    if is_torch_dist_iteration(ckpt):  # Megatron-LM's own torch_dist checkpoint
+    if source.kind == MEGATRON_LM:  # Megatron-LM's own torch_dist checkpoint
         from megacli.checkpoint.megatron_lm import resume as megatron_lm_resume
         from megacli.engine.models.common import unwrap
 

@@ -3,14 +3,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 from megacli.checkpoint.megatron_lm.args import arg
 from megacli.checkpoint.megacli_checkpoint import describe_split
 from megacli.checkpoint.megatron_lm.dist_reader import FORMAT, MegatronLMCheckpoint
-
-if TYPE_CHECKING:
-    from megacli.checkpoint.source import Source
+from megacli.checkpoint.source import Source
 
 
 def inspect_megatron_lm(source: Source) -> dict:

@@ -19,18 +19,15 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from megacli.checkpoint.layout import is_torch_dist_iteration, tracked_iteration
+from megacli.checkpoint.layout import tracked_iteration
 from megacli.checkpoint.megatron_lm.keys import FUSED_INTO, MOE_NORM, fused_prefix
 from megacli.checkpoint.megatron_lm.args_to_recipe import ArgsDescribed
 from megacli.checkpoint.megatron_lm.args import arg, model_section_from_args, moe_refusals, t5_refusals
 from megacli.checkpoint.safe_pickle import COMMON, DCP_METADATA, torch_load
+from megacli.checkpoint.source import MEGATRON_LM, Source
 from megacli.checkpoint.torch_dist import NOT_MODEL, STACKED, TorchDistReader, is_extra_state
 from megacli.errors import UserError
-
-if TYPE_CHECKING:
-    from megacli.checkpoint.source import Source
 
 __all__ = ["FORMAT", "MegatronLMCheckpoint", "canonical_key", "recipe_for_weights", "weights_dir"]
 
@@ -82,7 +79,7 @@ class MegatronLMCheckpoint(ArgsDescribed):
     def __init__(self, source: Source):
         self.root = source.path
         self.it_dir = tracked_iteration(self.root) or self.root
-        if not is_torch_dist_iteration(self.it_dir):
+        if source.at(self.it_dir).kind != MEGATRON_LM:
             raise UserError(f"{self.it_dir}: not a Megatron-LM torch_dist iteration directory (needs {DCP_METADATA} "
                             f"and {COMMON})")
         common_path = self.it_dir / COMMON

@@ -28,7 +28,6 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -43,9 +42,7 @@ from megacli.checkpoint.safe_pickle import DCP_METADATA
 from megacli.checkpoint.torch_dist import BACKEND_META, STACKED, is_extra_state
 from megacli.errors import UserError
 from megacli.checkpoint.megatron_lm.legacy_staging import STAGING_PREFIX
-
-if TYPE_CHECKING:
-    from megacli.checkpoint.source import Source
+from megacli.checkpoint.source import Source
 
 _STACKED_OBJECT = re.compile(r"^(?P<head>(?:.+\.)?layers\.)(?P<module>(?!\d)[^/]+)/shard_(?P<offsets>[\d.]+)_(?P<shape>[\d.]+)$")
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import io
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
 import torch
 
@@ -32,11 +32,9 @@ from megacli.checkpoint.layout import TRACKER, iter_name
 from megacli.checkpoint.megacli_checkpoint import RNG_KEY
 from megacli.checkpoint.megatron_lm.keys import MOE_NORM, fused_prefix
 from megacli.checkpoint.safe_pickle import torch_load
+from megacli.checkpoint.source import Source
 from megacli.checkpoint.torch_dist import ObjectEntry, write_torch_dist
 from megacli.errors import UserError
-
-if TYPE_CHECKING:
-    from megacli.checkpoint.source import Source
 
 SPECS = ("te", "local")
 TRANSFORMER_IMPL = {"te": "transformer_engine", "local": "local"}

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import torch
 
@@ -37,11 +37,9 @@ from megacli.checkpoint.megatron_lm.keys import FUSED_INTO, fused_prefix
 from megacli.checkpoint.megatron_lm.args_to_recipe import ArgsDescribed
 from megacli.checkpoint.megatron_lm.args import arg, model_section_from_args
 from megacli.checkpoint.safe_pickle import torch_load
+from megacli.checkpoint.source import Source
 from megacli.errors import UserError
 from megacli.recipe.stages import chunk_layers, split_problem, stage_of_layer
-
-if TYPE_CHECKING:
-    from megacli.checkpoint.source import Source
 
 # Legacy-model (megatron/legacy/model) and local-spec names -> canonical (TE-style) names.
 _RENAMES = [

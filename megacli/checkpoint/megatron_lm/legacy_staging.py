@@ -34,7 +34,6 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -43,10 +42,8 @@ from megacli.checkpoint.megatron_lm.legacy_reader import LAYER, LegacyCheckpoint
 from megacli.checkpoint.megatron_lm.args import arg
 from megacli.checkpoint.megatron_lm.args_to_recipe import recipe_from_args, scale_scheduler
 from megacli.checkpoint.sharding import GATED_SPLIT, split_of
+from megacli.checkpoint.source import Source
 from megacli.errors import UserError
-
-if TYPE_CHECKING:
-    from megacli.checkpoint.source import Source
 
 STAGING_PREFIX = ".megacli-legacy-"
 # The linear modules with Transformer Engine extra state (fp8 metadata), as megacli's torch_dist keeps them.

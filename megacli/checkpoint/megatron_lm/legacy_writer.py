@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
@@ -19,9 +19,7 @@ from megacli.errors import UserError
 from megacli.checkpoint.megatron_lm.args_to_recipe import scale_scheduler
 from megacli.checkpoint.megatron_lm.keys import LOCAL_NAMES
 from megacli.checkpoint.megatron_lm.legacy_staging import EXTRA_STATE_MODULES
-
-if TYPE_CHECKING:
-    from megacli.checkpoint.source import Source
+from megacli.checkpoint.source import Source
 
 # Parameter order of a Megatron-Core GPT layer, per layer spec, in megacli's (Transformer Engine)
 # names: the order of the layer's state_dict() and so of the standard optimizer's indices. TE spec:

@@ -19,15 +19,12 @@ What Megatron-LM core_v0.16.1's megatron/training/checkpointing.py saves, and wh
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 from megacli.checkpoint.megatron_lm.args import arg
 from megacli.checkpoint.megatron_lm.args_to_recipe import scale_scheduler
 from megacli.checkpoint.megatron_lm.dist_reader import MegatronLMCheckpoint
+from megacli.checkpoint.source import Source
 from megacli.errors import UserError
-
-if TYPE_CHECKING:
-    from megacli.checkpoint.source import Source
 
 # Megatron-LM's sharding types that a different tensor/pipeline layout can read.
 _RESHARDABLE = ("fully_reshardable", "fully_sharded_model_space", "fully_sharded_bucket_space")
