@@ -82,6 +82,24 @@ def test_dry_run_plan_counts_expert_parameters():
     assert mem.params == 8 * (counts.moe_layer - 8 * expert) + 8 * expert + 32000 * 4096
 
 
+def test_a_run_leaves_no_expert_losses_to_the_next_in_its_process():
+    """Megatron-Core's aux-loss tracker sizes its per-layer tensor by the first run's layer count: a
+    later run in the same process (the in-process path) with more layers must not index past it."""
+    import torch
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker, save_to_aux_losses_tracker
+
+    from megacli.engine import distributed
+
+    tracker = get_moe_layer_wise_logging_tracker()
+    try:
+        save_to_aux_losses_tracker("load_balancing_loss", torch.tensor(1.0), layer_number=2, num_layers=2)
+        distributed.teardown()
+        save_to_aux_losses_tracker("load_balancing_loss", torch.tensor(3.0), layer_number=4, num_layers=4)
+        assert tracker["load_balancing_loss"]["values"].tolist() == [0.0, 0.0, 0.0, 3.0]
+    finally:
+        tracker.clear()
+
+
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("moe_single")
