@@ -62,6 +62,19 @@ def one_worker(sets: list[str]) -> bool:
     return nproc[-1:] == ["launch.nproc=1"]
 
 
+# Training commands run with train.plot=false unless their arguments set it: a plot.png redraw
+# costs about a CPU-second (at every checkpoint and at the end), and test_track checks the picture.
+PLOTTING_COMMANDS = ("pretrain", "finetune", "submit")
+
+
+def without_plot(args) -> list[str]:
+    """``args`` with ``--set train.plot=false`` added to a training command that does not set it."""
+    args = [str(a) for a in args]
+    if args[:1] and args[0] in PLOTTING_COMMANDS and not any(a.startswith("train.plot=") for a in args):
+        args += ["--set", "train.plot=false"]
+    return args
+
+
 def megacli(*args, env: dict | None = None, in_process: bool = False, timeout: float = 900,
             cwd: Path | None = None) -> subprocess.CompletedProcess:
     """`megacli ARGS` in a fresh interpreter: the finished process. ``env`` adds to (a None value:
@@ -75,7 +88,7 @@ def megacli(*args, env: dict | None = None, in_process: bool = False, timeout: f
             full.pop(k, None)
         else:
             full[k] = v
-    return subprocess.run([sys.executable, "-m", "megacli", *map(str, args)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "megacli", *without_plot(args)], capture_output=True, text=True,
                           timeout=timeout, env=full, cwd=cwd)
 
 
@@ -132,51 +145,94 @@ def pretrain_losses(args: list[str], run_dir: Path, *, in_process: bool) -> tupl
     return out, (losses(run_dir) if out.returncode == 0 else {})
 
 
-def _serve_commands(conn) -> None:
-    """The warm interpreter's loop (see megacli_here): each request (args, environment, cwd) runs
-    `megacli ARGS` through its CLI in that environment and directory, answered with (exit code,
-    stdout, stderr); an uncaught exception exits 1 with its traceback on stderr, as a process would."""
-    import traceback
+# What the warm interpreter imports before it forks (after Megatron-Core, imported as a CPU run
+# imports it): what most commands import, paid once.
+WARM_IMPORTS = ["megacli.cli", "megacli.worker", "megacli.engine.loop", "megacli.engine.data", "megacli.engine.optim",
+                "megacli.engine.models.gpt", "megacli.engine.models.bert", "megacli.engine.models.t5",
+                "megatron.core.optimizer", "megatron.core.pipeline_parallel.schedules",
+                "megatron.core.datasets.blended_megatron_dataset_builder", "megatron.core.datasets.gpt_dataset",
+                "megatron.core.dist_checkpointing.strategies.torch", "torch._dynamo", "transformers"]
 
+
+def _serve_commands(conn) -> None:
+    """The warm interpreter's loop (see megacli_here): imports WARM_IMPORTS, then each request (args,
+    environment, cwd) runs `megacli ARGS` through its CLI in that environment and directory, in a
+    process forked for it (no state of one command reaches the next), answered with (exit code,
+    stdout, stderr); an uncaught exception exits 1 with its traceback on stderr, as a process would."""
+    import importlib
+    import multiprocessing
+
+    os.setsid()  # its own process group: _stop_warm ends it with the command it runs
+    import torch
+
+    from megacli.backend import cpu
+
+    cpu.import_megatron(torch)
+    for name in WARM_IMPORTS:
+        importlib.import_module(name)
     while True:
         try:
-            args, environ, cwd = conn.recv()
+            request = conn.recv()
         except EOFError:  # the pytest worker has gone
             return
-        env = {**{k: None for k in os.environ if k not in environ}, **environ}
-        before = os.getcwd()
-        os.chdir(cwd)
+        reader, writer = multiprocessing.Pipe(duplex=False)
+        pid = os.fork()
+        if pid == 0:
+            reader.close()
+            try:
+                writer.send(_run_command(*request))
+            finally:
+                os._exit(0)  # none of the warm interpreter's exit handlers
+        writer.close()
         try:
-            result = cli(*args, env=env)
-        finally:
-            os.chdir(before)
-        stderr = result.stderr
-        if result.exception is not None and not isinstance(result.exception, SystemExit):
-            stderr += "".join(traceback.format_exception(*result.exc_info))
-        conn.send((result.exit_code, result.stdout, stderr))
+            reply = reader.recv()
+        except EOFError:  # it exited inside the command (os._exit) or crashed
+            reply = None
+        status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        reader.close()
+        conn.send(reply or (status, "", f"the command's process ended without an answer (exit {status})"))
+
+
+def _run_command(args, environ, cwd) -> tuple[int, str, str]:
+    """`megacli ARGS` through its CLI in environment ``environ`` and directory ``cwd``: (exit code,
+    stdout, stderr with the traceback of an uncaught exception)."""
+    import traceback
+
+    env = {**{k: None for k in os.environ if k not in environ}, **environ}
+    os.chdir(cwd)
+    result = cli(*args, env=env)
+    stderr = result.stderr
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        stderr += "".join(traceback.format_exception(*result.exc_info))
+    return result.exit_code, result.stdout, stderr
 
 
 _warm = None  # this pytest worker's warm interpreter: (process, connection)
 
 
 def _stop_warm() -> None:
+    """Ends the warm interpreter and the command it may be running (its process group)."""
+    import signal
+
     global _warm
     if _warm is not None:
         proc, conn = _warm
         _warm = None
-        conn.close()  # its loop ends
-        proc.join(30)
+        conn.close()  # its loop ends when idle
+        proc.join(10)
         if proc.is_alive():
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.join(30)
 
 
 def megacli_here(*args, env: dict | None = None, timeout: float = 900,
                  cwd: Path | None = None) -> subprocess.CompletedProcess:
     """`megacli ARGS` as megacli runs it (this process's environment, ``env`` added; in ``cwd``, by
-    default this process's directory), in a warm interpreter: one process per pytest worker, started on first use, where torch and
-    Megatron-Core are imported once rather than once per command, and where a one-worker job's
-    worker runs in the CLI's process (MEGACLI_IN_PROCESS). The pytest process itself stays free of
-    the runs' threads and of the CPU backend's patches of torch."""
+    default this process's directory), from a warm interpreter: one process per pytest worker,
+    started on first use, that imports torch, Megatron-Core and megacli once and forks a process
+    for each command, where a one-worker job's worker runs in the CLI's process
+    (MEGACLI_IN_PROCESS). The pytest process itself stays free of the runs' threads and of the CPU
+    backend's patches of torch."""
     global _warm
     import atexit
     import multiprocessing
@@ -197,14 +253,14 @@ def megacli_here(*args, env: dict | None = None, timeout: float = 900,
             environ.pop(k, None)
         else:
             environ[k] = v
-    command = ["megacli", *map(str, args)]
+    command = ["megacli", *without_plot(args)]
     conn.send((command[1:], environ, str(cwd or os.getcwd())))
     if not conn.poll(timeout):
         _stop_warm()
         raise subprocess.TimeoutExpired(command, timeout)
     try:
         code, stdout, stderr = conn.recv()
-    except EOFError:  # it died (a crash, or os._exit in a run): the next command starts another
+    except EOFError:  # it died: the next command starts another
         proc.join(30)
         _warm = None
         return subprocess.CompletedProcess(command, proc.exitcode, "", f"the warm interpreter died (exit {proc.exitcode})")

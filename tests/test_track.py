@@ -16,7 +16,8 @@ import pytest
 
 from tests.conftest import MOCK_GPT as TINY, cli, layout, pretrain, records
 
-LOGGED = ["train.iters=4", "train.eval_interval=2", "train.eval_iters=1", "train.loggers=[tensorboard,wandb,mlflow]"]
+LOGGED = ["train.iters=4", "train.eval_interval=2", "train.eval_iters=1", "train.loggers=[tensorboard,wandb,mlflow]",
+          "train.plot=true"]
 
 
 def run(run_dir: Path, overrides: list[str]) -> None:
@@ -136,6 +137,22 @@ def test_a_redraw_after_a_save_runs_beside_the_loop_and_the_last_one_waits_for_i
         log.plot()
         assert drawing.returncode == 0 and log.plotter is None
         assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    finally:
+        log.close()
+
+
+def test_train_plot_false_draws_nothing(tmp_path):
+    import torch
+
+    from megacli.engine.metrics import MetricsLog
+
+    log = MetricsLog(run_dir=str(tmp_path), enabled=True, total_iters=2, start_iter=0, tokens_per_step=1,
+                     flops_per_step=1.0, world_size=1, device=torch.device("cpu"), loggers=[], plot=False)
+    try:
+        (tmp_path / "metrics.jsonl").write_text(json.dumps({"iteration": 1, "loss": 3.0, "lr": 1e-3}) + "\n")
+        log.plot(background=True)
+        log.plot()
+        assert log.plotter is None and not (tmp_path / "plot.png").exists()
     finally:
         log.close()
 

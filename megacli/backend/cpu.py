@@ -118,7 +118,7 @@ def enable() -> None:
             return
         import torch
 
-        _import_megatron_without_compile(torch)
+        import_megatron(torch)
         mode_cls = _make_mode_class(torch)
         _patch_torch_cuda(torch)
         _patch_autograd_engine(torch, mode_cls)
@@ -289,8 +289,9 @@ def _patch_autograd_engine(torch, mode_cls) -> None:
     torch.autograd._engine_run_backward = _engine_run_backward
 
 
-def _import_megatron_without_compile(torch) -> None:
-    """Import Megatron-Core with ``torch.compile`` as the identity and without wandb. Its fusions
+def import_megatron(torch) -> None:
+    """Import Megatron-Core as a CPU run needs it (``enable()`` does; a process that imports it
+    ahead of a run does too): with ``torch.compile`` as the identity and without wandb. Its fusions
     are decorated with ``jit_fuser`` (``torch.compile``) when their modules are imported, and each
     decoration loads torch._dynamo: about 2 CPU-seconds in every process, for kernels a CPU run
     never compiles (the fused functions then run as plain eager code, the same maths). Its

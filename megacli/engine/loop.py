@@ -328,7 +328,8 @@ def _train(recipe, runtime, *, harness=None) -> None:
                      start_iter=start.iteration, tokens_per_step=recipe.tokens_per_step,
                      flops_per_step=flops_per_token(recipe, counts.active) * recipe.tokens_per_step,
                      world_size=runtime.world_size, device=runtime.device, loggers=t.loggers_in_use,
-                     run_name=recipe.run.name, run_config=recipe.model_dump(mode="json"), resumed=start.source is not None)
+                     run_name=recipe.run.name, run_config=recipe.model_dump(mode="json"), resumed=start.source is not None,
+                     plot=t.plot)
     _describe_run(log, recipe, runtime, counts.total)
     expert_stats = _expert_stats(recipe, trainer, runtime)
     _prepare_start(log, recipe, trainer, start, n_params=counts.total)

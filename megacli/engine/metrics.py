@@ -100,10 +100,13 @@ def scheduler_fields(env=os.environ) -> dict[str, int]:
 class MetricsLog:
     def __init__(self, *, run_dir: str, enabled: bool, total_iters: int, start_iter: int, tokens_per_step: int,
                  flops_per_step: float, world_size: int, device: torch.device, loggers: list[str],
-                 run_name: str | None = None, run_config: dict | None = None, resumed: bool = False):
+                 run_name: str | None = None, run_config: dict | None = None, resumed: bool = False,
+                 plot: bool = True):
         """``loggers``: train.loggers_in_use; ``run_config``: the resolved recipe as a dict (the
-        trackers' run config); ``resumed``: continue the tracker runs named in the run directory."""
+        trackers' run config); ``resumed``: continue the tracker runs named in the run directory;
+        ``plot``: redraw plot.png (train.plot)."""
         self.enabled = enabled
+        self.plots = plot
         self.plotter = None  # the process redrawing plot.png in the background
         self.tokens_per_step = tokens_per_step
         self.flops_per_step = flops_per_step
@@ -143,13 +146,13 @@ class MetricsLog:
             self.console.print(Text("warning: ", style="yellow") + Text(text))  # user text printed as is
 
     def plot(self, *, background: bool = False) -> None:
-        """Redraw <run.dir>/plot.png from metrics.jsonl; skipped without matplotlib. ``background``:
-        in a process of its own that the training loop does not wait for (a redraw takes a second
-        or more on a long run), skipped while the previous one still draws. A redraw in the
-        foreground waits for the one in the background first."""
+        """Redraw <run.dir>/plot.png from metrics.jsonl; skipped without matplotlib or with train.plot
+        off. ``background``: in a process of its own that the training loop does not wait for (a
+        redraw takes a second or more on a long run), skipped while the previous one still draws. A
+        redraw in the foreground waits for the one in the background first."""
         import importlib.util
 
-        if not self.enabled or not self.path.is_file() or importlib.util.find_spec("matplotlib") is None:
+        if not (self.enabled and self.plots) or not self.path.is_file() or importlib.util.find_spec("matplotlib") is None:
             return
         if self.plotter is not None:
             if background and self.plotter.poll() is None:

@@ -132,6 +132,9 @@ class TrainSection(Section):
     is always written."""
     tensorboard: bool = False
     """Older spelling of listing tensorboard in loggers (either one turns TensorBoard on)."""
+    plot: bool = True
+    """Redraw <run.dir>/plot.png from metrics.jsonl at each checkpoint and at the end (with
+    matplotlib installed; each redraw costs about a CPU-second). `megacli plot` draws it any time."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """A step whose loss or gradients are inf/NaN: stop (naming the iteration and the last good
     checkpoint), or skip it (the optimizer does not step; skipped steps are counted and logged).
