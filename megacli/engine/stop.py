@@ -12,6 +12,7 @@ up after a bounded wait, saying that nothing could be saved."""
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -121,8 +122,23 @@ def shield_checkpoint_writer() -> None:
 
     manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
     manager.start(initializer=quiet_helper, initargs=STOP_SIGNALS)
-    filesystem_async._results_queue = manager.Queue()
+    filesystem_async._results_queue = PickledItems(manager.Queue())
     _writer_manager = manager
+
+
+class PickledItems:
+    """The writer's results queue, its items pickled and unpickled on this side: the process serving
+    the queue holds bytes and never unpickles a result (which would import torch there, seconds of
+    CPU at a process's first save, and slow its exit). Megatron-Core puts and takes without waiting."""
+
+    def __init__(self, queue):
+        self.queue = queue
+
+    def put(self, item) -> None:
+        self.queue.put(pickle.dumps(item))
+
+    def get_nowait(self):
+        return pickle.loads(self.queue.get_nowait())
 
 
 _ignored_in_children = False
