@@ -71,7 +71,7 @@ def without_plot(args) -> list[str]:
     """``args`` with ``--set train.plot=false`` added to a training command that does not set it."""
     args = [str(a) for a in args]
     if args[:1] and args[0] in PLOTTING_COMMANDS and not any(a.startswith("train.plot=") for a in args):
-        args += ["--set", "train.plot=false"]
+        args = [args[0], "--set", "train.plot=false", *args[1:]]  # before any `--` and what follows it
     return args
 
 
