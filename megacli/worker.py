@@ -66,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megacli.lifetime import exit_now
+
+    exit_now(main())
 elif __name__ == "__mp_main__":  # a helper process a worker spawned (Megatron's checkpoint writers)
     from megacli.lifetime import die_with_parent
 

@@ -21,5 +21,12 @@ def _register() -> None:
 
 
 def main() -> None:
+    from megacli.lifetime import exit_now
+
     _register()
-    app()
+    try:
+        app()
+    except SystemExit as done:
+        if not isinstance(done.code, (int, type(None))):
+            raise
+        exit_now(done.code or 0)
