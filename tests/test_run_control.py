@@ -302,6 +302,17 @@ def test_a_workers_forked_helpers_die_with_it():
     assert not alive, "a helper outlived its worker"
 
 
+def test_exit_now_joins_threads_runs_exit_handlers_and_keeps_the_code_and_output():
+    code = ("import atexit, sys, threading, time\n"
+            "from megacli.lifetime import exit_now\n"
+            "atexit.register(lambda: print('handler', end=''))\n"
+            "threading.Thread(target=lambda: (time.sleep(0.3), print('thread ', end=''))).start()\n"
+            "sys.stdout.write('out '); sys.stderr.write('err')\n"
+            "exit_now(3)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stdout, out.stderr) == (3, "out thread handler", "err")
+
+
 def test_a_timed_out_asynchronous_collective_is_named_where_it_was_waited_on():
     """A TP all-reduce started in backward times out in `handle.wait()`, with no torch.distributed frame
     in the traceback (seen under load in test_a_stalled_rank_is_named_with_the_collective)."""
