@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 import io
 import json
+import math
 import os
 import re
 import warnings
@@ -63,10 +64,12 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return tensor_nbytes(self.shape, self.dtype)
+
+
+def tensor_nbytes(shape, dtype: torch.dtype) -> int:
+    """The bytes of a tensor of ``shape`` and ``dtype``."""
+    return math.prod(shape) * dtype.itemsize
 
 
 class TorchDistReader:

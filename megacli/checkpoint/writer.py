@@ -15,12 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-import torch
-
 from megacli.checkpoint import manifest
 from megacli.checkpoint.layout import LATEST, META, RECIPE, fsync_dir
 from megacli.checkpoint.megacli_checkpoint import Checkpoint, Layout
-from megacli.checkpoint.torch_dist import ObjectEntry, TensorEntry, write_torch_dist
+from megacli.checkpoint.torch_dist import ObjectEntry, TensorEntry, tensor_nbytes, write_torch_dist
 
 
 @dataclass(frozen=True)
@@ -54,13 +52,7 @@ class Plan:
 
     @property
     def total_bytes(self) -> int:
-        total = 0
-        for t in self.tensors:
-            n = 1
-            for s in t.shape:
-                n *= s
-            total += n * torch.empty((), dtype=t.dtype).element_size()
-        return total
+        return sum(tensor_nbytes(t.shape, t.dtype) for t in self.tensors)
 
 
 def write_plan(plan: Plan, it_dir: Path, progress=None, *, with_manifest: bool = False) -> None:
