@@ -164,9 +164,12 @@ def test_no_step_boundary_within_the_wait_gives_up(monkeypatch):
     assert given_up == [(signal.SIGTERM, 0.5)]
 
 
-def hang_from_call(losses, *, labels, loss_mask, call):
-    """A train.loss that never returns from its ``call``-th call on: a run that cannot reach a step boundary."""
+def hang_from_call(losses, *, labels, loss_mask, call, hung):
+    """A train.loss that never returns from its ``call``-th call on: a run that cannot reach a step
+    boundary. The file ``hung`` is made when it starts hanging."""
     hang_from_call.calls = getattr(hang_from_call, "calls", 0) + 1
+    if hang_from_call.calls >= call:
+        Path(hung).touch()
     while hang_from_call.calls >= call:
         time.sleep(1)
     return losses
@@ -177,13 +180,17 @@ def test_a_run_stuck_before_a_step_boundary_ends_after_a_signal_saying_nothing_w
     """Stuck in step 3 (4 micro-batches a step), on a SIGTERM: it ends within half of
     launch.timeout_minutes, saying why nothing was saved (it used to run on until the launcher's
     SIGKILL, 10 minutes by default; for ever without a launcher)."""
-    run_dir = tmp_path / "run"
+    run_dir, hung = tmp_path / "run", tmp_path / "hung"
     sets = [*FOREVER, f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.save_interval=0", "launch.timeout_minutes=0.2",
-            "train.loss=tests.test_run_control:hang_from_call", "train.loss_kwargs={call: 9}"]
+            "train.loss=tests.test_run_control:hang_from_call", f"train.loss_kwargs={{call: 9, hung: '{hung}'}}"]
     proc = subprocess.Popen(command(run_dir, *sets), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, MEGACLI_IN_PROCESS="1"))
     try:
-        wait_for_steps(proc, run_dir, 2)
+        # Signalled once stuck: step 2's metrics line comes before its step boundary's stop check.
+        deadline = time.monotonic() + 300
+        while not hung.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert hung.exists(), "the run never reached its stuck call"
         proc.send_signal(signal.SIGTERM)
         sent = time.monotonic()
         out, err = proc.communicate(timeout=60)

@@ -544,6 +544,24 @@ def test_a_samples_loss_mask_does_not_depend_on_what_was_read_before(tmp_path):
         assert torch.equal(after_a_padded_one[k]["loss_mask"], want), k
 
 
+def test_every_rank_checks_the_index_cache_before_rank_0_writes_to_it(tmp_path, monkeypatch):
+    """Megatron-Core builds the index on rank 0 while the other ranks wait: a rank still checking
+    the cache then would read a half-written file and refuse it."""
+    import torch
+    from megatron.core.datasets import blended_megatron_dataset_builder as builder
+
+    from megacli.engine import data
+
+    events = []
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "barrier", lambda *a, **k: events.append("barrier"))
+    monkeypatch.setattr(data, "check_index_cache", lambda path: events.append(f"check {path.name}"))
+    monkeypatch.setattr(builder.BlendedMegatronDatasetBuilder, "__init__", lambda self, *a: None)
+    monkeypatch.setattr(builder.BlendedMegatronDatasetBuilder, "build", lambda self: events.append("build"))
+    data.build_megatron_splits(object, [1, 0, 0], type("Config", (), {"path_to_cache": str(tmp_path / "cache")}))
+    assert events == ["check cache", "barrier", "build"]
+
+
 def test_a_pickle_in_the_index_cache_is_refused(tmp_path):
     """Megatron-Core loads its cached index files with numpy.load(allow_pickle=True): a pickle saved
     under such a name is refused, naming it, and never unpickled."""

@@ -43,6 +43,8 @@ def build_megatron_splits(cls, sizes: list, config) -> tuple:
 
     if config.path_to_cache:
         check_index_cache(Path(config.path_to_cache))
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()  # every rank has checked before rank 0 starts writing new index files
     return BlendedMegatronDatasetBuilder(cls, sizes, is_built_on_rank, config).build()
 
 
