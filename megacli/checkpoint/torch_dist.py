@@ -298,21 +298,8 @@ class _LazyPlanner:
     """A DCP SavePlanner over TensorEntry/ObjectEntry: write items per chunk, data on demand."""
 
     def __new__(cls, tensors: Sequence[TensorEntry], objects: Sequence[ObjectEntry], on_done: Callable[[str], None]):
-        from torch.distributed.checkpoint.default_planner import (
-            create_default_global_save_plan,
-        )
-        from torch.distributed.checkpoint.metadata import (
-            ChunkStorageMetadata,
-            MetadataIndex,
-            TensorProperties,
-        )
-        from torch.distributed.checkpoint.planner import (
-            SavePlan,
-            SavePlanner,
-            TensorWriteData,
-            WriteItem,
-            WriteItemType,
-        )
+        from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+        from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 
         by_key = {t.key: t for t in tensors}
         obj_by_key = {o.key: o for o in objects}
@@ -334,21 +321,7 @@ class _LazyPlanner:
                 pass
 
             def create_local_plan(self):
-                items = []
-                for o in objects:
-                    items.append(WriteItem(index=MetadataIndex(o.key), type=WriteItemType.BYTE_IO))
-                pieces = [(t, offsets, sizes) for t in tensors for offsets, sizes in t.chunks]
-                if any(t.sort_key for t in tensors):
-                    # e.g. a legacy import: all chunks of one pipeline stage's files, then the next
-                    pieces.sort(key=lambda x: x[0].sort_key(x[1]) if x[0].sort_key else ())
-                for t, offsets, sizes in pieces:
-                    items.append(WriteItem(
-                        index=MetadataIndex(t.key, torch.Size(offsets)),
-                        type=WriteItemType.SHARD,
-                        tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
-                                                    properties=TensorProperties(dtype=t.dtype), size=torch.Size(t.shape)),
-                    ))
-                return SavePlan(items)
+                return SavePlan(_write_items(tensors, objects))
 
             def create_global_plan(self, all_plans):
                 plans, metadata = create_default_global_save_plan(all_plans)
@@ -363,24 +336,51 @@ class _LazyPlanner:
                     data = obj_by_key[key].produce()
                     on_done(key)
                     return io.BytesIO(data)
-                entry = by_key[key]
                 self._release()
-                offsets = tuple(write_item.tensor_data.chunk.offsets)
-                sizes = tuple(write_item.tensor_data.chunk.sizes)
-                chunk = entry.region(offsets, sizes)
-                if tuple(chunk.shape) != sizes or chunk.dtype != entry.dtype:
-                    raise UserError(f"internal error: {key} at {list(offsets)} produced {tuple(chunk.shape)} {chunk.dtype}, "
-                                    f"planned {sizes} {entry.dtype}")
+                chunk = _chunk(by_key[key], write_item)
                 self._remaining[key] -= 1
                 if self._remaining[key] == 0:
                     on_done(key)
-                chunk = chunk.contiguous()
-                if chunk.untyped_storage().nbytes() != chunk.nbytes:
-                    chunk = chunk.clone()
                 self._written = chunk
                 return chunk
 
         return Planner()
+
+
+def _write_items(tensors: Sequence[TensorEntry], objects: Sequence[ObjectEntry]) -> list:
+    """DCP's write items: every object, then every tensor chunk (in the entries' sort_key order
+    where they have one)."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    items = [WriteItem(index=MetadataIndex(o.key), type=WriteItemType.BYTE_IO) for o in objects]
+    pieces = [(t, offsets, sizes) for t in tensors for offsets, sizes in t.chunks]
+    if any(t.sort_key for t in tensors):
+        # e.g. a legacy import: all chunks of one pipeline stage's files, then the next
+        pieces.sort(key=lambda x: x[0].sort_key(x[1]) if x[0].sort_key else ())
+    for t, offsets, sizes in pieces:
+        items.append(WriteItem(
+            index=MetadataIndex(t.key, torch.Size(offsets)),
+            type=WriteItemType.SHARD,
+            tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
+                                        properties=TensorProperties(dtype=t.dtype), size=torch.Size(t.shape)),
+        ))
+    return items
+
+
+def _chunk(entry: TensorEntry, write_item) -> torch.Tensor:
+    """The chunk ``write_item`` asks of ``entry``, produced now, checked against the plan and
+    contiguous in a storage of its own size (torch.save writes a view's whole storage)."""
+    offsets = tuple(write_item.tensor_data.chunk.offsets)
+    sizes = tuple(write_item.tensor_data.chunk.sizes)
+    chunk = entry.region(offsets, sizes)
+    if tuple(chunk.shape) != sizes or chunk.dtype != entry.dtype:
+        raise UserError(f"internal error: {entry.key} at {list(offsets)} produced {tuple(chunk.shape)} {chunk.dtype}, "
+                        f"planned {sizes} {entry.dtype}")
+    chunk = chunk.contiguous()
+    if chunk.untyped_storage().nbytes() != chunk.nbytes:
+        chunk = chunk.clone()
+    return chunk
 
 
 def write_torch_dist(path: Path, tensors: Sequence[TensorEntry], objects: Sequence[ObjectEntry], common: dict,

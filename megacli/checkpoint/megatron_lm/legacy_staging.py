@@ -69,24 +69,36 @@ def open_source(source: Source) -> LegacyCheckpoint:
 def import_to_staging(source: Source, *, where: Path, progress=None) -> Path:
     """Write the legacy checkpoint ``source`` as a megacli torch_dist checkpoint in its own
     layout, in a new staging directory under ``where``; returns the iteration directory."""
-    from megacli.checkpoint.torch_dist import ObjectEntry, TensorEntry, write_torch_dist
+    from megacli.checkpoint.torch_dist import write_torch_dist
     from megacli.recipe.base import dump, validate
     from megacli.recipe.pretrain import TrainingRecipe
-    from megacli.checkpoint.megacli_checkpoint import OPT_PREFIX, Layout
-    from megacli.checkpoint.megacli_checkpoint import target_chunks
 
     src = open_source(source)
     raw = recipe_from_args(src)
     recipe = validate(TrainingRecipe, raw, f"the recipe made from {src.it_dir}'s args")
-    gbs = recipe.train.global_batch_size
     where.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=where))
     it_dir = staging / iter_name(src.iteration)
     it_dir.mkdir()
 
-    keys = src.canonical_keys()
-    stacked: dict[str, list[tuple[int, str]]] = {}  # megacli key -> [(layer, canonical key)]
-    for k in keys:
+    first_stage = src.stage(0)
+    kinds = [k for k in ("fp32_param", "exp_avg", "exp_avg_sq") if any(k in v for n, v in first_stage.items() if not n.startswith("_"))]
+    step, groups = first_stage["_step"], first_stage["_groups"]
+    tensors = _tensor_entries(src, kinds)  # drops the shards it read, stage 0's included
+    objects = _object_entries(src)
+    common = _common_state(src, recipe, step=step, groups=groups)
+    done = progress("importing", len(tensors) + len(objects)) if progress else (lambda key: None)
+    write_torch_dist(it_dir, tensors, objects, common, on_done=done)
+    (it_dir / "recipe.yaml").write_text(dump(recipe, carried=True))
+    (it_dir / "megacli.json").write_text(json.dumps(_meta(src, recipe, source), indent=2) + "\n")
+    return it_dir
+
+
+def _layer_stacks(src) -> dict[str, list[tuple[int, str]]]:
+    """megacli key -> [(layer, canonical key)]: a layer's tensors stacked into one key (layer -1:
+    not per layer); each stacked key must be in every layer."""
+    stacked: dict[str, list[tuple[int, str]]] = {}
+    for k in src.canonical_keys():
         m = LAYER.match(k)
         base = f"decoder.layers.{m.group(2)}" if m else k
         stacked.setdefault(base, []).append((int(m.group(1)) if m else -1, k))
@@ -94,10 +106,17 @@ def import_to_staging(source: Source, *, where: Path, progress=None) -> Path:
     for base, members in stacked.items():
         if base.startswith("decoder.layers.") and sorted(l for l, _ in members) != list(range(L)):
             raise UserError(f"{src.it_dir}: {base} is not in all {L} layers")
+    return stacked
 
-    first_stage = src.stage(0)
-    kinds = [k for k in ("fp32_param", "exp_avg", "exp_avg_sq") if any(k in v for n, v in first_stage.items() if not n.startswith("_"))]
-    swiglu = src.swiglu
+
+def _tensor_entries(src, kinds: list[str]) -> list:
+    """The weights and the optimizer's ``kinds`` (fp32 copies, moments), one entry per megacli
+    key, each read region by region from the legacy shards (one source tensor held at a time)."""
+    from megacli.checkpoint.megacli_checkpoint import OPT_PREFIX, target_chunks
+    from megacli.checkpoint.torch_dist import TensorEntry
+
+    stacked = _layer_stacks(src)
+    L, swiglu = src.num_layers, src.swiglu
 
     def probe(base: str, kind: str) -> tuple[tuple[int, ...], torch.dtype]:
         """Global shape (one layer) and dtype, from the shards' shapes."""
@@ -135,7 +154,7 @@ def import_to_staging(source: Source, *, where: Path, progress=None) -> Path:
         layered = base.startswith("decoder.layers.")
         return lambda offsets: (src.stage_of(f"decoder.layers.{offsets[0]}.x") if layered else src.stage_of(base),)
 
-    tensors: list[TensorEntry] = []
+    tensors = []
     for kind in ["weight"] + kinds:
         for base in stacked:
             one, dtype = probe(base, kind)
@@ -144,8 +163,14 @@ def import_to_staging(source: Source, *, where: Path, progress=None) -> Path:
             tensors.append(TensorEntry(key=key, shape=shape, dtype=dtype, region=region_for(base, kind),
                                        chunks=target_chunks(key, shape, tp=src.tp, gated=swiglu), sort_key=stage_key(base)))
     src.forget_stage()
+    return tensors
 
-    # Sharded objects: TE extra state per layer and linear module (empty here), the RNG state per rank.
+
+def _object_entries(src) -> list:
+    """Sharded objects: TE extra state per layer and linear module (empty here), the RNG state per rank."""
+    from megacli.checkpoint.torch_dist import ObjectEntry
+
+    L = src.num_layers
     objects = []
     none_bytes = _saved([None])
     for module in EXTRA_STATE_MODULES:
@@ -154,10 +179,12 @@ def import_to_staging(source: Source, *, where: Path, progress=None) -> Path:
     for p in range(src.pp):
         for r in range(src.tp):
             objects.append(ObjectEntry(f"rng_state/shard_{p}.{r}_{src.pp}.{src.tp}", (lambda p=p, r=r: _rng_from_legacy(src, p, r))))
+    return objects
 
+
+def _common_state(src, recipe, *, step, groups) -> dict:
+    """The optimizer's step and param groups (and grad scaler) and the scheduler, in samples."""
     common: dict = {}
-    step = first_stage["_step"]
-    groups = first_stage["_groups"]
     if src.has_optimizer and groups is not None:
         groups = sorted(groups, key=lambda g: float(g.get("wd_mult", 1.0)) == 0.0)  # Megatron-Core 0.16: weights first
         state = {"common_step": torch.tensor(float(step))} if step else {}
@@ -170,10 +197,15 @@ def import_to_staging(source: Source, *, where: Path, progress=None) -> Path:
             common["optimizer"] = body
     sched = src.first.get("opt_param_scheduler") or src.first.get("lr_scheduler")
     if sched:
-        common["scheduler"] = scale_scheduler(sched, 1 / gbs, f"{src.files[(0, 0)]}")
+        common["scheduler"] = scale_scheduler(sched, 1 / recipe.train.global_batch_size, f"{src.files[(0, 0)]}")
+    return common
 
-    done = progress("importing", len(tensors) + len(objects)) if progress else (lambda key: None)
-    write_torch_dist(it_dir, tensors, objects, common, on_done=done)
+
+def _meta(src, recipe, source: Source) -> dict:
+    """megacli.json of the staged checkpoint: iteration, consumed samples, the legacy layout."""
+    from megacli.checkpoint.megacli_checkpoint import Layout
+
+    gbs = recipe.train.global_batch_size
     consumed = int(arg(src.args, "consumed_train_samples", src.iteration * gbs) or 0)
     meta = {"iteration": src.iteration, "consumed_samples": consumed,
             "layout": Layout(tensor=src.tp, pipeline=src.pp, virtual_pipeline=src.vp if src.vp > 1 else None,
@@ -182,9 +214,7 @@ def import_to_staging(source: Source, *, where: Path, progress=None) -> Path:
             "format": "torch_dist", "imported_from": {"path": str(source.path.resolve()), "format": "megatron-lm torch"}}
     if not src.has_optimizer:
         meta["has_optimizer"] = False
-    (it_dir / "recipe.yaml").write_text(dump(recipe, carried=True))
-    (it_dir / "megacli.json").write_text(json.dumps(meta, indent=2) + "\n")
-    return it_dir
+    return meta
 
 
 def _saved(obj) -> bytes:

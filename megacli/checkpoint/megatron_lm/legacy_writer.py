@@ -91,19 +91,11 @@ def export(source: Source, out: Path, *, spec: str = "te", progress=None) -> lis
     common = ck.common
     mixed = recipe.train.precision != "fp32"
     opt_common = common.get("optimizer")
-    if opt_common is not None:
-        inner = opt_common["optimizer"] if mixed else opt_common
-        groups = [dict(g) for g in inner["param_groups"]]
-        step = inner.get("state", {}).get("common_step")
-    else:
-        groups, step = [], None
+    groups, step = _groups_and_step(opt_common, mixed=mixed)
     notes = [f"Megatron-LM legacy checkpoint for the {spec} layer spec (--transformer-impl {TRANSFORMER_IMPL[spec]})"]
     rng = ck.rng_objects
-    if rng:
-        sample = reader.read_object(next(iter(rng.values())))[0]
-        cpu_states = sample.get("cuda") is None
-        if cpu_states:
-            notes.append("RNG state is the CPU backend's (CPU generator states): in Megatron-LM on CUDA, load with --no-load-rng")
+    if rng and reader.read_object(next(iter(rng.values())))[0].get("cuda") is None:
+        notes.append("RNG state is the CPU backend's (CPU generator states): in Megatron-LM on CUDA, load with --no-load-rng")
     gbs = recipe.train.global_batch_size
     args = _args_from_recipe(recipe, ck, reader, transformer_impl=TRANSFORMER_IMPL[spec])
     it_name = iter_name(ck.iteration)
@@ -111,17 +103,60 @@ def export(source: Source, out: Path, *, spec: str = "te", progress=None) -> lis
     total = T * P
     done = progress("exporting", total) if progress else (lambda key: None)
 
-    def local(base: str, layer: Optional[int]) -> str:
-        return base if layer is None else f"decoder.layers.{layer}.{base[len('decoder.layers.'):]}"
-
     def global_piece(key: str, layer: Optional[int]) -> torch.Tensor:
         info = reader.tensors[key]
         if layer is None:
             return reader.read(key)
         return reader.read_region(key, (layer,) + (0,) * (len(info.shape) - 1), (1,) + tuple(info.shape[1:]))[0]
 
-    # One layer's entries (megacli suffix or None, file suffix) in Megatron-Core's parameter order,
-    # the extra state after each linear module's parameters.
+    unknown = {k for k in model_keys if k not in _TOP_FIRST + _TOP_LAST
+               and not any(k == f"decoder.layers.{s}" for s in _LAYER_ORDER[spec])}
+    if unknown:
+        raise UserError(f"{it_dir}: no Megatron-LM name/order for {sorted(unknown)}")
+    layer_items = _layer_items(spec, model_keys)
+    for p in range(P):
+        for r in range(T):
+            model_chunks = {}
+            params: list[tuple[str, str]] = []  # (file key, megacli base key) in parameter order
+            for v in range(V):
+                state: dict = {}
+                entries = _chunk_entries(chunks[p][v], first=p == 0 and v == 0, last=p == P - 1 and v == V - 1,
+                                         layer_items=layer_items, model_keys=model_keys, spec=spec,
+                                         output_from_embedding=P > 1 and not m.untie_embeddings)
+                for base, layer, file_key in entries:
+                    if base is None:  # extra state: none, as Megatron-Core's own linear layers save (no FP8 metadata)
+                        state[file_key] = None
+                        continue
+                    state[file_key] = shard(base, global_piece(base, layer), tp=T, rank=r, gated=swiglu)
+                    params.append((file_key, base, layer))
+                model_chunks["model" if V == 1 else f"model{v}"] = state
+            payload = {"args": args, "checkpoint_version": 3.0, "iteration": ck.iteration, **model_chunks,
+                       "num_floating_point_operations_so_far": 0}
+            if opt_common:
+                payload["optimizer"] = _legacy_optimizer(reader, params, groups, step, states, T, r, swiglu, mixed, opt_common)
+            if "scheduler" in common:
+                payload["opt_param_scheduler"] = scale_scheduler(common["scheduler"], gbs, str(it_dir))
+            if rng:
+                payload["rng_state"] = [rng_for_megatron_lm(reader.read_object(rng[(p, r)])[0])]
+            name = f"mp_rank_{r:02d}" if P == 1 else f"mp_rank_{r:02d}_{p:03d}"
+            (out / it_name / name).mkdir(parents=True, exist_ok=True)
+            torch.save(payload, out / it_name / name / FILE)
+            done(name)
+    (out / TRACKER).write_text(str(ck.iteration))
+    return notes
+
+
+def _groups_and_step(opt_common, *, mixed: bool) -> tuple[list[dict], object]:
+    """The optimizer's param groups and common step from megacli's common state (none without one)."""
+    if opt_common is None:
+        return [], None
+    inner = opt_common["optimizer"] if mixed else opt_common
+    return [dict(g) for g in inner["param_groups"]], inner.get("state", {}).get("common_step")
+
+
+def _layer_items(spec: str, model_keys: set[str]) -> list[tuple[Optional[str], str]]:
+    """One layer's entries (megacli suffix or None, file suffix) in Megatron-Core's parameter
+    order, the extra state after each linear module's parameters."""
     rename = LOCAL_NAMES if spec == "local" else {}  # a plain state_dict() keeps the local spec's names
     layer_items: list[tuple[Optional[str], str]] = []
     present = [x for x in _LAYER_ORDER[spec] if f"decoder.layers.{x}" in model_keys]
@@ -132,56 +167,28 @@ def export(source: Source, out: Path, *, spec: str = "te", progress=None) -> lis
         nxt = rename.get(present[i + 1], present[i + 1]).rsplit(".", 1)[0] if i + 1 < len(present) else None
         if module in EXTRA_STATE_MODULES and nxt != module:
             layer_items.append((None, module + "._extra_state"))
-    for p in range(P):
-        for r in range(T):
-            model_chunks = {}
-            params: list[tuple[str, str]] = []  # (file key, megacli base key) in parameter order
-            for v in range(V):
-                state: dict = {}
-                first_layer, per_chunk = chunks[p][v].start, len(chunks[p][v])
-                entries: list[tuple[str, Optional[int], str]] = []  # (megacli key, global layer, file key)
-                if p == 0 and v == 0:
-                    entries += [(k, None, k) for k in _TOP_FIRST if k in model_keys]
-                for i in range(per_chunk):
-                    for suffix, file_suffix in layer_items:
-                        base = None if suffix is None else f"decoder.layers.{suffix}"
-                        entries.append((base, first_layer + i, f"decoder.layers.{i}.{file_suffix}"))
-                if p == P - 1 and v == V - 1:
-                    entries += [(k, None, k) for k in _TOP_LAST if k in model_keys]
-                    if P > 1 and not m.untie_embeddings:
-                        entries.append(("embedding.word_embeddings.weight", None, "output_layer.weight"))
-                    if spec == "local":  # Megatron-Core's ColumnParallelLinear, there with or without its weight
-                        entries.append((None, None, "output_layer._extra_state"))
-                unknown = {k for k in model_keys if k not in _TOP_FIRST + _TOP_LAST
-                           and not any(k == f"decoder.layers.{s}" for s in _LAYER_ORDER[spec])}
-                if unknown:
-                    raise UserError(f"{it_dir}: no Megatron-LM name/order for {sorted(unknown)}")
-                for base, layer, file_key in entries:
-                    if base is None:  # extra state: none, as Megatron-Core's own linear layers save (no FP8 metadata)
-                        state[file_key] = None
-                        continue
-                    state[file_key] = shard(base, global_piece(base, layer), tp=T, rank=r, gated=swiglu)
-                    params.append((file_key, base, layer))
-                model_chunks["model" if V == 1 else f"model{v}"] = state
-            optimizer = _legacy_optimizer(reader, params, groups, step, states, T, r, swiglu, mixed, opt_common) if opt_common else None
-            rank_rng = None
-            if rng:
-                s = reader.read_object(rng[(p, r)])[0]
-                rank_rng = [rng_for_megatron_lm(s)]
-            payload = {"args": args, "checkpoint_version": 3.0, "iteration": ck.iteration, **model_chunks,
-                       "num_floating_point_operations_so_far": 0}
-            if optimizer is not None:
-                payload["optimizer"] = optimizer
-            if "scheduler" in common:
-                payload["opt_param_scheduler"] = scale_scheduler(common["scheduler"], gbs, str(it_dir))
-            if rank_rng is not None:
-                payload["rng_state"] = rank_rng
-            name = f"mp_rank_{r:02d}" if P == 1 else f"mp_rank_{r:02d}_{p:03d}"
-            (out / it_name / name).mkdir(parents=True, exist_ok=True)
-            torch.save(payload, out / it_name / name / FILE)
-            done(name)
-    (out / TRACKER).write_text(str(ck.iteration))
-    return notes
+    return layer_items
+
+
+def _chunk_entries(layers: range, *, first: bool, last: bool, layer_items, model_keys: set[str], spec: str,
+                   output_from_embedding: bool) -> list[tuple[Optional[str], Optional[int], str]]:
+    """One model chunk's entries (megacli key or None for extra state, global layer, file key):
+    the embedding in the ``first`` chunk, the ``layers``, the final norm and output layer in the
+    ``last``."""
+    entries: list[tuple[Optional[str], Optional[int], str]] = []
+    if first:
+        entries += [(k, None, k) for k in _TOP_FIRST if k in model_keys]
+    for i in range(len(layers)):
+        for suffix, file_suffix in layer_items:
+            base = None if suffix is None else f"decoder.layers.{suffix}"
+            entries.append((base, layers.start + i, f"decoder.layers.{i}.{file_suffix}"))
+    if last:
+        entries += [(k, None, k) for k in _TOP_LAST if k in model_keys]
+        if output_from_embedding:
+            entries.append(("embedding.word_embeddings.weight", None, "output_layer.weight"))
+        if spec == "local":  # Megatron-Core's ColumnParallelLinear, there with or without its weight
+            entries.append((None, None, "output_layer._extra_state"))
+    return entries
 
 
 def _legacy_optimizer(reader, params, groups, step, states, T, r, swiglu, mixed, opt_common) -> dict:
