@@ -142,6 +142,28 @@ def test_copies_of_a_stop_signal_are_one_request_and_a_later_one_stops_at_once()
     assert out.returncode == -signal.SIGTERM
 
 
+def test_every_run_that_saves_gets_the_shielded_writer_queue():
+    """With or without stop-signal handling (checkpoint.save_on_signal; a run driven from another
+    thread has none), a run that saves gets the checkpoint writer's queue whose server holds
+    pickled bytes and has the stop signals blocked."""
+    code = ("import threading\n"
+            "from megatron.core.dist_checkpointing.strategies import filesystem_async\n"
+            "from megacli.engine import stop\n"
+            "kinds = []\n"
+            "def run(save_on_signal):\n"
+            "    filesystem_async._results_queue = None\n"
+            "    requests = stop.StopRequests(save_on_signal=save_on_signal, time_limit_minutes=None, device='cpu',\n"
+            "                                 max_wait_s=600, saves=True)\n"
+            "    kinds.append(type(filesystem_async._results_queue).__name__)\n"
+            "    requests.close()\n"
+            "run(False)\n"
+            "thread = threading.Thread(target=run, args=(True,))\n"
+            "thread.start(); thread.join()\n"
+            "print(kinds)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "['PickledItems', 'PickledItems']", out.stdout + out.stderr[-3000:]
+
+
 def test_no_step_boundary_within_the_wait_gives_up(monkeypatch):
     from megacli.engine import stop
 

@@ -47,7 +47,7 @@ class StopRequests:
         self.previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS} if handles else {}
         if handles:
             _children_ignore_stop_signals(True)
-        if handles and saves:
+        if saves:
             shield_checkpoint_writer()
 
     def boundary_wait_s(self) -> float:
@@ -109,7 +109,8 @@ def shield_checkpoint_writer() -> None:
     """Megatron-Core's checkpoint writer reports through a queue served by a process it spawns, with
     default signal handlers. A scheduler signals every process of a job (Slurm's scancel, its
     --signal): that process would die and take the save at the step boundary with it. Start it here
-    with the stop signals blocked, dying with this process."""
+    with the stop signals blocked, dying with this process, its items pickled on this side
+    (PickledItems): every run that saves gets it, whether or not it handles stop signals."""
     global _writer_manager
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
