@@ -125,13 +125,13 @@ def _prepare(rank, world, root: str):
             (hf / file).write_text(json.dumps(config))
         convert(Source(hf), root / name / "mc", say=lambda *_: None)
         results = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={hf},dtype=float32", tasks=TASKS,
-                                          batch_size=1, limit=LIMIT, task_manager=TaskManager(include_path=str(tasks)),
+                                          batch_size=1, limit=LIMIT, task_manager=TaskManager(include_path=str(tasks), include_defaults=False),
                                           log_samples=True, bootstrap_iters=0, device="cpu")
         refs[name] = json.loads(json.dumps(summary(results), default=str))
     # The harness's hf backend with a BOS token in front of every context (its add_bos_token).
     hf = root / "gpt2" / "hf"
     results = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={hf},dtype=float32,add_bos_token=True",
-                                      tasks=TASKS, batch_size=1, limit=LIMIT, task_manager=TaskManager(include_path=str(tasks)),
+                                      tasks=TASKS, batch_size=1, limit=LIMIT, task_manager=TaskManager(include_path=str(tasks), include_defaults=False),
                                       log_samples=True, bootstrap_iters=0, device="cpu")
     refs["gpt2+bos"] = json.loads(json.dumps(summary(results), default=str))
     return refs
