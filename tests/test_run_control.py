@@ -44,17 +44,23 @@ def start(run_dir: Path, *sets: str) -> subprocess.Popen:
     return subprocess.Popen(command(run_dir, *sets), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def wait_for_steps(proc: subprocess.Popen, run_dir: Path, steps: int, timeout: float = 300) -> None:
-    metrics = run_dir / "metrics.jsonl"
+def wait_until(proc: subprocess.Popen, reached, missed: str, timeout: float = 300) -> None:
+    """Until ``reached()`` while the run goes on; the run's output if it ends first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise AssertionError(f"the run ended early: {proc.communicate()}")
-        if metrics.is_file() and len(metrics.read_text().splitlines()) >= steps:
+        if reached():
             return
         time.sleep(0.2)
     proc.kill()
-    raise AssertionError("no training steps logged")
+    raise AssertionError(missed)
+
+
+def wait_for_steps(proc: subprocess.Popen, run_dir: Path, steps: int, timeout: float = 300) -> None:
+    metrics = run_dir / "metrics.jsonl"
+    wait_until(proc, lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= steps,
+               "no training steps logged", timeout)
 
 
 def workers_of(launcher: subprocess.Popen) -> list[psutil.Process]:
@@ -209,10 +215,7 @@ def test_a_run_stuck_before_a_step_boundary_ends_after_a_signal_saying_nothing_w
                             env=dict(os.environ, MEGACLI_IN_PROCESS="1"))
     try:
         # Signalled once stuck: step 2's metrics line comes before its step boundary's stop check.
-        deadline = time.monotonic() + 300
-        while not hung.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert hung.exists(), "the run never reached its stuck call"
+        wait_until(proc, hung.exists, "the run never reached its stuck call")
         proc.send_signal(signal.SIGTERM)
         sent = time.monotonic()
         out, err = proc.communicate(timeout=60)
@@ -287,18 +290,17 @@ def test_a_stalled_rank_is_named_with_the_collective(tmp_path):
     proc = start(tmp_path / "run", *FOREVER, "parallel.tensor=2", "launch.nproc=2", "launch.timeout_minutes=0.2")
     wait_for_steps(proc, tmp_path / "run", 1)
     ranks = {p.environ().get("RANK"): p for p in workers_of(proc)}
-    stalled = [ranks["1"]]
-    stalled[0].suspend()
+    stalled = ranks["1"]
+    stalled.suspend()
     try:
         psutil.wait_procs([ranks["0"]], timeout=120)
-        stalled[0].resume()
+        stalled.resume()
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
-        for p in stalled:
-            if p.is_running():
-                p.kill()
+        if stalled.is_running():
+            stalled.kill()
     text = " ".join(err.split())
     assert proc.returncode == 1 and "Traceback" not in err, err[-3000:]
     assert "rank 0 waited 0.2 min (launch.timeout_minutes) in" in text and "stopped answering" in text, text
