@@ -1,4 +1,6 @@
-"""Run a function in N gloo processes (spawned, like torchrun would) and collect what each returns.
+"""Run a function in N gloo processes and collect what each returns: processes forked from the
+warm interpreter (tests/conftest.py warm_call), which has imported torch and Megatron-Core as a CPU
+run imports them, or (``fresh``) spawned in fresh interpreters.
 
 Used by tests that prove parallel behaviour below the CLI; end-to-end tests go through the real
 launcher (`megacli pretrain` with launch.nproc) instead.
@@ -10,6 +12,7 @@ import io
 import os
 import socket
 import traceback
+from queue import Empty
 
 import torch
 import torch.multiprocessing as mp
@@ -41,39 +44,57 @@ def _entry(rank, world_size, port, fn, args, queue):
             dist.destroy_process_group()
 
 
-def spawn(fn, world_size: int, *args, timeout: float = 600) -> list:
+def spawn(fn, world_size: int, *args, timeout: float = 600, fresh: bool = False) -> list:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; return results by rank.
-    ``fn`` must be a module-level function (it is pickled by name). When the free port was taken by
-    another process before rank 0 listened on it, the processes run again on another."""
+    ``fn`` must be a module-level function (it is pickled by name). ``fresh``: each process a fresh
+    interpreter. When the free port was taken by another process before rank 0 listened on it,
+    the processes run again on another."""
     for attempt in range(3):
         try:
-            return _spawn(fn, world_size, args, timeout)
+            return _spawn(fn, world_size, args, timeout, fresh)
         except AssertionError as exc:
             if "EADDRINUSE" not in str(exc) or attempt == 2:
                 raise
 
 
-def _spawn(fn, world_size: int, args: tuple, timeout: float) -> list:
-    ctx = mp.get_context("spawn")
+def _spawn(fn, world_size: int, args: tuple, timeout: float, fresh: bool) -> list:
+    if fresh:
+        replies = _run_ranks("spawn", fn, world_size, args, timeout)
+    else:
+        from tests.conftest import warm_call
+
+        status, replies = warm_call(_run_ranks, "fork", fn, world_size, args, timeout, timeout=timeout + 120)
+        if status == "died":
+            raise AssertionError(f"the process starting the workers died (exit {replies})")
+    errors = [f"rank {rank}:\n{payload}" for rank, status, payload in replies if status == "error"]
+    if errors:
+        raise AssertionError("worker failed\n" + "\n".join(errors))
+    results = {rank: torch.load(io.BytesIO(payload), weights_only=False) for rank, _, payload in replies}
+    return [results[r] for r in range(world_size)]
+
+
+def _run_ranks(method: str, fn, world_size: int, args: tuple, timeout: float) -> list:
+    """The ranks' processes, started with multiprocessing's ``method``: their (rank, status,
+    payload) answers, up to the first error."""
+    ctx = mp.get_context(method)
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
     for p in procs:
         p.start()
-    results: dict[int, object] = {}
-    errors = []
+    replies = []
     try:
         for _ in range(world_size):
-            rank, status, payload = queue.get(timeout=timeout)
-            if status == "error":
-                errors.append(f"rank {rank}:\n{payload}")
+            try:
+                replies.append(queue.get(timeout=timeout))
+            except Empty:
+                replies.append(("(missing)", "error", f"{world_size - len(replies)} rank(s) gave no answer within {timeout} s"))
+            if replies[-1][1] == "error":
                 break
-            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
     finally:
+        failed = replies and replies[-1][1] == "error"
         for p in procs:
-            p.join(timeout=5 if errors else 60)
+            p.join(timeout=5 if failed else 60)
             if p.is_alive():
                 p.kill()
-    if errors:
-        raise AssertionError("worker failed\n" + "\n".join(errors))
-    return [results[r] for r in range(world_size)]
+    return replies

@@ -101,16 +101,15 @@ def ok(out: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 def pretrain(run_dir: Path, sets: list[str], *, recipe: Path | None = None, command: str = "pretrain",
              env: dict | None = None, check: bool = True, timeout: float = 900,
              fresh: bool = False) -> subprocess.CompletedProcess:
-    """`megacli COMMAND [RECIPE] --set SETS... --set run.dir=RUN_DIR`: a one-worker run in the warm
-    interpreter (megacli_here), its worker in the CLI's process; any other in a fresh interpreter
-    that starts its workers. ``fresh``: a one-worker run in a fresh interpreter too (what only an
-    exiting process shows, such as errors printed at its exit). ``check``: fail the test unless it
-    exits 0."""
+    """`megacli COMMAND [RECIPE] --set SETS... --set run.dir=RUN_DIR` from the warm interpreter
+    (megacli_here): a one-worker run's worker in the CLI's process, any other's workers started by
+    the launcher. ``fresh``: in a fresh interpreter instead (what only an exiting process shows,
+    such as errors printed at its exit). ``check``: fail the test unless it exits 0."""
     args = [command, *([recipe] if recipe else []), *sets_args([*sets, f"run.dir={run_dir}"])]
-    if one_worker(sets) and not fresh:
-        out = megacli_here(*args, env=env, timeout=timeout)
-    else:
+    if fresh:
         out = megacli(*args, env=env, in_process=one_worker(sets), timeout=timeout)
+    else:
+        out = megacli_here(*args, env=env, timeout=timeout, workers=not one_worker(sets))
     return ok(out) if check else out
 
 
@@ -137,32 +136,31 @@ def assert_close(got: dict, want: dict, iterations, rel: float, key: str = "loss
 
 
 def pretrain_losses(args: list[str], run_dir: Path, *, in_process: bool) -> tuple[subprocess.CompletedProcess, dict[int, float]]:
-    """`megacli pretrain ARGS --set run.dir=RUN_DIR`: with ``in_process`` (a one-worker run) in the warm
-    interpreter (megacli_here), else in a fresh one that starts the workers; the finished process
-    and the loss of each logged step."""
+    """`megacli pretrain ARGS --set run.dir=RUN_DIR` from the warm interpreter (megacli_here): with
+    ``in_process`` (a one-worker run) its worker in the CLI's process, else workers the launcher
+    starts; the finished process and the loss of each logged step."""
     args = [*args, "--set", f"run.dir={run_dir}"]
-    out = megacli_here("pretrain", *args) if in_process else megacli("pretrain", *args)
+    out = megacli_here("pretrain", *args, workers=not in_process)
     return out, (losses(run_dir) if out.returncode == 0 else {})
 
 
 # What the warm interpreter imports before it forks (after Megatron-Core, imported as a CPU run
 # imports it): what most commands import, paid once.
-WARM_IMPORTS = ["megacli.cli", "megacli.worker", "megacli.engine.loop", "megacli.engine.data", "megacli.engine.optim",
+WARM_IMPORTS = ["megacli.cli", "megacli.worker", "megacli.launch", "torch.distributed.launcher.api", "megacli.engine.loop", "megacli.engine.data", "megacli.engine.optim",
                 "megacli.engine.models.gpt", "megacli.engine.models.bert", "megacli.engine.models.t5",
                 "megatron.core.optimizer", "megatron.core.pipeline_parallel.schedules",
                 "megatron.core.datasets.blended_megatron_dataset_builder", "megatron.core.datasets.gpt_dataset",
                 "megatron.core.dist_checkpointing.strategies.torch", "torch._dynamo", "transformers"]
 
 
-def _serve_commands(conn) -> None:
-    """The warm interpreter's loop (see megacli_here): imports WARM_IMPORTS, then each request (args,
-    environment, cwd) runs `megacli ARGS` through its CLI in that environment and directory, in a
-    process forked for it (no state of one command reaches the next), answered with (exit code,
-    stdout, stderr); an uncaught exception exits 1 with its traceback on stderr, as a process would."""
+def _serve_calls(conn) -> None:
+    """The warm interpreter's loop (see warm_call): imports WARM_IMPORTS, then runs each request
+    (function, args) in a process forked for it (no state of one call reaches the next), answered
+    with ("ok", what it returned), or ("died", its exit status) when it ended without an answer."""
     import importlib
     import multiprocessing
 
-    os.setsid()  # its own process group: _stop_warm ends it with the command it runs
+    os.setsid()  # its own process group: _stop_warm ends it with the call it runs
     import torch
 
     from megacli.backend import cpu
@@ -172,7 +170,7 @@ def _serve_commands(conn) -> None:
         importlib.import_module(name)
     while True:
         try:
-            request = conn.recv()
+            function, args = conn.recv()
         except EOFError:  # the pytest worker has gone
             return
         reader, writer = multiprocessing.Pipe(duplex=False)
@@ -180,31 +178,41 @@ def _serve_commands(conn) -> None:
         if pid == 0:
             reader.close()
             try:
-                writer.send(_run_command(*request))
+                writer.send(("ok", function(*args)))
             finally:
                 os._exit(0)  # none of the warm interpreter's exit handlers
         writer.close()
         try:
             reply = reader.recv()
-        except EOFError:  # it exited inside the command (os._exit) or crashed
+        except EOFError:  # it exited inside the call (os._exit) or crashed
             reply = None
         status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
         reader.close()
-        conn.send(reply or (status, "", f"the command's process ended without an answer (exit {status})"))
+        conn.send(reply or ("died", status))
 
 
 def _run_command(args, environ, cwd) -> tuple[int, str, str]:
     """`megacli ARGS` through its CLI in environment ``environ`` and directory ``cwd``: (exit code,
-    stdout, stderr with the traceback of an uncaught exception)."""
+    stdout, stderr with the traceback of an uncaught exception). The processes it starts (a
+    multi-worker job's workers) write to this process's file descriptors 1 and 2: what they write
+    follows the CLI's own output."""
+    import tempfile
     import traceback
 
     env = {**{k: None for k in os.environ if k not in environ}, **environ}
     os.chdir(cwd)
-    result = cli(*args, env=env)
-    stderr = result.stderr
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        stderr += "".join(traceback.format_exception(*result.exc_info))
-    return result.exit_code, result.stdout, stderr
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        result = cli(*args, env=env)
+        stderr = result.stderr
+        if result.exception is not None and not isinstance(result.exception, SystemExit):
+            stderr += "".join(traceback.format_exception(*result.exc_info))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        out.seek(0)
+        err.seek(0)
+        return result.exit_code, result.stdout + out.read(), stderr + err.read()
 
 
 _warm = None  # this pytest worker's warm interpreter: (process, connection)
@@ -225,14 +233,12 @@ def _stop_warm() -> None:
             proc.join(30)
 
 
-def megacli_here(*args, env: dict | None = None, timeout: float = 900,
-                 cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """`megacli ARGS` as megacli runs it (this process's environment, ``env`` added; in ``cwd``, by
-    default this process's directory), from a warm interpreter: one process per pytest worker,
-    started on first use, that imports torch, Megatron-Core and megacli once and forks a process
-    for each command, where a one-worker job's worker runs in the CLI's process
-    (MEGACLI_IN_PROCESS). The pytest process itself stays free of the runs' threads and of the CPU
-    backend's patches of torch."""
+def warm_call(function, *args, timeout: float = 900):
+    """``function(*args)`` in a process forked from a warm interpreter: one process per pytest
+    worker, started on first use, that imports torch, Megatron-Core (as a CPU run imports it) and
+    megacli once. ``function`` is pickled by name (a module-level function). Returns ("ok", what it
+    returned) or ("died", exit status) when its process ended without an answer. The pytest process
+    itself stays free of the calls' threads and of the CPU backend's patches of torch."""
     global _warm
     import atexit
     import multiprocessing
@@ -240,31 +246,48 @@ def megacli_here(*args, env: dict | None = None, timeout: float = 900,
     if _warm is None or not _warm[0].is_alive():
         ctx = multiprocessing.get_context("spawn")
         conn, child = ctx.Pipe()
-        proc = ctx.Process(target=_serve_commands, args=(child,), name="megacli-warm")
+        proc = ctx.Process(target=_serve_calls, args=(child,), name="megacli-warm")
         proc.start()
         child.close()
         if _warm is None:
             atexit.register(_stop_warm)
         _warm = (proc, conn)
     proc, conn = _warm
-    environ = {**os.environ, "COLUMNS": "400", "MEGACLI_IN_PROCESS": "1"}
+    conn.send((function, args))
+    if not conn.poll(timeout):
+        _stop_warm()
+        raise TimeoutError(f"{function.__name__} did not answer within {timeout} s")
+    try:
+        return conn.recv()
+    except EOFError:  # the warm interpreter died: the next call starts another
+        proc.join(30)
+        _warm = None
+        return "died", proc.exitcode
+
+
+def megacli_here(*args, env: dict | None = None, timeout: float = 900,
+                 cwd: Path | None = None, workers: bool = False) -> subprocess.CompletedProcess:
+    """`megacli ARGS` as megacli runs it (this process's environment, ``env`` added; in ``cwd``, by
+    default this process's directory), in a process forked from the warm interpreter (warm_call):
+    a one-worker job's worker runs in the CLI's process (MEGACLI_IN_PROCESS). ``workers``: the
+    job's workers are processes the launcher starts (a multi-worker job), as from a fresh
+    interpreter; the launcher itself is the warm fork."""
+    environ = {**os.environ, "COLUMNS": "400"}
+    if not workers:
+        environ["MEGACLI_IN_PROCESS"] = "1"
     for k, v in (env or {}).items():
         if v is None:
             environ.pop(k, None)
         else:
             environ[k] = v
     command = ["megacli", *without_plot(args)]
-    conn.send((command[1:], environ, str(cwd or os.getcwd())))
-    if not conn.poll(timeout):
-        _stop_warm()
-        raise subprocess.TimeoutExpired(command, timeout)
     try:
-        code, stdout, stderr = conn.recv()
-    except EOFError:  # it died: the next command starts another
-        proc.join(30)
-        _warm = None
-        return subprocess.CompletedProcess(command, proc.exitcode, "", f"the warm interpreter died (exit {proc.exitcode})")
-    return subprocess.CompletedProcess(command, code, stdout, stderr)
+        status, answer = warm_call(_run_command, command[1:], environ, str(cwd or os.getcwd()), timeout=timeout)
+    except TimeoutError:
+        raise subprocess.TimeoutExpired(command, timeout) from None
+    if status == "died":
+        return subprocess.CompletedProcess(command, answer, "", f"the command's process ended without an answer (exit {answer})")
+    return subprocess.CompletedProcess(command, *answer)
 
 
 def cli(*args, env: dict | None = None):
