@@ -1,6 +1,6 @@
 """Run a function in N gloo processes and collect what each returns: processes forked from the
 warm interpreter (tests/conftest.py warm_call), which has imported torch and Megatron-Core as a CPU
-run imports them, or (``fresh``) spawned in fresh interpreters.
+run imports them.
 
 Used by tests that prove parallel behaviour below the CLI; end-to-end tests go through the real
 launcher (`megacli pretrain` with launch.nproc) instead.
@@ -44,28 +44,24 @@ def _entry(rank, world_size, port, fn, args, queue):
             dist.destroy_process_group()
 
 
-def spawn(fn, world_size: int, *args, timeout: float = 600, fresh: bool = False) -> list:
+def spawn(fn, world_size: int, *args, timeout: float = 600) -> list:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; return results by rank.
-    ``fn`` must be a module-level function (it is pickled by name). ``fresh``: each process a fresh
-    interpreter. When the free port was taken by another process before rank 0 listened on it,
-    the processes run again on another."""
+    ``fn`` must be a module-level function (it is pickled by name). When the free port was taken by
+    another process before rank 0 listened on it, the processes run again on another."""
     for attempt in range(3):
         try:
-            return _spawn(fn, world_size, args, timeout, fresh)
+            return _spawn(fn, world_size, args, timeout)
         except AssertionError as exc:
             if "EADDRINUSE" not in str(exc) or attempt == 2:
                 raise
 
 
-def _spawn(fn, world_size: int, args: tuple, timeout: float, fresh: bool) -> list:
-    if fresh:
-        replies = _run_ranks("spawn", fn, world_size, args, timeout)
-    else:
-        from tests.conftest import warm_call
+def _spawn(fn, world_size: int, args: tuple, timeout: float) -> list:
+    from tests.conftest import warm_call
 
-        status, replies = warm_call(_run_ranks, "fork", fn, world_size, args, timeout, timeout=timeout + 120)
-        if status == "died":
-            raise AssertionError(f"the process starting the workers died (exit {replies})")
+    status, replies = warm_call(_fork_ranks, fn, world_size, args, timeout, timeout=timeout + 120)
+    if status == "died":
+        raise AssertionError(f"the process starting the workers died (exit {replies})")
     errors = [f"rank {rank}:\n{payload}" for rank, status, payload in replies if status == "error"]
     if errors:
         raise AssertionError("worker failed\n" + "\n".join(errors))
@@ -73,10 +69,10 @@ def _spawn(fn, world_size: int, args: tuple, timeout: float, fresh: bool) -> lis
     return [results[r] for r in range(world_size)]
 
 
-def _run_ranks(method: str, fn, world_size: int, args: tuple, timeout: float) -> list:
-    """The ranks' processes, started with multiprocessing's ``method``: their (rank, status,
-    payload) answers, up to the first error."""
-    ctx = mp.get_context(method)
+def _fork_ranks(fn, world_size: int, args: tuple, timeout: float) -> list:
+    """The ranks' processes, forked from this one: their (rank, status, payload) answers, up to the
+    first error."""
+    ctx = mp.get_context("fork")
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]

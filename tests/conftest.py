@@ -1,8 +1,9 @@
 """What several test files share: the tiny recipes, the runners of `megacli` commands (a fresh
-interpreter; a warm one per pytest worker for one-process commands, a one-worker run's worker in
-the CLI's own process; this process), reading a run's metrics back, the loss comparison, and the
-hypothesis profile. Hugging Face model builders: tests/_convert_models.py;
-N-process gloo runs below the CLI: tests/_dist.py; CUDA runs: tests/_gpu.py."""
+interpreter; a process forked from a warm interpreter per pytest worker, where a one-worker run's
+worker runs in the CLI's own process; this process), warm_call (which tests/_dist.py's ranks fork
+from too), reading a run's metrics back, the loss comparison, and the hypothesis profile. Hugging
+Face model builders: tests/_convert_models.py; N-process gloo runs below the CLI: tests/_dist.py;
+CUDA runs: tests/_gpu.py."""
 
 from __future__ import annotations
 
@@ -304,9 +305,9 @@ def cli(*args, env: dict | None = None):
 # hands whole files to the two workers in collection order, these first: a long file started last
 # would leave one worker running it alone at the end.
 LONGEST_FILES = [
-    "test_slurm.py", "test_bert_t5.py", "test_pretrain.py", "test_docs.py", "test_megatron_lm.py", "test_preference_training.py",
-    "test_serve.py", "test_megatron_lm_resume.py", "test_megatron_lm_moe.py", "test_reshard.py",
-    "test_megatron_lm_write.py", "test_preference.py",
+    "test_slurm.py", "test_run_control.py", "test_bert_t5.py", "test_docs.py", "test_megatron_lm_resume.py", "test_serve.py",
+    "test_reshard.py", "test_eval.py", "test_pretrain.py", "test_gpu_bench.py", "test_preference_training.py",
+    "test_stream_data.py",
 ]
 
 
