@@ -8,15 +8,14 @@ refusal of T5)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("lm_eval")
 
+from tests.conftest import megacli, megacli_here  # noqa: E402
 from tests.test_eval import TASKS, write_tasks  # noqa: E402
 
 LIMIT = 4
@@ -27,11 +26,6 @@ TINY = [
     "train.log_interval=1", "optim.warmup_iters=0", "optim.lr=1e-2", "train.precision=fp32", "parallel.tensor=1",
     "parallel.sequence_parallel=false",
 ]
-
-
-def _megacli(*args, env=None, timeout=600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megacli", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=env)
 
 
 def _sets(items) -> list[str]:
@@ -56,9 +50,9 @@ def test_training_eval_equals_megacli_eval_of_the_saved_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
     harness = [f"eval.tasks=[{','.join(TASKS)}]", f"eval.include_path={tasks}", f"eval.limit={LIMIT}",
                "eval.batch_size=3"]
-    res = _megacli("pretrain", *_sets([*TINY, *harness, "parallel.pipeline=2", "launch.nproc=2",
-                                       f"checkpoint.dir={ckpt}", "checkpoint.save_interval=2",
-                                       f"run.dir={tmp_path / 'run'}"]))
+    res = megacli_here("pretrain", *_sets([*TINY, *harness, "parallel.pipeline=2", "launch.nproc=2",
+                                           f"checkpoint.dir={ckpt}", "checkpoint.save_interval=2",
+                                           f"run.dir={tmp_path / 'run'}"]), workers=True)
     assert res.returncode == 0, res.stderr[-4000:]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = {r["iteration"]: {k: v for k, v in r.items() if k.startswith("eval/")} for r in records
@@ -112,7 +106,7 @@ def test_training_eval_refusals(tmp_path):
         recipe_base.validate(EvalRecipe, t5, "test")
     # Before any worker starts: the harness's own task check, as `megacli eval` runs it (its
     # unknown-task and missing-data messages are test_eval's; this one needs no task index).
-    res = _megacli("pretrain", *_sets([*base, "eval.tasks=[tiny_lambada]", f"eval.include_path={tmp_path / 'nowhere'}"]),
-                   env=dict(os.environ, MEGACLI_IN_PROCESS="1"))
+    res = megacli("pretrain", *_sets([*base, "eval.tasks=[tiny_lambada]", f"eval.include_path={tmp_path / 'nowhere'}"]),
+                  in_process=True)
     assert res.returncode == 2 and "eval.include_path" in res.stderr and "no such directory" in res.stderr, res.stderr[-2000:]
     assert "Traceback" not in res.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()

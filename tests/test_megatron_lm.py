@@ -18,7 +18,6 @@ import pickle
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -227,12 +226,8 @@ def test_args_become_the_recipe(converted):
     assert any("HuggingFaceTokenizer" in x and "/nonexistent/llama-tokenizer" in x for x in not_mapped), not_mapped
 
 
-def _megacli(*args):
-    return subprocess.run([sys.executable, "-m", "megacli", *args], capture_output=True, text=True, timeout=900)
-
-
 def test_cli_inspect_print_structure_and_refusals(converted, tmp_path):
-    from tests.conftest import cli
+    from tests.conftest import cli, megacli
 
     root, _ = converted
     src = root / "mlm_te"
@@ -257,12 +252,12 @@ def test_cli_inspect_print_structure_and_refusals(converted, tmp_path):
     shutil.copytree(src, moe)
     torch.save({"args": llama_args(num_experts=4, moe_router_load_balancing_type="sinkhorn"), "checkpoint_version": 3.0,
                 "iteration": ITERATION}, moe / iter_name(ITERATION) / "common.pt")
-    out = _megacli("convert", str(moe), str(tmp_path / "hf_moe"), "--to", "hf")
+    out = megacli("convert", str(moe), str(tmp_path / "hf_moe"), "--to", "hf")
     assert out.returncode == 2 and "'sinkhorn' is not supported" in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert not (tmp_path / "hf_moe").exists()
     # common.pt without args.
     torch.save({"checkpoint_version": 3.0, "iteration": ITERATION}, moe / iter_name(ITERATION) / "common.pt")
-    out = _megacli("convert", str(moe), str(tmp_path / "mc_noargs"))
+    out = megacli("convert", str(moe), str(tmp_path / "mc_noargs"))
     assert out.returncode == 2 and "has no 'args'" in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert not (tmp_path / "mc_noargs").exists()
 
