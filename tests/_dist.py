@@ -60,9 +60,9 @@ def _spawn(fn, world_size: int, args: tuple, timeout: float) -> list:
     from tests.conftest import warm_call
 
     status, replies = warm_call(_fork_ranks, fn, world_size, args, timeout, timeout=timeout + 120)
-    if status == "died":
-        raise AssertionError(f"the process starting the workers died (exit {replies})")
-    errors = [f"rank {rank}:\n{payload}" for rank, status, payload in replies if status == "error"]
+    if status != "ok":
+        raise AssertionError(f"the process starting the workers failed ({status}): {replies}")
+    errors = [f"rank {rank}:\n{payload}" for rank, kind, payload in replies if kind == "error"]
     if errors:
         raise AssertionError("worker failed\n" + "\n".join(errors))
     results = {rank: torch.load(io.BytesIO(payload), weights_only=False) for rank, _, payload in replies}

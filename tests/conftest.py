@@ -147,8 +147,9 @@ def pretrain_losses(args: list[str], run_dir: Path, *, in_process: bool) -> tupl
 
 # What the warm interpreter imports before it forks (after Megatron-Core, imported as a CPU run
 # imports it): what most commands import, paid once.
-WARM_IMPORTS = ["megacli.cli", "megacli.worker", "megacli.launch", "torch.distributed.launcher.api", "megacli.engine.loop", "megacli.engine.data", "megacli.engine.optim",
-                "megacli.engine.models.gpt", "megacli.engine.models.bert", "megacli.engine.models.t5",
+WARM_IMPORTS = ["megacli.cli", "megacli.worker", "megacli.launch", "torch.distributed.launcher.api",
+                "megacli.engine.loop", "megacli.engine.data", "megacli.engine.optim", "megacli.engine.models.gpt",
+                "megacli.engine.models.bert", "megacli.engine.models.t5",
                 "megatron.core.optimizer", "megatron.core.pipeline_parallel.schedules",
                 "megatron.core.datasets.blended_megatron_dataset_builder", "megatron.core.datasets.gpt_dataset",
                 "megatron.core.dist_checkpointing.strategies.torch", "torch._dynamo", "transformers"]
@@ -157,9 +158,11 @@ WARM_IMPORTS = ["megacli.cli", "megacli.worker", "megacli.launch", "torch.distri
 def _serve_calls(conn) -> None:
     """The warm interpreter's loop (see warm_call): imports WARM_IMPORTS, then runs each request
     (function, args) in a process forked for it (no state of one call reaches the next), answered
-    with ("ok", what it returned), or ("died", its exit status) when it ended without an answer."""
+    with ("ok", what it returned), ("error", the traceback of what it raised), or ("died", its exit
+    status) when it ended without an answer."""
     import importlib
     import multiprocessing
+    import traceback
 
     os.setsid()  # its own process group: _stop_warm ends it with the call it runs
     import torch
@@ -179,7 +182,11 @@ def _serve_calls(conn) -> None:
         if pid == 0:
             reader.close()
             try:
-                writer.send(("ok", function(*args)))
+                try:
+                    reply = ("ok", function(*args))
+                except BaseException:
+                    reply = ("error", traceback.format_exc())
+                writer.send(reply)
             finally:
                 os._exit(0)  # none of the warm interpreter's exit handlers
         writer.close()
@@ -238,8 +245,9 @@ def warm_call(function, *args, timeout: float = 900):
     """``function(*args)`` in a process forked from a warm interpreter: one process per pytest
     worker, started on first use, that imports torch, Megatron-Core (as a CPU run imports it) and
     megacli once. ``function`` is pickled by name (a module-level function). Returns ("ok", what it
-    returned) or ("died", exit status) when its process ended without an answer. The pytest process
-    itself stays free of the calls' threads and of the CPU backend's patches of torch."""
+    returned), ("error", the traceback of what it raised) or ("died", exit status) when its process
+    ended without an answer. The pytest process itself stays free of the calls' threads and of the
+    CPU backend's patches of torch."""
     global _warm
     import atexit
     import multiprocessing
@@ -288,6 +296,8 @@ def megacli_here(*args, env: dict | None = None, timeout: float = 900,
         raise subprocess.TimeoutExpired(command, timeout) from None
     if status == "died":
         return subprocess.CompletedProcess(command, answer, "", f"the command's process ended without an answer (exit {answer})")
+    if status == "error":  # as a process would: exit 1, the traceback on stderr
+        return subprocess.CompletedProcess(command, 1, "", answer)
     return subprocess.CompletedProcess(command, *answer)
 
 
