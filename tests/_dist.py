@@ -24,9 +24,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, fn, args, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+# Stores hosted for each spawn: a rank function that builds a second process group after destroying the
+# first moves to the next one (use_next_store), since the first still holds the old group's keys.
+STORES_PER_SPAWN = 2
+
+
+def use_next_store() -> None:
+    """In a rank: point the next ``init_process_group`` at the next store its parent hosts."""
+    ports = os.environ["MEGACLI_TEST_STORE_PORTS"].split(",")
+    os.environ["MASTER_PORT"] = ports[ports.index(os.environ["MASTER_PORT"]) + 1]
+
+
+def _entry(rank, world_size, ports, fn, args, queue):
+    # The parent hosts the stores on ports it bound itself, and every rank joins as a client (as
+    # under torchrun's agent): no port is handed over free for another process to take meanwhile.
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+                      TORCHELASTIC_USE_AGENT_STORE="True",
+                      MEGACLI_TEST_STORE_PORTS=",".join(map(str, ports)))
     import torch
 
     torch.set_num_threads(1)
@@ -46,17 +61,7 @@ def _entry(rank, world_size, port, fn, args, queue):
 
 def spawn(fn, world_size: int, *args, timeout: float = 600) -> list:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; return results by rank.
-    ``fn`` must be a module-level function (it is pickled by name). When the free port was taken by
-    another process before rank 0 listened on it, the processes run again on another."""
-    for attempt in range(3):
-        try:
-            return _spawn(fn, world_size, args, timeout)
-        except AssertionError as exc:
-            if "EADDRINUSE" not in str(exc) or attempt == 2:
-                raise
-
-
-def _spawn(fn, world_size: int, args: tuple, timeout: float) -> list:
+    ``fn`` must be a module-level function (it is pickled by name)."""
     from tests.conftest import warm_call
 
     status, replies = warm_call(_fork_ranks, fn, world_size, args, timeout, timeout=timeout + 120)
@@ -72,10 +77,14 @@ def _spawn(fn, world_size: int, args: tuple, timeout: float) -> list:
 def _fork_ranks(fn, world_size: int, args: tuple, timeout: float) -> list:
     """The ranks' processes, forked from this one: their (rank, status, payload) answers, up to the
     first error."""
+    from torch.distributed import TCPStore
+
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    stores = [TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+              for _ in range(STORES_PER_SPAWN)]
+    ports = [store.port for store in stores]
+    procs = [ctx.Process(target=_entry, args=(r, world_size, ports, fn, args, queue)) for r in range(world_size)]
     for p in procs:
         p.start()
     replies = []

@@ -88,16 +88,15 @@ def test_compile_and_attention_backend_equal_the_default_path(tmp_path):
             assert _close(loss, want_loss, 1e-5) and _close(norm, want_norm, 1e-5), (name, got, default)
 
 
-def _two_runs(rank, world, root: str, port2: int):
+def _two_runs(rank, world, root: str):
     """Default bf16 and train.grad_reduce_in_bf16, one after the other in the same two ranks."""
-    import os
-
     from megacli.engine.loop import train
     from megacli.recipe.jobs import load_job_recipe
+    from tests._dist import use_next_store
 
     for i, extra in enumerate([[], ["train.grad_reduce_in_bf16=true"]]):
         if i:
-            os.environ["MASTER_PORT"] = str(port2)
+            use_next_store()
         sets = [*TINY, "train.precision=bf16", "train.global_batch_size=8", "launch.nproc=2", *extra,
                 f"run.dir={root}/run{i}"]
         train(load_job_recipe("pretrain", None, sets))
@@ -107,9 +106,9 @@ def _two_runs(rank, world, root: str, port2: int):
 def test_bf16_gradient_reduce_is_close_to_fp32_reduce(tmp_path):
     from megacli import plan
     from megacli.recipe.jobs import load_job_recipe
-    from tests._dist import free_port, spawn
+    from tests._dist import spawn
 
-    spawn(_two_runs, 2, str(tmp_path), free_port(), timeout=600)
+    spawn(_two_runs, 2, str(tmp_path), timeout=600)
     fp32_reduce, bf16_reduce = _losses(tmp_path / "run0"), _losses(tmp_path / "run1")
     assert len(fp32_reduce) == len(bf16_reduce) == 4
     # Step 1's forward is the same: its loss is bitwise equal. Its gradients are rounded to bf16
@@ -345,23 +344,22 @@ def test_foreach_grad_kernels_compute_megatrons_local_fallbacks():
     assert out["kept"] == [True, True, True]
 
 
-def _local_and_foreach_runs(rank, world, root: str, port2: int):
+def _local_and_foreach_runs(rank, world, root: str):
     """The same clipped fp32 pretraining with Megatron-Core's local fallbacks, then with megacli's
     multi-tensor kernels, in one process; the norm implementation each run used."""
-    import os
-
     from megatron.core.optimizer import clip_grads
 
     from megacli.engine import kernels
     from megacli.engine.loop import train
     from megacli.recipe.jobs import load_job_recipe
+    from tests._dist import use_next_store
     from tests.conftest import MOCK_GPT, layout
 
     install, used = kernels.use_foreach_grad_kernels, []
     for name in ("local", "foreach"):
         kernels.use_foreach_grad_kernels = install if name == "foreach" else (lambda: None)
         if name == "foreach":
-            os.environ["MASTER_PORT"] = str(port2)
+            use_next_store()
         train(load_job_recipe("pretrain", None, [*MOCK_GPT, *layout(), "train.iters=4", "optim.clip_grad=0.05",
                                                  f"run.dir={root}/{name}"]))
         used.append(clip_grads.l2_norm_impl.__name__)
@@ -371,10 +369,10 @@ def _local_and_foreach_runs(rank, world, root: str, port2: int):
 
 @pytest.mark.slow
 def test_foreach_grad_kernels_give_the_local_fallbacks_losses(tmp_path):
-    from tests._dist import free_port, spawn
+    from tests._dist import spawn
     from tests.conftest import assert_close, steps
 
-    (used,) = spawn(_local_and_foreach_runs, 1, str(tmp_path), free_port(), timeout=600)
+    (used,) = spawn(_local_and_foreach_runs, 1, str(tmp_path), timeout=600)
     assert used == ["local_multi_tensor_l2_norm", "foreach_l2_norm"]
     local, foreach = steps(tmp_path / "local"), steps(tmp_path / "foreach")
     assert sorted(foreach) == sorted(local) == [1, 2, 3, 4]
