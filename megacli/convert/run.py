@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from megacli.checkpoint.layout import HF_DIR, LATEST, META, TRACKER, carried_hf_dir, iter_name
+from megacli.checkpoint.replace import check_replaceable
 from megacli.checkpoint.source import Source
 from megacli.convert import hf_io
 from megacli.errors import UserError
@@ -68,6 +69,7 @@ def convert(source: Source, dst: str | Path, *, to: str | None = None, parallel=
     hf_io.parse_size(max_shard_size)  # fail on a bad size before any work
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise UserError(f"{dst} exists and is not empty; choose a new or empty directory")
+    check_replaceable(dst, reads=[src])  # an empty one may still be the working directory
     final = dst.resolve()
     work = final.parent / f".{final.name}.partial"
     shutil.rmtree(work, ignore_errors=True)

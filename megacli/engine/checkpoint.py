@@ -29,6 +29,7 @@ from megacli.engine import nonfinite
 from megacli.checkpoint.layout import (LATEST, META, find_checkpoint, iter_name, lora_base_of,
                                       read_meta, read_recipe)
 from megacli.checkpoint.rng import restore_tracker, tracker_states
+from megacli.checkpoint.replace import check_replaceable
 from megacli.checkpoint.safe_pickle import allow_checked_globals, check_torch_dist, load_failure
 from megacli.checkpoint.source import MEGATRON_LM, Source
 from megacli.errors import UserError
@@ -266,6 +267,7 @@ def _device() -> torch.device:
 def _publish(tmp: Path, final: Path, ckpt_dir: Path) -> None:
     """Rename the finished save into place, then move the `latest` pointer (both atomic renames)."""
     if final.exists():
+        check_replaceable(final, field="checkpoint.dir iteration")
         shutil.rmtree(final)
     os.replace(tmp, final)
     pointer_tmp = ckpt_dir / (LATEST + ".tmp")
