@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from megacli.data.jsonl import not_utf8
 from megacli.errors import UserError
 
 try:  # orjson parses several times faster and accepts a subset of what json does
@@ -229,11 +230,6 @@ def _whole_text_file(source: Source, keys: list[str]) -> Iterator[Chunk]:
     except UnicodeDecodeError as exc:
         raise UserError(f"{source.path}: not UTF-8 text ({exc})") from None
     yield Chunk(source, 1, "columns", {keys[0]: [text]}, source.size)
-
-
-def not_utf8(exc: UnicodeDecodeError) -> str:
-    """What is wrong with a line that is not UTF-8."""
-    return f"not UTF-8 ({exc.reason} at byte {exc.start})"
 
 
 def _columns(table_or_batch, keys: list[str], where: str) -> dict[str, list]:

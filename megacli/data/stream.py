@@ -57,22 +57,11 @@ def jsonl_paths(patterns: list[str]) -> list[Path]:
 
 
 def _jsonl_texts(paths: list[Path], field: str) -> Iterator[str]:
-    from megacli.data.readers import not_utf8
+    from megacli.data.jsonl import iter_lines
 
     for path in paths:
-        with open(path, "rb") as f:
-            for n, raw in enumerate(f, 1):
-                if not raw.strip():
-                    continue
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise UserError(f"{path}:{n}: {not_utf8(e)}") from None
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise UserError(f"{path}:{n}: not a JSON line ({e.msg})") from None
-                yield _text_of(record, field, f"{path}:{n}")
+        for where, record in iter_lines(path):
+            yield _text_of(record, field, where)
 
 
 def _text_of(record, field: str, where: str) -> str:
