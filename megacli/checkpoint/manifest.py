@@ -80,6 +80,11 @@ def describe_part(root: Path, rank: int, world_size: int) -> None:
     (Path(root) / part_name(rank)).write_text(json.dumps(describe(root, names)))
 
 
+def drop_part(root: Path, rank: int) -> None:
+    """Remove ``rank``'s part file, whatever a failed describe_part left of it."""
+    (Path(root) / part_name(rank)).unlink(missing_ok=True)
+
+
 def described(root: Path, rank: int, world_size: int) -> dict[str, dict]:
     """``rank``'s share of the manifest: its part file (removed), completed with what it does not
     describe (written later, e.g. the save's metadata)."""

@@ -217,8 +217,11 @@ def _start_save(*, ckpt_dir: Path, iteration: int, consumed_samples: int, chunks
 def _write_and_describe(write, tmp: Path, rank: int, world: int, check_finite: bool, *args, **kwargs) -> None:
     """Megatron-Core's shard writer, then the description of the files this rank wrote and (with
     ``check_finite``) whether the tensors it wrote are finite, in the same (background) process."""
-    write(*args, **kwargs)
-    manifest.describe_part(tmp, rank, world)
+    write(*args, **kwargs)  # its errors (a full disk) go to the save's finalize step, which reports them
+    try:
+        manifest.describe_part(tmp, rank, world)
+    except OSError:  # the same full disk: no traceback from this process; finalize describes the files itself
+        manifest.drop_part(tmp, rank)
     buckets = args[1]  # (file, key, (bytes items, [(item, tensor), ...])) per file, as the writer took them
     if check_finite and not nonfinite.tensors_finite(t for _, _, (_, items) in buckets for _, t in items):
         (tmp / f"{NONFINITE}{rank}").touch()
