@@ -118,3 +118,20 @@ def test_a_fifo_in_place_of_a_shard_is_named_as_one_not_missing_nor_waited_on(tm
             read(prefix)
         assert f"{shard}: a FIFO (named pipe), not a regular file" in str(err.value), err.value
     assert not list(tmp_path.glob("merged*"))
+
+
+def test_a_fifo_given_as_an_input_file_is_named_not_waited_on(tmp_path):
+    """preprocess inputs, on-the-fly data.files and the line files (preference pairs, prompts)."""
+    import os
+
+    from megacli.data.jsonl import iter_lines
+    from megacli.data.readers import iter_records
+    from megacli.data.stream import jsonl_paths
+
+    fifo = tmp_path / "docs.jsonl"
+    os.mkfifo(fifo)
+    for read in (lambda: list(iter_records([str(fifo)])), lambda: jsonl_paths([str(fifo)]),
+                 lambda: list(iter_lines(fifo))):
+        with pytest.raises(UserError) as err:
+            read()
+        assert "a FIFO (named pipe), not a regular file" in str(err.value) and str(fifo) in str(err.value), err.value

@@ -21,6 +21,7 @@ from typing import Any, Iterator, Optional
 
 from megacli.data.jsonl import not_utf8
 from megacli.errors import UserError
+from megacli.filekind import not_regular
 
 try:  # orjson parses several times faster and accepts a subset of what json does
     from orjson import loads as _strict_loads
@@ -108,6 +109,8 @@ def resolve_sources(inputs: list[str], input_format: str = "auto", split: str = 
                 if not files:
                     raise UserError(f"input {m!r}: a directory with no .jsonl/.txt/.parquet/.arrow files")
                 sources.extend(_file_source(f, input_format) for f in files)
+            elif not_regular(p) is not None:  # a FIFO would be waited on forever
+                raise UserError(f"input {m!r}: {not_regular(p)}")
             else:
                 sources.append(_file_source(p, input_format))
     return sources

@@ -25,6 +25,7 @@ from typing import Iterator
 import numpy as np
 
 from megacli.errors import UserError
+from megacli.filekind import not_regular
 
 AHEAD = 4  # batches of documents being tokenized ahead of training
 BATCH_DOCS = 64
@@ -50,8 +51,9 @@ def jsonl_paths(patterns: list[str]) -> list[Path]:
         if not found:
             raise UserError(f"data.files: {pattern!r} matches no file")
         for name in found:
-            if not Path(name).is_file():
-                raise UserError(f"data.files: {name!r}: file not found")
+            problem = not_regular(name)
+            if problem is not None:
+                raise UserError(f"data.files: {name!r}: {'file not found' if problem == 'no such file' else problem}")
             paths.append(Path(name))
     return paths
 

@@ -161,6 +161,8 @@ def _start_save(*, ckpt_dir: Path, iteration: int, consumed_samples: int, chunks
 
     final = ckpt_dir / iter_name(iteration)
     tmp = ckpt_dir / (iter_name(iteration) + ".tmp")
+    if final.exists():  # every rank refuses, before anything is written, what publishing may not replace
+        check_replaceable(final, field="checkpoint.dir iteration")
     rank = dist.get_rank()
     if rank == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -270,7 +272,6 @@ def _device() -> torch.device:
 def _publish(tmp: Path, final: Path, ckpt_dir: Path) -> None:
     """Rename the finished save into place, then move the `latest` pointer (both atomic renames)."""
     if final.exists():
-        check_replaceable(final, field="checkpoint.dir iteration")
         shutil.rmtree(final)
     os.replace(tmp, final)
     pointer_tmp = ckpt_dir / (LATEST + ".tmp")
