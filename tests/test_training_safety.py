@@ -267,7 +267,7 @@ from pathlib import Path
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megacli.checkpoint import manifest
 
-real, real_part = filesystem_async._write_item, manifest.describe_part
+real, real_write_text = filesystem_async._write_item, Path.write_text
 
 @functools.wraps(real)
 def full_disk(*args, **kwargs):
@@ -275,14 +275,14 @@ def full_disk(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     return real(*args, **kwargs)
 
-def full_disk_part(root, rank, world):  # the writer's own description of its files: the disk is still full
-    if Path(root).name == "iter_0000004.tmp":
-        (Path(root) / manifest.part_name(rank)).write_text("{")  # what a short write leaves
+def full_disk_text(path, text, *args, **kwargs):  # the writer's description of its files: the disk is still full
+    if path.parent.name == "iter_0000004.tmp" and path.name == manifest.part_name(0):
+        real_write_text(path, text[:1])  # what a short write leaves
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    return real_part(root, rank, world)
+    return real_write_text(path, text, *args, **kwargs)
 
 filesystem_async._write_item = full_disk
-manifest.describe_part = full_disk_part
+Path.write_text = full_disk_text
 from megacli.cli import main
 sys.argv[0] = "megacli"
 main()

@@ -161,8 +161,7 @@ def _start_save(*, ckpt_dir: Path, iteration: int, consumed_samples: int, chunks
 
     final = ckpt_dir / iter_name(iteration)
     tmp = ckpt_dir / (iter_name(iteration) + ".tmp")
-    if final.exists():  # every rank refuses, before anything is written, what publishing may not replace
-        check_replaceable(final, field="checkpoint.dir iteration")
+    check_replaceable(final, field="checkpoint.dir iteration")  # on every rank, before anything is written
     rank = dist.get_rank()
     if rank == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -220,10 +219,7 @@ def _write_and_describe(write, tmp: Path, rank: int, world: int, check_finite: b
     """Megatron-Core's shard writer, then the description of the files this rank wrote and (with
     ``check_finite``) whether the tensors it wrote are finite, in the same (background) process."""
     write(*args, **kwargs)  # its errors (a full disk) go to the save's finalize step, which reports them
-    try:
-        manifest.describe_part(tmp, rank, world)
-    except OSError:  # the same full disk: no traceback from this process; finalize describes the files itself
-        manifest.drop_part(tmp, rank)
+    manifest.describe_part(tmp, rank, world)
     buckets = args[1]  # (file, key, (bytes items, [(item, tensor), ...])) per file, as the writer took them
     if check_finite and not nonfinite.tensors_finite(t for _, _, (_, items) in buckets for _, t in items):
         (tmp / f"{NONFINITE}{rank}").touch()
