@@ -46,9 +46,14 @@ def why_not_replaceable(path: str | Path, *, reads: Iterable[str | Path] = ()) -
             return f"holds the checkpoint being read ({source}); write the output to another directory"
     if not path.exists() and not path.is_symlink():
         return None
-    if path.is_symlink() or not path.is_dir():
+    if path.is_symlink():
+        return "is a symbolic link; give the directory itself or a new path for the output"
+    if not path.is_dir():
         return "exists and is not a directory; choose another output path"
-    entries = sorted(p.name for p in path.iterdir())
+    try:
+        entries = sorted(p.name for p in path.iterdir())
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc}); choose another output path"
     if not entries:
         return None
     kind = _checkpoint_kind(path)
