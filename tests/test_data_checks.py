@@ -103,3 +103,35 @@ def test_truncated_bin_is_a_clear_error_before_training(tmp_path):
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
     assert "Traceback" not in out.stderr and "Exception ignored" not in out.stderr
     assert named in out.stderr.replace("\n", "") and "truncated" in out.stderr
+
+
+@pytest.mark.parametrize("which", ["bin", "idx"])
+def test_a_fifo_in_place_of_a_shard_is_named_as_one_not_missing_nor_waited_on(tmp_path, which):
+    import os
+
+    prefix = corpus(tmp_path / "c", 20, 100)
+    shard = indexed.bin_path(prefix) if which == "bin" else indexed.idx_path(prefix)
+    os.remove(shard)
+    os.mkfifo(shard)
+    for read in (indexed.validate, lambda p: indexed.merge([p], str(tmp_path / "merged"))):
+        with pytest.raises(UserError) as err:
+            read(prefix)
+        assert f"{shard}: a FIFO (named pipe), not a regular file" in str(err.value), err.value
+    assert not list(tmp_path.glob("merged*"))
+
+
+def test_a_fifo_given_as_an_input_file_is_named_not_waited_on(tmp_path):
+    """preprocess inputs, on-the-fly data.files and the line files (preference pairs, prompts)."""
+    import os
+
+    from megacli.data.jsonl import iter_lines
+    from megacli.data.readers import iter_records
+    from megacli.data.stream import jsonl_paths
+
+    fifo = tmp_path / "docs.jsonl"
+    os.mkfifo(fifo)
+    for read in (lambda: list(iter_records([str(fifo)])), lambda: jsonl_paths([str(fifo)]),
+                 lambda: list(iter_lines(fifo))):
+        with pytest.raises(UserError) as err:
+            read()
+        assert "a FIFO (named pipe), not a regular file" in str(err.value) and str(fifo) in str(err.value), err.value

@@ -482,3 +482,102 @@ def test_a_checkpoints_recipe_that_is_not_a_recipe_is_named_on_resume(tmp_path, 
     (tmp_path / "recipe.yaml").write_bytes(content)
     with pytest.raises(UserError, match=rf"{tmp_path / 'recipe.yaml'}: {expected}"):
         check_resumable(tmp_path, base.load(TrainingRecipe, None, ["data.mock=true"]))
+
+
+# ---------------------------------------------------------------- the shared line reader (data/jsonl.py)
+
+
+GOOD_PAIRS = (b'{"prompt": "a", "chosen": "b", "rejected": "c", "response": "d", "text": "e"}\n'
+              b'{"prompt": "caf\xc3\xa9", "chosen": "x\\u0000y", "rejected": "\\u001b[31m", "response": "r", "text": "t"}\n')
+# Lines as they come: JSON records whose strings hold control characters, raw control bytes, bytes that are not UTF-8.
+LINE = st.one_of(st.builds(lambda d: json.dumps(d).encode(), st.fixed_dictionaries(
+    {k: st.text(alphabet=st.characters(max_codepoint=0x2030), max_size=8)
+     for k in ("prompt", "chosen", "rejected", "response", "text")})),
+    st.binary(max_size=24), st.sampled_from([b"\xff\xfe", b"\x00", b"\x1b[2J", b"\xef\xbb\xbf", b"\r", b"\xe2\x80\xa8"]))
+
+
+@given(inputs(GOOD_PAIRS) | st.lists(LINE, max_size=5).map(b"\n".join))
+@example(b'{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "\xff"}\n')
+@example(b"[" * 100_000)
+def test_the_line_reader_behind_preference_sft_and_generate_files(tmp_path, data):
+    from megacli.data.jsonl import iter_lines
+    from megacli.data.preference import read_pairs
+    from megacli.data.sft import read_records
+    from megacli.inference.job import read_texts
+
+    path = tmp_path / "lines.jsonl"
+    path.write_bytes(data)
+    records = outcome(lambda: list(iter_lines(path)))
+    lines = [line.removesuffix(b"\r") for line in data.removeprefix(b"\xef\xbb\xbf").split(b"\n")]
+    if records is not None:  # exactly the lines that hold something, parsed, named by their number
+        kept = [(n, line) for n, line in enumerate(lines, 1) if line.decode().strip()]
+        assert [where for where, _ in records] == [f"{path}:{n}" for n, _ in kept]
+        assert [record for _, record in records] == [json.loads(line.decode()) for _, line in kept]
+    for read in (read_pairs, read_records):
+        found = outcome(read, str(path))
+        assert found is None or found  # a file with nothing to read is refused, not an empty result
+    texts = outcome(read_texts, str(path), "prompt")
+    assert texts is None or all(isinstance(t, str) for t in texts)
+
+
+# ---------------------------------------------------------------- Hugging Face config.json (convert/hf_config.py)
+
+
+GOOD_CONFIG = json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8,
+                          "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1,
+                          "intermediate_size": 16, "max_position_embeddings": 16, "vocab_size": 64}).encode()
+ODD_VALUES = st.one_of(st.integers(-3, 20), st.floats(allow_nan=True), st.booleans(), st.none(),
+                       st.text(max_size=6), st.lists(st.integers(0, 4), max_size=2))
+
+
+@given(inputs(GOOD_CONFIG) | st.dictionaries(st.sampled_from(
+    ["hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers", "intermediate_size",
+     "head_dim", "vocab_size", "max_position_embeddings", "architectures", "num_experts"]), ODD_VALUES, max_size=5).map(
+    lambda edits: json.dumps({**json.loads(GOOD_CONFIG), **edits}).encode()))
+@example(b'"a string"')
+@example(b'{"architectures": ["LlamaForCausalLM"], "hidden_size": 8, "num_attention_heads": 0}')
+@example(b'{"architectures": ["LlamaForCausalLM\\u0000\\u001b"], "hidden_size": "8\\n"}')
+def test_hf_config_json(tmp_path, data):
+    """Accepted: every size a positive integer, heads dividing the hidden size, groups dividing the
+    heads; and the family's mapping of it then gives a model section or a clean error."""
+    from megacli.convert import families
+    from megacli.convert.hf_config import POSITIVE, read_config
+
+    path = tmp_path / "config.json"
+    path.write_bytes(data)
+    config = outcome(read_config, path)
+    if config is None:
+        return
+    assert all(type(config[k]) is int and config[k] > 0 for k in POSITIVE if config.get(k) is not None)
+    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+    if hidden and heads and config.get("head_dim") is None:
+        assert hidden % heads == 0
+    outcome(lambda: families.for_hf_config(config)[0].model_section(config))
+
+
+# ---------------------------------------------------------------- the preference cache (engine/array_files.py)
+
+
+def _good_cache(path: Path) -> bytes:
+    np.save(path, -np.arange(8, dtype=np.float64).reshape(4, 2) - 0.5)
+    return path.read_bytes()
+
+
+@given(data=st.data())
+def test_preference_cache(tmp_path, data):
+    """The cached reference log-probabilities of 4 pairs: the array as saved, or one message; a
+    pickled object array inside never runs."""
+    import os
+
+    from megacli.engine.array_files import load_cached
+
+    path = tmp_path / "train-0123456789abcdef.npy"
+    good = _good_cache(path)
+    marker = tmp_path / "code-ran"
+    hostile = path.with_suffix(".x.npy")
+    np.save(hostile, np.array([_Payload(os.system, (f"touch {marker}",)), 1.0], dtype=object), allow_pickle=True)
+    path.write_bytes(data.draw(st.one_of(inputs(good, max_size=256), inputs(hostile.read_bytes(), max_size=64))))
+    found = outcome(load_cached, path, shape=(4, 2), dtype=np.float64, what="reference log-probabilities")
+    if found is not None:
+        assert found.shape == (4, 2) and found.dtype == np.float64 and np.isfinite(found).all()
+    assert not marker.exists()

@@ -308,11 +308,47 @@ def _three_steps(rank, world, root: str):
                         load_optimizer=False)
         if mode == "precompute":
             precompute(trainer, precomputed_sets(trainer), pretrained=start, fresh=True, say=lambda text: None)
+            out["bad caches"], said = _bad_caches(Path(recipe.run.dir) / "preference_cache",
+                                                  lambda say: precompute(trainer, precomputed_sets(trainer),
+                                                                         pretrained=start, fresh=True, say=say))
+            out["cached"] = said
         iterators = data_iterators(trainer, trainer.train_data, start_sample=0)
         out[name] = [train_step(trainer, iterators)[0] for _ in range(3)]
     distributed.teardown()
     out["cache"] = sorted(p.name for p in (Path(root) / "run_precompute" / "preference_cache").iterdir())
     return out
+
+
+def _bad_caches(cache: Path, run_precompute) -> tuple[dict[str, str], list[str]]:
+    """Each kind of bad file put in place of the reference log-probabilities precompute cached, and
+    what precompute then did (its error, or "accepted"); then the real cache put back and read: what
+    precompute said."""
+    from megacli.errors import UserError
+
+    (path,) = cache.iterdir()
+    good = path.read_bytes()
+    real = np.load(path)
+
+    def saved(array) -> bytes:
+        np.save(cache / "x.npy", array, allow_pickle=True)
+        return (cache / "x.npy").read_bytes()
+
+    bad = {"truncated": good[:-8], "not npy": b"{}", "empty": b"", "object dtype": saved(real.astype(object)),
+           "float32": saved(real.astype(np.float32)), "fewer pairs": saved(real[:-1]),
+           "three columns": saved(np.zeros((len(real), 3))), "nan": saved(np.where(real < 0, np.nan, real))}
+    (cache / "x.npy").unlink()
+    outcome = {}
+    for name, content in bad.items():
+        path.write_bytes(content)
+        try:
+            run_precompute(lambda text: None)
+            outcome[name] = "accepted"
+        except UserError as exc:
+            outcome[name] = str(exc)
+    path.write_bytes(good)
+    said = []
+    run_precompute(said.append)
+    return outcome, said
 
 
 def test_step_zero_is_log_2_and_the_reference_modes_agree(tiny_llama):
@@ -332,6 +368,13 @@ def test_step_zero_is_log_2_and_the_reference_modes_agree(tiny_llama):
         np.testing.assert_allclose(la, lb, rtol=0, atol=1e-6, err_msg=f"{a} vs {b}")
     assert [m["loss"] for m in r["copy"]] != [m["loss"] for m in r["lora_copy"]]  # LoRA trains something else
     assert len(r["cache"]) == 1 and r["cache"][0].startswith("train-")
+    for name, outcome in r["bad caches"].items():  # refused, never taken as the cache
+        assert outcome.startswith(str(tiny_llama / "run_precompute" / "preference_cache" / r["cache"][0]) + ": "), name
+        assert outcome.endswith("Delete it (it is rebuilt)"), (name, outcome)
+    assert "an array of Python objects" in r["bad caches"]["object dtype"]
+    assert "(expected [4, 2], float64)" in r["bad caches"]["three columns"]
+    assert r["cached"] == [f"reference log-probabilities of train: {tiny_llama}/run_precompute/preference_cache/"
+                           f"{r['cache'][0]} (cached)"]
 
 
 def test_the_dry_run_counts_the_reference_model():

@@ -643,3 +643,24 @@ def test_a_text_field_that_is_not_a_string_is_named_with_its_type(tmp_path):
     corpus.write_text('["text"]\n')
     with pytest.raises(UserError, match=rf"{corpus}:1: not a JSON object"):
         list(texts(StreamSource(source="jsonl", files=[str(corpus)])))
+
+
+def test_every_line_reader_names_a_line_that_is_not_utf8_alike(tmp_path):
+    """Preference pairs, instruction data, generate's --prompts/--score/--cloze files and on-the-fly
+    JSONL all read through data/jsonl.py: preprocess's `file:line: not UTF-8 (...)`, no traceback."""
+    from megacli.data.preference import read_pairs
+    from megacli.data.sft import read_records
+    from megacli.data.stream import texts
+    from megacli.errors import UserError
+    from megacli.inference.job import read_texts
+
+    pair = json.dumps({"prompt": "a", "chosen": "b", "rejected": "c", "response": "d", "text": "e"}).encode()
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(pair + b"\n\n" + pair[:-2] + b'\xff"}\n')
+    readers = [read_pairs, read_records, lambda p: read_texts(p, "prompt"), lambda p: list(texts(jsonl_source(Path(p))))]
+    for read in readers:
+        with pytest.raises(UserError) as err:
+            read(str(path))
+        assert str(err.value) == f"{path}:3: not UTF-8 (invalid start byte at byte {len(pair) - 2})", err.value
+    path.write_bytes(b"\xef\xbb\xbf" + pair + b"\r\n" + b"plain \xe2\x80\xa8 text\n")  # a BOM, CRLF, U+2028 inside a line
+    assert read_texts(str(path), "prompt") == ["a", "plain \u2028 text"]

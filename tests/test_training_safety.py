@@ -263,9 +263,11 @@ def _saved(recipe) -> Path:
 
 ENOSPC_WRITER = """
 import errno, functools, os, sys
+from pathlib import Path
 from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megacli.checkpoint import manifest
 
-real = filesystem_async._write_item
+real, real_write_text = filesystem_async._write_item, Path.write_text
 
 @functools.wraps(real)
 def full_disk(*args, **kwargs):
@@ -273,16 +275,26 @@ def full_disk(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     return real(*args, **kwargs)
 
+def full_disk_text(path, text, *args, **kwargs):  # the writer's description of its files: the disk is still full
+    if path.parent.name == "iter_0000004.tmp" and path.name == manifest.part_name(0):
+        real_write_text(path, text[:1])  # what a short write leaves
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return real_write_text(path, text, *args, **kwargs)
+
 filesystem_async._write_item = full_disk
+Path.write_text = full_disk_text
 from megacli.cli import main
 sys.argv[0] = "megacli"
 main()
 """
 
 
-def test_disk_full_while_saving_is_named_and_leaves_no_partial_save(tmp_path):
+@pytest.mark.parametrize("iters", [4, 5])  # the save at 4 is the run's last (written at once), or asynchronous
+def test_disk_full_while_saving_is_named_and_leaves_no_partial_save(tmp_path, iters):
+    """One message, no traceback (also none from the background writer process), nothing half-saved."""
     ck = tmp_path / "ck"
-    sets = [*TINY, f"checkpoint.dir={ck}", "checkpoint.save_interval=2", f"run.dir={tmp_path / 'run'}"]
+    sets = [*TINY, f"checkpoint.dir={ck}", "checkpoint.save_interval=2", f"run.dir={tmp_path / 'run'}",
+            f"train.iters={iters}"]
     out = subprocess.run([sys.executable, "-c", ENOSPC_WRITER, "pretrain", *sets_args(sets)],
                          capture_output=True, text=True, timeout=600, env=dict(os.environ, MEGACLI_IN_PROCESS="1"))
     message = refused(out, f"no space left on device in {ck} (needed ~", "iter_0000004.tmp was removed")

@@ -16,6 +16,7 @@ import stat
 from pathlib import Path
 
 from megacli.errors import UserError
+from megacli.filekind import kind_of_mode as _kind
 
 
 def named_inside(root: Path, name, *, named_by: str) -> Path:
@@ -63,11 +64,3 @@ def check_members(root: Path) -> None:
             raise UserError(f"{path}: cannot read ({exc.strerror or exc})") from None
         if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
             raise UserError(f"{path}: {_kind(mode)}, not a regular file; a checkpoint may only hold regular files")
-
-
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"),
-                       (stat.S_ISBLK, "a device"), (stat.S_ISDIR, "a directory")):
-        if test(mode):
-            return name
-    return "not a plain file"

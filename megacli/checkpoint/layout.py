@@ -109,13 +109,10 @@ def carried_hf_dir(ckpt: Path, tokenizer_path: str | None) -> Path | None:
 
 def carried_hf_config(ckpt: Path, recipe) -> dict | None:
     """The Hugging Face config.json a converted checkpoint carries, None for other checkpoints."""
+    from megacli.convert.hf_config import read_config
+
     carried = carried_hf_dir(ckpt, recipe.tokenizer.path)
-    if carried is None:
-        return None
-    try:
-        return json.loads((carried / HF_CONFIG).read_text())
-    except (OSError, ValueError) as exc:
-        raise UserError(f"cannot read {carried / HF_CONFIG}: {exc}") from None
+    return read_config(carried / HF_CONFIG) if carried is not None else None
 
 
 def tmp_sibling(path: Path, tag: str) -> Path:

@@ -75,9 +75,15 @@ def files_of_rank(root: Path, rank: int, world_size: int) -> list[str]:
 
 def describe_part(root: Path, rank: int, world_size: int) -> None:
     """Describe the files ``rank`` has written so far into its part file (a writer process does it,
-    once its shards are written, while they are in the page cache)."""
+    once its shards are written, while they are in the page cache). A part it cannot write (a full
+    disk) is left out, without a traceback from the writer process: ``described`` then hashes those
+    files itself, and the save's finalize step reports the failed write."""
     names = files_of_rank(root, rank, world_size)
-    (Path(root) / part_name(rank)).write_text(json.dumps(describe(root, names)))
+    part = Path(root) / part_name(rank)
+    try:
+        part.write_text(json.dumps(describe(root, names)))
+    except OSError:
+        part.unlink(missing_ok=True)
 
 
 def described(root: Path, rank: int, world_size: int) -> dict[str, dict]:

@@ -81,10 +81,10 @@ def from_command(
     from megacli.convert.recipe_of import recipe_of, render
     from megacli.errors import UserError
 
-    if output is not None and output.exists() and not force:
-        raise UserError(f"{output} exists; pass --force to replace it")
     if output is not None and output.is_dir():
         raise UserError(f"{output} is a directory; give a file name such as {output / 'recipe.yaml'}")
+    if output is not None and output.exists() and not force:
+        raise UserError(f"{output} exists; pass --force to replace it")
     text = render(recipe_of(user_source(checkpoint, trusted)))
     if output is None:
         typer.echo(text, nl=False)

@@ -38,7 +38,7 @@ def run_command(
     sequence_parallel: Annotated[Optional[bool], typer.Option("--sequence-parallel/--no-sequence-parallel", help="parallel.sequence_parallel of the written recipe.", rich_help_panel=_TARGET, show_default=False)] = None,
     output_format: Annotated[Optional[str], typer.Option("--format", help="torch_dist (megacli), legacy (Megatron-LM --ckpt-format torch) or megatron (Megatron-LM --ckpt-format torch_dist).", show_default=False)] = None,
     spec: Annotated[Optional[str], typer.Option("--spec", help="--format megatron or legacy: the Megatron-LM layer spec, te (default) or local.", show_default=False)] = None,
-    overwrite: Annotated[Optional[bool], typer.Option("--overwrite", help="Replace an existing DST once the new checkpoint is complete.", show_default=False)] = None,
+    overwrite: Annotated[Optional[bool], typer.Option("--overwrite", help="Replace DST when it is a checkpoint and holds nothing else, once the new one is complete.", show_default=False)] = None,
     verify: Annotated[Optional[bool], typer.Option("--verify", help="Compare every reassembled global tensor with the source before publishing.", show_default=False)] = None,
     progress: Annotated[Optional[bool], typer.Option("--progress/--no-progress", help="Show the progress bar.", show_default=False)] = None,
     trusted: Annotated[Optional[bool], typer.Option("--trust-pickle", help=TRUST_PICKLE_HELP, show_default=False)] = None,

@@ -35,6 +35,7 @@ def converted_in_run(source: Source, run_dir: Path, *, tensor: int, pipeline: in
     one line saying which, with the path."""
     import megacli
     from megacli.checkpoint.layout import find_checkpoint
+    from megacli.checkpoint.replace import check_replaceable
     from megacli.convert.run import PRECISIONS, convert
     from megacli.recipe.sections import ParallelSection
     from megacli.rundir import unwritable_names
@@ -59,6 +60,7 @@ def converted_in_run(source: Source, run_dir: Path, *, tensor: int, pipeline: in
             return dst
         try:
             record_file.unlink(missing_ok=True)
+            check_replaceable(dst, field="the earlier conversion")
             shutil.rmtree(dst, ignore_errors=True)
             say(f"{src}: {kind}; converting it (TP={tensor} PP={pipeline}, "
                 f"{dtype or 'its own precision'}) into {dst}")

@@ -96,11 +96,12 @@ def _from_megatron_lm(source: Source, kind: str) -> CheckpointRecipe:
 
 def _from_hf(source: Source) -> CheckpointRecipe:
     from megacli.convert import families, hf_io
+    from megacli.convert.hf_config import read_config
     from megacli.convert.run import tokenizer_section
     from megacli.precision import precision_of
 
     src = source.path
-    config = hf_io.read_json(src / hf_io.CONFIG)
+    config = read_config(src / hf_io.CONFIG)
     family, arch = families.for_hf_config(config)
     model = family.model_section(config)
     present = [name for name in ("tokenizer.json", "tokenizer.model") if (src / name).is_file()]

@@ -12,14 +12,17 @@ so a failed conversion leaves no half-written destination.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import shutil
 from pathlib import Path
 from typing import Callable, Iterable
 
 from megacli.checkpoint.layout import HF_DIR, LATEST, META, TRACKER, carried_hf_dir, iter_name
+from megacli.checkpoint.replace import check_replaceable
 from megacli.checkpoint.source import Source
 from megacli.convert import hf_io
+from megacli.convert.hf_config import read_config
 from megacli.errors import UserError
 from megacli.precision import DTYPES, params_dtype, precision_of
 from megacli.recipe.stages import pick_split
@@ -68,9 +71,11 @@ def convert(source: Source, dst: str | Path, *, to: str | None = None, parallel=
     hf_io.parse_size(max_shard_size)  # fail on a bad size before any work
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise UserError(f"{dst} exists and is not empty; choose a new or empty directory")
+    check_replaceable(dst, reads=[src])  # an empty one may still be the working directory
     final = dst.resolve()
     work = final.parent / f".{final.name}.partial"
     shutil.rmtree(work, ignore_errors=True)
+    made = [d for d in (final.parent, *final.parent.parents) if not d.exists()]  # removed again on failure
     work.mkdir(parents=True)
     try:
         if fmt == "hf":
@@ -97,6 +102,9 @@ def convert(source: Source, dst: str | Path, *, to: str | None = None, parallel=
         work.replace(final)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
+        for d in made:
+            with contextlib.suppress(OSError):
+                d.rmdir()
         raise
     return final
 
@@ -187,7 +195,7 @@ def hf_plan(source: Source, *, parallel, dtype: str | None, tokenizer: dict, res
     from megacli.convert.weights_plan import weights_plan
 
     src = source.path
-    config = hf_io.read_json(src / hf_io.CONFIG)
+    config = read_config(src / hf_io.CONFIG)
     family, arch = families.for_hf_config(config)
     model = family.model_section(config)
     for note in getattr(family, "import_notes", lambda _config: [])(config):
@@ -385,7 +393,7 @@ def _export_hf(source, model, work: Path, *, vocab: int, carried: Path | None, t
     from megacli.convert import families
     from megacli.convert.mapping import fit_vocab_rows
 
-    base = hf_io.read_json(carried / hf_io.CONFIG) if carried is not None else None
+    base = read_config(carried / hf_io.CONFIG) if carried is not None else None
     preferred = (base.get("architectures") or [None])[0] if base else None
     family, arch = families.for_model(model, preferred=preferred)
     table = family.table(model)

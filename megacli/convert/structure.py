@@ -11,10 +11,11 @@ def structure(source: Source) -> Iterator[str]:
     from megacli.checkpoint.contents import row
     from megacli.checkpoint.source import HF
     from megacli.convert import hf_io
+    from megacli.convert.hf_config import read_config
 
     path = source.path
     if source.kind == HF:
-        config = hf_io.read_json(path / hf_io.CONFIG)
+        config = read_config(path / hf_io.CONFIG)
         weights = hf_io.HFWeights(source)
         yield f"Hugging Face model {path}: {(config.get('architectures') or ['?'])[0]}, {len(weights.keys())} tensors"
         for key in weights.keys():

@@ -29,6 +29,7 @@ from typing import Iterable, Optional
 import numpy as np
 
 from megacli.errors import UserError
+from megacli.filekind import not_regular
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -211,11 +212,14 @@ class Index:
 
 def read_index(prefix: str) -> Index:
     path = idx_path(prefix)
+    problem = not_regular(path)
+    if problem is not None:
+        raise UserError(f"{path}: {'no such index file' if problem == 'no such file' else problem}")
     try:
         with open(path, "rb") as f:
             head = f.read(HEADER_BYTES)
-    except FileNotFoundError:
-        raise UserError(f"{path}: no such index file") from None
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read ({exc.strerror or exc})") from None
     if len(head) < HEADER_BYTES or head[:len(MAGIC)] != MAGIC:
         raise UserError(f"{path}: not a Megatron indexed-dataset index (bad header)")
     version, code, seqs, docs = struct.unpack("<QBQQ", head[len(MAGIC):])
@@ -238,8 +242,10 @@ def validate(prefix: str) -> Index:
     pointers that lay the sequences back to back and end exactly at the end of the ``.bin``."""
     index = read_index(prefix)
     path, data = index.path, bin_path(prefix)
-    if not os.path.isfile(data):
-        raise UserError(f"{data}: no such data file (the index {path} needs it)")
+    problem = not_regular(data)
+    if problem is not None:
+        raise UserError(f"{data}: {'no such data file' if problem == 'no such file' else problem} "
+                        f"(the index {path} needs it)")
     docs = index.document_indices
     if len(docs) == 0 or docs[0] != 0 or docs[-1] != index.sequence_count or np.any(np.diff(docs) < 0):
         raise UserError(f"{path}: corrupt document index (it must run from 0 to the {index.sequence_count} sequences)")
@@ -280,8 +286,10 @@ def merge(prefixes: list[str], output_prefix: str) -> IndexedDatasetWriter:
     if not prefixes:
         raise UserError("merge: no input datasets")
     for p in prefixes:
-        if not exists(p):
-            raise UserError(f"merge: {p}: no {p}.bin/{p}.idx pair")
+        for path in (idx_path(p), bin_path(p)):
+            problem = not_regular(path)
+            if problem is not None:
+                raise UserError(f"merge: {path}: {problem} (an input is a {p}.bin/{p}.idx pair)")
     if strip_suffix(output_prefix) in prefixes:
         raise UserError(f"merge: the output {output_prefix} is also an input")
     dtype = read_index(prefixes[0]).dtype

@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from megacli.data.jsonl import not_utf8
 from megacli.errors import UserError
+from megacli.filekind import not_regular
 
 try:  # orjson parses several times faster and accepts a subset of what json does
     from orjson import loads as _strict_loads
@@ -107,6 +109,8 @@ def resolve_sources(inputs: list[str], input_format: str = "auto", split: str = 
                 if not files:
                     raise UserError(f"input {m!r}: a directory with no .jsonl/.txt/.parquet/.arrow files")
                 sources.extend(_file_source(f, input_format) for f in files)
+            elif not_regular(p) is not None:  # a FIFO would be waited on forever
+                raise UserError(f"input {m!r}: {not_regular(p)}")
             else:
                 sources.append(_file_source(p, input_format))
     return sources
@@ -229,11 +233,6 @@ def _whole_text_file(source: Source, keys: list[str]) -> Iterator[Chunk]:
     except UnicodeDecodeError as exc:
         raise UserError(f"{source.path}: not UTF-8 text ({exc})") from None
     yield Chunk(source, 1, "columns", {keys[0]: [text]}, source.size)
-
-
-def not_utf8(exc: UnicodeDecodeError) -> str:
-    """What is wrong with a line that is not UTF-8."""
-    return f"not UTF-8 ({exc.reason} at byte {exc.start})"
 
 
 def _columns(table_or_batch, keys: list[str], where: str) -> dict[str, list]:

@@ -25,6 +25,7 @@ from typing import Iterator
 import numpy as np
 
 from megacli.errors import UserError
+from megacli.filekind import not_regular
 
 AHEAD = 4  # batches of documents being tokenized ahead of training
 BATCH_DOCS = 64
@@ -50,29 +51,19 @@ def jsonl_paths(patterns: list[str]) -> list[Path]:
         if not found:
             raise UserError(f"data.files: {pattern!r} matches no file")
         for name in found:
-            if not Path(name).is_file():
-                raise UserError(f"data.files: {name!r}: file not found")
+            problem = not_regular(name)
+            if problem is not None:
+                raise UserError(f"data.files: {name!r}: {'file not found' if problem == 'no such file' else problem}")
             paths.append(Path(name))
     return paths
 
 
 def _jsonl_texts(paths: list[Path], field: str) -> Iterator[str]:
-    from megacli.data.readers import not_utf8
+    from megacli.data.jsonl import iter_lines
 
     for path in paths:
-        with open(path, "rb") as f:
-            for n, raw in enumerate(f, 1):
-                if not raw.strip():
-                    continue
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise UserError(f"{path}:{n}: {not_utf8(e)}") from None
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise UserError(f"{path}:{n}: not a JSON line ({e.msg})") from None
-                yield _text_of(record, field, f"{path}:{n}")
+        for where, record in iter_lines(path):
+            yield _text_of(record, field, where)
 
 
 def _text_of(record, field: str, where: str) -> str:

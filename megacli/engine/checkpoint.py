@@ -29,6 +29,7 @@ from megacli.engine import nonfinite
 from megacli.checkpoint.layout import (LATEST, META, find_checkpoint, iter_name, lora_base_of,
                                       read_meta, read_recipe)
 from megacli.checkpoint.rng import restore_tracker, tracker_states
+from megacli.checkpoint.replace import check_replaceable
 from megacli.checkpoint.safe_pickle import allow_checked_globals, check_torch_dist, load_failure
 from megacli.checkpoint.source import MEGATRON_LM, Source
 from megacli.errors import UserError
@@ -160,6 +161,7 @@ def _start_save(*, ckpt_dir: Path, iteration: int, consumed_samples: int, chunks
 
     final = ckpt_dir / iter_name(iteration)
     tmp = ckpt_dir / (iter_name(iteration) + ".tmp")
+    check_replaceable(final, field="checkpoint.dir iteration")  # on every rank, before anything is written
     rank = dist.get_rank()
     if rank == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -216,7 +218,7 @@ def _start_save(*, ckpt_dir: Path, iteration: int, consumed_samples: int, chunks
 def _write_and_describe(write, tmp: Path, rank: int, world: int, check_finite: bool, *args, **kwargs) -> None:
     """Megatron-Core's shard writer, then the description of the files this rank wrote and (with
     ``check_finite``) whether the tensors it wrote are finite, in the same (background) process."""
-    write(*args, **kwargs)
+    write(*args, **kwargs)  # its errors (a full disk) go to the save's finalize step, which reports them
     manifest.describe_part(tmp, rank, world)
     buckets = args[1]  # (file, key, (bytes items, [(item, tensor), ...])) per file, as the writer took them
     if check_finite and not nonfinite.tensors_finite(t for _, _, (_, items) in buckets for _, t in items):

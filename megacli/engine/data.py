@@ -16,6 +16,7 @@ import torch
 
 from megacli.data.indexed import validate
 from megacli.data.tokenizers import SENTINEL
+from megacli.engine.array_files import not_plain_array
 from megacli.engine.batches import to_device
 from megacli.errors import UserError
 
@@ -52,27 +53,10 @@ def check_index_cache(cache_dir: Path) -> None:
     """Refuse a cached index that is not a plain numpy array file: Megatron-Core loads them with
     ``numpy.load(allow_pickle=True)``, so a pickle saved under a cache file's name would run code."""
     for path in sorted(cache_dir.glob("*.npy")) if cache_dir.is_dir() else []:
-        problem = _not_plain_array(path)
+        problem = not_plain_array(path)
         if problem:
             raise UserError(f"{path}: {problem}, not an index Megatron-Core could have written; loading it could run "
                             f"code. Delete it (the index is rebuilt) or use another data.cache_dir")
-
-
-def _not_plain_array(path: Path) -> str | None:
-    import stat
-
-    if not stat.S_ISREG(path.stat().st_mode):
-        return "not a regular file"
-    readers = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
-    try:
-        with open(path, "rb") as fh:
-            version = np.lib.format.read_magic(fh)
-            if version not in readers:
-                return f"a .npy file of format version {version}"
-            dtype = readers[version](fh)[2]
-    except (ValueError, OSError) as exc:
-        return f"not a .npy array file ({exc})"
-    return "an array of Python objects" if dtype.hasobject else None
 
 
 def megatron_blend(data) -> tuple[list[str], list[float] | None]:

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from megacli.engine.array_files import load_cached
 
 def score_pairs(trainer, chunks, batches: list[dict]) -> list[torch.Tensor] | None:
     """Forward-only pass of ``chunks`` over the micro-batches: each micro-batch's summed completion
@@ -137,7 +139,10 @@ def precompute(trainer, datasets: dict, *, pretrained: Path | None, fresh: bool,
     recipe = trainer.recipe
     cache = Path(recipe.run.dir) / "preference_cache"
     paths = {name: cache / f"{name}-{fingerprint(recipe, pretrained, ds)}.npy" for name, ds in datasets.items()}
-    missing = {name for name, path in paths.items() if not path.is_file()}
+    cached = {name: load_cached(path, shape=(len(datasets[name]), 2), dtype=np.float64,
+                                what=f"reference log-probabilities of the {len(datasets[name])} pairs of {name}")
+              for name, path in paths.items() if os.path.lexists(path)}  # every rank refuses a bad cache alike
+    missing = set(paths) - set(cached)
     torch.distributed.barrier()  # every rank has looked before any writes
     temporary = None
     if missing and not fresh:
@@ -149,7 +154,7 @@ def precompute(trainer, datasets: dict, *, pretrained: Path | None, fresh: bool,
     for name, ds in datasets.items():
         if name not in missing:
             if last_stage:
-                ds.ref_logps = np.load(paths[name])
+                ds.ref_logps = cached[name]
             say(f"reference log-probabilities of {name}: {paths[name]} (cached)")
             continue
         logps = _score_dataset(trainer, ds, temporary)

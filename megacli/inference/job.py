@@ -36,11 +36,10 @@ def _run(recipe, runtime) -> None:
     g = recipe.generate
     if recipe.model.arch == "t5" and (g.score or g.cloze):
         raise UserError("--score and --cloze are for GPT models (T5's likelihood depends on what the encoder is given)")
-    gen = build_generator(recipe, runtime)
-    tok = gen.tok
     speaker = runtime.rank == 0
     if g.score or g.cloze:
-        texts = read_texts(g.score or g.cloze, "text")
+        texts = read_texts(g.score or g.cloze, "text")  # a bad file is refused before the model is built
+        gen = build_generator(recipe, runtime)
         result = gen.score(texts) if g.score else gen.cloze(texts)
         if speaker:
             _report_scores(result, g)
@@ -48,6 +47,8 @@ def _run(recipe, runtime) -> None:
     prompts = list(g.prompts) + (read_texts(g.prompts_file, "prompt") if g.prompts_file else [])
     if not prompts:
         raise UserError("no prompts: give --prompt TEXT, --prompts FILE or generate.prompts")
+    gen = build_generator(recipe, runtime)
+    tok = gen.tok
     out_file = open(g.output, "w", encoding="utf-8") if (g.output and speaker) else None
     try:
         for start in range(0, len(prompts), g.batch_size):

@@ -53,7 +53,9 @@ class ReshardSection(Section):
     """Edits to the written recipe.yaml, as --set dotted.key=value (for example
     train.micro_batch_size=2 when the new data-parallel size needs it)."""
     overwrite: bool = False
-    """Replace an existing output directory (only once the new checkpoint is complete)."""
+    """Replace an existing output that is a checkpoint and holds nothing else (only once the new
+    checkpoint is complete). Any other directory, one holding the source, and the working
+    directory are never replaced."""
     verify: bool = False
     """Before publishing, reassemble every global tensor of the output and compare checksums with the source."""
     progress: bool = True

@@ -20,14 +20,13 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from megacli.checkpoint.layout import (
-    LATEST,
-    META,
     RECIPE,
     fsync_dir,
     iter_name,
     tmp_sibling,
 )
 from megacli.checkpoint.megacli_checkpoint import Checkpoint, Layout
+from megacli.checkpoint.replace import why_not_replaceable
 from megacli.checkpoint.source import LEGACY, MEGACLI, MEGATRON_LM, Source, kind_of, locate, user_source
 from megacli.checkpoint.writer import Plan, write_checkpoint
 from megacli.errors import UserError
@@ -80,18 +79,15 @@ def _stage(found: Source, kind: str, where: Path, progress) -> tuple[Path, list[
 
 
 def _check_output(output: Path, source: Path, overwrite: bool) -> None:
-    out = output.resolve()
-    src = source.resolve()
-    if out == src or out in src.parents and not overwrite:
-        raise UserError(f"{output} contains the source checkpoint {source}; write somewhere else (or pass --overwrite "
-                        f"to replace it once the new checkpoint is complete)")
-    if src in out.parents:
+    """Refuse an output the reshard may not write: inside the source, or (checkpoint.replace's
+    rule) one that cannot be replaced; an existing checkpoint only with --overwrite."""
+    if source.resolve() in output.resolve().parents:
         raise UserError(f"{output} is inside the source checkpoint {source}; write somewhere else")
-    if output.exists() and not output.is_dir():
-        raise UserError(f"{output} exists and is not a directory")
+    reason = why_not_replaceable(output, reads=[source])
+    if reason is not None:
+        raise UserError(f"{output}: {reason}")
     if output.exists() and any(output.iterdir()) and not overwrite:
-        what = "a checkpoint" if ((output / LATEST).exists() or (output / META).exists()) else "files"
-        raise UserError(f"{output} already holds {what}; pass --overwrite to replace it")
+        raise UserError(f"{output} already holds a checkpoint; pass --overwrite to replace it")
 
 
 # ---------------------------------------------------------------- reshard
