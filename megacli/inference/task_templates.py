@@ -17,6 +17,10 @@ from contextlib import contextmanager
 
 from megacli.errors import UserError
 
+# The task fields the harness renders as templates (lm_eval.api.task; fewshot_config's included).
+TEMPLATE_FIELDS = ("doc_to_text", "doc_to_target", "doc_to_choice", "doc_to_image", "doc_to_audio",
+                   "doc_to_decontamination_query", "description", "gen_prefix")
+
 
 def sandbox_of(env):
     """A SandboxedEnvironment rendering like ``env`` (its undefined, newline and filters)."""
