@@ -69,18 +69,23 @@ def read_meta(ckpt: Path) -> dict:
 def read_recipe(ckpt: Path) -> dict:
     """The raw recipe a checkpoint carries (an empty dict when it has none), without the trust it
     claims (megacli.recipe.trust)."""
+    import yaml
+
     from megacli.recipe import trust
-    from megacli.recipe.base import RecipeErrors, read_yaml
+    from megacli.recipe.yaml_text import load_yaml_text, yaml_problem
 
     path = ckpt / RECIPE
     if not path.is_file():
         return {}
     try:
-        return trust.carried(read_yaml(path))
-    except RecipeErrors as exc:
-        raise UserError(f"{path}: cannot read ({'; '.join(exc.problems)})") from None
-    except OSError as exc:
+        recipe = load_yaml_text(path.read_text(encoding="utf-8")) or {}
+    except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"{path}: cannot read ({exc})") from None
+    except yaml.YAMLError as exc:
+        raise UserError(f"{path}: cannot read ({yaml_problem(exc)})") from None
+    if not isinstance(recipe, dict):
+        raise UserError(f"{path}: not a recipe (a mapping of sections)")
+    return trust.carried(recipe)
 
 
 def lora_base_of(ckpt: Path) -> Path | None:

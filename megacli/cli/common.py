@@ -38,12 +38,15 @@ def output_console(**kwargs):
 
 
 def fail(message: str, code: int = 2) -> "typer.Exit":
-    """Print one error line; the message is plain text (paths and values may hold "[x]" or ":smile:")."""
+    """Print one error line; the message is plain text (paths and values may hold "[x]" or ":smile:"),
+    cut to a readable length (megacli.errors.readable)."""
     from rich.console import Console
     from rich.text import Text
 
-    Console(stderr=True, highlight=False, emoji=False).print(Text.assemble(("error:", "bold red"), " ", message),
-                                                             soft_wrap=True)
+    from megacli.errors import readable
+
+    Console(stderr=True, highlight=False, emoji=False).print(Text.assemble(("error:", "bold red"), " ",
+                                                                           readable(message)), soft_wrap=True)
     return typer.Exit(code)
 
 
