@@ -35,23 +35,21 @@ def escaping_task(root: Path, field: str) -> tuple[Path, Path]:
     return tasks, marker
 
 
-class _Certain:
+def certain_lm():
     """The harness's model interface answering every request alike."""
+    from lm_eval.api.model import LM
 
-    def __new__(cls):
-        from lm_eval.api.model import LM
+    class Certain(LM):
+        def loglikelihood(self, requests):
+            return [(-1.0, True) for _ in requests]
 
-        class Certain(LM):
-            def loglikelihood(self, requests):
-                return [(-1.0, True) for _ in requests]
+        def loglikelihood_rolling(self, requests):
+            return [-1.0 for _ in requests]
 
-            def loglikelihood_rolling(self, requests):
-                return [-1.0 for _ in requests]
+        def generate_until(self, requests):
+            return ["" for _ in requests]
 
-            def generate_until(self, requests):
-                return ["" for _ in requests]
-
-        return Certain()
+    return Certain()
 
 
 @pytest.mark.parametrize("field", ["doc_to_text", "doc_to_choice", "doc_to_target", "description", "gen_prefix"])
@@ -64,9 +62,12 @@ def test_a_template_reaching_python_is_stopped(tmp_path, field):
 
     tasks, marker = escaping_task(tmp_path, field)
     ev = EvalSection(tasks=[f"escape_{field}"], include_path=str(tasks), limit=2, bootstrap_iters=0)
-    with pytest.raises(UserError, match=r"tried to reach Python internals.*unsafe.*--trust-task-code"):
-        check_tasks(ev)  # doc_to_text/choice/target render on the first document when the task loads
-        evaluate(_Certain(), ev)  # description and gen_prefix when the requests are built
+    refusal = r"tried to reach Python internals.*unsafe.*--trust-task-code"
+    if field in ("doc_to_text", "doc_to_choice", "doc_to_target"):  # rendered on the first document as it loads
+        with pytest.raises(UserError, match=f"task escape_{field}: a task template {refusal}"):
+            check_tasks(ev)
+    with pytest.raises(UserError, match=refusal):
+        evaluate(certain_lm(), ev)
     assert not marker.exists()
     import lm_eval.utils
 
