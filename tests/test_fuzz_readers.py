@@ -7,6 +7,7 @@ profile of tests/conftest.py), a few seconds each."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import pickle
 import signal
@@ -146,6 +147,7 @@ GOOD_TASK = (b"task: t\ndataset_path: json\noutput_type: loglikelihood\ndoc_to_t
              b"doc_to_target: \"{{label}}\"\nmetric_list:\n  - {metric: acc}\n")
 
 
+@pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None, reason="lm-evaluation-harness (the eval extra)")
 @given(inputs(GOOD_TASK) | st.text(max_size=200).map(lambda t: GOOD_TASK + t.encode()))
 @example(GOOD_TASK + ALIAS_BOMB.replace(b"train:\n  iters: *i", b"doc_to_choice: *i"))
 @example(GOOD_TASK + b"process_docs: !function utils.process\n")
@@ -155,6 +157,9 @@ def test_task_yaml_scan(tmp_path, data):
     """The scan of an include path's task YAMLs (before the harness reads them) finds the code they
     name, or refuses a file it cannot read as the harness would (an alias bomb, bytes that are not
     UTF-8, control characters): never another exception or a hang."""
+    import lm_eval.api.metrics  # noqa: F401 - the scan's imports, before the clock of `outcome` starts
+    import lm_eval.tasks  # noqa: F401
+
     from megacli.inference.task_code import task_code
 
     (tmp_path / "t.yaml").write_bytes(data)
