@@ -61,13 +61,25 @@ def partitions() -> tuple[dict[str, Partition], str | None]:
     gpus: dict[str, int] = {}
     default = None
     for line in out.splitlines():
-        name, count, gres = line.strip().split("|", 2)
+        if not line.strip():
+            continue
+        name, count, gres = _sinfo_fields(line)
         if name.endswith("*"):
             name = name[:-1]
             default = name
-        nodes[name] = nodes.get(name, 0) + int(count)
+        nodes[name] = nodes.get(name, 0) + count
         gpus[name] = max(gpus.get(name, 0), gpus_in_gres(gres))
     return {name: Partition(name, nodes[name], gpus[name]) for name in nodes}, default
+
+
+def _sinfo_fields(line: str) -> tuple[str, int, str]:
+    """One line of `sinfo --format=%P|%D|%G`: partition, node count, generic resources."""
+    fields = line.strip().split("|", 2)
+    if len(fields) == 3 and fields[0] and fields[1].isdigit():
+        return fields[0], int(fields[1]), fields[2]
+    raise UserError(f"`sinfo --noheader --format=%P|%D|%G` printed {line.strip()!r}, not partition|nodes|gres: "
+                    f"megacli cannot read this cluster's partitions (check `sinfo` here; `megacli submit --dry-run` "
+                    f"prints the script without asking the cluster)")
 
 
 def _slurm_command(args: list[str]) -> str:
@@ -112,11 +124,22 @@ def check_partition(launch) -> Partition:
 
 
 def sbatch_options(recipe, *, gpus: int, extra: list[str]) -> list[str]:
-    """The #SBATCH options, in the script's order."""
+    """The #SBATCH options, in the script's order; every value one word of its line (the recipe's
+    own fields are checked when it loads; the values derived from others and the options after --, here)."""
+    from megacli.recipe.slurm import option_problem
+
     ln, sl = recipe.launch, recipe.launch.slurm
     logs = script_dir(recipe.run.dir)
-    options = [f"--job-name={sl.job_name or recipe.run.name or Path(recipe.run.dir).name}",
-               f"--nodes={ln.nnodes}", f"--ntasks-per-node={ln.nproc}"]
+    name = sl.job_name or _one_word(recipe.run.name or Path(recipe.run.dir).name,
+                                    "the job name (launch.slurm.job_name is not set: run.name, else run.dir's name)",
+                                    "set launch.slurm.job_name")
+    _one_word(str(logs), "the job's log directory (from run.dir)", "choose another run.dir")
+    _one_word(str(Path.cwd()), "the working directory (the job's --chdir)", "submit from another directory")
+    for option in extra:
+        problem = option_problem(option)
+        if problem:
+            raise UserError(f"sbatch option after -- {option!r} {problem}")
+    options = [f"--job-name={name}", f"--nodes={ln.nnodes}", f"--ntasks-per-node={ln.nproc}"]
     if gpus:
         options.append(f"--gpus-per-node={gpus}")
     if ln.threads_per_process:
@@ -133,6 +156,16 @@ def sbatch_options(recipe, *, gpus: int, extra: list[str]) -> list[str]:
                 f"--output={logs / '%j.out'}", f"--error={logs / '%j.err'}", f"--chdir={Path.cwd()}",
                 *sl.sbatch_options, *extra]
     return options
+
+
+def _one_word(value: str, what: str, fix: str) -> str:
+    """``value`` when it can be one word of an #SBATCH line, else a UserError naming ``what``."""
+    from megacli.recipe.slurm import sbatch_word_problem
+
+    problem = sbatch_word_problem(value)
+    if problem:
+        raise UserError(f"{what} = {value!r} {problem}: {fix}")
+    return value
 
 
 def batch_script(recipe, *, job: str, recipe_file: Path, gpus: int, extra: list[str]) -> str:
@@ -197,10 +230,11 @@ def write_script(recipe, *, job: str, gpus: int, extra: list[str]) -> Path:
 
     directory = script_dir(recipe.run.dir)
     recipe_file, script = directory / RECIPE_FILE, directory / SCRIPT_FILE
+    text = batch_script(recipe, job=job, recipe_file=recipe_file, gpus=gpus, extra=extra)  # refused before writing
     with unwritable_names(directory, "run.dir", recipe_file, script):
         directory.mkdir(parents=True, exist_ok=True)
         recipe_file.write_text(dump(recipe))
-        script.write_text(batch_script(recipe, job=job, recipe_file=recipe_file, gpus=gpus, extra=extra))
+        script.write_text(text)
         script.chmod(0o755)
     return script
 

@@ -111,19 +111,64 @@ def test_reshard_convert_generate_and_resume_refuse_code(poisoned, tmp_path):
     assert not any(p.name not in ("ck",) for p in tmp_path.iterdir()), sorted(p.name for p in tmp_path.iterdir())
 
 
-def test_a_checkpoint_cannot_grant_itself_trust(poisoned, tmp_path):
-    """checkpoint.trust_pickle: true in the checkpoint's own recipe.yaml lifts nothing: generate and eval
-    refuse."""
+def self_trusting(clean: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of ``clean`` whose recipe.yaml sets every trust field to true and whose .metadata runs
+    code (creating the returned marker) when unpickled without the allow-list."""
+    import shutil
+
     import yaml
 
-    root, marker, which = poisoned
+    from megacli.recipe import trust
+    from megacli.recipe.pretrain import TrainingRecipe
+
+    root, marker = tmp_path / "ck", tmp_path / "code-ran"
+    shutil.copytree(clean, root)
     saved = root / ITER / "recipe.yaml"
     raw = yaml.safe_load(saved.read_text())
-    raw["checkpoint"]["trust_pickle"] = True
-    raw["eval"] = {"tasks": ["x"], "trust_task_code": True}
+    for section, field in trust.FIELDS:
+        if section in TrainingRecipe.model_fields:  # checkpoint and eval: a training recipe's trust fields
+            raw[section] = {**(raw.get(section) or {}), field: True}
+    raw["eval"]["tasks"] = ["x"]
     saved.write_text(yaml.safe_dump(raw))
-    assert_refused(cli("generate", "-c", root, "--prompt", "x"), marker, which)
-    assert_refused(cli("eval", root, "--tasks", "x"), marker, which)
+    poison(root / ITER, ".metadata", marker)
+    return root, marker
+
+
+def _granted(raw: dict) -> list[str]:
+    from megacli.recipe import trust
+
+    return [f"{s}.{f}" for s, f in trust.FIELDS if (raw.get(s) or {}).get(f) is True]
+
+
+def test_a_checkpoint_cannot_grant_itself_trust(clean, tmp_path):
+    """Every trust field set to true in a checkpoint's own recipe.yaml lifts nothing, whatever reads
+    it: the readers of a checkpoint's recipe (layout.read_recipe, Source.recipe, base.read_yaml on
+    it), `recipe from` (what it prints and writes), `recipe show` and training runs given the
+    checkpoint's recipe.yaml, finetune/resume from it, convert, reshard, generate, eval."""
+    import yaml
+
+    from megacli.checkpoint.layout import read_recipe
+    from megacli.recipe.base import read_yaml
+
+    root, marker = self_trusting(clean, tmp_path)
+    saved = root / ITER / "recipe.yaml"
+    assert _granted(yaml.safe_load(saved.read_text())) == ["checkpoint.trust_pickle", "eval.trust_task_code"]
+    assert _granted(read_recipe(root / ITER)) == [] and _granted(read_yaml(saved)) == []
+    assert _granted(Source(root).recipe.model_dump()) == []
+    res = cli("recipe", "from", root, "-o", tmp_path / "from.yaml")
+    assert res.exit_code == 0, res.output
+    assert _granted(yaml.safe_load((tmp_path / "from.yaml").read_text())) == []
+    for args in (("recipe", "from", root), ("recipe", "show", saved)):
+        res = cli(*args)
+        assert res.exit_code == 0 and _granted(yaml.safe_load(res.output)) == [], res.output
+    run = ["--set", f"run.dir={tmp_path / 'run'}"]
+    assert_refused(cli("pretrain", saved, "--set", f"checkpoint.resume={root}", *run), marker, ".metadata")
+    assert_refused(cli("finetune", saved, "--set", f"checkpoint.pretrained={root}", *run), marker, ".metadata")
+    assert_refused(cli("convert", root, tmp_path / "hf"), marker, ".metadata")
+    assert_refused(cli("reshard", root, tmp_path / "out", "--tensor", "2"), marker, ".metadata")
+    assert_refused(cli("generate", "-c", root, "--prompt", "x"), marker, ".metadata")
+    assert_refused(cli("eval", root, "--tasks", "x"), marker, ".metadata")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "from.yaml"]
 
 
 def test_trust_is_not_written_into_a_checkpoint(clean, tmp_path):

@@ -7,6 +7,7 @@ profile of tests/conftest.py), a few seconds each."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import pickle
 import signal
@@ -116,6 +117,57 @@ def test_set_overrides(value):
     from megacli.recipe.pretrain import TrainingRecipe
 
     outcome(base.load, TrainingRecipe, None, ["data.mock=true", f"train.iters={value}"])
+
+
+ALIAS_BOMB = b"".join(b"%c: &%c [" % (97 + i, 97 + i) + b", ".join([b"*%c" % (96 + i) if i else b"lol"] * 9) + b"]\n"
+                     for i in range(9)) + b"train:\n  iters: *i\n"  # 12 lines, 8 levels of 9 aliases
+
+
+@given(inputs(GOOD_RECIPE) | st.text(max_size=300).map(str.encode))
+@example(ALIAS_BOMB)
+@example(b"model:\n  arch: \xff\xfe\n")
+@example(b"run:\n  name: \"a\\x00b\\nc\"\n")
+def test_recipe_yaml_with_aliases_and_control_characters(tmp_path, data):
+    """A recipe's aliases past the budget are refused quickly, with a message of readable length."""
+    from megacli.errors import readable
+    from megacli.recipe import base
+    from megacli.recipe.pretrain import TrainingRecipe
+
+    path = tmp_path / "recipe.yaml"
+    path.write_bytes(data)
+    try:
+        with bounded(5):
+            base.load(TrainingRecipe, path)
+    except RecipeErrors as exc:
+        assert len(readable(exc.render())) < 20_000
+        assert data != ALIAS_BOMB or "aliases expand this document" in exc.render()
+
+
+GOOD_TASK = (b"task: t\ndataset_path: json\noutput_type: loglikelihood\ndoc_to_text: \"{{text}}\"\n"
+             b"doc_to_target: \"{{label}}\"\nmetric_list:\n  - {metric: acc}\n")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None, reason="lm-evaluation-harness (the eval extra)")
+@given(inputs(GOOD_TASK) | st.text(max_size=200).map(lambda t: GOOD_TASK + t.encode()))
+@example(GOOD_TASK + ALIAS_BOMB.replace(b"train:\n  iters: *i", b"doc_to_choice: *i"))
+@example(GOOD_TASK + b"process_docs: !function utils.process\n")
+@example(b"task: \xff\xfe\n")
+@example(b"task: t\x07\ninclude: [x.yaml, *x]\n")
+def test_task_yaml_scan(tmp_path, data):
+    """The scan of an include path's task YAMLs (before the harness reads them) finds the code they
+    name, or refuses a file it cannot read as the harness would (an alias bomb, bytes that are not
+    UTF-8, control characters): never another exception or a hang."""
+    import lm_eval.api.metrics  # noqa: F401 - the scan's imports, before the clock of `outcome` starts
+    import lm_eval.tasks  # noqa: F401
+
+    from megacli.inference.task_code import task_code
+
+    (tmp_path / "t.yaml").write_bytes(data)
+    found = outcome(task_code, tmp_path)
+    if b"doc_to_choice: *i" in data:
+        assert found is None  # the bomb is refused
+    if found is not None and b"!function utils.process" in data:
+        assert any("!function utils.process" in line for line in found), found
 
 
 # ---------------------------------------------------------------- data
@@ -581,3 +633,59 @@ def test_preference_cache(tmp_path, data):
     if found is not None:
         assert found.shape == (4, 2) and found.dtype == np.float64 and np.isfinite(found).all()
     assert not marker.exists()
+
+
+# ---------------------------------------------------------------- the Slurm script writer
+
+
+def _slurm_recipe(fields: dict):
+    from megacli.recipe import base
+    from megacli.recipe.pretrain import TrainingRecipe
+
+    raw = base.apply_overrides({}, ["data.mock=true", "tokenizer.type=byte", "tokenizer.path=null"])
+    raw["launch"] = {"slurm": {k: v for k, v in fields.items() if k != "run_dir"}}
+    raw["run"] = {"dir": fields["run_dir"]}
+    return base.validate(TrainingRecipe, raw, "fuzz")
+
+
+_ODD_TEXT = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]) | st.sampled_from(
+    list("\n\r\t\x00\x1b\x7f\u2028 '\"\\$`;|&#*-=")), max_size=24)
+
+
+_WORD = st.text(st.characters(codec="utf-8", exclude_categories=["Cc", "Cf", "Cs", "Co", "Cn", "Zs", "Zl", "Zp"],
+                               exclude_characters="'\"\\/") | st.sampled_from(list("$`;|&#*(){}")),
+                min_size=1, max_size=12)  # what the script may hold: shell syntax stays text
+
+
+@given(data=st.data())
+def test_the_slurm_script_writer(tmp_path, data):
+    """Whatever the fields hold (words with shell syntax; or, in one field, text with line breaks,
+    spaces, quotes, NUL, escapes), the script is refused with a message or has the template's lines
+    only: each #SBATCH line one option, the field's value intact in it, and `bash -n` passes."""
+    import shutil
+    import subprocess
+
+    from megacli.slurm import batch_script
+
+    drawn = {name: data.draw(_WORD, label=name) for name in ("job_name", "account", "option", "extra", "run_dir")}
+    odd = data.draw(st.sampled_from([None, *drawn]), label="odd field")
+    if odd:
+        drawn[odd] = data.draw(_ODD_TEXT, label=odd)
+    job_name, account, option, extra = drawn["job_name"], drawn["account"], "--" + drawn["option"], "--" + drawn["extra"]
+    fields = {"job_name": job_name, "account": account, "sbatch_options": [option],
+              "run_dir": str(tmp_path / (drawn["run_dir"] or "r"))}
+    plain = {"job_name": "j", "account": "a", "sbatch_options": ["--o"], "run_dir": str(tmp_path / "r")}
+    expected_lines = len(batch_script(_slurm_recipe(plain), job="pretrain", recipe_file=tmp_path / "r.yaml", gpus=0,
+                                      extra=["--x"]).split("\n"))
+    recipe = outcome(_slurm_recipe, fields)
+    script = recipe and outcome(batch_script, recipe, job="pretrain", recipe_file=tmp_path / "r.yaml", gpus=0,
+                                extra=[extra])
+    if script is None:
+        return
+    lines = script.split("\n")  # bash's lines
+    assert len(lines) == expected_lines
+    sbatch = [line.split(" ", 1)[1] for line in lines if line.startswith("#SBATCH ")]
+    assert all(len(option.split()) == 1 for option in sbatch), sbatch
+    assert {f"--job-name={job_name}", f"--account={account}", option, extra} <= set(sbatch)
+    checked = subprocess.run([shutil.which("bash"), "-n"], input=script, capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr

@@ -24,9 +24,10 @@ import re
 from pathlib import Path
 
 from megacli.errors import UserError
+from megacli.recipe.trust import CHECKPOINT_RECORD
 
 LATEST = "latest"
-META = "megacli.json"
+META = CHECKPOINT_RECORD
 RECIPE = "recipe.yaml"
 HF_DIR = "hf"
 HF_CONFIG = "config.json"
@@ -66,19 +67,25 @@ def read_meta(ckpt: Path) -> dict:
 
 
 def read_recipe(ckpt: Path) -> dict:
-    """The raw recipe a checkpoint carries (an empty dict when it has none)."""
+    """The raw recipe a checkpoint carries (an empty dict when it has none), without the trust it
+    claims (megacli.recipe.trust)."""
     import yaml
+
+    from megacli.recipe import trust
+    from megacli.recipe.yaml_text import load_yaml_text, yaml_problem
 
     path = ckpt / RECIPE
     if not path.is_file():
         return {}
     try:
-        recipe = yaml.safe_load(path.read_text()) or {}
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        recipe = load_yaml_text(path.read_text(encoding="utf-8")) or {}
+    except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"{path}: cannot read ({exc})") from None
+    except yaml.YAMLError as exc:
+        raise UserError(f"{path}: cannot read ({yaml_problem(exc)})") from None
     if not isinstance(recipe, dict):
         raise UserError(f"{path}: not a recipe (a mapping of sections)")
-    return recipe
+    return trust.carried(recipe)
 
 
 def lora_base_of(ckpt: Path) -> Path | None:

@@ -16,8 +16,9 @@ RecipeArg = Annotated[Optional[Path], typer.Argument(help="YAML recipe (omit for
 SetOpt = Annotated[Optional[List[str]], typer.Option("--set", "-s", help="Override a recipe field: dotted.key=value (repeatable).", show_default=False)]
 TRUST_PICKLE_HELP = ("Unpickle any object the checkpoint holds (by default only tensors and known-safe types; a pickle "
                      "can run code: only for checkpoints you trust).")
-TRUST_TASK_CODE_HELP = ("Let --include-path task YAMLs run Python (!function, or a metric Hugging Face evaluate loads); "
-                        "without it such a task is refused. Only for task files you trust.")
+TRUST_TASK_CODE_HELP = ("Let --include-path task YAMLs run Python (!function, or a metric Hugging Face evaluate loads) "
+                        "and render task templates outside Jinja's sandbox; without it such a task is refused. Only "
+                        "for task files you trust.")
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the resolved recipe, layout and memory estimate; do not run.")]
 
 
@@ -38,12 +39,15 @@ def output_console(**kwargs):
 
 
 def fail(message: str, code: int = 2) -> "typer.Exit":
-    """Print one error line; the message is plain text (paths and values may hold "[x]" or ":smile:")."""
+    """Print one error line; the message is plain text (paths and values may hold "[x]" or ":smile:"),
+    cut to a readable length (megacli.errors.readable)."""
     from rich.console import Console
     from rich.text import Text
 
-    Console(stderr=True, highlight=False, emoji=False).print(Text.assemble(("error:", "bold red"), " ", message),
-                                                             soft_wrap=True)
+    from megacli.errors import readable
+
+    Console(stderr=True, highlight=False, emoji=False).print(Text.assemble(("error:", "bold red"), " ",
+                                                                           readable(message)), soft_wrap=True)
     return typer.Exit(code)
 
 

@@ -37,11 +37,13 @@ def recipe_of(source: Source) -> CheckpointRecipe:
 
 
 def _validated(raw: dict, source: str):
+    """The recipe read out of a checkpoint, validated; whatever trust it claims is dropped."""
+    from megacli.recipe import trust
     from megacli.recipe.base import RecipeErrors, validate
     from megacli.recipe.pretrain import TrainingRecipe
 
     try:
-        return validate(TrainingRecipe, raw, source)
+        return validate(TrainingRecipe, trust.carried(raw), source)
     except RecipeErrors as exc:
         raise UserError(f"{source}: its recipe does not validate: " + "; ".join(exc.problems)) from None
 

@@ -21,13 +21,19 @@ def import_harness():
 
 
 def task_manager(ev):
-    from lm_eval.tasks import TaskManager
-
     from megacli.inference.task_code import check_task_code
+    from megacli.inference.task_templates import sandboxed
 
     if ev.include_path and not Path(ev.include_path).is_dir():
         raise UserError(f"eval.include_path = {ev.include_path!r}: no such directory")
     check_task_code(ev)  # before the harness reads (and imports from) any task YAML
+    with sandboxed(ev):
+        return _task_manager(ev)
+
+
+def _task_manager(ev):
+    from lm_eval.tasks import TaskManager
+
     if ev.include_path:
         # Indexing the harness's own ~15k task YAMLs takes half a minute: skip it when the
         # include path alone defines (and loads) every task asked for.
@@ -46,6 +52,8 @@ def task_manager(ev):
 def check_tasks(ev) -> None:
     """Every task is known and its data loads (downloaded or local), or a UserError naming the
     task and the dataset to fetch."""
+    from megacli.inference.task_templates import refused, sandboxed, security_error
+
     import_harness()
     manager = task_manager(ev)
     unknown = [t for t in ev.tasks if t not in manager.all_tasks]
@@ -53,11 +61,14 @@ def check_tasks(ev) -> None:
         where = f" or in {ev.include_path}" if ev.include_path else " (give your own task YAMLs with --include-path)"
         raise UserError(f"eval.tasks: unknown lm-evaluation-harness task(s) {', '.join(unknown)}: not among the "
                         f"harness's tasks{where}")
-    for name in ev.tasks:
-        try:
-            manager.load_task_or_group([name])
-        except Exception as exc:  # the datasets library raises many kinds; all mean the same to the user
-            raise UserError(_missing_data(name, manager, exc)) from None
+    with sandboxed(ev):
+        for name in ev.tasks:
+            try:
+                manager.load_task_or_group([name])
+            except Exception as exc:  # the datasets library raises many kinds; all mean the same to the user
+                if security_error(exc):
+                    raise refused(exc, name) from None
+                raise UserError(_missing_data(name, manager, exc)) from None
 
 
 def _missing_data(name: str, manager, exc: Exception) -> str:
@@ -112,7 +123,9 @@ def evaluate(lm, ev, *, manager=None, log_samples: bool | None = None, bootstrap
     import lm_eval.evaluator
     from lm_eval import simple_evaluate
 
-    with mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", _git_commit_hash):
+    from megacli.inference.task_templates import sandboxed
+
+    with sandboxed(ev), mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", _git_commit_hash):
         return simple_evaluate(model=lm, tasks=list(ev.tasks), num_fewshot=ev.num_fewshot, limit=ev.limit,
                                task_manager=manager or task_manager(ev),
                                log_samples=ev.log_samples if log_samples is None else log_samples, random_seed=ev.seed,

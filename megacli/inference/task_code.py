@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from megacli.errors import UserError
+from megacli.recipe.yaml_text import BoundedLoader, load_yaml_text, yaml_problem
 
 _IGNORED_DIRS = {"__pycache__", ".ipynb_checkpoints"}  # as the harness's own index
 
@@ -26,8 +27,9 @@ class _Function:
     spec: str
 
 
-class _Loader(yaml.SafeLoader):
-    """Safe YAML that keeps ``!function X`` (and any python/ tag) as a record instead of importing."""
+class _Loader(BoundedLoader):
+    """megacli's YAML loader (safe, aliases within a budget) keeping ``!function X`` (and any python/
+    tag) as a record instead of importing."""
 
 
 _Loader.add_constructor("!function", lambda loader, node: _Function(str(loader.construct_scalar(node))))
@@ -62,10 +64,12 @@ def _scan(path: Path, found: list[str], seen: set[Path]) -> None:
         return
     seen.add(path)
     try:
-        with path.open("rb") as fh:
-            cfg = yaml.load(fh, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader that imports nothing
-    except (OSError, yaml.YAMLError):
-        return  # the harness cannot load it either
+        cfg = load_yaml_text(path.read_bytes(), _Loader)
+    except OSError:
+        return  # the harness cannot read it either
+    except yaml.YAMLError as exc:  # what the harness's loader would read differently, or explode
+        raise UserError(f"task YAML {path}: {yaml_problem(exc)}; megacli reads every task YAML under "
+                        f"eval.include_path for code before the harness does: fix or remove it") from None
     if not isinstance(cfg, dict):
         return
     for where, spec in _functions(cfg, ()):
@@ -73,6 +77,10 @@ def _scan(path: Path, found: list[str], seen: set[Path]) -> None:
     for where, metric in _unregistered_metrics(cfg):
         found.append(f"{path}: {where}: metric {metric!r} is not one of the harness's own, so Hugging Face "
                      f"evaluate would load (and run) it")
+    prompt = cfg.get("use_prompt")
+    if isinstance(prompt, str) and ".yaml" in prompt.partition(":")[0]:
+        found.append(f"{path}: use_prompt: {prompt!r}: the harness reads that prompt file with PyYAML's full "
+                     f"loader, which builds Python objects")
     includes = cfg.get("include")
     for inc in includes if isinstance(includes, list) else [includes]:
         if isinstance(inc, str):

@@ -14,6 +14,9 @@ from typing import Any, Iterable, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
 
+from megacli.recipe import trust
+from megacli.recipe.yaml_text import AliasBomb, DuplicateKey, load_yaml_text, yaml_problem
+
 
 def _admits(annotation: Any, kinds: tuple[type, ...]) -> bool:
     """Whether a field annotation (through Optional, Union, Annotated, list[...]) admits any of ``kinds``."""
@@ -90,45 +93,6 @@ class RecipeErrors(Exception):
 R = TypeVar("R", bound=BaseModel)
 
 
-class DuplicateKey(yaml.YAMLError):
-    def __init__(self, key: Any, line: int):
-        self.key, self.line = key, line
-        super().__init__(f"line {line}: key {key!r} appears twice in one mapping")
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """safe_load that refuses a mapping holding the same key twice (plain YAML keeps the last one)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` then overriding keys is meant
-                continue
-            key = self.construct_object(key_node, deep=True)
-            try:
-                duplicate = key in seen
-            except TypeError:  # an unhashable key: the constructor below says so
-                continue
-            if duplicate:
-                raise DuplicateKey(key, key_node.start_mark.line + 1)
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-def load_yaml_text(text: str) -> Any:
-    """``yaml.safe_load`` that refuses duplicate keys (raising DuplicateKey, a YAMLError)."""
-    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
-
-
-def yaml_problem(exc: yaml.YAMLError) -> str:
-    """One line for a YAML error: where, and what."""
-    if isinstance(exc, DuplicateKey):
-        return f"{exc}; keep one"
-    mark = getattr(exc, "problem_mark", None)
-    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-    return f"{where}not valid YAML ({getattr(exc, 'problem', None) or exc})"
-
-
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``a.b.c=value`` -> (["a", "b", "c"], parsed value). The value is read as YAML, so
     ``3`` is an int, ``true`` a bool, ``[1, 2]`` a list and ``null`` clears a field."""
@@ -143,7 +107,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     except yaml.YAMLError as exc:
         # A bare word with YAML punctuation inside (a: b) is meant as text; a value that opens a list,
         # a mapping or a quoted string and does not close it is a typo.
-        if isinstance(exc, DuplicateKey):
+        if isinstance(exc, (DuplicateKey, AliasBomb)):
             raise RecipeErrors("--set", [f"{text!r}: {yaml_problem(exc)}"]) from None
         if raw.strip()[:1] in "[{\"'":
             raise RecipeErrors("--set", [f"{text!r}: {yaml_problem(exc)}; close it, or quote the whole value "
@@ -172,6 +136,7 @@ def apply_overrides(raw: dict, overrides: Iterable[str]) -> dict:
 
 
 def read_yaml(path: str | Path) -> dict:
+    """A recipe file's raw mapping; a checkpoint's without the trust it claims (megacli.recipe.trust)."""
     path = Path(path)
     if not path.is_file():
         raise RecipeErrors(str(path), ["file not found"])
@@ -187,7 +152,7 @@ def read_yaml(path: str | Path) -> dict:
         raise RecipeErrors(str(path), [yaml_problem(exc)]) from None
     if not isinstance(data, dict):
         raise RecipeErrors(str(path), ["the top level must be a mapping of sections"])
-    return data
+    return trust.carried(data) if trust.from_checkpoint(path) else data
 
 
 def _known_fields(model: type[BaseModel], loc: tuple) -> list[str]:
@@ -249,8 +214,6 @@ def dump(recipe: BaseModel, *, carried: bool = False) -> str:
     """The resolved recipe as block YAML (every field, defaults included) in declaration order,
     one field per line and no line folded, however long its value. ``carried``: for a recipe a
     checkpoint carries, without the trust fields (megacli.recipe.trust: trust is never passed on)."""
-    from megacli.recipe import trust
-
     raw = recipe.model_dump(mode="json")
     return yaml.safe_dump(trust.carried(raw) if carried else raw, sort_keys=False, default_flow_style=False,
                           width=float("inf"), allow_unicode=True)

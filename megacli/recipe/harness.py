@@ -23,8 +23,9 @@ class HarnessSection(Section):
     """Directory of the harness's custom task YAMLs (with their local data files)."""
     trust_task_code: bool = False
     """Allow include_path's task YAMLs to run Python (``!function``, or a metric Hugging Face evaluate
-    would load); without it such a task is refused before anything is imported. Only for task files
-    you trust."""
+    would load) and render task templates outside Jinja's sandbox; without it such a task is refused
+    before anything is imported, and a template reaching Python internals is stopped. Only for task
+    files you trust."""
     max_gen_toks: PositiveInt = 256
     """generate_until tasks: tokens to generate at most when the task does not say."""
     add_bos: bool = False

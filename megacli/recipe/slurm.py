@@ -5,9 +5,21 @@ from __future__ import annotations
 
 from typing import Optional
 
-from pydantic import NonNegativeInt, PositiveInt
+from pydantic import NonNegativeInt, PositiveInt, field_validator
 
 from megacli.recipe.base import Section
+
+
+def sbatch_word_problem(value: str) -> str | None:
+    """Why ``value`` cannot be written as one word of an ``#SBATCH`` line of the batch script (None
+    when it can): a line break would end the line and start a command of the script, a space would
+    split it into two options, and sbatch reads quotes and backslashes in those lines."""
+    for char in value:
+        if not char.isprintable() or char.isspace():
+            return f"holds {char!r} (a control character or space), which would split the script's #SBATCH line"
+        if char in "\"'\\":
+            return f"holds {char!r} (a quote or backslash), which sbatch would read in the script's #SBATCH line"
+    return None
 
 
 class SlurmSection(Section):
@@ -30,4 +42,29 @@ class SlurmSection(Section):
     """The job's name in squeue (sbatch --job-name); null: run.name, else the run directory's name."""
     sbatch_options: list[str] = []
     """More sbatch options, each written as one #SBATCH line, e.g. [--qos=high, --constraint=a100]
-    (options given after -- on the command line are added after these)."""
+    (options given after -- on the command line are added after these). Each is one option: it starts
+    with '-' and holds no space, control character, quote or backslash."""
+
+    @field_validator("partition", "account", "job_name")
+    @classmethod
+    def _one_word(cls, value: Optional[str]) -> Optional[str]:
+        problem = None if value is None else ("is empty" if not value else sbatch_word_problem(value))
+        if problem:
+            raise ValueError(problem)
+        return value
+
+    @field_validator("sbatch_options")
+    @classmethod
+    def _one_option_each(cls, options: list[str]) -> list[str]:
+        for i, option in enumerate(options):
+            problem = option_problem(option)
+            if problem:
+                raise ValueError(f"entry {i} ({option!r}) {problem}")
+        return options
+
+
+def option_problem(option: str) -> str | None:
+    """Why ``option`` cannot be one sbatch option of the script (None when it can)."""
+    if not option.startswith("-"):
+        return "is not an option (it does not start with '-')"
+    return sbatch_word_problem(option)

@@ -4,12 +4,20 @@ Two guards: the pickle allow-list (megacli.checkpoint.safe_pickle; lifted by ``-
 ``checkpoint.trust_pickle``) and the refusal of harness task YAMLs that import Python
 (megacli.inference.task_code; lifted by ``--trust-task-code`` / ``eval.trust_task_code``). A flag on
 the command line, the recipe file the user passed and ``--set`` may lift them. A recipe read out of a
-checkpoint, a run directory or a tracker file goes through ``carried`` before it is merged with the
-user's, so a downloaded checkpoint cannot grant itself trust; and a recipe written into a checkpoint
-(``dump(recipe, carried=True)``) leaves them out, so trust is never passed on with one.
+checkpoint goes through ``carried``, whatever reads it (``recipe from``, ``recipe show`` or a training
+run given the checkpoint's recipe.yaml as its recipe, ``finetune``/``generate``/``eval`` from it,
+``convert``, ``reshard``): megacli.recipe.base.read_yaml applies it to every recipe file inside a
+checkpoint (``from_checkpoint``), so a downloaded checkpoint cannot grant itself trust; and a recipe
+written into a checkpoint (``dump(recipe, carried=True)``) leaves them out, so trust is never passed
+on with one.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
+
+# The record that makes a directory a megacli checkpoint (megacli.checkpoint.layout.META).
+CHECKPOINT_RECORD = "megacli.json"
 
 PICKLE = "trust_pickle"  # the field of the checkpoint, convert and reshard sections
 
@@ -24,6 +32,12 @@ def carried(raw: dict) -> dict:
         if isinstance(out.get(section), dict) and field in out[section]:
             out[section] = {k: v for k, v in out[section].items() if k != field}
     return out
+
+
+def from_checkpoint(path: str | Path) -> bool:
+    """Whether the recipe file at ``path`` is a checkpoint's (its directory holds a checkpoint record),
+    so that what it says about trust counts for nothing."""
+    return (Path(path).parent / CHECKPOINT_RECORD).is_file()
 
 
 def granted(user: dict, section: str, field: str) -> bool:
