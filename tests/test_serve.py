@@ -79,6 +79,10 @@ def _prepare(rank, world, root: str):
         records = [json.loads(line) for line in out.read_text().splitlines()]
         refs[name] = {"completions": records[: len(PROMPTS)], "chats": records[len(PROMPTS) :],
                       "pieces": {r["prompt"]: [hf_tok.decode([t]) for t in r["tokens"]] for r in records}}
+    res = _cli("generate", "--checkpoint", root / "gpt2" / "mc", "--prompts", root / "gpt2" / "prompts.jsonl", "-n", NEW,
+               "-o", root / "tiny_temperature.jsonl", "--temperature", "1e-300", "--set", f"run.dir={root / 'tiny_run'}")
+    assert res.exit_code == 0, res.output
+    refs["tiny_temperature"] = [json.loads(line) for line in (root / "tiny_temperature.jsonl").read_text().splitlines()]
     refs["hf_dir"] = _from_hf_dir(root / "gpt2")
     refs["megatron_lm"] = _from_megatron_lm(root / "gpt2")
     out = root / "eval.json"
@@ -265,6 +269,12 @@ def test_openai_client_equals_generate(prepared, servers, name):
 
 
 @pytest.mark.slow
+def test_generate_at_a_tiny_temperature_samples_the_argmax(prepared):
+    _, refs = prepared
+    assert [r["tokens"] for r in refs["tiny_temperature"]] == [r["tokens"] for r in refs["gpt2"]["completions"] + refs["gpt2"]["chats"]]
+
+
+@pytest.mark.slow
 def test_a_hugging_face_directory_is_converted_once_and_served(prepared):
     """`generate -c HF_DIR` and `serve HF_DIR` run the conversion megacli made in the run directory (made
     once, reused while the source's files are the same): generate's text on it, Hugging Face's greedy tokens."""
@@ -414,11 +424,25 @@ def test_bad_requests_are_answered_and_the_server_lives(servers):
     res = httpx.post(server.url + "/v1/completions", content=b"{not json", timeout=TIMEOUT,
                      headers={"content-type": "application/json"})
     _error(res, 400)
-    full = server.post("/v1/completions", {"model": "mc", "prompt": ["fox"] * 65, "max_tokens": 2, "temperature": 0})
-    _error(full, 503, "busy")
-    assert full.headers["retry-after"] == "1"
+    for many in (65, 10_000):  # more than --max-queue (64) ever takes: not worth retrying
+        res = server.post("/v1/completions", {"model": "mc", "prompt": ["fox"] * many, "max_tokens": 2})
+        _error(res, 400, f"{many} sequences", "at most 64", param="prompt")
+        assert "retry-after" not in res.headers
+    _error(server.post("/v1/completions", {"model": "mc", "prompt": "fox", "n": 5, "seed": 2**70}), 400, param="seed")
+    greedy = server.post("/v1/completions", {"model": "mc", "prompt": PROMPTS[:2], "max_tokens": 6, "temperature": 0})
+    for extreme in ({"temperature": 1e-300}, {"temperature": 1e-300, "top_p": 1e-300}, {"temperature": 2, "top_p": 1e-9}):
+        res = server.post("/v1/completions", {"model": "mc", "prompt": PROMPTS[:2], "max_tokens": 6, "seed": 2**63 - 1,
+                                              "n": 1, **extreme})
+        assert res.status_code == 200, (extreme, res.text)
+        assert [c["text"] for c in res.json()["choices"]] == [c["text"] for c in greedy.json()["choices"]], extreme
+    forged = '/v1/x"} 1\nmegacli_forged_total 9'
+    assert server.get(forged.replace("\n", "%0A")).status_code == 404
+    for i in range(20):
+        server.get(f"/v1/other_{i}")
     assert server.get("/health").json() == {"status": "ok"}
     metrics = server.get("/metrics").text
+    assert "forged" not in metrics and "other_" not in metrics
+    assert 'megacli_requests_total{endpoint="unmatched",status="404"}' in metrics
     assert 'megacli_requests_total{endpoint="/v1/completions",status="400"}' in metrics
     assert "megacli_queue_length 0" in metrics
     assert server.client().completions.create(model="mc", prompt="fox", max_tokens=2, temperature=0).choices[0].text is not None
@@ -434,6 +458,10 @@ def test_api_key(servers):
     with pytest.raises(openai.AuthenticationError):
         server.client("wrong").models.list()
     assert server.get("/health").status_code == 200
+    _error(server.get("/metrics"), 401)
+    _error(server.get('/v1/x"} 1%0Amegacli_forged_total 9'), 401)
+    metrics = server.get("/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
+    assert "forged" not in metrics and 'megacli_requests_total{endpoint="unmatched",status="401"}' in metrics
     printed = "".join(server.lines)
     assert API_KEY not in printed and "sk-…" in printed
 
@@ -553,6 +581,8 @@ def test_tp2_pp2_equals_generate(prepared, tmp_path):
             client = server.client()
             got = client.completions.create(model="mc", prompt=PROMPTS, max_tokens=NEW, temperature=0)
             assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [r["text"] for r in refs[name]["completions"]]
+            tiny = client.completions.create(model="mc", prompt=PROMPTS, max_tokens=NEW, temperature=1e-300, seed=1)
+            assert [c.text for c in sorted(tiny.choices, key=lambda c: c.index)] == [r["text"] for r in refs[name]["completions"]]
             for messages, want in zip(CHATS, refs[name]["chats"]):
                 streamed = client.chat.completions.create(model="mc", messages=messages, max_tokens=NEW, temperature=0,
                                                           stream=True)

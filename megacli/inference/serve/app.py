@@ -21,7 +21,7 @@ from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from megacli.errors import UserError
-from megacli.inference.serve.batcher import Batcher, QueueFull, Sampling, Sequence, Token
+from megacli.inference.serve.batcher import Batcher, QueueFull, Sampling, Sequence, Token, TooBig
 from megacli.inference.serve.protocol import ChatRequest, CompletionRequest
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -72,7 +72,6 @@ class _Choice:
 def build_app(served: Served) -> FastAPI:
     app = FastAPI(title="megacli serve", docs_url=None, redoc_url=None, openapi_url=None)
     _add_error_handlers(app)
-    app.add_middleware(_Gate, api_key=served.api_key, metrics=served.batcher.metrics)
     routes = _Routes(served)
 
     @app.get("/health")
@@ -97,6 +96,8 @@ def build_app(served: Served) -> FastAPI:
     async def chat(body: ChatRequest, request: Request):
         return await routes.chat(body, request)
 
+    app.add_middleware(_Gate, api_key=served.api_key, metrics=served.batcher.metrics,
+                       endpoints=frozenset(route.path for route in app.routes))
     return app
 
 
@@ -137,6 +138,12 @@ class _Routes:
         if name != self.served.name:
             raise ApiError(404, f"model {name!r} does not exist; this server has {self.served.name!r}", "model")
 
+    def check_size(self, count: int, param: str) -> None:
+        try:
+            self.served.batcher.check_size(count)
+        except TooBig as exc:
+            raise ApiError(400, str(exc), param) from None
+
     def encode(self, prompt, param: str) -> list[int]:
         served = self.served
         if isinstance(prompt, list):
@@ -172,6 +179,7 @@ class _Routes:
                 choice = _Choice(loop)
                 seqs.append(Sequence(ids=ids, params=params, emit=choice.emit))
                 choices.append(choice)
+        self.check_size(len(seqs), "n" if req.n > 1 else "prompt")
         try:
             self.served.batcher.submit(seqs)
         except QueueFull as exc:
@@ -218,6 +226,7 @@ class _Routes:
         served, tok = self.served, self.tok
         self.check_model(body.model)
         prompts = body.prompts()
+        self.check_size(len(prompts) * body.n, "n" if body.n > 1 else "prompt")
         encoded = [self.encode(p, "prompt") for p in prompts]
         limits = [self.budget(ids, body.max_tokens, default=served.default_max_tokens) for ids in encoded]
         loop = asyncio.get_running_loop()
@@ -309,10 +318,11 @@ class _Routes:
 class _Gate:
     """ASGI middleware (a plain one: Starlette's BaseHTTPMiddleware would hide a client's disconnect
     from the routes): everything but /health needs the key, when one is set, before the body is
-    read; every answer is counted by path and status."""
+    read; every answer is counted by endpoint (one of the app's routes, or "unmatched": never a
+    path a client wrote) and status."""
 
-    def __init__(self, app, *, api_key: str | None, metrics):
-        self.app, self.key, self.metrics = app, api_key, metrics
+    def __init__(self, app, *, api_key: str | None, metrics, endpoints: frozenset[str]):
+        self.app, self.key, self.metrics, self.endpoints = app, api_key, metrics, endpoints
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -331,7 +341,8 @@ class _Gate:
             else:
                 await self.app(scope, receive, counted)
         finally:
-            self.metrics.requests[(path, status.get("code", 500))] += 1
+            endpoint = path if path in self.endpoints else "unmatched"
+            self.metrics.requests[(endpoint, status.get("code", 500))] += 1
 
     def _key_matches(self, scope) -> bool:
         headers = dict(scope.get("headers") or [])

@@ -23,6 +23,10 @@ class QueueFull(Exception):
     """More requests are waiting than the server takes (answered 503 with Retry-After)."""
 
 
+class TooBig(Exception):
+    """A request with more sequences than the queue ever holds (answered 400)."""
+
+
 @dataclass
 class Sampling:
     max_tokens: int
@@ -88,6 +92,11 @@ class TextSoFar:
         return out
 
 
+def label(value) -> str:
+    """A Prometheus label value: backslash, double quote and newline escaped."""
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 class Metrics:
     """Counters and gauges for /metrics (read by the HTTP thread, written by both)."""
 
@@ -121,7 +130,7 @@ class Metrics:
         lines = ["# HELP megacli_requests_total Requests answered, by endpoint and status.",
                  "# TYPE megacli_requests_total counter"]
         for (endpoint, status), n in sorted(self.requests.items()):
-            lines.append(f'megacli_requests_total{{endpoint="{endpoint}",status="{status}"}} {n}')
+            lines.append(f'megacli_requests_total{{endpoint="{label(endpoint)}",status="{label(status)}"}} {n}')
         for name, kind, help_, value in (
                 ("prompt_tokens_total", "counter", "Prompt tokens prefilled.", self.prompt_tokens),
                 ("generated_tokens_total", "counter", "Tokens generated.", self.generated_tokens),
@@ -146,8 +155,8 @@ class Batcher:
     """The decoding loop: ``submit`` sequences from any thread; ``run`` in one thread until ``stop``."""
 
     def __init__(self, lockstep, tok, *, max_batch: int, max_queue: int, stop_ids: set[int], metrics: Metrics,
-                 idle_seconds: float = 30.0):
-        self.lockstep, self.tok, self.idle_seconds = lockstep, tok, idle_seconds
+                 idle_seconds: float = 30.0, on_fatal: Callable[[], None] = lambda: None):
+        self.lockstep, self.tok, self.idle_seconds, self.on_fatal = lockstep, tok, idle_seconds, on_fatal
         self.max_batch, self.max_queue, self.stop_ids, self.metrics = max_batch, max_queue, stop_ids, metrics
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: dict[int, Sequence] = {}  # slot -> sequence
@@ -158,7 +167,14 @@ class Batcher:
 
     # ---------------------------------------------------------------- any thread
 
+    def check_size(self, count: int) -> None:
+        """TooBig unless ``count`` sequences fit in the queue at all."""
+        if count > self.max_queue:
+            raise TooBig(f"this request makes {count} sequences (prompts x n); the server takes at most "
+                         f"{self.max_queue} at a time (serve.max_queue): split it")
+
     def submit(self, seqs: list[Sequence]) -> None:
+        self.check_size(len(seqs))
         with self.wakeup:
             if self.stopping:
                 raise QueueFull("the server is shutting down")
@@ -208,7 +224,7 @@ class Batcher:
                 self._admit()
                 if self.running:
                     self._step()
-        except BaseException as exc:  # the model failed: answer everyone, keep the reason
+        except BaseException as exc:  # the model failed: answer everyone, keep the reason, stop the server
             self.error = exc
             with self.wakeup:
                 everyone = list(self.waiting) + list(self.running.values())
@@ -217,6 +233,7 @@ class Batcher:
                 self.stopping = True
             for seq in everyone:
                 seq.emit("error", f"the model failed: {type(exc).__name__}: {exc}")
+            self.on_fatal()
             raise
 
     def _drop_cancelled(self) -> None:
@@ -241,14 +258,27 @@ class Batcher:
             self.running[slot] = seq
             self.metrics.prompt_tokens += len(seq.ids)
             logits = self.lockstep.call("admit", slot, seq.ids, all_logits=p.echo and p.logprobs is not None)
-            if p.echo:
-                self._echo(seq, logits)
-                logits = logits[-1] if logits.dim() == 2 else logits
-            if p.max_tokens == 0:
-                self._finish(slot, "length")
-            else:
-                self._choose(slot, seq, logits)
+            self._alone(slot, seq, self._first, slot, seq, logits)
         self.metrics.batch_size = len(self.running)
+
+    def _first(self, slot: int, seq: Sequence, logits: torch.Tensor) -> None:
+        p = seq.params
+        if p.echo:
+            self._echo(seq, logits)
+            logits = logits[-1] if logits.dim() == 2 else logits
+        if p.max_tokens == 0:
+            self._finish(slot, "length")
+        else:
+            self._choose(slot, seq, logits)
+
+    def _alone(self, slot: int, seq: Sequence, work, *args) -> None:
+        """``work(*args)`` for one sequence: if it fails, that sequence's request fails, and only it."""
+        try:
+            work(*args)
+        except Exception as exc:
+            seq.emit("error", f"the request failed: {type(exc).__name__}: {exc}")
+            if slot in self.running:
+                self._release(slot)
 
     def _echo(self, seq: Sequence, logits: torch.Tensor) -> None:
         """The prompt's tokens, each with its log-probability given the ones before it."""
@@ -264,7 +294,7 @@ class Batcher:
         logits = self.lockstep.call("step", dict(self.next_token))
         self.metrics.steps += 1
         for slot, row in logits.items():
-            self._choose(slot, self.running[slot], row)
+            self._alone(slot, self.running[slot], self._choose, slot, self.running[slot], row)
         self.metrics.batch_size = len(self.running)
 
     def _choose(self, slot: int, seq: Sequence, logits: torch.Tensor) -> None:

@@ -98,17 +98,19 @@ def _serve_http(recipe, model, tok, lockstep, *, key, on_ready) -> None:
 
     s, g = recipe.serve, recipe.generate
     stop_ids = set(g.stop_tokens) | ({tok.eod} if g.stop_at_eod and tok.eod is not None else set())
+    stopper = {}  # the uvicorn server, once made: a failed model stops it (the job then exits non-zero)
     batcher = Batcher(lockstep, tok, max_batch=s.max_batch, max_queue=s.max_queue, stop_ids=stop_ids,
-                      metrics=Metrics(cache=lockstep.work), idle_seconds=IDLE_PING_SECONDS)
+                      metrics=Metrics(cache=lockstep.work), idle_seconds=IDLE_PING_SECONDS,
+                      on_fatal=lambda: setattr(stopper["server"], "should_exit", True))
     name = s.model_name or Path(str(recipe.generate.checkpoint)).resolve().name
     served = Served(name=name, generator=Generator(model, tok, g), context=recipe.model.max_positions, batcher=batcher,
                     default_max_tokens=s.max_tokens, api_key=key, chat_template=chat_template(recipe),
                     shutdown_grace=s.shutdown_timeout)
-    loop_thread = threading.Thread(target=batcher.run, name="megacli-serve-batcher", daemon=True)
-    loop_thread.start()
     config = uvicorn.Config(build_app(served), host=s.host, port=s.port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=s.shutdown_timeout, lifespan="off")
-    server = uvicorn.Server(config)
+    server = stopper["server"] = uvicorn.Server(config)
+    loop_thread = threading.Thread(target=batcher.run, name="megacli-serve-batcher", daemon=True)
+    loop_thread.start()
     started = threading.Thread(target=_announce, args=(server, name, key, on_ready), daemon=True)
     started.start()
     if threading.current_thread() is threading.main_thread():

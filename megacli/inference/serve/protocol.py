@@ -20,7 +20,8 @@ class _Request(BaseModel):
     """An extension: sample among the k most likely tokens (0 = all)."""
     n: int = Field(1, ge=1, le=16)
     stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=-(2**63), le=2**63 - 1)
+    """A 64-bit integer, as OpenAI's."""
     stream: bool = False
     stream_options: Optional[dict] = None
     presence_penalty: float = 0.0
