@@ -34,6 +34,8 @@ CHATS = [[{"role": "user", "content": "the quick brown fox"}],
           {"role": "assistant", "content": "jumps"}, {"role": "user", "content": "over the"}]]
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}a:{% endif %}")
+SYSTEM = "over the lazy dog the quick brown fox jumps over the lazy dog: "
+SHARED = [SYSTEM + q for q in ("the fox", "a dog jumps", "the quick brown", "lazy")]  # one long prefix, four questions
 NEW = 12
 EVAL_TASKS = ["tiny_lambada", "tiny_choice", "tiny_generate"]  # tiny_rolling's windows fill the context: no room for max_tokens=1
 API_KEY = "sk-test-0123456789abcdef"
@@ -71,13 +73,14 @@ def _prepare(rank, world, root: str):
         hf_tok = AutoTokenizer.from_pretrained(tok_dir)
         chat_prompts = [hf_tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in CHATS]
         prompts = root / name / "prompts.jsonl"
-        prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS + chat_prompts))
+        prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS + chat_prompts + SHARED))
         out = root / name / "generated.jsonl"
         res = _cli("generate", "--checkpoint", root / name / "mc", "--prompts", prompts, "-n", NEW, "-o", out,
                    "--set", f"run.dir={root / name / 'run'}")
         assert res.exit_code == 0, res.output
         records = [json.loads(line) for line in out.read_text().splitlines()]
-        refs[name] = {"completions": records[: len(PROMPTS)], "chats": records[len(PROMPTS) :],
+        refs[name] = {"completions": records[: len(PROMPTS)], "chats": records[len(PROMPTS) : -len(SHARED)],
+                      "shared": records[-len(SHARED) :],
                       "pieces": {r["prompt"]: [hf_tok.decode([t]) for t in r["tokens"]] for r in records}}
     res = _cli("generate", "--checkpoint", root / "gpt2" / "mc", "--prompts", root / "gpt2" / "prompts.jsonl", "-n", NEW,
                "-o", root / "tiny_temperature.jsonl", "--temperature", "1e-300", "--set", f"run.dir={root / 'tiny_run'}")
@@ -231,7 +234,8 @@ def servers(prepared):
     root, _ = prepared
     up = {}
     try:
-        up["gpt2"] = Server(root / "gpt2" / "mc", "--max-batch", 8, "--set", "serve.cache_length=64")
+        up["gpt2"] = Server(root / "gpt2" / "mc", "--max-batch", 8, "--set", "serve.cache_length=64",
+                            "--set", "serve.prefix_block=4")
         up["llama_tied_gqa"] = Server(root / "llama_tied_gqa" / "mc", "--api-key", API_KEY,
                                       "--set", "model.max_position_embeddings=1024")
         yield up
@@ -269,9 +273,58 @@ def test_openai_client_equals_generate(prepared, servers, name):
 
 
 @pytest.mark.slow
+def test_logprobs_while_streaming_and_logit_bias(prepared, servers):
+    """Streamed chunks carry the logprobs of their tokens: together, those of the whole answer;
+    a logit_bias of 100 makes greedy decoding repeat its token."""
+    _, refs = prepared
+    client = servers["gpt2"].client()
+    for want in refs["gpt2"]["completions"][:2]:
+        whole = client.completions.create(model="mc", prompt=want["prompt"], max_tokens=NEW, temperature=0, logprobs=2)
+        chunks = list(client.completions.create(model="mc", prompt=want["prompt"], max_tokens=NEW, temperature=0,
+                                                logprobs=2, stream=True))
+        parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+        assert [t for p in parts for t in p.tokens] == whole.choices[0].logprobs.tokens == ref_pieces(refs, want)
+        assert [x for p in parts for x in p.token_logprobs] == pytest.approx(whole.choices[0].logprobs.token_logprobs, abs=1e-5)
+        assert [x for p in parts for x in p.top_logprobs] == whole.choices[0].logprobs.top_logprobs
+    for messages, want in zip(CHATS, refs["gpt2"]["chats"]):
+        chunks = list(client.chat.completions.create(model="mc", messages=messages, max_tokens=NEW, temperature=0,
+                                                     logprobs=True, top_logprobs=2, stream=True))
+        content = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+        assert [t.token for t in content] == ref_pieces(refs, want) and all(len(t.top_logprobs) == 2 for t in content)
+    biased = client.completions.create(model="mc", prompt="fox", max_tokens=NEW, temperature=0, logprobs=0,
+                                       logit_bias={"17": 100})
+    tokens = biased.choices[0].logprobs.tokens
+    assert len(tokens) == NEW and len(set(tokens)) == 1 and biased.choices[0].text == tokens[0] * NEW
+
+
+def _shared_prefix_equals_generate(server, refs: dict, key: str = "unused") -> None:
+    """The shared-prefix prompts, one by one then together: generate's greedy text (no prefix
+    cache there), with most of their prompt tokens taken from the server's prefix cache."""
+    client, auth = server.client(key), {"Authorization": f"Bearer {key}"}
+    hits = server.metric("prefix_cache_hit_tokens_total", auth)
+    for want in refs["shared"]:
+        got = client.completions.create(model="mc", prompt=want["prompt"], max_tokens=NEW, temperature=0)
+        assert got.choices[0].text == want["text"]
+    together = client.completions.create(model="mc", prompt=SHARED, max_tokens=NEW, temperature=0)
+    assert [c.text for c in sorted(together.choices, key=lambda c: c.index)] == [r["text"] for r in refs["shared"]]
+    assert server.metric("prefix_cache_hit_tokens_total", auth) - hits >= 5 * len(SYSTEM.split())
+
+
+@pytest.mark.slow
+def test_prefix_cache_gives_the_greedy_text_of_generate(prepared, servers):
+    _, refs = prepared
+    _shared_prefix_equals_generate(servers["gpt2"], refs["gpt2"])
+
+
+def ref_pieces(refs, record) -> list[str]:
+    return refs["gpt2"]["pieces"][record["prompt"]]
+
+
+@pytest.mark.slow
 def test_generate_at_a_tiny_temperature_samples_the_argmax(prepared):
     _, refs = prepared
-    assert [r["tokens"] for r in refs["tiny_temperature"]] == [r["tokens"] for r in refs["gpt2"]["completions"] + refs["gpt2"]["chats"]]
+    want = refs["gpt2"]["completions"] + refs["gpt2"]["chats"] + refs["gpt2"]["shared"]
+    assert [r["tokens"] for r in refs["tiny_temperature"]] == [r["tokens"] for r in want]
 
 
 @pytest.mark.slow
@@ -326,7 +379,8 @@ def test_a_megatron_lm_legacy_checkpoint_is_converted_in_the_run_directory(prepa
     it was exported from."""
     root, refs = prepared
     legacy = refs["megatron_lm"]["legacy"]
-    assert [r["text"] for r in legacy] == [r["text"] for r in refs["gpt2"]["completions"] + refs["gpt2"]["chats"]]
+    assert [r["text"] for r in legacy] == [r["text"] for r in refs["gpt2"]["completions"] + refs["gpt2"]["chats"]
+                                           + refs["gpt2"]["shared"]]
     assert "a Megatron-LM legacy checkpoint; converting it (TP=1 PP=1" in refs["megatron_lm"]["legacy_said"]
     assert (root / "gpt2" / "mlm_legacy_run" / "converted" / "mlm_legacy.source.json").is_file()
 
@@ -417,7 +471,8 @@ def test_bad_requests_are_answered_and_the_server_lives(servers):
            "max_tokens is 64", "64", param="max_tokens")
     _error(server.post("/v1/completions", {"model": "mc", "prompt": "fox", "temperature": 7}), 400, param="temperature")
     _error(server.post("/v1/completions", {"model": "mc", "prompt": [5, 999999]}), 400, "outside the vocabulary")
-    _error(server.post("/v1/completions", {"model": "mc", "prompt": "fox", "logit_bias": {"1": 3}}), 400, "logit_bias")
+    _error(server.post("/v1/completions", {"model": "mc", "prompt": "fox", "logit_bias": {"999999": 3}}), 400, "logit_bias")
+    _error(server.post("/v1/completions", {"model": "mc", "prompt": "fox", "logit_bias": {"1": 300}}), 400, "logit_bias")
     _error(server.post("/v1/chat/completions", {"model": "mc", "messages": []}), 400, param="messages")
     _error(server.post("/v1/completions", {"model": "gpt-4", "prompt": "fox"}), 404, "gpt-4", param="model")
     _error(server.get("/v1/nothing"), 404)
@@ -576,11 +631,13 @@ def test_tp2_pp2_equals_generate(prepared, tmp_path):
     """Rank 0 of four (TP=2 x PP=2) serves; the other ranks follow its batches."""
     root, refs = prepared
     for name in NAMES:
-        server = Server(root / name / "mc", "--tensor", 2, "--pipeline", 2, "--set", f"run.dir={tmp_path / name}")
+        server = Server(root / name / "mc", "--tensor", 2, "--pipeline", 2, "--set", f"run.dir={tmp_path / name}",
+                        "--set", "serve.prefix_block=4")
         try:
             client = server.client()
             got = client.completions.create(model="mc", prompt=PROMPTS, max_tokens=NEW, temperature=0)
             assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [r["text"] for r in refs[name]["completions"]]
+            _shared_prefix_equals_generate(server, refs[name])
             tiny = client.completions.create(model="mc", prompt=PROMPTS, max_tokens=NEW, temperature=1e-300, seed=1)
             assert [c.text for c in sorted(tiny.choices, key=lambda c: c.index)] == [r["text"] for r in refs[name]["completions"]]
             for messages, want in zip(CHATS, refs[name]["chats"]):

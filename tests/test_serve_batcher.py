@@ -17,11 +17,12 @@ VOCAB = 10
 class Slots:
     """Next-token logits that favour token (last token + 1) % VOCAB; ``fail_at`` makes ``step`` raise."""
 
-    def __init__(self, fail_at: int | None = None):
-        self.fail_at, self.steps, self.shifts = fail_at, 0, 0
+    def __init__(self, fail_at: int | None = None, random: bool = False):
+        self.fail_at, self.random, self.steps, self.shifts = fail_at, random, 0, 0
 
-    @staticmethod
-    def logits(last: int) -> torch.Tensor:
+    def logits(self, last: int) -> torch.Tensor:
+        if self.random:  # a fixed random row per last token
+            return torch.randn(VOCAB, generator=torch.Generator().manual_seed(last)) * 2
         row = torch.linspace(-3.0, 0.0, VOCAB)
         return row.roll((last + 1) % VOCAB - (VOCAB - 1))
 
@@ -59,8 +60,14 @@ class Chars:
         return "".join(chr(97 + i) for i in ids)
 
 
-def _batcher(slots: Slots, *, max_queue: int = 64, fatal=None) -> Batcher:
-    return Batcher(Lockstep(slots), Chars, max_batch=4, max_queue=max_queue, stop_ids=set(), metrics=Metrics(slots),
+class Letters:
+    @staticmethod
+    def decode(ids):
+        return "".join(chr(97 + i) for i in ids)
+
+
+def _batcher(slots: Slots, *, max_queue: int = 64, fatal=None, tok=Chars) -> Batcher:
+    return Batcher(Lockstep(slots), tok, max_batch=4, max_queue=max_queue, stop_ids=set(), metrics=Metrics(slots),
                    on_fatal=fatal or (lambda: None))
 
 
@@ -140,3 +147,28 @@ def test_metrics_label_values_are_escaped():
     text = metrics.text()
     assert "\nforged_total" not in text
     assert 'endpoint="/x\\"} 1\\nforged_total 9\\\\"' in text
+
+
+def test_penalties_and_logit_bias_follow_openai_on_the_logits():
+    """Greedy with presence/frequency penalties and logit_bias: each token is the argmax of the
+    logits minus frequency x count minus presence x (count > 0) plus bias, computed here directly."""
+    slots = Slots(random=True)
+    cases = [(0.0, 0.0, {}), (1.5, 0.0, {}), (0.0, 0.7, {}), (-0.5, 1.2, {3: 2.5, 4: -100.0}), (2.0, 2.0, {1: 1.0})]
+    batcher = _batcher(slots, tok=Letters)
+    thread = _run(batcher)
+    seqs = [_sequence(2, 12, presence_penalty=p, frequency_penalty=f, logit_bias=b)[0] for p, f, b in cases]
+    batcher.submit(seqs)
+    batcher.stop()
+    thread.join(10)
+    outputs = []
+    for seq, (presence, frequency, bias) in zip(seqs, cases):
+        want, last = [], 2
+        for _ in range(12):
+            row = slots.logits(last).tolist()
+            scores = [row[j] - frequency * want.count(j) - presence * (j in want) + bias.get(j, 0.0) for j in range(VOCAB)]
+            last = max(range(VOCAB), key=scores.__getitem__)
+            want.append(last)
+        assert seq.generated == want, (presence, frequency, bias)
+        outputs.append(tuple(want))
+    assert len(set(outputs)) == len(cases), "every setting changes the greedy tokens"
+    assert 4 not in outputs[3]

@@ -22,6 +22,21 @@ def repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float)
     return logits.scatter(1, seen, picked)
 
 
+def openai_penalties(logits: torch.Tensor, generated: list[int], *, presence: float, frequency: float,
+                     bias: dict[int, float]) -> torch.Tensor:
+    """OpenAI's rule for one row [vocab]: each token's logit minus frequency x (times it was generated)
+    and minus presence once it was generated at all, plus its logit_bias."""
+    if not (presence or frequency or bias):
+        return logits
+    out = logits.float().clone()
+    if generated and (presence or frequency):
+        counts = torch.bincount(torch.tensor(generated), minlength=out.size(-1))[: out.size(-1)].float()
+        out -= counts * frequency + (counts > 0).float() * presence
+    for token, value in bias.items():
+        out[token] += value
+    return out
+
+
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
     if k <= 0 or k >= logits.size(-1):
         return logits

@@ -36,6 +36,13 @@ class ServeSection(Section):
     cache_length: Optional[PositiveInt] = None
     """KV-cache columns per slot (at least the model's context). Default: twice the context, so
     the cache is compacted at most once per context's worth of steps."""
+    prefix_cache: bool = True
+    """Reuse the KV cache of prompt prefixes seen before (in blocks of prefix_block tokens)."""
+    prefix_block: PositiveInt = 16
+    """Tokens per prefix-cache block: a prefix is reused in whole blocks."""
+    prefix_cache_blocks: PositiveInt = 512
+    """Blocks kept at most (the least recently used are dropped); each holds prefix_block tokens'
+    keys and values for every layer."""
     shutdown_timeout: float = Field(30.0, ge=0)
     """On SIGTERM: seconds to finish the requests in flight before exiting."""
 

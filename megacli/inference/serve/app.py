@@ -169,13 +169,23 @@ class _Routes:
             return asked
         return room if default is None else min(default, room)
 
+    def logit_bias(self, req) -> dict[int, float]:
+        vocab = self.served.generator.model.vocab_size
+        bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
+        bad = [t for t in bias if t >= vocab]
+        if bad:
+            raise ApiError(400, f"logit_bias: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", "logit_bias")
+        return bias
+
     def sequences(self, req, encoded: list[list[int]], limits: list[int], *, logprobs, echo: bool, loop):
         seqs, choices = [], []
+        bias = self.logit_bias(req)
         for ids, limit in zip(encoded, limits):
             for j in range(req.n):
                 params = Sampling(max_tokens=limit, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                   seed=None if req.seed is None else req.seed + j, stop=req.stop_list(),
-                                  logprobs=logprobs, echo=echo)
+                                  logprobs=logprobs, echo=echo, presence_penalty=req.presence_penalty,
+                                  frequency_penalty=req.frequency_penalty, logit_bias=bias)
                 choice = _Choice(loop)
                 seqs.append(Sequence(ids=ids, params=params, emit=choice.emit))
                 choices.append(choice)
@@ -236,15 +246,16 @@ class _Routes:
 
         if body.stream:
             async def events():
-                async for index, kind, value in _stream(request, seqs, choices):
+                async for index, kind, value, tokens in _stream(request, seqs, choices):
                     if kind == "start":
                         if body.echo:
                             yield _chunk(rid, "text_completion", created, served.name,
                                          [{"index": index, "text": prompt_texts[index], "logprobs": None, "finish_reason": None}])
                         continue
                     text, reason = (value, None) if kind == "text" else ("", value)
+                    lp = None if body.logprobs is None else _completion_logprobs(tokens, self.piece, "")
                     yield _chunk(rid, "text_completion", created, served.name,
-                                 [{"index": index, "text": text, "logprobs": None, "finish_reason": reason}])
+                                 [{"index": index, "text": text, "logprobs": lp, "finish_reason": reason}])
                 if body.include_usage():
                     yield {"data": json.dumps({"id": rid, "object": "text_completion", "created": created,
                                                "model": served.name, "choices": [], "usage": _stream_usage(encoded, body.n, seqs)})}
@@ -285,15 +296,16 @@ class _Routes:
 
         if body.stream:
             async def events():
-                async for index, kind, value in _stream(request, seqs, choices):
+                async for index, kind, value, tokens in _stream(request, seqs, choices):
                     if kind == "start":
                         delta, reason = {"role": "assistant", "content": ""}, None
                     elif kind == "text":
                         delta, reason = {"content": value}, None
                     else:
                         delta, reason = {}, value
+                    lp = {"content": [_chat_logprob(t, self.piece) for t in tokens]} if body.logprobs and tokens else None
                     yield _chunk(rid, "chat.completion.chunk", created, served.name,
-                                 [{"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}])
+                                 [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}])
                 if body.include_usage():
                     yield {"data": json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
                                                "model": served.name, "choices": [], "usage": _stream_usage([ids], body.n, seqs)})}
@@ -351,14 +363,16 @@ class _Gate:
 
 
 async def _stream(request: Request, seqs: list[Sequence], choices: list[_Choice]):
-    """(choice index, kind, value) as the sequences produce them: ("start", None) once per choice,
-    then ("text", delta)... and ("end", finish_reason). A client that goes away (the response task
-    is cancelled) cancels every sequence still running."""
+    """(choice index, kind, value, tokens) as the sequences produce them: ("start", None) once per
+    choice, then ("text", delta)... and ("end", finish_reason), each with the tokens generated since
+    the previous one (a text held back waits with its tokens). A client that goes away (the
+    response task is cancelled) cancels every sequence still running."""
     finished = 0
     pending: dict[asyncio.Future, int] = {}
+    tokens: list[list[Token]] = [[] for _ in seqs]
     try:
         for index in range(len(seqs)):
-            yield index, "start", None
+            yield index, "start", None, []
         pending.update({asyncio.ensure_future(c.queue.get()): i for i, c in enumerate(choices)})
         while pending:
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -367,11 +381,13 @@ async def _stream(request: Request, seqs: list[Sequence], choices: list[_Choice]
                 kind, value = fut.result()
                 if kind == "error":
                     raise RuntimeError(value)
-                if kind == "text":
-                    yield index, "text", value
+                if kind == "token":
+                    tokens[index].append(value)
+                if kind in ("text", "end"):
+                    yield index, kind, value, tokens[index]
+                    tokens[index] = []
                 if kind == "end":
                     finished += 1
-                    yield index, "end", value
                 else:
                     pending[asyncio.ensure_future(choices[index].queue.get())] = index
     finally:

@@ -37,6 +37,9 @@ class Sampling:
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None  # alternatives per token (0 = the chosen token's log-probability alone)
     echo: bool = False  # also the prompt's tokens (with their log-probabilities when logprobs is set)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -125,6 +128,9 @@ class Metrics:
         span = max(time.monotonic() - recent[0][0], 1e-3)
         return sum(n for _, n in recent) / span
 
+    def _prefix(self):
+        return getattr(self.cache, "prefix", None)
+
     def text(self) -> str:
         """Prometheus' text exposition format."""
         lines = ["# HELP megacli_requests_total Requests answered, by endpoint and status.",
@@ -138,6 +144,8 @@ class Metrics:
                 ("cancelled_total", "counter", "Sequences stopped early because their client went away.", self.cancelled),
                 ("cache_shifts_total", "counter", "Times the KV cache's columns were moved to make room.",
                  self.cache.shifts if self.cache is not None else 0),
+                ("prefix_cache_hit_tokens_total", "counter", "Prompt tokens whose keys and values came from the prefix cache.",
+                 self._prefix().hit_tokens if self._prefix() else 0),
                 ("tokens_per_second", "gauge", "Generated tokens per second over the last 10 s.",
                  round(self.tokens_per_second(), 3)),
                 ("queue_length", "gauge", "Requests waiting for a slot.", self.queue_length),
@@ -299,10 +307,12 @@ class Batcher:
 
     def _choose(self, slot: int, seq: Sequence, logits: torch.Tensor) -> None:
         p = seq.params
+        scores = sampling.openai_penalties(logits, seq.generated, presence=p.presence_penalty,
+                                           frequency=p.frequency_penalty, bias=p.logit_bias)
         if p.temperature == 0:
-            token = int(logits.argmax())
+            token = int(scores.argmax())
         else:
-            token = int(sampling.choose(logits[None], temperature=p.temperature, top_k=p.top_k,
+            token = int(sampling.choose(scores[None], temperature=p.temperature, top_k=p.top_k,
                                         top_p=p.top_p, generator=seq.generator)[0])
         logp = torch.log_softmax(logits.float(), -1) if p.logprobs is not None else None
         seq.generated.append(token)

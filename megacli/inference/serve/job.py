@@ -57,6 +57,7 @@ def serve(recipe, runtime, *, on_ready=None) -> None:
     from megacli.data.tokenizers import load_tokenizer
     from megacli.inference.lockstep import Lockstep
     from megacli.inference.runner import Model
+    from megacli.inference.serve.prefix_cache import PrefixCache
     from megacli.inference.serve.slots import Slots, check_servable
     from megacli.plan import model_vocab_size
 
@@ -66,7 +67,8 @@ def serve(recipe, runtime, *, on_ready=None) -> None:
     model = Model(recipe, runtime, vocab_size=model_vocab_size(recipe, tok))
     check_servable(model)
     context = recipe.model.max_positions
-    slots = Slots(model, max_batch=s.max_batch, capacity=s.cache_length or 2 * context)
+    prefix = PrefixCache(block=s.prefix_block, max_blocks=s.prefix_cache_blocks) if s.prefix_cache else None
+    slots = Slots(model, max_batch=s.max_batch, capacity=s.cache_length or 2 * context, prefix=prefix)
     lockstep = Lockstep(slots, world_size=runtime.world_size)
     if runtime.rank != 0:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -24,17 +24,16 @@ class _Request(BaseModel):
     """A 64-bit integer, as OpenAI's."""
     stream: bool = False
     stream_options: Optional[dict] = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: Optional[dict] = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: Optional[dict[str, float]] = None
+    """Token id (as a string) -> a bias from -100 to 100 added to its logit."""
 
     @model_validator(mode="after")
-    def _unsupported(self):
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise ValueError(f"{name} is not supported by megacli serve (leave it at 0)")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported by megacli serve")
+    def _checked(self):
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit() or not -100 <= value <= 100:
+                raise ValueError(f"logit_bias: {key!r}: {value}: keys are token ids, values from -100 to 100")
         stops = self.stop_list()
         if len(stops) > 4 or any(not s for s in stops):
             raise ValueError("stop: at most 4 non-empty strings")
@@ -60,8 +59,6 @@ class CompletionRequest(_Request):
             raise ValueError("best_of is not supported by megacli serve")
         if self.suffix:
             raise ValueError("suffix is not supported by megacli serve")
-        if self.stream and self.logprobs is not None:
-            raise ValueError("logprobs are returned without streaming only (stream: false)")
         return self
 
     def prompts(self) -> list[Union[str, list[int]]]:
@@ -99,8 +96,6 @@ class ChatRequest(_Request):
 
     @model_validator(mode="after")
     def _chat_only(self):
-        if self.stream and self.logprobs:
-            raise ValueError("logprobs are returned without streaming only (stream: false)")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from megacli.errors import UserError
+from megacli.inference.serve.prefix_cache import PrefixCache
 
 
 def check_servable(model) -> None:
@@ -44,10 +45,11 @@ def check_servable(model) -> None:
 class Slots:
     """``max_batch`` cache rows of ``capacity`` columns over a ``runner.Model``."""
 
-    def __init__(self, model, *, max_batch: int, capacity: int):
+    def __init__(self, model, *, max_batch: int, capacity: int, prefix: PrefixCache | None = None):
         from megacli.engine.models.kv_cache import DecodeContext
 
         self.model, self.max_batch, self.capacity = model, max_batch, capacity
+        self.prefix = None  # not for the first forward below
         self.context = DecodeContext(max_batch, capacity)
         self.start: list[int | None] = [None] * max_batch  # first column of each busy slot's tokens
         self.length = [0] * max_batch  # tokens in the cache per slot (= the next token's position)
@@ -61,6 +63,7 @@ class Slots:
             for keys, values in self.context.key_value_memory_dict.values():
                 keys.zero_()
                 values.zero_()
+        self.prefix = prefix
 
     def busy(self) -> list[int]:
         return [s for s, start in enumerate(self.start) if start is not None]
@@ -75,22 +78,32 @@ class Slots:
         elif self.clock < n:
             self._shift(n - self.clock)
         first = self.clock - n
+        reused = self.prefix.reusable(ids) if self.prefix is not None and not all_logits else []
+        if reused:
+            self.prefix.load(reused, self._memory(), slot, first)
+        cached = len(reused) * self.prefix.block if reused else 0  # tokens not computed again
         dev = self.model.device
-        tokens = torch.tensor([ids], device=dev)
-        positions = torch.arange(n, device=dev)[None]
+        tokens = torch.tensor([ids[cached:]], device=dev)
+        positions = torch.arange(cached, n, device=dev)[None]
         cols = torch.arange(self.clock, device=dev)
-        rows = torch.arange(n, device=dev)
-        # query i (column first + i) sees the columns first .. first + i
-        mask = ~((cols[None, :] >= first) & (cols[None, :] <= first + rows[:, None]))
+        # the token at position i (column first + i) sees the columns first .. first + i
+        mask = ~((cols[None, :] >= first) & (cols[None, :] <= first + positions[0, :, None]))
         ctx = self.context
         ctx.enable_prefill_mode()
-        ctx.batch_size_offset, ctx.sequence_len_offset, ctx.rope_positions = slot, first, positions
+        ctx.batch_size_offset, ctx.sequence_len_offset, ctx.rope_positions = slot, first + cached, positions
         try:
             logits = self.model.forward(tokens, positions, mask[None, None], ctx, all_positions=all_logits)
         finally:
             ctx.batch_size_offset, ctx.rope_positions = 0, None
         self.start[slot], self.length[slot] = first, n
+        if self.prefix is not None:
+            self.prefix.store(ids, self._memory(), slot, first)
         return logits[0]
+
+    def _memory(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each local layer's cached keys and values, [columns, slots, ...], in layer order."""
+        memory = self.context.key_value_memory_dict
+        return [memory[layer] for layer in sorted(memory)]
 
     def step(self, tokens: dict[int, int]) -> dict[int, torch.Tensor]:
         """Feed each busy slot its next token (``tokens``: slot -> id, every busy slot once): next-token
