@@ -169,8 +169,9 @@ def main() -> None:
             prompts = [PROMPTS[i % len(PROMPTS)] for i in range(clients * each)]
             _row(sides, f"{clients} x {each}, {max_tokens}", prompts, clients, max_tokens, with_cache_baseline=False)
         prompts = shared_prefix_prompts(workdir, system_tokens, shared_clients)
-        _row(sides, f"shared prefix ~{system_tokens} tokens, {shared_clients} x 1, 32", prompts, shared_clients,
-             8 if args.tiny else 32, with_cache_baseline=True)
+        new = 8 if args.tiny else 32
+        _row(sides, f"shared prefix ~{system_tokens} tokens, {shared_clients} x 1, {new}", prompts, shared_clients, new,
+             with_cache_baseline=True)
     finally:
         for proc, _ in sides.values():
             proc.send_signal(signal.SIGTERM)

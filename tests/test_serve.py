@@ -316,6 +316,65 @@ def test_prefix_cache_gives_the_greedy_text_of_generate(prepared, servers):
     _shared_prefix_equals_generate(servers["gpt2"], refs["gpt2"])
 
 
+_BOUNDED = {"additionalProperties": False}
+SCHEMAS = [
+    {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["a"], **_BOUNDED},
+    {"type": "boolean"},
+    {"type": "null"},
+    {"enum": ["red", "green", "blue"]},
+    {"enum": [1, "x", None, True]},
+    {"const": {"k": [1, 2]}},
+    {"type": "string", "maxLength": 6},
+    {"type": "string", "minLength": 2, "maxLength": 4},
+    {"type": "string", "pattern": "^[a-c]{2,4}$"},
+    {"type": "integer", "minimum": -5, "maximum": 5},
+    {"type": "integer", "exclusiveMinimum": 10, "maximum": 12},
+    {"type": ["integer", "null"], "minimum": 0, "maximum": 9},
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3},
+    {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1, "maxItems": 2},
+    {"type": "array", "prefixItems": [{"type": "boolean"}, {"enum": [0, 1]}], "items": False},
+    {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 3}, {"type": "string", "maxLength": 3}]},
+    {"type": "object", "properties": {"p": {"type": "object", "properties": {"q": {"type": "boolean"}},
+                                            "required": ["q"], **_BOUNDED}}, "required": ["p"], **_BOUNDED},
+    {"type": "object", "properties": {"a": {"type": "boolean"}, "b": {"enum": ["x", "y"]}}, "required": ["a", "b"],
+     **_BOUNDED},
+    {"type": "object", "properties": {"a": {"type": "boolean"}, "b": {"type": "null"}}, "required": ["b"], **_BOUNDED},
+    {"type": "array", "items": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+                                "required": ["n"], **_BOUNDED}, "maxItems": 2},
+    {"$defs": {"flag": {"type": "boolean"}}, "type": "object", "properties": {"f": {"$ref": "#/$defs/flag"}},
+     "required": ["f"], **_BOUNDED},
+    {"type": "object", "properties": {"when": {"type": "string", "format": "date"}}, "required": ["when"], **_BOUNDED},
+]
+
+
+@pytest.mark.slow
+def test_structured_output_validates_against_every_schema(servers):
+    """response_format json_schema, greedy on the random model: every answer ends by itself and
+    validates with jsonschema; an unsupported schema feature is a 400 naming it."""
+    import jsonschema
+
+    pytest.importorskip("llguidance")
+    server = servers["llama_tied_gqa"]
+    client = server.client(API_KEY)
+    for i, schema in enumerate(SCHEMAS):
+        fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}}
+        chat = client.chat.completions.create(model="mc", messages=CHATS[i % 2], max_tokens=120, temperature=0,
+                                              response_format=fmt)
+        answer = chat.choices[0]
+        assert answer.finish_reason == "stop", (schema, answer.message.content)
+        jsonschema.validate(json.loads(answer.message.content), schema)
+    got = client.completions.create(model="mc", prompt="the", max_tokens=120, temperature=0.9, seed=3,
+                                    extra_body={"response_format": {"type": "json_schema",
+                                                                    "json_schema": {"schema": SCHEMAS[17]}}})
+    jsonschema.validate(json.loads(got.choices[0].text), SCHEMAS[17])
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    bad = {"type": "json_schema", "json_schema": {"schema": {"type": "object", "dependentSchemas": {"a": {}}}}}
+    _error(server.post("/v1/completions", {"model": "mc", "prompt": "x", "response_format": bad}, headers=auth), 400,
+           "dependentSchemas", param="response_format")
+    _error(server.post("/v1/completions", {"model": "mc", "prompt": "x", "response_format": {"type": "yaml"}},
+                       headers=auth), 400, "yaml", param="response_format")
+
+
 def ref_pieces(refs, record) -> list[str]:
     return refs["gpt2"]["pieces"][record["prompt"]]
 

@@ -19,6 +19,7 @@ class Slots:
 
     def __init__(self, fail_at: int | None = None, random: bool = False):
         self.fail_at, self.random, self.steps, self.shifts = fail_at, random, 0, 0
+        self.admitted = []  # prompts per prefill
 
     def logits(self, last: int) -> torch.Tensor:
         if self.random:  # a fixed random row per last token
@@ -26,8 +27,9 @@ class Slots:
         row = torch.linspace(-3.0, 0.0, VOCAB)
         return row.roll((last + 1) % VOCAB - (VOCAB - 1))
 
-    def admit(self, slot, ids, *, all_logits=False):
-        return self.logits(ids[-1])
+    def admit(self, slots, prompts, *, all_logits=False):
+        self.admitted.append(len(prompts))
+        return [self.logits(ids[-1]) for ids in prompts]
 
     def step(self, tokens):
         self.steps += 1
@@ -66,9 +68,9 @@ class Letters:
         return "".join(chr(97 + i) for i in ids)
 
 
-def _batcher(slots: Slots, *, max_queue: int = 64, fatal=None, tok=Chars) -> Batcher:
+def _batcher(slots: Slots, *, max_queue: int = 64, fatal=None, tok=Chars, prefill_tokens: int = 2048) -> Batcher:
     return Batcher(Lockstep(slots), tok, max_batch=4, max_queue=max_queue, stop_ids=set(), metrics=Metrics(slots),
-                   on_fatal=fatal or (lambda: None))
+                   on_fatal=fatal or (lambda: None), prefill_tokens=prefill_tokens)
 
 
 def _sequence(first: int, max_tokens: int, **sampling_args) -> tuple[Sequence, list]:
@@ -172,3 +174,18 @@ def test_penalties_and_logit_bias_follow_openai_on_the_logits():
         outputs.append(tuple(want))
     assert len(set(outputs)) == len(cases), "every setting changes the greedy tokens"
     assert 4 not in outputs[3]
+
+
+def test_prompts_that_arrive_together_are_prefilled_together_within_the_budget():
+    for budget, groups in ((2048, [4, 1, 1, 1]), (6, [2, 1, 1, 1, 1, 1])):
+        slots = Slots()
+        batcher = _batcher(slots, tok=Letters, prefill_tokens=budget)
+        thread = _run(batcher)
+        seqs = [_sequence(0, 2 + i)[0] for i in range(4)] + [_sequence(0, 1)[0] for _ in range(3)]
+        for seq in seqs:
+            seq.ids = [1, 2, 3]
+        batcher.submit(seqs)
+        batcher.stop()
+        thread.join(10)
+        assert slots.admitted == groups, budget
+        assert [len(seq.generated) for seq in seqs] == [2, 3, 4, 5, 1, 1, 1]

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from megacli.errors import UserError
 from megacli.inference.serve.batcher import Batcher, QueueFull, Sampling, Sequence, Token, TooBig
+from megacli.inference.serve.grammar import GrammarError, Grammars
 from megacli.inference.serve.protocol import ChatRequest, CompletionRequest
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -53,6 +54,7 @@ class Served:
     api_key: str | None
     chat_template: object  # callable(messages) -> prompt text, or None
     shutdown_grace: float
+    grammars: Grammars | None = None  # response_format's JSON schemas
 
 
 class _Choice:
@@ -177,9 +179,20 @@ class _Routes:
             raise ApiError(400, f"logit_bias: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", "logit_bias")
         return bias
 
+    def grammar(self, req) -> str | None:
+        if (req.response_format or {}).get("type", "text") == "text":
+            return None
+        try:
+            if self.served.grammars is None:
+                raise GrammarError("response_format is not available on this server")
+            return self.served.grammars.compile(req.response_format)
+        except GrammarError as exc:
+            raise ApiError(400, str(exc), "response_format") from None
+
     def sequences(self, req, encoded: list[list[int]], limits: list[int], *, logprobs, echo: bool, loop):
         seqs, choices = [], []
         bias = self.logit_bias(req)
+        grammar = self.grammar(req)
         for ids, limit in zip(encoded, limits):
             for j in range(req.n):
                 params = Sampling(max_tokens=limit, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
@@ -187,7 +200,8 @@ class _Routes:
                                   logprobs=logprobs, echo=echo, presence_penalty=req.presence_penalty,
                                   frequency_penalty=req.frequency_penalty, logit_bias=bias)
                 choice = _Choice(loop)
-                seqs.append(Sequence(ids=ids, params=params, emit=choice.emit))
+                constraint = self.served.grammars.constraint(grammar) if grammar is not None else None
+                seqs.append(Sequence(ids=ids, params=params, emit=choice.emit, constraint=constraint))
                 choices.append(choice)
         self.check_size(len(seqs), "n" if req.n > 1 else "prompt")
         try:

@@ -1,5 +1,5 @@
 """Continuous batching on rank 0: requests wait in a bounded queue, join the running batch as
-slots free up (their prompts prefilled one by one), and every busy slot advances one token per
+slots free up (prompts that arrive together prefilled together, between decoding steps), and every busy slot advances one token per
 step (``slots.Slots``, run on every rank through ``lockstep.Lockstep``). Each sequence chooses its
 own tokens (greedy, or sampled with its own seeded generator), so a request decodes as it would
 alone. Results go back to the HTTP side through each sequence's ``emit`` callback, which must be
@@ -60,6 +60,7 @@ class Sequence:
     generated: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     text: "TextSoFar | None" = None
+    constraint: object | None = None  # a grammar.Constraint (response_format), or None
 
 
 class TextSoFar:
@@ -154,6 +155,10 @@ class Metrics:
         return "\n".join(lines) + "\n"
 
 
+def _wants_every_logit(seq: Sequence) -> bool:
+    return seq.params.echo and seq.params.logprobs is not None
+
+
 def _top(logp: torch.Tensor, k: int) -> dict[int, float]:
     values, ids = torch.topk(logp, k)
     return {int(i): float(v) for i, v in zip(ids, values)}
@@ -163,8 +168,9 @@ class Batcher:
     """The decoding loop: ``submit`` sequences from any thread; ``run`` in one thread until ``stop``."""
 
     def __init__(self, lockstep, tok, *, max_batch: int, max_queue: int, stop_ids: set[int], metrics: Metrics,
-                 idle_seconds: float = 30.0, on_fatal: Callable[[], None] = lambda: None):
+                 idle_seconds: float = 30.0, on_fatal: Callable[[], None] = lambda: None, prefill_tokens: int = 2048):
         self.lockstep, self.tok, self.idle_seconds, self.on_fatal = lockstep, tok, idle_seconds, on_fatal
+        self.prefill_tokens = prefill_tokens
         self.max_batch, self.max_queue, self.stop_ids, self.metrics = max_batch, max_queue, stop_ids, metrics
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: dict[int, Sequence] = {}  # slot -> sequence
@@ -189,7 +195,8 @@ class Batcher:
             if len(self.waiting) + len(seqs) > self.max_queue:
                 raise QueueFull(f"{len(self.waiting)} requests are waiting (at most {self.max_queue})")
             for s in seqs:
-                s.text = TextSoFar(self.tok, s.params.stop, self.stop_ids)
+                ends = {s.constraint.eos} if s.constraint is not None and s.constraint.eos is not None else set()
+                s.text = TextSoFar(self.tok, s.params.stop, self.stop_ids | ends)
                 if s.params.temperature > 0:
                     s.generator = torch.Generator()
                     if s.params.seed is None:
@@ -255,19 +262,40 @@ class Batcher:
                 self._release(slot)
 
     def _admit(self) -> None:
-        while len(self.running) < self.max_batch:
-            with self.wakeup:
-                if not self.waiting:
-                    break
-                seq = self.waiting.popleft()
-                self.metrics.queue_length = len(self.waiting)
-            slot = min(set(range(self.max_batch)) - set(self.running))
-            p = seq.params
-            self.running[slot] = seq
-            self.metrics.prompt_tokens += len(seq.ids)
-            logits = self.lockstep.call("admit", slot, seq.ids, all_logits=p.echo and p.logprobs is not None)
-            self._alone(slot, seq, self._first, slot, seq, logits)
+        """Waiting sequences into free slots, prefilled together in groups, up to prefill_tokens
+        (padded) prompt tokens per step (one prompt at least); the rest wait for the next step."""
+        budget = self.prefill_tokens
+        while len(self.running) < self.max_batch and budget > 0:
+            group = self._group(budget)
+            if not group:
+                break
+            seqs = [seq for _, seq in group]
+            for slot, seq in group:
+                self.running[slot] = seq
+                self.metrics.prompt_tokens += len(seq.ids)
+            logits = self.lockstep.call("admit", [slot for slot, _ in group], [seq.ids for seq in seqs],
+                                        all_logits=_wants_every_logit(seqs[0]))
+            budget -= len(group) * max(len(seq.ids) for seq in seqs)
+            for (slot, seq), row in zip(group, logits):
+                self._alone(slot, seq, self._first, slot, seq, row)
         self.metrics.batch_size = len(self.running)
+
+    def _group(self, budget: int) -> list[tuple[int, Sequence]]:
+        """The next waiting sequences to prefill together, with their slots: consecutive free slots
+        from the lowest, while the padded prompts fit ``budget`` tokens; a sequence that wants the
+        logits of every prompt token (echo with logprobs) goes alone."""
+        free = [s for s in range(self.max_batch) if s not in self.running]
+        group: list[tuple[int, Sequence]] = []
+        with self.wakeup:
+            while self.waiting and len(group) < len(free) and free[len(group)] == free[0] + len(group):
+                seq = self.waiting[0]
+                width = max(len(s.ids) for s in [seq] + [s for _, s in group])
+                if group and (_wants_every_logit(seq) or _wants_every_logit(group[0][1])
+                              or width * (len(group) + 1) > budget):
+                    break
+                group.append((free[len(group)], self.waiting.popleft()))
+            self.metrics.queue_length = len(self.waiting)
+        return group
 
     def _first(self, slot: int, seq: Sequence, logits: torch.Tensor) -> None:
         p = seq.params
@@ -309,18 +337,22 @@ class Batcher:
         p = seq.params
         scores = sampling.openai_penalties(logits, seq.generated, presence=p.presence_penalty,
                                            frequency=p.frequency_penalty, bias=p.logit_bias)
+        if seq.constraint is not None:
+            scores = seq.constraint.allowed(scores)
         if p.temperature == 0:
             token = int(scores.argmax())
         else:
             token = int(sampling.choose(scores[None], temperature=p.temperature, top_k=p.top_k,
                                         top_p=p.top_p, generator=seq.generator)[0])
         logp = torch.log_softmax(logits.float(), -1) if p.logprobs is not None else None
+        if seq.constraint is not None:
+            seq.constraint.accept(token)
         seq.generated.append(token)
         self.metrics.tokens_done(1)
         seq.emit("token", Token(token, float(logp[token]) if logp is not None else None,
                                 _top(logp, p.logprobs) if p.logprobs else None))
         text, hit_stop = seq.text.text(seq.generated)
-        if token in self.stop_ids or hit_stop:
+        if token in seq.text.stop_ids or hit_stop or (seq.constraint is not None and seq.constraint.done()):
             self._finish(slot, "stop")
         elif len(seq.generated) == p.max_tokens:
             self._finish(slot, "length")

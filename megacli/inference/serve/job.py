@@ -97,17 +97,21 @@ def _serve_http(recipe, model, tok, lockstep, *, key, on_ready) -> None:
     from megacli.inference.generator import Generator
     from megacli.inference.serve.app import Served, build_app
     from megacli.inference.serve.batcher import Batcher, Metrics
+    from megacli.inference.serve.grammar import Grammars
 
     s, g = recipe.serve, recipe.generate
     stop_ids = set(g.stop_tokens) | ({tok.eod} if g.stop_at_eod and tok.eod is not None else set())
     stopper = {}  # the uvicorn server, once made: a failed model stops it (the job then exits non-zero)
     batcher = Batcher(lockstep, tok, max_batch=s.max_batch, max_queue=s.max_queue, stop_ids=stop_ids,
                       metrics=Metrics(cache=lockstep.work), idle_seconds=IDLE_PING_SECONDS,
+                      prefill_tokens=s.prefill_tokens,
                       on_fatal=lambda: setattr(stopper["server"], "should_exit", True))
     name = s.model_name or Path(str(recipe.generate.checkpoint)).resolve().name
     served = Served(name=name, generator=Generator(model, tok, g), context=recipe.model.max_positions, batcher=batcher,
                     default_max_tokens=s.max_tokens, api_key=key, chat_template=chat_template(recipe),
-                    shutdown_grace=s.shutdown_timeout)
+                    shutdown_grace=s.shutdown_timeout,
+                    grammars=Grammars(recipe.tokenizer.path if recipe.tokenizer.type == "huggingface" else None,
+                                      model.vocab_size))
     config = uvicorn.Config(build_app(served), host=s.host, port=s.port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=s.shutdown_timeout, lifespan="off")
     server = stopper["server"] = uvicorn.Server(config)

@@ -28,13 +28,13 @@ def block_hashes(ids: list[int], block: int) -> list[bytes]:
 
 
 class PrefixCache:
-    """Blocks of cached keys and values, by prefix hash; ``hits``/``lookups`` count tokens."""
+    """Blocks of cached keys and values, by prefix hash; ``hit_tokens`` (kept by the caller) counts
+    the prompt tokens they spared."""
 
     def __init__(self, *, block: int, max_blocks: int):
         self.block, self.max_blocks = block, max_blocks
         self.blocks: collections.OrderedDict[bytes, list[tuple[torch.Tensor, torch.Tensor]]] = collections.OrderedDict()
         self.hit_tokens = 0
-        self.prompt_tokens = 0
 
     def reusable(self, ids: list[int]) -> list[bytes]:
         """The hashes of the leading blocks of ``ids`` that are cached (never the last token, whose
@@ -44,8 +44,6 @@ class PrefixCache:
             if h not in self.blocks:
                 break
             found.append(h)
-        self.prompt_tokens += len(ids)
-        self.hit_tokens += len(found) * self.block
         return found
 
     def load(self, hashes: list[bytes], memory: list[tuple[torch.Tensor, torch.Tensor]], slot: int, first: int) -> None:

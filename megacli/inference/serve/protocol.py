@@ -26,6 +26,8 @@ class _Request(BaseModel):
     stream_options: Optional[dict] = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    response_format: Optional[dict] = None
+    """{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}."""
     logit_bias: Optional[dict[str, float]] = None
     """Token id (as a string) -> a bias from -100 to 100 added to its logit."""
 
