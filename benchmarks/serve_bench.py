@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generate_bench import PROMPTS, build  # noqa: E402
 
 ROWS = [(1, 8, 32), (16, 4, 32), (64, 2, 32), (16, 4, 128)]  # clients, requests per client, max_tokens
-TINY_ROWS = [(1, 2, 8), (4, 2, 8)]
+TINY_ROWS = [(2, 2, 8)]
 
 
 def _free_port() -> int:

@@ -356,10 +356,15 @@ def test_structured_output_validates_against_every_schema(servers):
     pytest.importorskip("llguidance")
     server = servers["llama_tied_gqa"]
     client = server.client(API_KEY)
-    for i, schema in enumerate(SCHEMAS):
-        fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}}
-        chat = client.chat.completions.create(model="mc", messages=CHATS[i % 2], max_tokens=120, temperature=0,
-                                              response_format=fmt)
+
+    async def answers():
+        async with server.client(API_KEY, cls=openai.AsyncOpenAI) as aclient:
+            return await asyncio.gather(*(aclient.chat.completions.create(
+                model="mc", messages=CHATS[i % 2], max_tokens=120, temperature=0,
+                response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}})
+                for i, schema in enumerate(SCHEMAS)))
+
+    for schema, chat in zip(SCHEMAS, asyncio.run(answers())):
         answer = chat.choices[0]
         assert answer.finish_reason == "stop", (schema, answer.message.content)
         jsonschema.validate(json.loads(answer.message.content), schema)
@@ -533,6 +538,8 @@ def test_bad_requests_are_answered_and_the_server_lives(servers):
     _error(server.post("/v1/completions", {"model": "mc", "prompt": "fox", "logit_bias": {"999999": 3}}), 400, "logit_bias")
     _error(server.post("/v1/completions", {"model": "mc", "prompt": "fox", "logit_bias": {"1": 300}}), 400, "logit_bias")
     _error(server.post("/v1/chat/completions", {"model": "mc", "messages": []}), 400, param="messages")
+    _error(server.post("/v1/chat/completions", {"model": "mc", "messages": CHATS[0], "tools": [{"type": "function"}]}),
+           400, "tools")
     _error(server.post("/v1/completions", {"model": "gpt-4", "prompt": "fox"}), 404, "gpt-4", param="model")
     _error(server.get("/v1/nothing"), 404)
     res = httpx.post(server.url + "/v1/completions", content=b"{not json", timeout=TIMEOUT,

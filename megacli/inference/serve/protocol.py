@@ -95,9 +95,13 @@ class ChatRequest(_Request):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    tools: Optional[list] = None
+    functions: Optional[list] = None
 
     @model_validator(mode="after")
     def _chat_only(self):
+        if self.tools or self.functions:
+            raise ValueError("tools and functions are not supported by megacli serve")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
