@@ -29,7 +29,8 @@ class ServeSection(Section):
     max_batch: PositiveInt = 16
     """Sequences decoded together (KV-cache slots); more requests wait in the queue."""
     max_queue: PositiveInt = 64
-    """Sequences waiting for a slot at most; beyond that requests get 503 with Retry-After."""
+    """Sequences waiting for a slot at most; beyond that requests get 503 with Retry-After (a request
+    with more sequences than this, 400)."""
     max_tokens: PositiveInt = 16
     """Tokens generated when a completions request does not say (OpenAI's default); chat requests
     default to what the context leaves."""
