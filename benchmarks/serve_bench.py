@@ -62,8 +62,9 @@ def _wait_ready(proc: subprocess.Popen, url: str, timeout: float = 600) -> None:
     raise SystemExit(f"the server at {url} did not start")
 
 
-def start_server(workdir: Path, max_batch: int, extra: list[str] = (), log: Path | None = None) -> tuple[subprocess.Popen, str]:
-    """`megacli serve` on the converted model: (process, base URL)."""
+def start_server(workdir: Path, max_batch: int, extra: list[str] = (), log: Path | None = None,
+                 wait: bool = True) -> tuple[subprocess.Popen, str]:
+    """`megacli serve` on the converted model: (process, base URL), ready unless ``wait`` is False."""
     port = _free_port()
     cmd = [sys.executable, "-m", "megacli", "serve", str(workdir / "mc"), "--port", str(port), "--max-batch",
            str(max_batch), "--max-queue", "1024", "--set", "generate.stop_at_eod=false",
@@ -71,21 +72,20 @@ def start_server(workdir: Path, max_batch: int, extra: list[str] = (), log: Path
     out = open(log or os.devnull, "w")
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}/v1"
-    _wait_ready(proc, url)
+    if wait:
+        _wait_ready(proc, url)
     return proc, url
 
 
 def start_transformers(workdir: Path, max_batch: int, log: Path | None = None) -> tuple[subprocess.Popen, str]:
-    """`transformers serve --continuous-batching` on the Hugging Face directory."""
+    """`transformers serve --continuous-batching` on the Hugging Face directory (not waited for)."""
     port = _free_port()
     exe = shutil.which("transformers") or "transformers"
     cmd = [exe, "serve", str(workdir / "hf"), "--port", str(port), "--continuous-batching", "--dtype", "float32",
            "--cb-max-batch-tokens", str(max(256, max_batch * 8))]
     out = open(log or os.devnull, "w")
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}/v1"
-    _wait_ready(proc, url)
-    return proc, url
+    return proc, f"http://127.0.0.1:{port}/v1"
 
 
 async def run_row(url: str, model: str, prompts: list[str], clients: int, max_tokens: int) -> dict:
@@ -156,11 +156,14 @@ def main() -> None:
     rows = TINY_ROWS if args.tiny else ROWS
     shared_clients, system_tokens = (4, 48) if args.tiny else (32, args.system_tokens)
     max_batch = max(c for c, _, _ in rows + [(shared_clients, 0, 0)])
-    sides = {"megacli": start_server(workdir, max_batch, log=workdir / "megacli.log"),
-             "megacli, no prefix cache": start_server(workdir, max_batch, ["--no-prefix-cache"], log=workdir / "nocache.log")}
+    sides = {"megacli": start_server(workdir, max_batch, log=workdir / "megacli.log", wait=False),
+             "megacli, no prefix cache": start_server(workdir, max_batch, ["--no-prefix-cache"],
+                                                      log=workdir / "nocache.log", wait=False)}
     if args.against == "transformers":
         sides["transformers"] = start_transformers(workdir, max_batch, log=workdir / "transformers.log")
     try:
+        for proc, url in sides.values():  # started together, ready one after the other
+            _wait_ready(proc, url)
         print(f"model: random Llama, hidden {hidden}, {layers} layers, fp32; greedy, streamed; "
               f"torch threads per server: {os.cpu_count()} cores shared; sides run back to back per row", flush=True)
         print("| row | side | load avg (1 min) | tokens/s | ratio | p50 / p99 latency | p50 / p99 TTFT |")
