@@ -33,6 +33,7 @@ def build(workdir: Path, hidden: int, layers: int) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+    from megacli.checkpoint.source import Source
     from megacli.convert import convert
 
     hf = workdir / "hf"
@@ -49,7 +50,7 @@ def build(workdir: Path, hidden: int, layers: int) -> Path:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(PROMPTS * 50, trainer)
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(hf)
-    convert(hf, workdir / "mc", say=lambda *_: None)
+    convert(Source(hf), workdir / "mc", say=lambda *_: None)
     return hf
 
 

@@ -1,24 +1,29 @@
-"""`megacli serve` under concurrent clients on CPU: generated tokens per second and per-request
-latency (p50, p99) at 1, 4, 16 and 32 concurrent clients, next to the same requests sent one at a
-time, and next to Hugging Face `generate` (one prompt at a time, its own KV cache) on the same
-model, all in one run.
+"""`megacli serve` next to Hugging Face's own server on the same model and machine, in one run:
+throughput, latency (p50, p99) and time to first token (p50, p99) per row, with the machine's
+1-minute load average measured beside every row.
 
-    python benchmarks/serve_bench.py [--workdir DIR] [--hidden 256] [--layers 4] [--new 32] [--requests 32]
+    python benchmarks/serve_bench.py --against transformers [--workdir DIR] [--hidden 256] [--layers 4] [--tiny]
 
-The model is generate_bench.py's random Llama-shaped one (converted with `megacli convert`). The
-server is the real command (`megacli serve`, a subprocess on a free loopback port, stopping at no
-token but max_tokens, greedy); clients are the official `openai` package's async client. Each
-concurrency level sends the same --requests requests (the prompts of generate_bench.py in turn),
-each client taking the next unsent one. Hugging Face runs in a process of its own, without
-megacli's CPU backend. Every side's texts are checked to be equal to the one-at-a-time ones.
+Sides: `transformers serve --continuous-batching` (paged attention) on the Hugging Face directory,
+`megacli serve` on the same model converted with `megacli convert`, once with its prefix cache
+(the default) and once without. The model is generate_bench.py's random Llama-shaped one, fp32.
+Clients are the official `openai` package's async client, streaming (for the time to first
+token), greedy, stopping at no token but max_tokens (megacli: generate.stop_at_eod=false).
+
+Rows: the issue's `clients x requests each, max_tokens` (1x8 32, 16x4 32, 64x2 32, 16x4 128), and a
+shared-prefix workload: a system prompt of about --system-tokens tokens shared by 32 clients, each
+with its own question. Each row runs every side back to back while all servers are up (an idle
+server costs nothing), so the load average of one row is the same for all of its sides; `ratio` is
+megacli (with its prefix cache) over transformers, and on the shared-prefix row also over megacli
+without the cache. `--tiny` runs a few requests on a tiny model (the test).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -31,7 +36,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generate_bench import PROMPTS, build  # noqa: E402
 
-LEVELS = (1, 4, 16, 32)
+ROWS = [(1, 8, 32), (16, 4, 32), (64, 2, 32), (16, 4, 128)]  # clients, requests per client, max_tokens
+TINY_ROWS = [(2, 2, 8)]
 
 
 def _free_port() -> int:
@@ -40,113 +46,172 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(workdir: Path, max_batch: int) -> tuple[subprocess.Popen, str]:
+def _wait_ready(proc: subprocess.Popen, url: str, timeout: float = 600) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited ({proc.returncode}): {' '.join(map(str, proc.args))}")
+        try:
+            if httpx.get(url + "/models", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"the server at {url} did not start")
+
+
+def start_server(workdir: Path, max_batch: int, extra: list[str] = (), log: Path | None = None,
+                 wait: bool = True) -> tuple[subprocess.Popen, str]:
+    """`megacli serve` on the converted model: (process, base URL), ready unless ``wait`` is False."""
     port = _free_port()
     cmd = [sys.executable, "-m", "megacli", "serve", str(workdir / "mc"), "--port", str(port), "--max-batch",
-           str(max_batch), "--max-queue", "256", "--set", "generate.stop_at_eod=false", "--set", f"run.dir={workdir / 'run'}"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in proc.stdout:
-        if line.startswith("serving "):
-            return proc, f"http://127.0.0.1:{port}/v1"
-    raise SystemExit("the server did not start")
+           str(max_batch), "--max-queue", "1024", "--set", "generate.stop_at_eod=false",
+           "--set", f"run.dir={workdir / f'run_{port}'}", *extra]
+    out = open(log or os.devnull, "w")
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}/v1"
+    if wait:
+        _wait_ready(proc, url)
+    return proc, url
 
 
-async def run_level(url: str, bodies: list[dict], clients: int) -> dict:
-    """``clients`` concurrent clients working through ``bodies``: wall seconds, tokens, latencies, texts."""
+def start_transformers(workdir: Path, max_batch: int, log: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """`transformers serve --continuous-batching` on the Hugging Face directory (not waited for)."""
+    port = _free_port()
+    exe = shutil.which("transformers") or "transformers"
+    cmd = [exe, "serve", str(workdir / "hf"), "--port", str(port), "--continuous-batching", "--dtype", "float32",
+           "--cb-max-batch-tokens", str(max(256, max_batch * 8))]
+    out = open(log or os.devnull, "w")
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True)
+    return proc, f"http://127.0.0.1:{port}/v1"
+
+
+async def run_row(url: str, model: str, prompts: list[str], clients: int, max_tokens: int) -> dict:
+    """``clients`` concurrent streaming clients working through ``prompts``: throughput, latencies,
+    times to first token, texts."""
     import openai
 
-    texts: list[str | None] = [None] * len(bodies)
-    latencies: list[float] = []
-    tokens = 0
-    todo = iter(range(len(bodies)))
-
-    async with openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600) as client:
+    texts: list[str | None] = [None] * len(prompts)
+    latencies, firsts, tokens = [], [], 0
+    todo = iter(range(len(prompts)))
+    async with openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=3600) as client:
         async def worker():
             nonlocal tokens
             for i in todo:
-                start = time.perf_counter()
-                res = await client.completions.create(**bodies[i])
+                start, first, parts, usage = time.perf_counter(), None, [], None
+                stream = await client.completions.create(model=model, prompt=prompts[i], max_tokens=max_tokens,
+                                                         temperature=0, stream=True,
+                                                         stream_options={"include_usage": True})
+                async for chunk in stream:
+                    if chunk.choices and chunk.choices[0].text:
+                        first = first or time.perf_counter()
+                        parts.append(chunk.choices[0].text)
+                    usage = chunk.usage or usage
                 latencies.append(time.perf_counter() - start)
-                texts[i], tokens = res.choices[0].text, tokens + res.usage.completion_tokens
+                firsts.append((first or time.perf_counter()) - start)
+                texts[i] = "".join(parts)
+                tokens += usage.completion_tokens if usage else len(parts)
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(clients)))
         wall = time.perf_counter() - start
-    latencies.sort()
-    return {"clients": clients, "seconds": wall, "tokens": tokens, "tokens_per_second": tokens / wall,
-            "p50": statistics.median(latencies), "p99": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
-            "texts": texts}
+    return {"tokens_per_second": tokens / wall, "tokens": tokens, "latency": _p50_p99(latencies),
+            "ttft": _p50_p99(firsts), "texts": texts}
 
 
-def hf_side(workdir: Path, new: int, n: int) -> None:
-    """One prompt at a time through Hugging Face generate (greedy, no stop token): tokens/s and latencies."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _p50_p99(values: list[float]) -> tuple[float, float]:
+    values = sorted(values)
+    return statistics.median(values), values[min(len(values) - 1, int(0.99 * len(values)))]
 
-    model = AutoModelForCausalLM.from_pretrained(workdir / "hf", dtype=torch.float32).eval()
+
+def shared_prefix_prompts(workdir: Path, system_tokens: int, clients: int) -> list[str]:
+    """A system prompt of about ``system_tokens`` tokens, then one question per client."""
+    from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(workdir / "hf")
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
-
-    def one(p):
-        ids = tok(p, return_tensors="pt")["input_ids"]
-        with torch.no_grad():
-            out = model.generate(ids, do_sample=False, max_new_tokens=new, min_new_tokens=new, pad_token_id=tok.eos_token_id)
-        return tok.decode(out[0, ids.shape[1]:])
-
-    one(prompts[0])  # warm-up
-    latencies, texts = [], []
-    start = time.perf_counter()
-    for p in prompts:
-        t0 = time.perf_counter()
-        texts.append(one(p))
-        latencies.append(time.perf_counter() - t0)
-    wall = time.perf_counter() - start
-    latencies.sort()
-    result = {"clients": 1, "seconds": wall, "tokens": n * new, "tokens_per_second": n * new / wall,
-              "p50": statistics.median(latencies), "p99": latencies[min(n - 1, int(0.99 * n))], "texts": texts,
-              "threads": torch.get_num_threads()}
-    (workdir / "result_hf.json").write_text(json.dumps(result))
+    words, system = " ".join(PROMPTS).split(), ""
+    i = 0
+    while len(tok.encode(system)) < system_tokens:
+        system += words[i % len(words)] + " "
+        i += 1
+    return [f"{system}\nquestion {k}: {PROMPTS[k % len(PROMPTS)]}" for k in range(clients)]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--against", choices=["transformers", "none"], default="transformers")
     ap.add_argument("--workdir", type=Path)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--new", type=int, default=32, help="max_tokens per request")
-    ap.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
-    ap.add_argument("--hf-side", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--system-tokens", type=int, default=960, help="shared-prefix row: the system prompt's length")
+    ap.add_argument("--tiny", action="store_true", help="a few requests on a tiny model (the test)")
     args = ap.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="megacli-serve-bench-"))
-    if args.hf_side:
-        return hf_side(workdir, args.new, args.requests)
     workdir.mkdir(parents=True, exist_ok=True)
+    hidden, layers = (64, 2) if args.tiny else (args.hidden, args.layers)
     if not (workdir / "mc").exists():
-        build(workdir, args.hidden, args.layers)
-    bodies = [{"model": "mc", "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": args.new, "temperature": 0}
-              for i in range(args.requests)]
-    proc, url = start_server(workdir, max_batch=max(LEVELS))
+        build(workdir, hidden, layers)
+    rows = TINY_ROWS if args.tiny else ROWS
+    shared_clients, system_tokens = (4, 48) if args.tiny else (32, args.system_tokens)
+    max_batch = max(c for c, _, _ in rows + [(shared_clients, 0, 0)])
+    sides = {"megacli": start_server(workdir, max_batch, log=workdir / "megacli.log", wait=False),
+             "megacli, no prefix cache": start_server(workdir, max_batch, ["--no-prefix-cache"],
+                                                      log=workdir / "nocache.log", wait=False)}
+    if args.against == "transformers":
+        sides["transformers"] = start_transformers(workdir, max_batch, log=workdir / "transformers.log")
     try:
-        asyncio.run(run_level(url, bodies[:4], 4))  # warm-up
-        rows = [asyncio.run(run_level(url, bodies, c)) for c in LEVELS]
+        for proc, url in sides.values():  # started together, ready one after the other
+            _wait_ready(proc, url)
+        print(f"model: random Llama, hidden {hidden}, {layers} layers, fp32; greedy, streamed; "
+              f"torch threads per server: {os.cpu_count()} cores shared; sides run back to back per row", flush=True)
+        print("| row | side | load avg (1 min) | tokens/s | ratio | p50 / p99 latency | p50 / p99 TTFT |")
+        print("|---|---|---|---|---|---|---|")
+        for clients, each, max_tokens in rows:
+            prompts = [PROMPTS[i % len(PROMPTS)] for i in range(clients * each)]
+            _row(sides, f"{clients} x {each}, {max_tokens}", prompts, clients, max_tokens, with_cache_baseline=False)
+        prompts = shared_prefix_prompts(workdir, system_tokens, shared_clients)
+        new = 8 if args.tiny else 32
+        _row(sides, f"shared prefix ~{system_tokens} tokens, {shared_clients} x 1, {new}", prompts, shared_clients, new,
+             with_cache_baseline=True)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
-    subprocess.run([sys.executable, __file__, "--hf-side", "--workdir", str(workdir), "--new", str(args.new),
-                    "--requests", str(args.requests)], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                   env={**os.environ})
-    hf = json.loads((workdir / "result_hf.json").read_text())
-    alone = rows[0]
-    for row in rows:
-        assert row["texts"] == alone["texts"], f"{row['clients']} clients: texts differ from one at a time"
-    same_as_hf = sum(a == b for a, b in zip(alone["texts"], hf["texts"]))
-    print(f"{args.requests} requests x {args.new} tokens, greedy; hidden {args.hidden}, {args.layers} layers; "
-          f"HF threads {hf['threads']}; texts equal to HF generate: {same_as_hf}/{args.requests}")
-    print("| side | clients | tokens/s | vs one at a time | p50 latency | p99 latency |")
-    print("|---|---|---|---|---|---|")
-    for label, row in [("HF generate, one at a time", hf)] + [("megacli serve", r) for r in rows]:
-        print(f"| {label} | {row['clients']} | {row['tokens_per_second']:.1f} | "
-              f"{row['tokens_per_second'] / alone['tokens_per_second']:.2f}x | {row['p50']:.3f} s | {row['p99']:.3f} s |")
+        for proc, _ in sides.values():
+            proc.send_signal(signal.SIGTERM)
+        for proc, _ in sides.values():
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _row(sides: dict, name: str, prompts: list[str], clients: int, max_tokens: int, *, with_cache_baseline: bool) -> None:
+    results = {}
+    order = [s for s in ("transformers", "megacli, no prefix cache", "megacli") if s in sides]
+    if not with_cache_baseline:
+        order = [s for s in order if s != "megacli, no prefix cache"]
+    for side in order:
+        proc, url = sides[side]
+        model = "mc" if side.startswith("megacli") else _hf_model_name(url)
+        asyncio.run(run_row(url, model, prompts[: min(len(prompts), clients)], clients, 2))  # warm-up
+        load = os.getloadavg()[0]
+        results[side] = (load, asyncio.run(run_row(url, model, prompts, clients, max_tokens)))
+    mine = results["megacli"][1]["tokens_per_second"]
+    for side in order:
+        load, r = results[side]
+        ratio = "" if side != "megacli" else " / ".join(
+            f"{mine / results[o][1]['tokens_per_second']:.2f}x vs {o}" for o in order if o != "megacli")
+        print(f"| {name} | {side} | {load:.2f} | {r['tokens_per_second']:.1f} | {ratio} | "
+              f"{r['latency'][0]:.3f} / {r['latency'][1]:.3f} s | {r['ttft'][0]:.3f} / {r['ttft'][1]:.3f} s |", flush=True)
+    if "megacli, no prefix cache" in results:
+        assert results["megacli"][1]["texts"] == results["megacli, no prefix cache"][1]["texts"], \
+            "the prefix cache changed a greedy text"
+
+
+def _hf_model_name(url: str) -> str:
+    import httpx
+
+    return httpx.get(url + "/models", timeout=30).json()["data"][0]["id"]
 
 
 if __name__ == "__main__":

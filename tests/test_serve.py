@@ -34,6 +34,8 @@ CHATS = [[{"role": "user", "content": "the quick brown fox"}],
           {"role": "assistant", "content": "jumps"}, {"role": "user", "content": "over the"}]]
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}a:{% endif %}")
+SYSTEM = "over the lazy dog the quick brown fox jumps over the lazy dog: "
+SHARED = [SYSTEM + q for q in ("the fox", "a dog jumps", "the quick brown", "lazy")]  # one long prefix, four questions
 NEW = 12
 EVAL_TASKS = ["tiny_lambada", "tiny_choice", "tiny_generate"]  # tiny_rolling's windows fill the context: no room for max_tokens=1
 API_KEY = "sk-test-0123456789abcdef"
@@ -71,14 +73,19 @@ def _prepare(rank, world, root: str):
         hf_tok = AutoTokenizer.from_pretrained(tok_dir)
         chat_prompts = [hf_tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in CHATS]
         prompts = root / name / "prompts.jsonl"
-        prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS + chat_prompts))
+        prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS + chat_prompts + SHARED))
         out = root / name / "generated.jsonl"
         res = _cli("generate", "--checkpoint", root / name / "mc", "--prompts", prompts, "-n", NEW, "-o", out,
                    "--set", f"run.dir={root / name / 'run'}")
         assert res.exit_code == 0, res.output
         records = [json.loads(line) for line in out.read_text().splitlines()]
-        refs[name] = {"completions": records[: len(PROMPTS)], "chats": records[len(PROMPTS) :],
+        refs[name] = {"completions": records[: len(PROMPTS)], "chats": records[len(PROMPTS) : -len(SHARED)],
+                      "shared": records[-len(SHARED) :],
                       "pieces": {r["prompt"]: [hf_tok.decode([t]) for t in r["tokens"]] for r in records}}
+    res = _cli("generate", "--checkpoint", root / "gpt2" / "mc", "--prompts", root / "gpt2" / "prompts.jsonl", "-n", NEW,
+               "-o", root / "tiny_temperature.jsonl", "--temperature", "1e-300", "--set", f"run.dir={root / 'tiny_run'}")
+    assert res.exit_code == 0, res.output
+    refs["tiny_temperature"] = [json.loads(line) for line in (root / "tiny_temperature.jsonl").read_text().splitlines()]
     refs["hf_dir"] = _from_hf_dir(root / "gpt2")
     refs["megatron_lm"] = _from_megatron_lm(root / "gpt2")
     out = root / "eval.json"
@@ -227,7 +234,8 @@ def servers(prepared):
     root, _ = prepared
     up = {}
     try:
-        up["gpt2"] = Server(root / "gpt2" / "mc", "--max-batch", 8, "--set", "serve.cache_length=64")
+        up["gpt2"] = Server(root / "gpt2" / "mc", "--max-batch", 8, "--set", "serve.cache_length=64",
+                            "--set", "serve.prefix_block=4")
         up["llama_tied_gqa"] = Server(root / "llama_tied_gqa" / "mc", "--api-key", API_KEY,
                                       "--set", "model.max_position_embeddings=1024")
         yield up
@@ -262,6 +270,125 @@ def test_openai_client_equals_generate(prepared, servers, name):
         assert [t.token for t in got.choices[0].logprobs.content] == ref["pieces"][want["prompt"]]
         streamed = client.chat.completions.create(model="mc", messages=messages, max_tokens=NEW, temperature=0, stream=True)
         assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed) == want["text"]
+
+
+@pytest.mark.slow
+def test_logprobs_while_streaming_and_logit_bias(prepared, servers):
+    """Streamed chunks carry the logprobs of their tokens: together, those of the whole answer;
+    a logit_bias of 100 makes greedy decoding repeat its token."""
+    _, refs = prepared
+    client = servers["gpt2"].client()
+    for want in refs["gpt2"]["completions"][:2]:
+        whole = client.completions.create(model="mc", prompt=want["prompt"], max_tokens=NEW, temperature=0, logprobs=2)
+        chunks = list(client.completions.create(model="mc", prompt=want["prompt"], max_tokens=NEW, temperature=0,
+                                                logprobs=2, stream=True))
+        parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+        assert [t for p in parts for t in p.tokens] == whole.choices[0].logprobs.tokens == ref_pieces(refs, want)
+        assert [x for p in parts for x in p.token_logprobs] == pytest.approx(whole.choices[0].logprobs.token_logprobs, abs=1e-5)
+        assert [x for p in parts for x in p.top_logprobs] == whole.choices[0].logprobs.top_logprobs
+    for messages, want in zip(CHATS, refs["gpt2"]["chats"]):
+        chunks = list(client.chat.completions.create(model="mc", messages=messages, max_tokens=NEW, temperature=0,
+                                                     logprobs=True, top_logprobs=2, stream=True))
+        content = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+        assert [t.token for t in content] == ref_pieces(refs, want) and all(len(t.top_logprobs) == 2 for t in content)
+    biased = client.completions.create(model="mc", prompt="fox", max_tokens=NEW, temperature=0, logprobs=0,
+                                       logit_bias={"17": 100})
+    tokens = biased.choices[0].logprobs.tokens
+    assert len(tokens) == NEW and len(set(tokens)) == 1 and biased.choices[0].text == tokens[0] * NEW
+
+
+def _shared_prefix_equals_generate(server, refs: dict, key: str = "unused") -> None:
+    """The shared-prefix prompts, one by one then together: generate's greedy text (no prefix
+    cache there), with most of their prompt tokens taken from the server's prefix cache."""
+    client, auth = server.client(key), {"Authorization": f"Bearer {key}"}
+    hits = server.metric("prefix_cache_hit_tokens_total", auth)
+    for want in refs["shared"]:
+        got = client.completions.create(model="mc", prompt=want["prompt"], max_tokens=NEW, temperature=0)
+        assert got.choices[0].text == want["text"]
+    together = client.completions.create(model="mc", prompt=SHARED, max_tokens=NEW, temperature=0)
+    assert [c.text for c in sorted(together.choices, key=lambda c: c.index)] == [r["text"] for r in refs["shared"]]
+    assert server.metric("prefix_cache_hit_tokens_total", auth) - hits >= 5 * len(SYSTEM.split())
+
+
+@pytest.mark.slow
+def test_prefix_cache_gives_the_greedy_text_of_generate(prepared, servers):
+    _, refs = prepared
+    _shared_prefix_equals_generate(servers["gpt2"], refs["gpt2"])
+
+
+_BOUNDED = {"additionalProperties": False}
+SCHEMAS = [
+    {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["a"], **_BOUNDED},
+    {"type": "boolean"},
+    {"type": "null"},
+    {"enum": ["red", "green", "blue"]},
+    {"enum": [1, "x", None, True]},
+    {"const": {"k": [1, 2]}},
+    {"type": "string", "maxLength": 6},
+    {"type": "string", "minLength": 2, "maxLength": 4},
+    {"type": "string", "pattern": "^[a-c]{2,4}$"},
+    {"type": "integer", "minimum": -5, "maximum": 5},
+    {"type": "integer", "exclusiveMinimum": 10, "maximum": 12},
+    {"type": ["integer", "null"], "minimum": 0, "maximum": 9},
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3},
+    {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1, "maxItems": 2},
+    {"type": "array", "prefixItems": [{"type": "boolean"}, {"enum": [0, 1]}], "items": False},
+    {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 3}, {"type": "string", "maxLength": 3}]},
+    {"type": "object", "properties": {"p": {"type": "object", "properties": {"q": {"type": "boolean"}},
+                                            "required": ["q"], **_BOUNDED}}, "required": ["p"], **_BOUNDED},
+    {"type": "object", "properties": {"a": {"type": "boolean"}, "b": {"enum": ["x", "y"]}}, "required": ["a", "b"],
+     **_BOUNDED},
+    {"type": "object", "properties": {"a": {"type": "boolean"}, "b": {"type": "null"}}, "required": ["b"], **_BOUNDED},
+    {"type": "array", "items": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+                                "required": ["n"], **_BOUNDED}, "maxItems": 2},
+    {"$defs": {"flag": {"type": "boolean"}}, "type": "object", "properties": {"f": {"$ref": "#/$defs/flag"}},
+     "required": ["f"], **_BOUNDED},
+    {"type": "object", "properties": {"when": {"type": "string", "format": "date"}}, "required": ["when"], **_BOUNDED},
+]
+
+
+@pytest.mark.slow
+def test_structured_output_validates_against_every_schema(servers):
+    """response_format json_schema, greedy on the random model: every answer ends by itself and
+    validates with jsonschema; an unsupported schema feature is a 400 naming it."""
+    import jsonschema
+
+    pytest.importorskip("llguidance")
+    server = servers["llama_tied_gqa"]
+    client = server.client(API_KEY)
+
+    async def answers():
+        async with server.client(API_KEY, cls=openai.AsyncOpenAI) as aclient:
+            return await asyncio.gather(*(aclient.chat.completions.create(
+                model="mc", messages=CHATS[i % 2], max_tokens=120, temperature=0,
+                response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}})
+                for i, schema in enumerate(SCHEMAS)))
+
+    for schema, chat in zip(SCHEMAS, asyncio.run(answers())):
+        answer = chat.choices[0]
+        assert answer.finish_reason == "stop", (schema, answer.message.content)
+        jsonschema.validate(json.loads(answer.message.content), schema)
+    got = client.completions.create(model="mc", prompt="the", max_tokens=120, temperature=0.9, seed=3,
+                                    extra_body={"response_format": {"type": "json_schema",
+                                                                    "json_schema": {"schema": SCHEMAS[17]}}})
+    jsonschema.validate(json.loads(got.choices[0].text), SCHEMAS[17])
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    bad = {"type": "json_schema", "json_schema": {"schema": {"type": "object", "dependentSchemas": {"a": {}}}}}
+    _error(server.post("/v1/completions", {"model": "mc", "prompt": "x", "response_format": bad}, headers=auth), 400,
+           "dependentSchemas", param="response_format")
+    _error(server.post("/v1/completions", {"model": "mc", "prompt": "x", "response_format": {"type": "yaml"}},
+                       headers=auth), 400, "yaml", param="response_format")
+
+
+def ref_pieces(refs, record) -> list[str]:
+    return refs["gpt2"]["pieces"][record["prompt"]]
+
+
+@pytest.mark.slow
+def test_generate_at_a_tiny_temperature_samples_the_argmax(prepared):
+    _, refs = prepared
+    want = refs["gpt2"]["completions"] + refs["gpt2"]["chats"] + refs["gpt2"]["shared"]
+    assert [r["tokens"] for r in refs["tiny_temperature"]] == [r["tokens"] for r in want]
 
 
 @pytest.mark.slow
@@ -316,7 +443,8 @@ def test_a_megatron_lm_legacy_checkpoint_is_converted_in_the_run_directory(prepa
     it was exported from."""
     root, refs = prepared
     legacy = refs["megatron_lm"]["legacy"]
-    assert [r["text"] for r in legacy] == [r["text"] for r in refs["gpt2"]["completions"] + refs["gpt2"]["chats"]]
+    assert [r["text"] for r in legacy] == [r["text"] for r in refs["gpt2"]["completions"] + refs["gpt2"]["chats"]
+                                           + refs["gpt2"]["shared"]]
     assert "a Megatron-LM legacy checkpoint; converting it (TP=1 PP=1" in refs["megatron_lm"]["legacy_said"]
     assert (root / "gpt2" / "mlm_legacy_run" / "converted" / "mlm_legacy.source.json").is_file()
 
@@ -407,18 +535,35 @@ def test_bad_requests_are_answered_and_the_server_lives(servers):
            "max_tokens is 64", "64", param="max_tokens")
     _error(server.post("/v1/completions", {"model": "mc", "prompt": "fox", "temperature": 7}), 400, param="temperature")
     _error(server.post("/v1/completions", {"model": "mc", "prompt": [5, 999999]}), 400, "outside the vocabulary")
-    _error(server.post("/v1/completions", {"model": "mc", "prompt": "fox", "logit_bias": {"1": 3}}), 400, "logit_bias")
+    _error(server.post("/v1/completions", {"model": "mc", "prompt": "fox", "logit_bias": {"999999": 3}}), 400, "logit_bias")
+    _error(server.post("/v1/completions", {"model": "mc", "prompt": "fox", "logit_bias": {"1": 300}}), 400, "logit_bias")
     _error(server.post("/v1/chat/completions", {"model": "mc", "messages": []}), 400, param="messages")
+    _error(server.post("/v1/chat/completions", {"model": "mc", "messages": CHATS[0], "tools": [{"type": "function"}]}),
+           400, "tools")
     _error(server.post("/v1/completions", {"model": "gpt-4", "prompt": "fox"}), 404, "gpt-4", param="model")
     _error(server.get("/v1/nothing"), 404)
     res = httpx.post(server.url + "/v1/completions", content=b"{not json", timeout=TIMEOUT,
                      headers={"content-type": "application/json"})
     _error(res, 400)
-    full = server.post("/v1/completions", {"model": "mc", "prompt": ["fox"] * 65, "max_tokens": 2, "temperature": 0})
-    _error(full, 503, "busy")
-    assert full.headers["retry-after"] == "1"
+    for many in (65, 10_000):  # more than --max-queue (64) ever takes: not worth retrying
+        res = server.post("/v1/completions", {"model": "mc", "prompt": ["fox"] * many, "max_tokens": 2})
+        _error(res, 400, f"{many} sequences", "at most 64", param="prompt")
+        assert "retry-after" not in res.headers
+    _error(server.post("/v1/completions", {"model": "mc", "prompt": "fox", "n": 5, "seed": 2**70}), 400, param="seed")
+    greedy = server.post("/v1/completions", {"model": "mc", "prompt": PROMPTS[:2], "max_tokens": 6, "temperature": 0})
+    for extreme in ({"temperature": 1e-300}, {"temperature": 1e-300, "top_p": 1e-300}, {"temperature": 2, "top_p": 1e-9}):
+        res = server.post("/v1/completions", {"model": "mc", "prompt": PROMPTS[:2], "max_tokens": 6, "seed": 2**63 - 1,
+                                              "n": 1, **extreme})
+        assert res.status_code == 200, (extreme, res.text)
+        assert [c["text"] for c in res.json()["choices"]] == [c["text"] for c in greedy.json()["choices"]], extreme
+    forged = '/v1/x"} 1\nmegacli_forged_total 9'
+    assert server.get(forged.replace("\n", "%0A")).status_code == 404
+    for i in range(20):
+        server.get(f"/v1/other_{i}")
     assert server.get("/health").json() == {"status": "ok"}
     metrics = server.get("/metrics").text
+    assert "forged" not in metrics and "other_" not in metrics
+    assert 'megacli_requests_total{endpoint="unmatched",status="404"}' in metrics
     assert 'megacli_requests_total{endpoint="/v1/completions",status="400"}' in metrics
     assert "megacli_queue_length 0" in metrics
     assert server.client().completions.create(model="mc", prompt="fox", max_tokens=2, temperature=0).choices[0].text is not None
@@ -434,6 +579,10 @@ def test_api_key(servers):
     with pytest.raises(openai.AuthenticationError):
         server.client("wrong").models.list()
     assert server.get("/health").status_code == 200
+    _error(server.get("/metrics"), 401)
+    _error(server.get('/v1/x"} 1%0Amegacli_forged_total 9'), 401)
+    metrics = server.get("/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
+    assert "forged" not in metrics and 'megacli_requests_total{endpoint="unmatched",status="401"}' in metrics
     printed = "".join(server.lines)
     assert API_KEY not in printed and "sk-…" in printed
 
@@ -548,11 +697,15 @@ def test_tp2_pp2_equals_generate(prepared, tmp_path):
     """Rank 0 of four (TP=2 x PP=2) serves; the other ranks follow its batches."""
     root, refs = prepared
     for name in NAMES:
-        server = Server(root / name / "mc", "--tensor", 2, "--pipeline", 2, "--set", f"run.dir={tmp_path / name}")
+        server = Server(root / name / "mc", "--tensor", 2, "--pipeline", 2, "--set", f"run.dir={tmp_path / name}",
+                        "--set", "serve.prefix_block=4")
         try:
             client = server.client()
             got = client.completions.create(model="mc", prompt=PROMPTS, max_tokens=NEW, temperature=0)
             assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [r["text"] for r in refs[name]["completions"]]
+            _shared_prefix_equals_generate(server, refs[name])
+            tiny = client.completions.create(model="mc", prompt=PROMPTS, max_tokens=NEW, temperature=1e-300, seed=1)
+            assert [c.text for c in sorted(tiny.choices, key=lambda c: c.index)] == [r["text"] for r in refs[name]["completions"]]
             for messages, want in zip(CHATS, refs[name]["chats"]):
                 streamed = client.chat.completions.create(model="mc", messages=messages, max_tokens=NEW, temperature=0,
                                                           stream=True)

@@ -27,6 +27,8 @@ def serve(
     model_name: Annotated[Optional[str], _opt("The model's name in the API (default: the checkpoint directory's name).", "--model-name")] = None,
     max_batch: Annotated[Optional[int], _opt("Sequences decoded together (default 16).", "--max-batch")] = None,
     max_queue: Annotated[Optional[int], _opt("Sequences waiting at most before 503 (default 64).", "--max-queue")] = None,
+    prefix_cache: Annotated[Optional[bool], typer.Option("--prefix-cache/--no-prefix-cache", show_default=False,
+                            help="Reuse the KV cache of prompt prefixes seen before (default: on).")] = None,
     tensor: Annotated[Optional[int], _opt("Tensor-parallel size to run in (default 1).", "--tensor", "-t")] = None,
     pipeline: Annotated[Optional[int], _opt("Pipeline-parallel size to run in (default 1).", "--pipeline")] = None,
     recipe: Annotated[Optional[Path], _opt("YAML recipe with a `serve:` section (flags override it).", "--recipe")] = None,
@@ -43,7 +45,7 @@ def serve(
     except ImportError:
         raise UserError("megacli serve needs FastAPI, uvicorn and sse-starlette: pip install 'megacli[serve]'") from None
     flags = {"checkpoint": checkpoint and str(checkpoint), "host": host, "port": port, "model_name": model_name,
-             "max_batch": max_batch, "max_queue": max_queue}
+             "max_batch": max_batch, "max_queue": max_queue, "prefix_cache": prefix_cache}
     flags = {k: v for k, v in flags.items() if v is not None}
     job = build_recipe(recipe, flags, tensor=tensor, pipeline=pipeline, overrides=set_ or [], job="serve",
                        trusted=trusted)

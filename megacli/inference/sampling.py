@@ -22,6 +22,21 @@ def repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float)
     return logits.scatter(1, seen, picked)
 
 
+def openai_penalties(logits: torch.Tensor, generated: list[int], *, presence: float, frequency: float,
+                     bias: dict[int, float]) -> torch.Tensor:
+    """OpenAI's rule for one row [vocab]: each token's logit minus frequency x (times it was generated)
+    and minus presence once it was generated at all, plus its logit_bias."""
+    if not (presence or frequency or bias):
+        return logits
+    out = logits.float().clone()
+    if generated and (presence or frequency):
+        counts = torch.bincount(torch.tensor(generated), minlength=out.size(-1))[: out.size(-1)].float()
+        out -= counts * frequency + (counts > 0).float() * presence
+    for token, value in bias.items():
+        out[token] += value
+    return out
+
+
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
     if k <= 0 or k >= logits.size(-1):
         return logits
@@ -40,14 +55,25 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature as float64 scores whose best token scores 0, finite or -inf for every
+    temperature > 0 (1e-300 and inf included): shifted by the row's best logit before dividing, so
+    nothing overflows. NaN logits count as -inf; a row without a finite logit scores every token 0."""
+    scores = logits.double().nan_to_num(nan=float("-inf"), posinf=torch.finfo(torch.float64).max, neginf=float("-inf"))
+    best = scores.amax(-1, keepdim=True)
+    excluded = scores == float("-inf")
+    shifted = (scores - torch.where(best == float("-inf"), 0.0, best)) / temperature
+    shifted = shifted.masked_fill(excluded, float("-inf")).nan_to_num(nan=0.0, neginf=float("-inf"))
+    return torch.where((best == float("-inf")).expand_as(shifted), 0.0, shifted)
+
+
 def choose(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: float,
            generator: torch.Generator | None) -> torch.Tensor:
     """Next token per row: argmax at temperature 0, else a sample after temperature and filters."""
     if temperature == 0:
         return logits.argmax(-1)
-    scores = top_p_filter(top_k_filter(logits / temperature, top_k), top_p)
-    probs = scores.float().softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    scores = top_p_filter(top_k_filter(tempered(logits, temperature), top_k), top_p)
+    return torch.multinomial(scores.softmax(-1), 1, generator=generator).squeeze(-1)
 
 
 def decayed_top_p(top_p: float, decay: float, bound: float) -> float:

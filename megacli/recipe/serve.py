@@ -29,13 +29,24 @@ class ServeSection(Section):
     max_batch: PositiveInt = 16
     """Sequences decoded together (KV-cache slots); more requests wait in the queue."""
     max_queue: PositiveInt = 64
-    """Sequences waiting for a slot at most; beyond that requests get 503 with Retry-After."""
+    """Sequences waiting for a slot at most; beyond that requests get 503 with Retry-After (a request
+    with more sequences than this, 400)."""
     max_tokens: PositiveInt = 16
     """Tokens generated when a completions request does not say (OpenAI's default); chat requests
     default to what the context leaves."""
     cache_length: Optional[PositiveInt] = None
     """KV-cache columns per slot (at least the model's context). Default: twice the context, so
     the cache is compacted at most once per context's worth of steps."""
+    prefill_tokens: PositiveInt = 2048
+    """Prompt tokens (padded to the longest prompt of a group) prefilled together between two
+    decoding steps at most; one prompt is always taken, however long."""
+    prefix_cache: bool = True
+    """Reuse the KV cache of prompt prefixes seen before (in blocks of prefix_block tokens)."""
+    prefix_block: PositiveInt = 16
+    """Tokens per prefix-cache block: a prefix is reused in whole blocks."""
+    prefix_cache_blocks: PositiveInt = 512
+    """Blocks kept at most (the least recently used are dropped); each holds prefix_block tokens'
+    keys and values for every layer."""
     shutdown_timeout: float = Field(30.0, ge=0)
     """On SIGTERM: seconds to finish the requests in flight before exiting."""
 

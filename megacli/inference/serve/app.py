@@ -21,7 +21,8 @@ from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from megacli.errors import UserError
-from megacli.inference.serve.batcher import Batcher, QueueFull, Sampling, Sequence, Token
+from megacli.inference.serve.batcher import Batcher, QueueFull, Sampling, Sequence, Token, TooBig
+from megacli.inference.serve.grammar import GrammarError, Grammars
 from megacli.inference.serve.protocol import ChatRequest, CompletionRequest
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -53,6 +54,7 @@ class Served:
     api_key: str | None
     chat_template: object  # callable(messages) -> prompt text, or None
     shutdown_grace: float
+    grammars: Grammars | None = None  # response_format's JSON schemas
 
 
 class _Choice:
@@ -72,7 +74,6 @@ class _Choice:
 def build_app(served: Served) -> FastAPI:
     app = FastAPI(title="megacli serve", docs_url=None, redoc_url=None, openapi_url=None)
     _add_error_handlers(app)
-    app.add_middleware(_Gate, api_key=served.api_key, metrics=served.batcher.metrics)
     routes = _Routes(served)
 
     @app.get("/health")
@@ -97,6 +98,8 @@ def build_app(served: Served) -> FastAPI:
     async def chat(body: ChatRequest, request: Request):
         return await routes.chat(body, request)
 
+    app.add_middleware(_Gate, api_key=served.api_key, metrics=served.batcher.metrics,
+                       endpoints=frozenset(route.path for route in app.routes))
     return app
 
 
@@ -137,6 +140,12 @@ class _Routes:
         if name != self.served.name:
             raise ApiError(404, f"model {name!r} does not exist; this server has {self.served.name!r}", "model")
 
+    def check_size(self, count: int, param: str) -> None:
+        try:
+            self.served.batcher.check_size(count)
+        except TooBig as exc:
+            raise ApiError(400, str(exc), param) from None
+
     def encode(self, prompt, param: str) -> list[int]:
         served = self.served
         if isinstance(prompt, list):
@@ -162,16 +171,39 @@ class _Routes:
             return asked
         return room if default is None else min(default, room)
 
+    def logit_bias(self, req) -> dict[int, float]:
+        vocab = self.served.generator.model.vocab_size
+        bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
+        bad = [t for t in bias if t >= vocab]
+        if bad:
+            raise ApiError(400, f"logit_bias: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", "logit_bias")
+        return bias
+
+    def grammar(self, req) -> str | None:
+        if (req.response_format or {}).get("type", "text") == "text":
+            return None
+        try:
+            if self.served.grammars is None:
+                raise GrammarError("response_format is not available on this server")
+            return self.served.grammars.compile(req.response_format)
+        except GrammarError as exc:
+            raise ApiError(400, str(exc), "response_format") from None
+
     def sequences(self, req, encoded: list[list[int]], limits: list[int], *, logprobs, echo: bool, loop):
         seqs, choices = [], []
+        bias = self.logit_bias(req)
+        grammar = self.grammar(req)
         for ids, limit in zip(encoded, limits):
             for j in range(req.n):
                 params = Sampling(max_tokens=limit, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                   seed=None if req.seed is None else req.seed + j, stop=req.stop_list(),
-                                  logprobs=logprobs, echo=echo)
+                                  logprobs=logprobs, echo=echo, presence_penalty=req.presence_penalty,
+                                  frequency_penalty=req.frequency_penalty, logit_bias=bias)
                 choice = _Choice(loop)
-                seqs.append(Sequence(ids=ids, params=params, emit=choice.emit))
+                constraint = self.served.grammars.constraint(grammar) if grammar is not None else None
+                seqs.append(Sequence(ids=ids, params=params, emit=choice.emit, constraint=constraint))
                 choices.append(choice)
+        self.check_size(len(seqs), "n" if req.n > 1 else "prompt")
         try:
             self.served.batcher.submit(seqs)
         except QueueFull as exc:
@@ -218,6 +250,7 @@ class _Routes:
         served, tok = self.served, self.tok
         self.check_model(body.model)
         prompts = body.prompts()
+        self.check_size(len(prompts) * body.n, "n" if body.n > 1 else "prompt")
         encoded = [self.encode(p, "prompt") for p in prompts]
         limits = [self.budget(ids, body.max_tokens, default=served.default_max_tokens) for ids in encoded]
         loop = asyncio.get_running_loop()
@@ -227,15 +260,16 @@ class _Routes:
 
         if body.stream:
             async def events():
-                async for index, kind, value in _stream(request, seqs, choices):
+                async for index, kind, value, tokens in _stream(request, seqs, choices):
                     if kind == "start":
                         if body.echo:
                             yield _chunk(rid, "text_completion", created, served.name,
                                          [{"index": index, "text": prompt_texts[index], "logprobs": None, "finish_reason": None}])
                         continue
                     text, reason = (value, None) if kind == "text" else ("", value)
+                    lp = None if body.logprobs is None else _completion_logprobs(tokens, self.piece, "")
                     yield _chunk(rid, "text_completion", created, served.name,
-                                 [{"index": index, "text": text, "logprobs": None, "finish_reason": reason}])
+                                 [{"index": index, "text": text, "logprobs": lp, "finish_reason": reason}])
                 if body.include_usage():
                     yield {"data": json.dumps({"id": rid, "object": "text_completion", "created": created,
                                                "model": served.name, "choices": [], "usage": _stream_usage(encoded, body.n, seqs)})}
@@ -276,15 +310,16 @@ class _Routes:
 
         if body.stream:
             async def events():
-                async for index, kind, value in _stream(request, seqs, choices):
+                async for index, kind, value, tokens in _stream(request, seqs, choices):
                     if kind == "start":
                         delta, reason = {"role": "assistant", "content": ""}, None
                     elif kind == "text":
                         delta, reason = {"content": value}, None
                     else:
                         delta, reason = {}, value
+                    lp = {"content": [_chat_logprob(t, self.piece) for t in tokens]} if body.logprobs and tokens else None
                     yield _chunk(rid, "chat.completion.chunk", created, served.name,
-                                 [{"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}])
+                                 [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}])
                 if body.include_usage():
                     yield {"data": json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
                                                "model": served.name, "choices": [], "usage": _stream_usage([ids], body.n, seqs)})}
@@ -309,10 +344,11 @@ class _Routes:
 class _Gate:
     """ASGI middleware (a plain one: Starlette's BaseHTTPMiddleware would hide a client's disconnect
     from the routes): everything but /health needs the key, when one is set, before the body is
-    read; every answer is counted by path and status."""
+    read; every answer is counted by endpoint (one of the app's routes, or "unmatched": never a
+    path a client wrote) and status."""
 
-    def __init__(self, app, *, api_key: str | None, metrics):
-        self.app, self.key, self.metrics = app, api_key, metrics
+    def __init__(self, app, *, api_key: str | None, metrics, endpoints: frozenset[str]):
+        self.app, self.key, self.metrics, self.endpoints = app, api_key, metrics, endpoints
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -331,7 +367,8 @@ class _Gate:
             else:
                 await self.app(scope, receive, counted)
         finally:
-            self.metrics.requests[(path, status.get("code", 500))] += 1
+            endpoint = path if path in self.endpoints else "unmatched"
+            self.metrics.requests[(endpoint, status.get("code", 500))] += 1
 
     def _key_matches(self, scope) -> bool:
         headers = dict(scope.get("headers") or [])
@@ -340,14 +377,16 @@ class _Gate:
 
 
 async def _stream(request: Request, seqs: list[Sequence], choices: list[_Choice]):
-    """(choice index, kind, value) as the sequences produce them: ("start", None) once per choice,
-    then ("text", delta)... and ("end", finish_reason). A client that goes away (the response task
-    is cancelled) cancels every sequence still running."""
+    """(choice index, kind, value, tokens) as the sequences produce them: ("start", None) once per
+    choice, then ("text", delta)... and ("end", finish_reason), each with the tokens generated since
+    the previous one (a text held back waits with its tokens). A client that goes away (the
+    response task is cancelled) cancels every sequence still running."""
     finished = 0
     pending: dict[asyncio.Future, int] = {}
+    tokens: list[list[Token]] = [[] for _ in seqs]
     try:
         for index in range(len(seqs)):
-            yield index, "start", None
+            yield index, "start", None, []
         pending.update({asyncio.ensure_future(c.queue.get()): i for i, c in enumerate(choices)})
         while pending:
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -356,11 +395,13 @@ async def _stream(request: Request, seqs: list[Sequence], choices: list[_Choice]
                 kind, value = fut.result()
                 if kind == "error":
                     raise RuntimeError(value)
-                if kind == "text":
-                    yield index, "text", value
+                if kind == "token":
+                    tokens[index].append(value)
+                if kind in ("text", "end"):
+                    yield index, kind, value, tokens[index]
+                    tokens[index] = []
                 if kind == "end":
                     finished += 1
-                    yield index, "end", value
                 else:
                     pending[asyncio.ensure_future(choices[index].queue.get())] = index
     finally:

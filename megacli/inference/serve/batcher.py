@@ -1,5 +1,5 @@
 """Continuous batching on rank 0: requests wait in a bounded queue, join the running batch as
-slots free up (their prompts prefilled one by one), and every busy slot advances one token per
+slots free up (prompts that arrive together prefilled together, between decoding steps), and every busy slot advances one token per
 step (``slots.Slots``, run on every rank through ``lockstep.Lockstep``). Each sequence chooses its
 own tokens (greedy, or sampled with its own seeded generator), so a request decodes as it would
 alone. Results go back to the HTTP side through each sequence's ``emit`` callback, which must be
@@ -23,6 +23,10 @@ class QueueFull(Exception):
     """More requests are waiting than the server takes (answered 503 with Retry-After)."""
 
 
+class TooBig(Exception):
+    """A request with more sequences than the queue ever holds (answered 400)."""
+
+
 @dataclass
 class Sampling:
     max_tokens: int
@@ -33,6 +37,9 @@ class Sampling:
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None  # alternatives per token (0 = the chosen token's log-probability alone)
     echo: bool = False  # also the prompt's tokens (with their log-probabilities when logprobs is set)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -53,6 +60,7 @@ class Sequence:
     generated: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     text: "TextSoFar | None" = None
+    constraint: object | None = None  # a grammar.Constraint (response_format), or None
 
 
 class TextSoFar:
@@ -88,6 +96,11 @@ class TextSoFar:
         return out
 
 
+def label(value) -> str:
+    """A Prometheus label value: backslash, double quote and newline escaped."""
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 class Metrics:
     """Counters and gauges for /metrics (read by the HTTP thread, written by both)."""
 
@@ -116,12 +129,15 @@ class Metrics:
         span = max(time.monotonic() - recent[0][0], 1e-3)
         return sum(n for _, n in recent) / span
 
+    def _prefix(self):
+        return getattr(self.cache, "prefix", None)
+
     def text(self) -> str:
         """Prometheus' text exposition format."""
         lines = ["# HELP megacli_requests_total Requests answered, by endpoint and status.",
                  "# TYPE megacli_requests_total counter"]
         for (endpoint, status), n in sorted(self.requests.items()):
-            lines.append(f'megacli_requests_total{{endpoint="{endpoint}",status="{status}"}} {n}')
+            lines.append(f'megacli_requests_total{{endpoint="{label(endpoint)}",status="{label(status)}"}} {n}')
         for name, kind, help_, value in (
                 ("prompt_tokens_total", "counter", "Prompt tokens prefilled.", self.prompt_tokens),
                 ("generated_tokens_total", "counter", "Tokens generated.", self.generated_tokens),
@@ -129,12 +145,18 @@ class Metrics:
                 ("cancelled_total", "counter", "Sequences stopped early because their client went away.", self.cancelled),
                 ("cache_shifts_total", "counter", "Times the KV cache's columns were moved to make room.",
                  self.cache.shifts if self.cache is not None else 0),
+                ("prefix_cache_hit_tokens_total", "counter", "Prompt tokens whose keys and values came from the prefix cache.",
+                 self._prefix().hit_tokens if self._prefix() else 0),
                 ("tokens_per_second", "gauge", "Generated tokens per second over the last 10 s.",
                  round(self.tokens_per_second(), 3)),
                 ("queue_length", "gauge", "Requests waiting for a slot.", self.queue_length),
                 ("batch_size", "gauge", "Sequences in the running batch.", self.batch_size)):
             lines += [f"# HELP megacli_{name} {help_}", f"# TYPE megacli_{name} {kind}", f"megacli_{name} {value}"]
         return "\n".join(lines) + "\n"
+
+
+def _wants_every_logit(seq: Sequence) -> bool:
+    return seq.params.echo and seq.params.logprobs is not None
 
 
 def _top(logp: torch.Tensor, k: int) -> dict[int, float]:
@@ -146,8 +168,9 @@ class Batcher:
     """The decoding loop: ``submit`` sequences from any thread; ``run`` in one thread until ``stop``."""
 
     def __init__(self, lockstep, tok, *, max_batch: int, max_queue: int, stop_ids: set[int], metrics: Metrics,
-                 idle_seconds: float = 30.0):
-        self.lockstep, self.tok, self.idle_seconds = lockstep, tok, idle_seconds
+                 idle_seconds: float = 30.0, on_fatal: Callable[[], None] = lambda: None, prefill_tokens: int = 2048):
+        self.lockstep, self.tok, self.idle_seconds, self.on_fatal = lockstep, tok, idle_seconds, on_fatal
+        self.prefill_tokens = prefill_tokens
         self.max_batch, self.max_queue, self.stop_ids, self.metrics = max_batch, max_queue, stop_ids, metrics
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: dict[int, Sequence] = {}  # slot -> sequence
@@ -158,14 +181,22 @@ class Batcher:
 
     # ---------------------------------------------------------------- any thread
 
+    def check_size(self, count: int) -> None:
+        """TooBig unless ``count`` sequences fit in the queue at all."""
+        if count > self.max_queue:
+            raise TooBig(f"this request makes {count} sequences (prompts x n); the server takes at most "
+                         f"{self.max_queue} at a time (serve.max_queue): split it")
+
     def submit(self, seqs: list[Sequence]) -> None:
+        self.check_size(len(seqs))
         with self.wakeup:
             if self.stopping:
                 raise QueueFull("the server is shutting down")
             if len(self.waiting) + len(seqs) > self.max_queue:
                 raise QueueFull(f"{len(self.waiting)} requests are waiting (at most {self.max_queue})")
             for s in seqs:
-                s.text = TextSoFar(self.tok, s.params.stop, self.stop_ids)
+                ends = {s.constraint.eos} if s.constraint is not None and s.constraint.eos is not None else set()
+                s.text = TextSoFar(self.tok, s.params.stop, self.stop_ids | ends)
                 if s.params.temperature > 0:
                     s.generator = torch.Generator()
                     if s.params.seed is None:
@@ -208,7 +239,7 @@ class Batcher:
                 self._admit()
                 if self.running:
                     self._step()
-        except BaseException as exc:  # the model failed: answer everyone, keep the reason
+        except BaseException as exc:  # the model failed: answer everyone, keep the reason, stop the server
             self.error = exc
             with self.wakeup:
                 everyone = list(self.waiting) + list(self.running.values())
@@ -217,6 +248,7 @@ class Batcher:
                 self.stopping = True
             for seq in everyone:
                 seq.emit("error", f"the model failed: {type(exc).__name__}: {exc}")
+            self.on_fatal()
             raise
 
     def _drop_cancelled(self) -> None:
@@ -230,25 +262,59 @@ class Batcher:
                 self._release(slot)
 
     def _admit(self) -> None:
-        while len(self.running) < self.max_batch:
-            with self.wakeup:
-                if not self.waiting:
-                    break
-                seq = self.waiting.popleft()
-                self.metrics.queue_length = len(self.waiting)
-            slot = min(set(range(self.max_batch)) - set(self.running))
-            p = seq.params
-            self.running[slot] = seq
-            self.metrics.prompt_tokens += len(seq.ids)
-            logits = self.lockstep.call("admit", slot, seq.ids, all_logits=p.echo and p.logprobs is not None)
-            if p.echo:
-                self._echo(seq, logits)
-                logits = logits[-1] if logits.dim() == 2 else logits
-            if p.max_tokens == 0:
-                self._finish(slot, "length")
-            else:
-                self._choose(slot, seq, logits)
+        """Waiting sequences into free slots, prefilled together in groups, up to prefill_tokens
+        (padded) prompt tokens per step (one prompt at least); the rest wait for the next step."""
+        budget = self.prefill_tokens
+        while len(self.running) < self.max_batch and budget > 0:
+            group = self._group(budget)
+            if not group:
+                break
+            seqs = [seq for _, seq in group]
+            for slot, seq in group:
+                self.running[slot] = seq
+                self.metrics.prompt_tokens += len(seq.ids)
+            logits = self.lockstep.call("admit", [slot for slot, _ in group], [seq.ids for seq in seqs],
+                                        all_logits=_wants_every_logit(seqs[0]))
+            budget -= len(group) * max(len(seq.ids) for seq in seqs)
+            for (slot, seq), row in zip(group, logits):
+                self._alone(slot, seq, self._first, slot, seq, row)
         self.metrics.batch_size = len(self.running)
+
+    def _group(self, budget: int) -> list[tuple[int, Sequence]]:
+        """The next waiting sequences to prefill together, with their slots: consecutive free slots
+        from the lowest, while the padded prompts fit ``budget`` tokens; a sequence that wants the
+        logits of every prompt token (echo with logprobs) goes alone."""
+        free = [s for s in range(self.max_batch) if s not in self.running]
+        group: list[tuple[int, Sequence]] = []
+        with self.wakeup:
+            while self.waiting and len(group) < len(free) and free[len(group)] == free[0] + len(group):
+                seq = self.waiting[0]
+                width = max(len(s.ids) for s in [seq] + [s for _, s in group])
+                if group and (_wants_every_logit(seq) or _wants_every_logit(group[0][1])
+                              or width * (len(group) + 1) > budget):
+                    break
+                group.append((free[len(group)], self.waiting.popleft()))
+            self.metrics.queue_length = len(self.waiting)
+        return group
+
+    def _first(self, slot: int, seq: Sequence, logits: torch.Tensor) -> None:
+        p = seq.params
+        if p.echo:
+            self._echo(seq, logits)
+            logits = logits[-1] if logits.dim() == 2 else logits
+        if p.max_tokens == 0:
+            self._finish(slot, "length")
+        else:
+            self._choose(slot, seq, logits)
+
+    def _alone(self, slot: int, seq: Sequence, work, *args) -> None:
+        """``work(*args)`` for one sequence: if it fails, that sequence's request fails, and only it."""
+        try:
+            work(*args)
+        except Exception as exc:
+            seq.emit("error", f"the request failed: {type(exc).__name__}: {exc}")
+            if slot in self.running:
+                self._release(slot)
 
     def _echo(self, seq: Sequence, logits: torch.Tensor) -> None:
         """The prompt's tokens, each with its log-probability given the ones before it."""
@@ -264,23 +330,29 @@ class Batcher:
         logits = self.lockstep.call("step", dict(self.next_token))
         self.metrics.steps += 1
         for slot, row in logits.items():
-            self._choose(slot, self.running[slot], row)
+            self._alone(slot, self.running[slot], self._choose, slot, self.running[slot], row)
         self.metrics.batch_size = len(self.running)
 
     def _choose(self, slot: int, seq: Sequence, logits: torch.Tensor) -> None:
         p = seq.params
+        scores = sampling.openai_penalties(logits, seq.generated, presence=p.presence_penalty,
+                                           frequency=p.frequency_penalty, bias=p.logit_bias)
+        if seq.constraint is not None:
+            scores = seq.constraint.allowed(scores)
         if p.temperature == 0:
-            token = int(logits.argmax())
+            token = int(scores.argmax())
         else:
-            token = int(sampling.choose(logits[None], temperature=p.temperature, top_k=p.top_k,
+            token = int(sampling.choose(scores[None], temperature=p.temperature, top_k=p.top_k,
                                         top_p=p.top_p, generator=seq.generator)[0])
         logp = torch.log_softmax(logits.float(), -1) if p.logprobs is not None else None
+        if seq.constraint is not None:
+            seq.constraint.accept(token)
         seq.generated.append(token)
         self.metrics.tokens_done(1)
         seq.emit("token", Token(token, float(logp[token]) if logp is not None else None,
                                 _top(logp, p.logprobs) if p.logprobs else None))
         text, hit_stop = seq.text.text(seq.generated)
-        if token in self.stop_ids or hit_stop:
+        if token in seq.text.stop_ids or hit_stop or (seq.constraint is not None and seq.constraint.done()):
             self._finish(slot, "stop")
         elif len(seq.generated) == p.max_tokens:
             self._finish(slot, "length")

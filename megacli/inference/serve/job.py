@@ -57,6 +57,7 @@ def serve(recipe, runtime, *, on_ready=None) -> None:
     from megacli.data.tokenizers import load_tokenizer
     from megacli.inference.lockstep import Lockstep
     from megacli.inference.runner import Model
+    from megacli.inference.serve.prefix_cache import PrefixCache
     from megacli.inference.serve.slots import Slots, check_servable
     from megacli.plan import model_vocab_size
 
@@ -66,7 +67,8 @@ def serve(recipe, runtime, *, on_ready=None) -> None:
     model = Model(recipe, runtime, vocab_size=model_vocab_size(recipe, tok))
     check_servable(model)
     context = recipe.model.max_positions
-    slots = Slots(model, max_batch=s.max_batch, capacity=s.cache_length or 2 * context)
+    prefix = PrefixCache(block=s.prefix_block, max_blocks=s.prefix_cache_blocks) if s.prefix_cache else None
+    slots = Slots(model, max_batch=s.max_batch, capacity=s.cache_length or 2 * context, prefix=prefix)
     lockstep = Lockstep(slots, world_size=runtime.world_size)
     if runtime.rank != 0:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -95,20 +97,26 @@ def _serve_http(recipe, model, tok, lockstep, *, key, on_ready) -> None:
     from megacli.inference.generator import Generator
     from megacli.inference.serve.app import Served, build_app
     from megacli.inference.serve.batcher import Batcher, Metrics
+    from megacli.inference.serve.grammar import Grammars
 
     s, g = recipe.serve, recipe.generate
     stop_ids = set(g.stop_tokens) | ({tok.eod} if g.stop_at_eod and tok.eod is not None else set())
+    stopper = {}  # the uvicorn server, once made: a failed model stops it (the job then exits non-zero)
     batcher = Batcher(lockstep, tok, max_batch=s.max_batch, max_queue=s.max_queue, stop_ids=stop_ids,
-                      metrics=Metrics(cache=lockstep.work), idle_seconds=IDLE_PING_SECONDS)
+                      metrics=Metrics(cache=lockstep.work), idle_seconds=IDLE_PING_SECONDS,
+                      prefill_tokens=s.prefill_tokens,
+                      on_fatal=lambda: setattr(stopper["server"], "should_exit", True))
     name = s.model_name or Path(str(recipe.generate.checkpoint)).resolve().name
     served = Served(name=name, generator=Generator(model, tok, g), context=recipe.model.max_positions, batcher=batcher,
                     default_max_tokens=s.max_tokens, api_key=key, chat_template=chat_template(recipe),
-                    shutdown_grace=s.shutdown_timeout)
-    loop_thread = threading.Thread(target=batcher.run, name="megacli-serve-batcher", daemon=True)
-    loop_thread.start()
+                    shutdown_grace=s.shutdown_timeout,
+                    grammars=Grammars(recipe.tokenizer.path if recipe.tokenizer.type == "huggingface" else None,
+                                      model.vocab_size))
     config = uvicorn.Config(build_app(served), host=s.host, port=s.port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=s.shutdown_timeout, lifespan="off")
-    server = uvicorn.Server(config)
+    server = stopper["server"] = uvicorn.Server(config)
+    loop_thread = threading.Thread(target=batcher.run, name="megacli-serve-batcher", daemon=True)
+    loop_thread.start()
     started = threading.Thread(target=_announce, args=(server, name, key, on_ready), daemon=True)
     started.start()
     if threading.current_thread() is threading.main_thread():

@@ -20,20 +20,22 @@ class _Request(BaseModel):
     """An extension: sample among the k most likely tokens (0 = all)."""
     n: int = Field(1, ge=1, le=16)
     stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=-(2**63), le=2**63 - 1)
+    """A 64-bit integer, as OpenAI's."""
     stream: bool = False
     stream_options: Optional[dict] = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: Optional[dict] = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    response_format: Optional[dict] = None
+    """{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}."""
+    logit_bias: Optional[dict[str, float]] = None
+    """Token id (as a string) -> a bias from -100 to 100 added to its logit."""
 
     @model_validator(mode="after")
-    def _unsupported(self):
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise ValueError(f"{name} is not supported by megacli serve (leave it at 0)")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported by megacli serve")
+    def _checked(self):
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit() or not -100 <= value <= 100:
+                raise ValueError(f"logit_bias: {key!r}: {value}: keys are token ids, values from -100 to 100")
         stops = self.stop_list()
         if len(stops) > 4 or any(not s for s in stops):
             raise ValueError("stop: at most 4 non-empty strings")
@@ -59,8 +61,6 @@ class CompletionRequest(_Request):
             raise ValueError("best_of is not supported by megacli serve")
         if self.suffix:
             raise ValueError("suffix is not supported by megacli serve")
-        if self.stream and self.logprobs is not None:
-            raise ValueError("logprobs are returned without streaming only (stream: false)")
         return self
 
     def prompts(self) -> list[Union[str, list[int]]]:
@@ -95,11 +95,13 @@ class ChatRequest(_Request):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    tools: Optional[list] = None
+    functions: Optional[list] = None
 
     @model_validator(mode="after")
     def _chat_only(self):
-        if self.stream and self.logprobs:
-            raise ValueError("logprobs are returned without streaming only (stream: false)")
+        if self.tools or self.functions:
+            raise ValueError("tools and functions are not supported by megacli serve")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self

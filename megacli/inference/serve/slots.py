@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from megacli.errors import UserError
+from megacli.inference.serve.prefix_cache import PrefixCache
 
 
 def check_servable(model) -> None:
@@ -44,10 +45,11 @@ def check_servable(model) -> None:
 class Slots:
     """``max_batch`` cache rows of ``capacity`` columns over a ``runner.Model``."""
 
-    def __init__(self, model, *, max_batch: int, capacity: int):
+    def __init__(self, model, *, max_batch: int, capacity: int, prefix: PrefixCache | None = None):
         from megacli.engine.models.kv_cache import DecodeContext
 
         self.model, self.max_batch, self.capacity = model, max_batch, capacity
+        self.prefix = None  # not for the first forward below
         self.context = DecodeContext(max_batch, capacity)
         self.start: list[int | None] = [None] * max_batch  # first column of each busy slot's tokens
         self.length = [0] * max_batch  # tokens in the cache per slot (= the next token's position)
@@ -55,42 +57,71 @@ class Slots:
         self.shifts = 0  # times the cached columns were moved
         # Megatron allocates the cache (uninitialised) at the first forward: one token through it,
         # then zeros, so that masked columns never hold NaN (0 x NaN would reach the outputs)
-        self.admit(0, [0])
+        self.admit([0], [[0]])
         self.release(0)
         with torch.inference_mode():  # the cache is made of inference tensors
             for keys, values in self.context.key_value_memory_dict.values():
                 keys.zero_()
                 values.zero_()
+        self.prefix = prefix
 
     def busy(self) -> list[int]:
         return [s for s, start in enumerate(self.start) if start is not None]
 
-    def admit(self, slot: int, ids: list[int], *, all_logits: bool = False) -> torch.Tensor:
-        """Prefill ``ids`` into free ``slot``: next-token logits [vocab] (all_logits: [len(ids), vocab],
+    def admit(self, slots: list[int], prompts: list[list[int]], *, all_logits: bool = False) -> list[torch.Tensor]:
+        """Prefill each prompt into its free slot (``slots``: consecutive) in one forward, left-padded
+        to the longest: each one's next-token logits [vocab] (all_logits, one prompt: [len, vocab],
         the logits after every prompt token)."""
-        assert self.start[slot] is None, f"slot {slot} is busy"
-        n = len(ids)
+        assert slots == list(range(slots[0], slots[0] + len(slots))), slots
+        assert all(self.start[s] is None for s in slots), f"a slot of {slots} is busy"
+        assert not all_logits or len(prompts) == 1
+        lengths = torch.tensor([len(ids) for ids in prompts])
+        longest = int(lengths.max())
         if not self.busy():
-            self.clock = n
-        elif self.clock < n:
-            self._shift(n - self.clock)
-        first = self.clock - n
+            self.clock = longest
+        elif self.clock < longest:
+            self._shift(longest - self.clock)
+        first = self.clock - lengths  # each prompt ends at the clock
+        reused = [self.prefix.reusable(ids) if self.prefix is not None and not all_logits else [] for ids in prompts]
+        cached = torch.tensor([len(r) * self.prefix.block if r else 0 for r in reused])
+        for slot, hashes, start in zip(slots, reused, first.tolist()):
+            if hashes:
+                self.prefix.load(hashes, self._memory(), slot, start)
+        # the columns clock - width .. clock of every row: each prompt's last `width` positions (its
+        # uncached tokens, and cached ones computed again where a longer prompt needs the width),
+        # pads before a short prompt's first token
+        width = int((lengths - cached).max())
+        if self.prefix is not None:
+            self.prefix.hit_tokens += int(torch.minimum(cached, lengths - width).clamp(min=0).sum())
+        offset = self.clock - width
+        positions = lengths[:, None] - width + torch.arange(width)[None, :]
+        real = positions >= 0
+        padded = [[0] * (width - len(ids)) + ids[-width:] for ids in prompts]
+        tokens = torch.tensor(padded, dtype=torch.long)
+        positions = positions.clamp(min=0)
+        cols = torch.arange(self.clock)[None, None, :]
+        query_col = (offset + torch.arange(width))[None, :, None]
+        # a prompt's token sees its columns up to itself; a pad only itself (never read again)
+        sees = torch.where(real[..., None], (cols >= first[:, None, None]) & (cols <= query_col), cols == query_col)
         dev = self.model.device
-        tokens = torch.tensor([ids], device=dev)
-        positions = torch.arange(n, device=dev)[None]
-        cols = torch.arange(self.clock, device=dev)
-        rows = torch.arange(n, device=dev)
-        # query i (column first + i) sees the columns first .. first + i
-        mask = ~((cols[None, :] >= first) & (cols[None, :] <= first + rows[:, None]))
+        tokens, positions, mask = tokens.to(dev), positions.to(dev), (~sees)[:, None].to(dev)
         ctx = self.context
         ctx.enable_prefill_mode()
-        ctx.batch_size_offset, ctx.sequence_len_offset, ctx.rope_positions = slot, first, positions
+        ctx.batch_size_offset, ctx.sequence_len_offset, ctx.rope_positions = slots[0], offset, positions
         try:
-            logits = self.model.forward(tokens, positions, mask[None, None], ctx, all_positions=all_logits)
+            logits = self.model.forward(tokens, positions, mask, ctx, all_positions=all_logits)
         finally:
             ctx.batch_size_offset, ctx.rope_positions = 0, None
-        self.start[slot], self.length[slot] = first, n
-        return logits[0]
+        for slot, ids, start in zip(slots, prompts, first.tolist()):
+            self.start[slot], self.length[slot] = start, len(ids)
+            if self.prefix is not None:
+                self.prefix.store(ids, self._memory(), slot, start)
+        return list(logits)
+
+    def _memory(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each local layer's cached keys and values, [columns, slots, ...], in layer order."""
+        memory = self.context.key_value_memory_dict
+        return [memory[layer] for layer in sorted(memory)]
 
     def step(self, tokens: dict[int, int]) -> dict[int, torch.Tensor]:
         """Feed each busy slot its next token (``tokens``: slot -> id, every busy slot once): next-token
