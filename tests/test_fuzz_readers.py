@@ -615,6 +615,18 @@ def _good_cache(path: Path) -> bytes:
     return path.read_bytes()
 
 
+def test_preference_cache_with_a_header_cut_inside_its_dict(tmp_path):
+    """numpy's fallback parse of a header it cannot read as written re-tokenizes it, and a header cut
+    inside its dict raised tokenize.TokenError there: one message instead."""
+    from megacli.engine.array_files import load_cached
+
+    header = b"{'descr': '<f8', 'fortran_order': False, 'shape': (4,".ljust(117) + b"\n"
+    path = tmp_path / "train-0123456789abcdef.npy"
+    path.write_bytes(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header)
+    with pytest.raises(UserError, match="not a .npy array file.*Delete it"):
+        load_cached(path, shape=(4, 2), dtype=np.float64, what="reference log-probabilities")
+
+
 @given(data=st.data())
 def test_preference_cache(tmp_path, data):
     """The cached reference log-probabilities of 4 pairs: the array as saved, or one message; a

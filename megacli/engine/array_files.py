@@ -5,6 +5,7 @@ message that says to delete it, as it is rebuilt."""
 
 from __future__ import annotations
 
+import tokenize
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,8 @@ def array_header(path: Path) -> tuple[tuple[int, ...], np.dtype] | str:
             if version not in _HEADER_READERS:
                 return f"a .npy file of format version {version}"
             shape, _, dtype = _HEADER_READERS[version](fh)
-    except (ValueError, OSError, EOFError) as exc:
+    # numpy re-tokenizes a header it cannot parse as written by older numpy: TokenError, SyntaxError
+    except (ValueError, OSError, EOFError, SyntaxError, tokenize.TokenError) as exc:
         return f"not a .npy array file ({exc})"
     return "an array of Python objects" if dtype.hasobject else (shape, dtype)
 
