@@ -2,7 +2,9 @@
 
     CKPT/latest              the name of the newest complete iteration
     CKPT/iter_0000100/       torch_dist shards + recipe.yaml + megacli.json (iteration, data position, layout)
-    CKPT/hf/                 a converted checkpoint's Hugging Face config and tokenizer files
+    CKPT/hf/                 the tokenizer files (with the chat template a finetuned model was trained
+                             with) and, in a converted checkpoint, its Hugging Face config; each
+                             iteration's recipe.yaml names them relatively (megacli.checkpoint.carried)
 
 A Megatron-LM torch_dist checkpoint (its default format; see megacli.checkpoint.megatron_lm.dist_reader):
 
@@ -30,6 +32,13 @@ META = "megacli.json"
 RECIPE = "recipe.yaml"
 HF_DIR = "hf"
 HF_CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+TOKENIZER_FILES = ("tokenizer.json", TOKENIZER_CONFIG, "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model", CHAT_TEMPLATE_FILE,
+                   "chat_template.json")
+CARRIED_FILES = (*TOKENIZER_FILES, HF_CONFIG, GENERATION_CONFIG)  # what a checkpoint's hf/ may hold
 TRACKER = "latest_checkpointed_iteration.txt"
 FILE = "model_optim_rng.pt"
 RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(_\d{3})?\Z")
@@ -78,7 +87,22 @@ def read_recipe(ckpt: Path) -> dict:
         raise UserError(f"{path}: cannot read ({exc})") from None
     if not isinstance(recipe, dict):
         raise UserError(f"{path}: not a recipe (a mapping of sections)")
-    return recipe
+    return with_carried_tokenizer(ckpt, recipe)
+
+
+def with_carried_tokenizer(ckpt: Path, recipe: dict) -> dict:
+    """The recipe with a relative tokenizer.path that names a file or directory of the checkpoint
+    (``../hf``: what it carries) made absolute, so it is found wherever the checkpoint is and
+    wherever the command runs. Any other relative path (a checkpoint written before megacli carried
+    its tokenizer) is kept: it is read from the working directory, as it was then."""
+    tokenizer = recipe.get("tokenizer")
+    path = tokenizer.get("path") if isinstance(tokenizer, dict) else None
+    if not isinstance(path, str) or not path or os.path.isabs(os.path.expanduser(path)):
+        return recipe
+    carried = Path(os.path.normpath(ckpt.absolute() / path))
+    if not carried.exists():
+        return recipe
+    return {**recipe, "tokenizer": {**tokenizer, "path": str(carried)}}
 
 
 def lora_base_of(ckpt: Path) -> Path | None:

@@ -58,11 +58,13 @@ class Plan:
 def write_plan(plan: Plan, it_dir: Path, progress=None, *, with_manifest: bool = False) -> None:
     """The torch_dist shards, common state, recipe.yaml, megacli.json and (``with_manifest``),
     last, the manifest of them all into an existing empty directory."""
+    from megacli.checkpoint.carried import carry
     from megacli.recipe.base import dump
 
     done = progress("writing", len(plan.tensors) + len(plan.objects)) if progress else (lambda key: None)
     write_torch_dist(it_dir, plan.tensors, plan.objects, plan.common, on_done=done)
-    (it_dir / RECIPE).write_text(dump(plan.recipe, carried=True))
+    tokenizer = carry(it_dir.parent, plan.recipe.tokenizer)  # the tokenizer beside the iterations, once
+    (it_dir / RECIPE).write_text(dump(plan.recipe, carried=True, tokenizer=tokenizer))
     (it_dir / META).write_text(json.dumps(plan.meta, indent=2) + "\n")
     if with_manifest:
         manifest.write(it_dir, [manifest.describe(it_dir, manifest.files_of_rank(it_dir, 0, 1))])

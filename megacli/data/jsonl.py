@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Iterator
 
 from megacli.errors import UserError
+from megacli.paths import shown
 
 
 def iter_lines(path: str, *, plain_text: bool = False) -> Iterator[tuple[str, object]]:
@@ -14,7 +15,7 @@ def iter_lines(path: str, *, plain_text: bool = False) -> Iterator[tuple[str, ob
     a JSON object is passed on as its text."""
     p = Path(path)
     if not p.is_file():
-        raise UserError(f"{path}: no such file")
+        raise UserError(f"{shown(path)}: no such file")
     for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue

@@ -187,6 +187,10 @@ def read_yaml(path: str | Path) -> dict:
         raise RecipeErrors(str(path), [yaml_problem(exc)]) from None
     if not isinstance(data, dict):
         raise RecipeErrors(str(path), ["the top level must be a mapping of sections"])
+    from megacli.checkpoint.layout import META, with_carried_tokenizer
+
+    if (path.parent / META).is_file():  # a checkpoint's recipe.yaml: it names the tokenizer it carries relatively
+        data = with_carried_tokenizer(path.parent, data)
     return data
 
 
@@ -245,12 +249,15 @@ def load(model: type[R], path: str | Path | None, overrides: Iterable[str] = (),
     return validate(model, raw, source)
 
 
-def dump(recipe: BaseModel, *, carried: bool = False) -> str:
+def dump(recipe: BaseModel, *, carried: bool = False, tokenizer: dict | None = None) -> str:
     """The resolved recipe as block YAML (every field, defaults included) in declaration order,
     one field per line and no line folded, however long its value. ``carried``: for a recipe a
-    checkpoint carries, without the trust fields (megacli.recipe.trust: trust is never passed on)."""
+    checkpoint carries, without the trust fields (megacli.recipe.trust: trust is never passed on).
+    ``tokenizer``: the tokenizer section to write instead of the recipe's (the checkpoint's copy)."""
     from megacli.recipe import trust
 
     raw = recipe.model_dump(mode="json")
+    if tokenizer is not None:
+        raw["tokenizer"] = tokenizer
     return yaml.safe_dump(trust.carried(raw) if carried else raw, sort_keys=False, default_flow_style=False,
                           width=float("inf"), allow_unicode=True)
