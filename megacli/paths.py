@@ -1,13 +1,16 @@
-"""The one rule for relative paths in a recipe (data, tokenizer, SFT and preference files,
-checkpoints) and on the command line: they are read from the working directory the command runs
-in, as the shell reads them. (A checkpoint's own recipe.yaml names the tokenizer it carries
-relative to itself: megacli.checkpoint.carried.) Messages that name a path show what it resolved to."""
+"""The rules for relative paths. In a recipe (data, tokenizer, SFT and preference files,
+checkpoints) and on the command line they are read from the working directory the command runs
+in, as the shell reads them; messages that name such a path show what it resolved to. The one
+exception: a checkpoint's own recipe.yaml names the tokenizer it carries relative to itself
+(``../hf``, megacli.checkpoint.carried), wherever that recipe is read."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 RULE = "relative paths are read from the working directory"
+CHECKPOINT_RECORD = "megacli.json"  # beside a checkpoint's recipe.yaml (megacli.checkpoint.layout.META)
 
 
 def shown(path: str | os.PathLike) -> str:
@@ -17,3 +20,25 @@ def shown(path: str | os.PathLike) -> str:
     if os.path.isabs(os.path.expanduser(given)):
         return repr(given)
     return f"{given!r} ({os.path.abspath(given)}; {RULE})"
+
+
+def with_carried_tokenizer(ckpt: Path, recipe: dict) -> dict:
+    """The recipe with a relative tokenizer.path that names a file or directory of the checkpoint
+    (``../hf``: what it carries) made absolute, so it is found wherever the checkpoint is and
+    wherever the command runs. Any other relative path (a checkpoint written before megacli carried
+    its tokenizer) is kept: it is read from the working directory, as it was then."""
+    tokenizer = recipe.get("tokenizer")
+    path = tokenizer.get("path") if isinstance(tokenizer, dict) else None
+    if not isinstance(path, str) or not path or os.path.isabs(os.path.expanduser(path)):
+        return recipe
+    carried = Path(os.path.normpath(ckpt.absolute() / path))
+    if not carried.exists():
+        return recipe
+    return {**recipe, "tokenizer": {**tokenizer, "path": str(carried)}}
+
+
+def carried_paths_resolved(recipe_file: Path, recipe: dict) -> dict:
+    """A recipe read from ``recipe_file``, its carried tokenizer found when the file is a
+    checkpoint's recipe.yaml (a megacli.json beside it)."""
+    folder = recipe_file.parent
+    return with_carried_tokenizer(folder, recipe) if (folder / CHECKPOINT_RECORD).is_file() else recipe

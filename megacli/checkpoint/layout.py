@@ -26,9 +26,10 @@ import re
 from pathlib import Path
 
 from megacli.errors import UserError
+from megacli.paths import CHECKPOINT_RECORD, with_carried_tokenizer
 
 LATEST = "latest"
-META = "megacli.json"
+META = CHECKPOINT_RECORD
 RECIPE = "recipe.yaml"
 HF_DIR = "hf"
 HF_CONFIG = "config.json"
@@ -88,21 +89,6 @@ def read_recipe(ckpt: Path) -> dict:
     if not isinstance(recipe, dict):
         raise UserError(f"{path}: not a recipe (a mapping of sections)")
     return with_carried_tokenizer(ckpt, recipe)
-
-
-def with_carried_tokenizer(ckpt: Path, recipe: dict) -> dict:
-    """The recipe with a relative tokenizer.path that names a file or directory of the checkpoint
-    (``../hf``: what it carries) made absolute, so it is found wherever the checkpoint is and
-    wherever the command runs. Any other relative path (a checkpoint written before megacli carried
-    its tokenizer) is kept: it is read from the working directory, as it was then."""
-    tokenizer = recipe.get("tokenizer")
-    path = tokenizer.get("path") if isinstance(tokenizer, dict) else None
-    if not isinstance(path, str) or not path or os.path.isabs(os.path.expanduser(path)):
-        return recipe
-    carried = Path(os.path.normpath(ckpt.absolute() / path))
-    if not carried.exists():
-        return recipe
-    return {**recipe, "tokenizer": {**tokenizer, "path": str(carried)}}
 
 
 def lora_base_of(ckpt: Path) -> Path | None:

@@ -198,6 +198,7 @@ def _interactive(job) -> None:
     from megacli import launch
     from megacli.engine import distributed
     from megacli.inference.generator import build_generator
+    from megacli.inference.job import chat_prompts
 
     with launch.as_single_worker(), distributed.running(parallel=job.parallel, launch=job.launch,
                                                           seed=job.generate.seed) as runtime:
@@ -210,5 +211,5 @@ def _interactive(job) -> None:
                 print()
                 return
             if text.strip():
-                out = gen.run_batch([text])[0]
+                out = gen.run_batch(chat_prompts(job.tokenizer.path, [text]) if job.generate.chat else [text])[0]
                 print(out.text, flush=True)

@@ -187,11 +187,9 @@ def read_yaml(path: str | Path) -> dict:
         raise RecipeErrors(str(path), [yaml_problem(exc)]) from None
     if not isinstance(data, dict):
         raise RecipeErrors(str(path), ["the top level must be a mapping of sections"])
-    from megacli.checkpoint.layout import META, with_carried_tokenizer
+    from megacli.paths import carried_paths_resolved
 
-    if (path.parent / META).is_file():  # a checkpoint's recipe.yaml: it names the tokenizer it carries relatively
-        data = with_carried_tokenizer(path.parent, data)
-    return data
+    return carried_paths_resolved(path, data)
 
 
 def _known_fields(model: type[BaseModel], loc: tuple) -> list[str]:
