@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import MOCK_GPT, layout, megacli_here, ok, records, sets_args
+from tests.conftest import MOCK_GPT, layout, megacli_here, ok, records, sets_args, warm_call
 
 CHAT = [{"role": "user", "content": "the quick brown"}, {"role": "assistant", "content": "fox jumps"}]
 LR, WARMUP, ITERS = 1e-2, 2, 4
@@ -39,16 +39,18 @@ def trained(tmp_path_factory) -> dict:
     for d in (train, moved, elsewhere):
         d.mkdir()
     cm.save_tokenizer(train / "tok")
-    (train / "sft.jsonl").write_text(json.dumps({"messages": CHAT}) + "\n" + json.dumps({"prompt": "lazy", "response": "dog"}) + "\n")
-    run(train, "pretrain", *sets_args([*TINY, f"train.iters={ITERS}", f"optim.warmup_iters={WARMUP}", f"optim.lr={LR}",
-                                      "optim.min_lr=0", "optim.decay_style=linear", "checkpoint.dir=ck", "run.dir=pre"]))
-    run(train, "finetune", f"ck/iter_{ITERS:07d}/recipe.yaml", *sets_args(["data.mock=false", "sft.train=sft.jsonl", "sft.template=chatml",
-                                       "sft.valid_fraction=0", "optim.warmup_iters=0", "checkpoint.pretrained=ck", "checkpoint.dir=ft", "train.iters=2", "run.dir=ft_run",
-                                       "train.micro_batch_size=1", "train.global_batch_size=2"]))
+    (train / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ({"messages": CHAT}, {"prompt": "lazy", "response": "dog"})))
+    pre = run(train, "pretrain", *sets_args([*TINY, f"train.iters={ITERS}", f"optim.warmup_iters={WARMUP}", f"optim.lr={LR}",
+                                            "optim.min_lr=0", "optim.decay_style=linear", "checkpoint.dir=ck", "run.dir=pre"]))
+    # finetuned from it on chats, the pretraining checkpoint's recipe.yaml as the recipe
+    run(train, "finetune", f"ck/iter_{ITERS:07d}/recipe.yaml",
+        *sets_args(["data.mock=false", "sft.train=sft.jsonl", "sft.template=chatml", "sft.valid_fraction=0",
+                    "optim.warmup_iters=0", "checkpoint.pretrained=ck", "checkpoint.dir=ft", "train.iters=2",
+                    "run.dir=ft_run", "train.micro_batch_size=1", "train.global_batch_size=2"]))
     shutil.move(str(train / "ft"), str(moved / "ft"))
     (train / "tok").rename(train / "tok_gone")  # nothing of the training directory is read any more
     return {"root": root, "train": train, "ckpt": moved / "ft", "elsewhere": elsewhere,
-            "sft": train / "sft.jsonl", "tok": train / "tok_gone"}
+            "sft": train / "sft.jsonl", "tok": train / "tok_gone", "pretrain_console": pre.stdout}
 
 
 def test_the_logged_lr_is_the_rate_the_step_used(trained):
@@ -65,6 +67,8 @@ def test_the_logged_lr_is_the_rate_the_step_used(trained):
     assert logged[1] == 0.0  # the first step, in warmup, trained at 0
     for k, lr in logged.items():
         assert lr == pytest.approx(rate(k - 1), rel=1e-9, abs=1e-12), (k, lr, rate(k - 1))
+    console = [line for line in trained["pretrain_console"].splitlines() if "lr " in line and "loss" in line]
+    assert len(console) == ITERS and "lr 0.000e+00" in console[0] and f"lr {rate(1):.3e}" in console[1], console
 
 
 def test_the_checkpoint_holds_its_tokenizer_and_template_once(trained):
@@ -106,8 +110,6 @@ def _training_and_serving_ids(ckpt: str, cwd: str) -> dict:
 
 
 def test_serve_and_generate_chat_render_what_training_rendered(trained):
-    from tests.conftest import warm_call
-
     status, ids = warm_call(_training_and_serving_ids, str(trained["ckpt"]), str(trained["elsewhere"]))
     assert status == "ok", ids
     assert ids["tokenizer_path"] == str(trained["ckpt"] / "hf")
@@ -140,21 +142,27 @@ def test_moved_checkpoint_evaluates(trained):
     assert "tiny_lambada" in json.loads((here / "eval.json").read_text())["results"]
 
 
-def test_moved_checkpoint_converts_to_hf_with_its_template(trained):
+def _exported_and_trained_prompt(export: str, carried: str) -> tuple[list[int], list[int]]:
+    """transformers' apply_chat_template on the Hugging Face export, and the ids training gave the
+    same prompt (the conversation up to the answer, piece by piece with the checkpoint's tokenizer)."""
     from transformers import AutoTokenizer
 
     from megacli.data.sft import render
     from megacli.data.tokenizers import load_tokenizer
 
+    ours = load_tokenizer(type="huggingface", path=carried)
+    trained_prompt = [i for text, _ in render({"messages": CHAT}, "chatml")[:-1] for i in ours.encode(text)]
+    exported = AutoTokenizer.from_pretrained(export).apply_chat_template(CHAT[:1], add_generation_prompt=True, tokenize=True)
+    return list(exported["input_ids"] if hasattr(exported, "keys") else exported), trained_prompt
+
+
+def test_moved_checkpoint_converts_to_hf_with_its_template(trained):
     here = trained["elsewhere"]
     run(here, "convert", trained["ckpt"], "hf_out", "--to", "hf")
-    hf = AutoTokenizer.from_pretrained(here / "hf_out")
-    ours = load_tokenizer(type="huggingface", path=str(trained["ckpt"] / "hf"))
-    pieces = render({"messages": CHAT}, "chatml")
-    trained_prompt = [i for text, _ in pieces[:-1] for i in ours.encode(text)]
-    exported = hf.apply_chat_template(CHAT[:1], add_generation_prompt=True, tokenize=True)
-    exported = exported["input_ids"] if isinstance(exported, dict) or hasattr(exported, "keys") else exported
-    assert list(exported) == trained_prompt
+    status, answer = warm_call(_exported_and_trained_prompt, str(here / "hf_out"), str(trained["ckpt"] / "hf"))
+    assert status == "ok", answer
+    exported, trained_prompt = answer
+    assert exported == trained_prompt and len(exported) > 10
 
 
 def test_moved_checkpoint_reshards_finetunes_and_resumes(trained):
