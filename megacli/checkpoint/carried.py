@@ -8,9 +8,10 @@ When ``CKPT/hf`` already holds other files (a run saving into a converted checkp
 with another tokenizer or template), the tokenizer goes to ``CKPT/hf-<digest>`` instead: a
 checkpoint never changes what an older iteration's recipe names.
 
-Reading: ``layout.read_recipe`` resolves a checkpoint recipe's relative tokenizer.path against the
-iteration directory when it is there (checkpoints written before megacli carried its tokenizer
-named it relative to the working directory, which is where it is looked for then)."""
+Reading: wherever a checkpoint's recipe.yaml is read (``layout.read_recipe``, ``recipe.base.read_yaml``),
+``megacli.paths.with_carried_tokenizer`` resolves its relative tokenizer.path against the iteration
+directory when it is there (checkpoints written before megacli carried its tokenizer named it
+relative to the working directory, which is where it is looked for then)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import shutil
 from pathlib import Path
 
 from megacli.checkpoint.layout import (CARRIED_FILES, CHAT_TEMPLATE_FILE, HF_DIR, TOKENIZER_CONFIG, TOKENIZER_FILES,
-                                      fsync_dir, tmp_sibling)
+                                      from_iteration, fsync_dir, tmp_sibling)
 
 STAGE_TAG = "carry"
 
@@ -111,7 +112,7 @@ def carry(root: Path, tokenizer, *, chat_template: str | None = None) -> dict:
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise
-    section["path"] = f"../{name}" + (f"/{file}" if file else "")
+    section["path"] = from_iteration(name) + (f"/{file}" if file else "")
     return section
 
 

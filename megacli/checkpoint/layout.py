@@ -40,6 +40,11 @@ TOKENIZER_FILES = ("tokenizer.json", TOKENIZER_CONFIG, "special_tokens_map.json"
                    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model", CHAT_TEMPLATE_FILE,
                    "chat_template.json")
 CARRIED_FILES = (*TOKENIZER_FILES, HF_CONFIG, GENERATION_CONFIG)  # what a checkpoint's hf/ may hold
+
+
+def from_iteration(name: str = HF_DIR) -> str:
+    """How an iteration's recipe.yaml names ``name`` beside the iterations (CKPT/hf: ``../hf``)."""
+    return f"../{name}"
 TRACKER = "latest_checkpointed_iteration.txt"
 FILE = "model_optim_rng.pt"
 RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(_\d{3})?\Z")

@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 from typing import Callable, Iterable
 
-from megacli.checkpoint.layout import HF_DIR, LATEST, META, TRACKER, carried_hf_dir, iter_name
+from megacli.checkpoint.layout import HF_DIR, LATEST, META, TRACKER, carried_hf_dir, from_iteration, iter_name
 from megacli.checkpoint.source import Source
 from megacli.convert import hf_io
 from megacli.errors import UserError
@@ -26,7 +26,7 @@ from megacli.precision import DTYPES, params_dtype, precision_of
 from megacli.recipe.stages import pick_split
 
 FORMATS = ("hf", "megacli", "megatron-lm", "legacy")
-CARRIED_REF = Path("..") / HF_DIR  # how a converted checkpoint's recipe.yaml names DST/hf (megacli.checkpoint.carried)
+CARRIED_REF = Path(from_iteration())  # how a converted checkpoint's recipe.yaml names DST/hf (megacli.checkpoint.carried)
 PRECISIONS = tuple(DTYPES)
 _HF_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
