@@ -243,11 +243,13 @@ def test_converted_checkpoint_layout_and_recipe(converted):
     recipe = yaml.safe_load((ck / "iter_0000000" / "recipe.yaml").read_text())
     assert recipe["parallel"]["tensor"] == 2 and recipe["parallel"]["pipeline"] == 2 and recipe["launch"]["nproc"] == 4
     assert recipe["model"]["activation"] == "gelu_tanh" and recipe["model"]["position_embedding"] == "learned"
-    assert recipe["tokenizer"] == {"type": "huggingface", "path": str(ck.resolve() / "hf")}
+    assert recipe["tokenizer"] == {"type": "huggingface", "path": "../hf"}  # the files it carries, named relatively
     assert recipe["checkpoint"]["resume"] == str(ck.resolve()) and recipe["checkpoint"]["load_optimizer"] is False
+    from megacli.checkpoint.layout import read_recipe
     from megacli.data.tokenizers import load_tokenizer
 
-    assert load_tokenizer(type="huggingface", path=recipe["tokenizer"]["path"]).vocab_size <= 300
+    carried = read_recipe(ck / "iter_0000000")["tokenizer"]["path"]
+    assert carried == str(ck.absolute() / "hf") and load_tokenizer(type="huggingface", path=carried).vocab_size <= 300
     assert (root / "gpt2" / "hf2" / "tokenizer.json").is_file() and (root / "gpt2" / "hf2" / "generation_config.json").is_file()
     llama = yaml.safe_load((root / "qwen2" / "mc" / "iter_0000000" / "recipe.yaml").read_text())["model"]
     assert llama["add_qkv_bias"] and llama["num_query_groups"] == 2 and llama["rotary_base"] == 5000.0

@@ -26,7 +26,7 @@ LAYERS = (
     ("checkpoint", "plot"),
     ("plan", "rundir"),
     ("recipe", "data", "backend"),
-    ("errors", "precision", "lifetime", "__init__"),
+    ("errors", "precision", "lifetime", "paths", "__init__"),
 )
 
 # Imports between packages of one layer, allowed one way.

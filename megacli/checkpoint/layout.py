@@ -2,7 +2,9 @@
 
     CKPT/latest              the name of the newest complete iteration
     CKPT/iter_0000100/       torch_dist shards + recipe.yaml + megacli.json (iteration, data position, layout)
-    CKPT/hf/                 a converted checkpoint's Hugging Face config and tokenizer files
+    CKPT/hf/                 the tokenizer files (with the chat template a finetuned model was trained
+                             with) and, in a converted checkpoint, its Hugging Face config; each
+                             iteration's recipe.yaml names them relatively (megacli.checkpoint.carried)
 
 A Megatron-LM torch_dist checkpoint (its default format; see megacli.checkpoint.megatron_lm.dist_reader):
 
@@ -24,13 +26,25 @@ import re
 from pathlib import Path
 
 from megacli.errors import UserError
-from megacli.recipe.trust import CHECKPOINT_RECORD
+from megacli.paths import CHECKPOINT_RECORD, with_carried_tokenizer
 
 LATEST = "latest"
 META = CHECKPOINT_RECORD
 RECIPE = "recipe.yaml"
 HF_DIR = "hf"
 HF_CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+TOKENIZER_FILES = ("tokenizer.json", TOKENIZER_CONFIG, "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model", CHAT_TEMPLATE_FILE,
+                   "chat_template.json")
+CARRIED_FILES = (*TOKENIZER_FILES, HF_CONFIG, GENERATION_CONFIG)  # what a checkpoint's hf/ may hold
+
+
+def from_iteration(name: str = HF_DIR) -> str:
+    """How an iteration's recipe.yaml names ``name`` beside the iterations (CKPT/hf: ``../hf``)."""
+    return f"../{name}"
 TRACKER = "latest_checkpointed_iteration.txt"
 FILE = "model_optim_rng.pt"
 RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(_\d{3})?\Z")
@@ -85,7 +99,7 @@ def read_recipe(ckpt: Path) -> dict:
         raise UserError(f"{path}: cannot read ({yaml_problem(exc)})") from None
     if not isinstance(recipe, dict):
         raise UserError(f"{path}: not a recipe (a mapping of sections)")
-    return trust.carried(recipe)
+    return with_carried_tokenizer(ckpt, trust.carried(recipe))
 
 
 def lora_base_of(ckpt: Path) -> Path | None:

@@ -55,26 +55,30 @@ class Plan:
         return sum(tensor_nbytes(t.shape, t.dtype) for t in self.tensors)
 
 
-def write_plan(plan: Plan, it_dir: Path, progress=None, *, with_manifest: bool = False) -> None:
+def write_plan(plan: Plan, it_dir: Path, progress=None, *, with_manifest: bool = False, carry_tokenizer: bool = True) -> None:
     """The torch_dist shards, common state, recipe.yaml, megacli.json and (``with_manifest``),
-    last, the manifest of them all into an existing empty directory."""
+    last, the manifest of them all into an existing empty directory. ``carry_tokenizer``: copy the
+    recipe's tokenizer beside it (megacli.checkpoint.carried); not for a stage exported then removed."""
+    from megacli.checkpoint.carried import carry
     from megacli.recipe.base import dump
 
     done = progress("writing", len(plan.tensors) + len(plan.objects)) if progress else (lambda key: None)
     write_torch_dist(it_dir, plan.tensors, plan.objects, plan.common, on_done=done)
-    (it_dir / RECIPE).write_text(dump(plan.recipe, carried=True))
+    tokenizer = carry(it_dir.parent, plan.recipe.tokenizer) if carry_tokenizer else None
+    (it_dir / RECIPE).write_text(dump(plan.recipe, carried=True, tokenizer=tokenizer))
     (it_dir / META).write_text(json.dumps(plan.meta, indent=2) + "\n")
     if with_manifest:
         manifest.write(it_dir, [manifest.describe(it_dir, manifest.files_of_rank(it_dir, 0, 1))])
     fsync_dir(it_dir)
 
 
-def write_checkpoint(plan: Plan, root: Path, it_name: str, progress=None, *, with_manifest: bool = False) -> Path:
+def write_checkpoint(plan: Plan, root: Path, it_name: str, progress=None, *, with_manifest: bool = False,
+                     carry_tokenizer: bool = True) -> Path:
     """``root/it_name`` (write_plan) and ``root/latest`` naming it, in ``root`` (an unpublished
     directory). Returns the iteration directory."""
     it_dir = root / it_name
     it_dir.mkdir(parents=True)
-    write_plan(plan, it_dir, progress, with_manifest=with_manifest)
+    write_plan(plan, it_dir, progress, with_manifest=with_manifest, carry_tokenizer=carry_tokenizer)
     (root / LATEST).write_text(it_name + "\n")
     fsync_dir(root)
     return it_dir

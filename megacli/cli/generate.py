@@ -37,6 +37,8 @@ def generate(
     pipeline: Annotated[Optional[int], _opt("Pipeline-parallel size to run in (default 1).", "--pipeline")] = None,
     output: Annotated[Optional[Path], _opt("Write one JSON object per prompt here.", "--output", "-o")] = None,
     logprobs: Annotated[bool, typer.Option("--logprobs", help="Write the generated tokens' log-probabilities.")] = False,
+    chat: Annotated[bool, typer.Option("--chat", help="Each prompt is a user's message, rendered by the chat template "
+                                                      "of the checkpoint's tokenizer.")] = False,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Recompute the whole sequence each step (no KV cache).")] = False,
     score: Annotated[Optional[Path], _opt("Report log-likelihood and perplexity of this text/JSONL file.", "--score")] = None,
     cloze: Annotated[Optional[Path], _opt("LAMBADA-style last-word accuracy on this JSONL file.", "--cloze")] = None,
@@ -52,6 +54,8 @@ def generate(
         flags["prompts"] = list(prompt)
     if logprobs:
         flags["logprobs"] = True
+    if chat:
+        flags["chat"] = True
     if no_cache:
         flags["use_cache"] = False
     if output:  # before the checkpoint is read at all
@@ -194,6 +198,7 @@ def _interactive(job) -> None:
     from megacli import launch
     from megacli.engine import distributed
     from megacli.inference.generator import build_generator
+    from megacli.inference.job import chat_prompts
 
     with launch.as_single_worker(), distributed.running(parallel=job.parallel, launch=job.launch,
                                                           seed=job.generate.seed) as runtime:
@@ -206,5 +211,5 @@ def _interactive(job) -> None:
                 print()
                 return
             if text.strip():
-                out = gen.run_batch([text])[0]
+                out = gen.run_batch(chat_prompts(job.tokenizer.path, [text]) if job.generate.chat else [text])[0]
                 print(out.text, flush=True)

@@ -66,19 +66,20 @@ def _run(job: str, recipe, job_id: str) -> None:
 def check_inputs(recipe) -> None:
     """Fail before starting workers when a named file is missing."""
     from megacli.errors import UserError
+    from megacli.paths import shown
 
     named = {f"data.valid.{name}": prefix for name, prefix in recipe.data.named_valid.items()}
     for field, prefix in [("data prefix", p) for p in recipe.data.prefixes] + list(named.items()):
         missing = [p for p in (prefix + ".bin", prefix + ".idx") if not Path(p).is_file()]
         if missing:
-            raise UserError(f"{field} {prefix!r}: missing {' and '.join(missing)} "
+            raise UserError(f"{field} {shown(prefix)}: missing {' and '.join(missing)} "
                             f"(build it with `megacli preprocess`; the prefix is the path without .bin/.idx)")
     sft = getattr(recipe, "sft", None)
     files = [("sft data", sft.train), ("sft data", sft.valid_file),
              *((f"sft.valid.{name}", path) for name, path in sft.named_valid.items())] if sft else []
     for field, path in files:
         if path and not Path(path).is_file():
-            raise UserError(f"{field} {path!r} does not exist")
+            raise UserError(f"{field} {shown(path)} does not exist")
     pref = getattr(recipe, "preference", None)
     if pref is not None:
         from megacli.data.preference import read_pairs
@@ -88,7 +89,7 @@ def check_inputs(recipe) -> None:
                 read_pairs(path)  # a malformed pair stops the run here, named by file:line
     ck = recipe.checkpoint
     if ck.pretrained and not Path(ck.pretrained).exists():
-        raise UserError(f"checkpoint.pretrained {ck.pretrained!r} does not exist")
+        raise UserError(f"checkpoint.pretrained {shown(ck.pretrained)} does not exist")
     _check_pickles(ck)
     if recipe.eval is not None:
         from megacli.inference.evaluate import check_tasks
@@ -96,7 +97,7 @@ def check_inputs(recipe) -> None:
         check_tasks(recipe.eval)  # the harness is installed, the tasks are known and their data loads
     tok = recipe.tokenizer
     if tok.type in ("huggingface", "sentencepiece", "wordpiece") and not Path(tok.path).exists():
-        raise UserError(f"tokenizer.path {tok.path!r} does not exist")
+        raise UserError(f"tokenizer.path {shown(tok.path)} does not exist")
     if recipe.data.on_the_fly:
         from megacli.data.stream import check_sources
 

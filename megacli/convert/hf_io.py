@@ -19,16 +19,13 @@ from typing import Iterable
 import torch
 
 from megacli.checkpoint.files import named_inside, require_regular
+from megacli.checkpoint.layout import GENERATION_CONFIG, HF_CONFIG as CONFIG, TOKENIZER_FILES
 from megacli.checkpoint.source import Source
 from megacli.errors import UserError
 
-CONFIG = "config.json"
-GENERATION_CONFIG = "generation_config.json"
 SAFE_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model", "chat_template.jinja",
-                   "chat_template.json")
+
 
 _SAFE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                 "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,

@@ -4,7 +4,8 @@ A converted megacli checkpoint directory:
 
     DST/latest, DST/iter_NNNNNNN/   weights-only torch_dist checkpoint + recipe.yaml + megacli.json
     DST/hf/                         the source's config.json, generation_config.json and tokenizer
-                                    files (recipe tokenizer.path points here; export reads the config)
+                                    files (the recipe's tokenizer.path names them relatively, ../hf;
+                                    export reads the config)
 
 Everything is written into a sibling ``.DST.partial`` directory and renamed into place at the end,
 so a failed conversion leaves no half-written destination.
@@ -18,7 +19,7 @@ import shutil
 from pathlib import Path
 from typing import Callable, Iterable
 
-from megacli.checkpoint.layout import HF_DIR, LATEST, META, TRACKER, carried_hf_dir, iter_name
+from megacli.checkpoint.layout import HF_DIR, LATEST, META, TRACKER, carried_hf_dir, from_iteration, iter_name
 from megacli.checkpoint.replace import check_replaceable
 from megacli.checkpoint.source import Source
 from megacli.convert import hf_io
@@ -28,6 +29,7 @@ from megacli.precision import DTYPES, params_dtype, precision_of
 from megacli.recipe.stages import pick_split
 
 FORMATS = ("hf", "megacli", "megatron-lm", "legacy")
+CARRIED_REF = Path(from_iteration())  # how a converted checkpoint's recipe.yaml names DST/hf (megacli.checkpoint.carried)
 PRECISIONS = tuple(DTYPES)
 _HF_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -155,12 +157,12 @@ def pipeline_split(recipe, *, asked) -> str:
     return text
 
 
-def tokenizer_section(final_hf_dir: Path, copied: list[str]) -> dict:
+def tokenizer_section(folder: Path, copied: list[str]) -> dict:
     """The recipe's tokenizer for a Hugging Face directory holding the ``copied`` tokenizer files."""
     if "tokenizer.json" in copied:
-        return {"type": "huggingface", "path": str(final_hf_dir)}
+        return {"type": "huggingface", "path": str(folder)}
     if "tokenizer.model" in copied:
-        return {"type": "sentencepiece", "path": str(final_hf_dir / "tokenizer.model")}
+        return {"type": "sentencepiece", "path": str(folder / "tokenizer.model")}
     return {"type": "none"}
 
 
@@ -175,7 +177,7 @@ def _hf_to_megacli(source: Source, work: Path, final: Path, *, parallel, dtype: 
     if (src / hf_io.GENERATION_CONFIG).is_file():
         shutil.copy2(src / hf_io.GENERATION_CONFIG, hf_dir / hf_io.GENERATION_CONFIG)
     copied = hf_io.copy_tokenizer_files(src, hf_dir)
-    tokenizer = tokenizer_section(final / HF_DIR, copied)
+    tokenizer = tokenizer_section(CARRIED_REF, copied)
     plan, arch = hf_plan(source, parallel=parallel, dtype=dtype, tokenizer=tokenizer, resume=final, say=say)
     ckpt = write_checkpoint(plan, work, iter_name(0), with_manifest=True)
     p = plan.recipe.parallel
@@ -242,11 +244,11 @@ def _legacy_to_megacli(legacy, work: Path, final: Path, *, parallel, dtype: str 
     target = params_dtype(precision)
     hf_dir = work / HF_DIR
     copied = hf_io.copy_tokenizer_files(legacy.tokenizer_dir(), hf_dir) if legacy.tokenizer_dir() else []
-    tokenizer = tokenizer_section(final / HF_DIR, copied)
+    tokenizer = tokenizer_section(CARRIED_REF, copied)
     if legacy.wordpiece_vocab() is not None:
         hf_dir.mkdir(exist_ok=True)
         shutil.copy2(legacy.wordpiece_vocab(), hf_dir / "vocab.txt")
-        copied, tokenizer = ["vocab.txt"], {"type": "wordpiece", "path": str(final / HF_DIR / "vocab.txt")}
+        copied, tokenizer = ["vocab.txt"], {"type": "wordpiece", "path": str(CARRIED_REF / "vocab.txt")}
     recipe = converted_recipe(model=model, parallel=parallel, precision=precision, tokenizer=tokenizer, resume=final)
 
     def check_keys(megatron_keys: list[str]) -> None:
@@ -347,7 +349,7 @@ def _merge_lora(source: Source, work: Path, final: Path, *, parallel, dtype: str
                 shutil.copy2(hf / name, work / HF_DIR / name)
         copied = hf_io.copy_tokenizer_files(hf, work / HF_DIR)
         if copied:
-            tokenizer = tokenizer_section(final / HF_DIR, copied)
+            tokenizer = tokenizer_section(CARRIED_REF, copied)
     out = converted_recipe(model={**recipe.model.model_dump(), "vocab_size": vocab}, parallel=parallel, precision=precision,
                            tokenizer=tokenizer, resume=final)
     target = params_dtype(precision)

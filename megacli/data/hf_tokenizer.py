@@ -13,6 +13,7 @@ from typing import Iterable, Optional
 
 from megacli.data.tokenizer_base import Tokenizer
 from megacli.errors import UserError
+from megacli.paths import shown
 
 
 def _token_content(value) -> Optional[str]:
@@ -33,12 +34,12 @@ class HuggingFaceTokenizer(Tokenizer):
         file = root / "tokenizer.json" if root.is_dir() else root
         config_dir = root if root.is_dir() else root.parent
         if not file.is_file():
-            raise UserError(f"tokenizer.path = {path!r}: no tokenizer.json there (a Hugging Face tokenizer "
+            raise UserError(f"tokenizer.path = {shown(path)}: no tokenizer.json there (a Hugging Face tokenizer "
                             "directory saved by save_pretrained, or the tokenizer.json file itself)")
         try:
             self._tok = RustTokenizer.from_file(str(file))
         except Exception as exc:
-            raise UserError(f"tokenizer.path = {path!r}: cannot read {file}: {exc}") from None
+            raise UserError(f"tokenizer.path = {shown(path)}: cannot read {file}: {exc}") from None
         self.file = file
         # Documents are never cut or padded, whatever tokenizer.json says (as AutoTokenizer.tokenize).
         self._tok.no_truncation()

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Iterator
 
 from megacli.errors import UserError
-from megacli.filekind import require_file
+from megacli.filekind import not_regular
+from megacli.paths import shown
 
 
 def not_utf8(exc: UnicodeDecodeError) -> str:
@@ -21,7 +22,9 @@ def not_utf8(exc: UnicodeDecodeError) -> str:
 
 def text_lines(path: str | Path) -> Iterator[tuple[str, str]]:
     """(``file:line``, text) for each line that is not blank, read lazily."""
-    require_file(path)
+    problem = not_regular(path)
+    if problem is not None:
+        raise UserError(f"{shown(path) if problem == 'no such file' else path}: {problem}")
     try:
         with open(path, "rb") as f:
             for n, raw in enumerate(f, 1):

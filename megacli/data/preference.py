@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from megacli.data.jsonl import iter_lines
-from megacli.data.sft import ChatTemplate, chat_template_of, train_and_held_out
+from megacli.data.sft import (JINJA_TEMPLATES, ChatTemplate, chat_template_of, render_chat, resolved_template,
+                              train_and_held_out)
 from megacli.errors import UserError
 
 FIELDS = ("prompt", "chosen", "rejected")
@@ -94,15 +95,9 @@ class Pair:
 
 
 def _render(messages: list[dict], template: str, chat_template: ChatTemplate | None, *, generation_prompt: bool) -> str:
-    if template == "tokenizer":
-        from transformers.utils.chat_template_utils import render_jinja_template
-
-        return render_jinja_template(conversations=[messages], chat_template=chat_template.source,
-                                     add_generation_prompt=generation_prompt, **chat_template.specials)[0][0]
-    if template == "chatml":
-        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-        return text + ("<|im_start|>assistant\n" if generation_prompt else "")
-    return "".join(m["content"] for m in messages)
+    if template != "tokenizer":
+        chat_template = ChatTemplate(JINJA_TEMPLATES[template], {})
+    return render_chat(messages, chat_template, generation_prompt=generation_prompt)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -203,12 +198,7 @@ def _dataset(pairs: list[tuple[str, dict]], name: str, *, pref, tokenizer, token
     if tokenizer.eod is None:
         raise UserError("preference tuning needs a tokenizer with an end-of-document token")
     chat_template = chat_template_of(tokenizer_path)
-    template = pref.template
-    if template == "auto":
-        template = "tokenizer" if chat_template else "plain"
-    elif template == "tokenizer" and not chat_template:
-        raise UserError(f"preference.template: tokenizer, but {tokenizer_path} has no chat_template in "
-                        f"tokenizer_config.json")
+    template = resolved_template(pref.template, chat_template, "preference.template", tokenizer_path)
     stats = PreferenceStats(pairs=len(pairs))
     tokenized = [(where, tokenize_pair(r, tokenizer, template, chat_template)) for where, r in pairs]
     for where, pair in tokenized:

@@ -25,22 +25,65 @@ class ChatTemplate:
     specials: dict
 
 
+# The built-in templates as Jinja chat templates (Hugging Face's form): the text ``render`` gives a
+# conversation, and with add_generation_prompt what starts the assistant's answer. A finetuned
+# model's checkpoint carries the one it was trained with (megacli.checkpoint.carried).
+JINJA_TEMPLATES = {
+    "chatml": ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+               "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
+    "plain": "{% for message in messages %}{{ message['content'] }}{% endfor %}",
+}
+
+
 def chat_template_of(tokenizer_path: str | None) -> ChatTemplate | None:
-    """The Hugging Face tokenizer's chat template (tokenizer_config.json), if it has one."""
-    if not tokenizer_path or not Path(tokenizer_path).is_dir():
+    """The chat template of the tokenizer at ``tokenizer_path`` (its directory, or the directory of
+    the file it names), if it has one: chat_template.jinja, else tokenizer_config.json's
+    chat_template (the order transformers reads them in)."""
+    if not tokenizer_path:
         return None
-    config = Path(tokenizer_path) / "tokenizer_config.json"
-    if not config.is_file():
-        return None
+    folder = Path(tokenizer_path).expanduser()
+    folder = folder if folder.is_dir() else folder.parent
+    config = folder / "tokenizer_config.json"
     import json
 
-    settings = json.loads(config.read_text(encoding="utf-8"))
-    template = settings.get("chat_template")
+    settings = json.loads(config.read_text(encoding="utf-8")) if config.is_file() else {}
+    jinja = folder / "chat_template.jinja"
+    template = jinja.read_text(encoding="utf-8") if jinja.is_file() else settings.get("chat_template")
     if not isinstance(template, str):
         return None
     # Templates may name the special tokens (as transformers' apply_chat_template passes them).
     specials = {k: v for k, v in settings.items() if k in ("bos_token", "eos_token") and isinstance(v, str)}
     return ChatTemplate(template, specials)
+
+
+def resolved_template(template: str, chat_template: ChatTemplate | None, field: str, tokenizer_path: str | None) -> str:
+    """sft.template (or preference.template) as training uses it: auto is the tokenizer's chat
+    template when it has one, else plain."""
+    if template == "auto":
+        return "tokenizer" if chat_template else "plain"
+    if template == "tokenizer" and not chat_template:
+        raise UserError(f"{field}: tokenizer, but {tokenizer_path} has no chat template (chat_template in "
+                        f"tokenizer_config.json, or chat_template.jinja)")
+    return template
+
+
+def trained_chat_template(recipe) -> str | None:
+    """The Jinja chat template a finetuning run trains with, for its checkpoints to carry: the
+    built-in template it chose (None for the tokenizer's own, which the tokenizer files carry, and
+    for pretraining)."""
+    section, field = (recipe.sft, "sft.template") if recipe.sft is not None else (recipe.preference, "preference.template")
+    if section is None:
+        return None
+    path = recipe.tokenizer.path
+    return JINJA_TEMPLATES.get(resolved_template(section.template, chat_template_of(path), field, path))
+
+
+def render_chat(messages: list[dict], chat_template: ChatTemplate, *, generation_prompt: bool = True) -> str:
+    """A conversation as prompt text by a Jinja chat template (rendered by transformers in its sandbox)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    return render_jinja_template(conversations=[messages], chat_template=chat_template.source,
+                                 add_generation_prompt=generation_prompt, **chat_template.specials)[0][0]
 
 
 def render(record: dict, template: str, chat_template: ChatTemplate | None = None) -> list[tuple[str, bool]]:
@@ -232,11 +275,7 @@ def _dataset(records: list[dict], name: str, *, sft, tokenizer, tokenizer_path: 
     if tokenizer.eod is None and tokenizer.pad is None:
         raise UserError("finetuning needs a tokenizer with an end-of-document token")
     chat_template = chat_template_of(tokenizer_path)
-    template = sft.template
-    if template == "auto":
-        template = "tokenizer" if chat_template else "plain"
-    elif template == "tokenizer" and not chat_template:
-        raise UserError(f"sft.template: tokenizer, but {tokenizer_path} has no chat_template in tokenizer_config.json")
+    template = resolved_template(sft.template, chat_template, "sft.template", tokenizer_path)
     pad_id = tokenizer.pad if tokenizer.pad is not None else tokenizer.eod
     stats = SftStats(examples=len(records))
     ds = SftDataset([tokenize(r, tokenizer, template, chat_template) for r in records], seq_length=seq_length,

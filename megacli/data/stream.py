@@ -26,6 +26,7 @@ import numpy as np
 
 from megacli.errors import UserError
 from megacli.filekind import not_regular
+from megacli.paths import shown
 
 AHEAD = 4  # batches of documents being tokenized ahead of training
 BATCH_DOCS = 64
@@ -49,11 +50,11 @@ def jsonl_paths(patterns: list[str]) -> list[Path]:
     for pattern in patterns:
         found = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
         if not found:
-            raise UserError(f"data.files: {pattern!r} matches no file")
+            raise UserError(f"data.files: {shown(pattern)} matches no file")
         for name in found:
             problem = not_regular(name)
             if problem is not None:
-                raise UserError(f"data.files: {name!r}: {'file not found' if problem == 'no such file' else problem}")
+                raise UserError(f"data.files: {shown(name)}: {'file not found' if problem == 'no such file' else problem}")
             paths.append(Path(name))
     return paths
 
@@ -104,7 +105,7 @@ def open_hf(source):
             builder = HF_BUILDERS[Path(files[0]).suffix]
             return datasets.load_dataset(builder, data_files=files, split=source.hf_split, streaming=source.streaming)
         if "/" in name and (name.startswith((".", "/", "~")) or local.parent.exists()):
-            raise UserError(f"data.name {name!r}: no such file or directory")
+            raise UserError(f"data.name {shown(name)}: no such file or directory")
         return datasets.load_dataset(name, source.config, split=source.hf_split, streaming=source.streaming)
     except UserError:
         raise

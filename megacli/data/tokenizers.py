@@ -34,6 +34,7 @@ from typing import Iterable, Optional, Sequence
 from megacli.data.hf_tokenizer import HuggingFaceTokenizer
 from megacli.data.tokenizer_base import Tokenizer
 from megacli.errors import UserError
+from megacli.paths import shown
 
 TOKENIZER_TYPES = ("huggingface", "byte", "sentencepiece", "wordpiece", "none")
 
@@ -109,12 +110,12 @@ class SentencePieceTokenizer(Tokenizer):
         import sentencepiece
 
         if not Path(path).is_file():
-            raise UserError(f"tokenizer.path = {path!r}: no such SentencePiece model file")
+            raise UserError(f"tokenizer.path = {shown(path)}: no such SentencePiece model file")
         self._sp = sentencepiece.SentencePieceProcessor()
         try:
             self._sp.Load(str(path))
         except Exception as exc:
-            raise UserError(f"tokenizer.path = {path!r}: not a SentencePiece model ({exc})") from None
+            raise UserError(f"tokenizer.path = {shown(path)}: not a SentencePiece model ({exc})") from None
         self.name = str(path)
         self.file = Path(path)
 
@@ -159,7 +160,7 @@ class WordPieceTokenizer(Tokenizer):
         if file.is_dir():
             file = file / "vocab.txt"
         if not file.is_file():
-            raise UserError(f"tokenizer.path = {path!r}: no WordPiece vocab.txt there")
+            raise UserError(f"tokenizer.path = {shown(path)}: no WordPiece vocab.txt there")
         vocab: dict[str, int] = {}
         # As BERT's load_vocab: one token a line, stripped; a repeated token keeps its last line.
         with open(file, encoding="utf-8") as f:
@@ -222,7 +223,7 @@ def load_tokenizer(*, type: str, path: str | None, vocab_size: int | None = None
         raise UserError(f"tokenizer type {type!r} needs tokenizer.path")
     path = os.path.expanduser(str(path))
     if not os.path.exists(path):
-        raise UserError(f"tokenizer.path = {path!r}: no such file or directory")
+        raise UserError(f"tokenizer.path = {shown(path)}: no such file or directory")
     if type == "huggingface":
         return HuggingFaceTokenizer(path)
     if type == "sentencepiece":

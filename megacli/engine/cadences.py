@@ -19,25 +19,26 @@ class LogWindow:
         self.watch = Stopwatch(device)
         self.losses: dict[str, float] = {}
         self.steps, self.seconds = 0, 0.0
-        self.grad_norm, self.ok = None, True  # of the newest step taken
+        self.grad_norm, self.lr, self.ok = None, None, True  # of the newest step taken (lr: the rate it used)
         self.memory_reported = False
 
-    def step(self, *, iteration: int, losses: dict | None, grad_norm, ok: bool, skipped: int) -> None:
-        """After each step; ``losses`` None for a step left out (skipped as non-finite)."""
+    def step(self, *, iteration: int, losses: dict | None, lr: float, grad_norm, ok: bool, skipped: int) -> None:
+        """After each step; ``losses`` None for a step left out (skipped as non-finite); ``lr``: the
+        learning rate the step used (read before the scheduler advanced it)."""
         t = self.recipe.train
         self.seconds += self.watch.lap()
         if losses is not None:
             for k, v in losses.items():
                 self.losses[k] = self.losses.get(k, 0.0) + v
             self.steps += 1
-            self.grad_norm, self.ok = grad_norm, ok
+            self.grad_norm, self.lr, self.ok = grad_norm, lr, ok
         if not (self.steps and (iteration % t.log_interval == 0 or iteration == self.stop_at)):
             self.log.advance(iteration)
             return
         optimizer = self.trainer.optimizer
         mean = {k: v / self.steps for k, v in self.losses.items()}
         extra = {**({} if self.ok else {"skipped_step": True}), **({"nonfinite_skipped": skipped} if skipped else {})}
-        self.log.step(iteration=iteration, loss=mean.pop("loss"), lr=optimizer.param_groups[0]["lr"],
+        self.log.step(iteration=iteration, loss=mean.pop("loss"), lr=self.lr,
                       grad_norm=float(self.grad_norm) if self.grad_norm is not None else None,
                       seconds_per_step=self.seconds / self.steps,
                       loss_scale=optimizer.get_loss_scale().item() if t.precision == "fp16" else None,

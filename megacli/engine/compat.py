@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megacli.checkpoint.carried import same_tokenizer
 from megacli.checkpoint.layout import read_recipe
 from megacli.checkpoint.source import MEGATRON_LM, Source, kind_of, user_source
 from megacli.errors import UserError
@@ -60,6 +61,8 @@ def check_resumable(ckpt: Path, recipe) -> str | None:
             # A Megatron-LM run's args leave unset what its tokenizer decides; the run's recipe may leave a
             # field to its tokenizer (None) that the args spell out.
             if foreign and (old is None or new is None or f == "tokenizer.type"):
+                continue
+            if f == "tokenizer.path" and same_tokenizer(old, new):  # the checkpoint's copy of the run's tokenizer
                 continue
             if old is not _ABSENT and new is not _ABSENT and old != new:
                 out.append(f"{f} = {new!r} (checkpoint: {old!r})")

@@ -10,7 +10,7 @@ import torch
 from megacli.engine import checkpoint, cuda_graphs, distributed, nonfinite
 from megacli.engine.cadences import Evaluations, LogWindow, NonFinitePolicy
 from megacli.engine.metrics import MetricsLog, loss_metrics
-from megacli.engine.saves import Saves
+from megacli.engine.saves import Saves, checkpoint_recipe_yaml
 from megacli.engine.starting_point import Start, load_start, pretrained_source
 from megacli.engine.stop import StopRequests, record_stop
 
@@ -374,13 +374,11 @@ def _run_steps(log, recipe, trainer: Trainer, start: Start, *, tokenizer, expert
     """Train from the start to train.iters (or train.exit_after_iters), each step followed by its
     cadences (log window, evaluations, saves) and a check for a stop request; then the last save,
     the plot and the summaries."""
-    from megacli.recipe.base import dump
-
     t, ck, runtime = recipe.train, recipe.checkpoint, trainer.runtime
     iteration, consumed = start.iteration, start.consumed
     iterators = data_iterators(trainer, trainer.train_data, start_sample=consumed)
     stop_at = min(t.iters, iteration + t.exit_after_iters) if t.exit_after_iters else t.iters
-    saves = Saves(recipe=recipe, trainer=trainer, recipe_yaml=dump(recipe, carried=True),
+    saves = Saves(recipe=recipe, trainer=trainer, recipe_yaml=checkpoint_recipe_yaml(recipe, writer=runtime.rank == 0),
                   run_id=start.run_id or uuid.uuid4().hex,  # carried across resumes: keep_last prunes only this run's checkpoints
                   lora_base=_lora_base(recipe, start), last_good=start.source, log=log,
                   stream_meta=lambda: _stream_meta(trainer))
@@ -394,10 +392,12 @@ def _run_steps(log, recipe, trainer: Trainer, start: Start, *, tokenizer, expert
     stopped = None
     try:
         while iteration < stop_at:
+            lr = trainer.optimizer.param_groups[0]["lr"]  # the rate this step uses (the scheduler moves it after)
             losses, grad_norm, ok = nonfinite_policy.step(lambda: train_step(trainer, iterators), iteration + 1)
             iteration += 1
             consumed += t.global_batch_size
-            window.step(iteration=iteration, losses=losses, grad_norm=grad_norm, ok=ok, skipped=nonfinite_policy.skipped)
+            window.step(iteration=iteration, losses=losses, lr=lr, grad_norm=grad_norm, ok=ok,
+                        skipped=nonfinite_policy.skipped)
             evaluated = evaluations.step(iteration)
             stopped = stops.reason()
             saved, path = saves.step(iteration=iteration, consumed=consumed, last=bool(stopped) or iteration == stop_at)

@@ -23,6 +23,21 @@ def can_save_async() -> bool:
     return "fork" in multiprocessing.get_all_start_methods()
 
 
+def checkpoint_recipe_yaml(recipe, *, writer: bool) -> str:
+    """The recipe.yaml of the run's checkpoints. It names the tokenizer the checkpoint directory
+    carries (with the chat template a finetuning run trains with), which the writer (rank 0, the
+    one that writes recipe.yaml) copies there now, once for the run (megacli.checkpoint.carried)."""
+    from megacli.recipe.base import dump
+
+    if not (recipe.checkpoint.dir and writer):
+        return dump(recipe, carried=True)
+    from megacli.checkpoint.carried import carry
+    from megacli.data.sft import trained_chat_template
+
+    section = carry(Path(recipe.checkpoint.dir), recipe.tokenizer, chat_template=trained_chat_template(recipe))
+    return dump(recipe, carried=True, tokenizer=section)
+
+
 class Saves:
     """Owns checkpoint.dir's saves for one run: ``step`` at every step boundary, ``finish`` when the
     loop ends, ``abort`` when it fails."""

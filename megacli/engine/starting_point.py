@@ -11,6 +11,7 @@ from megacli.checkpoint.megatron_lm.dist_reader import MegatronLMCheckpoint, wei
 from megacli.checkpoint.source import MEGATRON_LM, kind_of, user_source
 from megacli.engine import checkpoint
 from megacli.errors import UserError
+from megacli.paths import shown
 
 
 def pretrained_source(ck) -> Path | None:
@@ -21,7 +22,7 @@ def pretrained_source(ck) -> Path | None:
     if found is None and kind_of(ck.pretrained) == MEGATRON_LM:
         return weights_dir(user_source(ck.pretrained, ck))
     if found is None:
-        raise UserError(f"checkpoint.pretrained = {ck.pretrained!r}: no checkpoint there (convert a Hugging Face "
+        raise UserError(f"checkpoint.pretrained = {shown(ck.pretrained)}: no checkpoint there (convert a Hugging Face "
                         f"model with `megacli convert`, or give a megacli or Megatron-LM torch_dist checkpoint directory)")
     return found
 
@@ -55,7 +56,7 @@ def resume_source(ck) -> tuple[Path | None, str | None]:
     if found is None and kind_of(ck.resume) == MEGATRON_LM:
         return MegatronLMCheckpoint(user_source(ck.resume, ck)).it_dir, None
     if found is None:
-        raise UserError(f"checkpoint.resume = {ck.resume!r}: no checkpoint there (expected a directory with "
+        raise UserError(f"checkpoint.resume = {shown(ck.resume)}: no checkpoint there (expected a directory with "
                         f"'{checkpoint.LATEST}' or '{checkpoint.META}')")
     return found, None
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from megacli.engine import distributed
 from megacli.errors import UserError
+from megacli.paths import shown
 
 
 def import_harness():
@@ -25,7 +26,7 @@ def task_manager(ev):
     from megacli.inference.task_templates import sandboxed
 
     if ev.include_path and not Path(ev.include_path).is_dir():
-        raise UserError(f"eval.include_path = {ev.include_path!r}: no such directory")
+        raise UserError(f"eval.include_path = {shown(ev.include_path)}: no such directory")
     check_task_code(ev)  # before the harness reads (and imports from) any task YAML
     with sandboxed(ev):
         return _task_manager(ev)

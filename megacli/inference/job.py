@@ -27,6 +27,18 @@ def read_texts(path: str, key: str) -> list[str]:
     return items
 
 
+def chat_prompts(tokenizer_path: str | None, messages: list[str]) -> list[str]:
+    """Each message as a user's turn rendered by the tokenizer's chat template, the assistant's turn started."""
+    from megacli.data.sft import chat_template_of, render_chat
+
+    template = chat_template_of(tokenizer_path)
+    if template is None:
+        raise UserError(f"generate.chat: the tokenizer ({tokenizer_path or 'none'}) has no chat template "
+                        f"(chat_template in tokenizer_config.json, or chat_template.jinja); a model finetuned with "
+                        f"sft.template carries its template in its checkpoint")
+    return [render_chat([{"role": "user", "content": m}], template) for m in messages]
+
+
 def run(recipe) -> None:
     with distributed.running(parallel=recipe.parallel, launch=recipe.launch, seed=recipe.generate.seed) as runtime:
         _run(recipe, runtime)
@@ -47,6 +59,8 @@ def _run(recipe, runtime) -> None:
     prompts = list(g.prompts) + (read_texts(g.prompts_file, "prompt") if g.prompts_file else [])
     if not prompts:
         raise UserError("no prompts: give --prompt TEXT, --prompts FILE or generate.prompts")
+    if g.chat:
+        prompts = chat_prompts(recipe.tokenizer.path, prompts)
     gen = build_generator(recipe, runtime)
     tok = gen.tok
     out_file = open(g.output, "w", encoding="utf-8") if (g.output and speaker) else None

@@ -152,7 +152,9 @@ def read_yaml(path: str | Path) -> dict:
         raise RecipeErrors(str(path), [yaml_problem(exc)]) from None
     if not isinstance(data, dict):
         raise RecipeErrors(str(path), ["the top level must be a mapping of sections"])
-    return trust.carried(data) if trust.from_checkpoint(path) else data
+    from megacli.paths import with_carried_tokenizer
+
+    return with_carried_tokenizer(Path(path).parent, trust.carried(data)) if trust.from_checkpoint(path) else data
 
 
 def _known_fields(model: type[BaseModel], loc: tuple) -> list[str]:
@@ -210,10 +212,13 @@ def load(model: type[R], path: str | Path | None, overrides: Iterable[str] = (),
     return validate(model, raw, source)
 
 
-def dump(recipe: BaseModel, *, carried: bool = False) -> str:
+def dump(recipe: BaseModel, *, carried: bool = False, tokenizer: dict | None = None) -> str:
     """The resolved recipe as block YAML (every field, defaults included) in declaration order,
     one field per line and no line folded, however long its value. ``carried``: for a recipe a
-    checkpoint carries, without the trust fields (megacli.recipe.trust: trust is never passed on)."""
+    checkpoint carries, without the trust fields (megacli.recipe.trust: trust is never passed on).
+    ``tokenizer``: the tokenizer section to write instead of the recipe's (the checkpoint's copy)."""
     raw = recipe.model_dump(mode="json")
+    if tokenizer is not None:
+        raw["tokenizer"] = tokenizer
     return yaml.safe_dump(trust.carried(raw) if carried else raw, sort_keys=False, default_flow_style=False,
                           width=float("inf"), allow_unicode=True)

@@ -21,6 +21,10 @@ class GenerateSection(Section):
     """Prompts to complete."""
     prompts_file: Optional[str] = None
     """JSONL with a `prompt` field per line, or plain text with one prompt per line."""
+    chat: bool = False
+    """Each prompt is a user's message: the text completed is the conversation rendered by the chat
+    template of the checkpoint's tokenizer (for a finetuned model, the template it was trained with),
+    the assistant's turn started."""
     output: Optional[str] = None
     """Write one JSON object per prompt here (prompt, text, tokens, and logprobs when asked)."""
     max_new_tokens: PositiveInt = 64

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-# The record that makes a directory a megacli checkpoint (megacli.checkpoint.layout.META).
-CHECKPOINT_RECORD = "megacli.json"
+from megacli.paths import CHECKPOINT_RECORD
 
 PICKLE = "trust_pickle"  # the field of the checkpoint, convert and reshard sections
 

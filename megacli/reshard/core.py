@@ -210,7 +210,8 @@ def _write_output(job, plan: Plan, output: Path, it_name: str, progress) -> Veri
             fsync_dir(tmp)
             _replace(tmp, output)
             return None
-        it_dir = write_checkpoint(plan, tmp, it_name, progress)
+        # a legacy export reads the stage written here, then removes it: its recipe names the source's tokenizer
+        it_dir = write_checkpoint(plan, tmp, it_name, progress, carry_tokenizer=job.format != "legacy")
         report = None
         if job.verify:
             report = verify_plan(plan, it_dir, progress)

@@ -34,16 +34,15 @@ def masked(key: str) -> str:
 
 
 def chat_template(recipe):
-    """messages -> prompt text by the tokenizer's chat template (Hugging Face's, rendered by
-    transformers in its sandbox), or None when the tokenizer has none."""
-    if recipe.tokenizer.type != "huggingface" or not recipe.tokenizer.path:
-        return None
-    from transformers import AutoTokenizer
+    """messages -> prompt text by the chat template of the checkpoint's tokenizer (for a finetuned
+    model, the one it was trained with: megacli.checkpoint.carried), rendered by transformers in its
+    sandbox; None when the tokenizer has none."""
+    from megacli.data.sft import chat_template_of, render_chat
 
-    hf = AutoTokenizer.from_pretrained(recipe.tokenizer.path)
-    if not getattr(hf, "chat_template", None):
+    template = chat_template_of(recipe.tokenizer.path)
+    if template is None:
         return None
-    return lambda messages: hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return lambda messages: render_chat(messages, template)
 
 
 def run(recipe, *, on_ready=None) -> None:
