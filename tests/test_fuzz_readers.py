@@ -572,7 +572,7 @@ def test_the_line_reader_behind_preference_sft_and_generate_files(tmp_path, data
     assert texts is None or all(isinstance(t, str) for t in texts)
 
 
-# ---------------------------------------------------------------- Hugging Face config.json (convert/hf_config.py)
+# ---------------------------------------------------------------- Hugging Face config.json (checkpoint/hf_config.py)
 
 
 GOOD_CONFIG = json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8,
@@ -593,7 +593,7 @@ def test_hf_config_json(tmp_path, data):
     """Accepted: every size a positive integer, heads dividing the hidden size, groups dividing the
     heads; and the family's mapping of it then gives a model section or a clean error."""
     from megacli.convert import families
-    from megacli.convert.hf_config import POSITIVE, read_config
+    from megacli.checkpoint.hf_config import POSITIVE, read_config
 
     path = tmp_path / "config.json"
     path.write_bytes(data)

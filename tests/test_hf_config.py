@@ -1,5 +1,5 @@
 """A Hugging Face config.json megacli cannot take (not an object, a size no model has) is refused
-by every command that reads one, with one message naming the file and the key (convert/hf_config.py)."""
+by every command that reads one, with one message naming the file and the key (checkpoint/hf_config.py)."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def test_every_reader_refuses_a_bad_config_naming_file_and_key(tmp_path, name):
 def test_sizes_models_have_pass():
     """Its own head size (Llama's head_dim, T5's d_kv) frees the heads from dividing the hidden size;
     0 experts is a dense model. (Every config the convert tests build passes through it there.)"""
-    from megacli.convert.hf_config import check_config
+    from megacli.checkpoint.hf_config import check_config
 
     for config in (GPT2, LLAMA, {**LLAMA, "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 3,
                                  "num_experts": 0, "n_inner": None},

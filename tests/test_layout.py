@@ -26,6 +26,7 @@ LAYERS = (
     ("checkpoint", "plot"),
     ("plan", "rundir"),
     ("recipe", "data", "backend"),
+    ("filekind",),
     ("errors", "precision", "lifetime", "paths", "__init__"),
 )
 

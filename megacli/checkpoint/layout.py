@@ -130,7 +130,7 @@ def carried_hf_dir(ckpt: Path, tokenizer_path: str | None) -> Path | None:
 
 def carried_hf_config(ckpt: Path, recipe) -> dict | None:
     """The Hugging Face config.json a converted checkpoint carries, None for other checkpoints."""
-    from megacli.convert.hf_config import read_config
+    from megacli.checkpoint.hf_config import read_config
 
     carried = carried_hf_dir(ckpt, recipe.tokenizer.path)
     return read_config(carried / HF_CONFIG) if carried is not None else None

@@ -98,7 +98,7 @@ def _from_megatron_lm(source: Source, kind: str) -> CheckpointRecipe:
 
 def _from_hf(source: Source) -> CheckpointRecipe:
     from megacli.convert import families, hf_io
-    from megacli.convert.hf_config import read_config
+    from megacli.checkpoint.hf_config import read_config
     from megacli.convert.run import tokenizer_section
     from megacli.precision import precision_of
 

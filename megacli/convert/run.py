@@ -23,7 +23,7 @@ from megacli.checkpoint.layout import HF_DIR, LATEST, META, TRACKER, carried_hf_
 from megacli.checkpoint.replace import check_replaceable
 from megacli.checkpoint.source import Source
 from megacli.convert import hf_io
-from megacli.convert.hf_config import read_config
+from megacli.checkpoint.hf_config import read_config
 from megacli.errors import UserError
 from megacli.precision import DTYPES, params_dtype, precision_of
 from megacli.recipe.stages import pick_split

@@ -11,7 +11,7 @@ def structure(source: Source) -> Iterator[str]:
     from megacli.checkpoint.contents import row
     from megacli.checkpoint.source import HF
     from megacli.convert import hf_io
-    from megacli.convert.hf_config import read_config
+    from megacli.checkpoint.hf_config import read_config
 
     path = source.path
     if source.kind == HF:
