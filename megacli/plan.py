@@ -9,10 +9,12 @@ stores the scores; plus the logits at the loss.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from megacli.recipe.model import padded_vocab_size
 from megacli.recipe.pretrain import TrainingRecipe
+from megacli.recipe.stages import chunk_layers
 
 GIB = 1024**3
 
@@ -231,18 +233,26 @@ def estimate(recipe: TrainingRecipe, vocab_size: int, *, device: str = "cuda") -
     """Memory of a rank of the busiest pipeline stage, with the activations of the attention kernel
     the run uses on ``device`` ("cuda" or "cpu")."""
     counts = count_params(recipe, vocab_size)
-    stages = [_stage_memory(recipe, counts, vocab_size, stage, device=device) for stage in range(recipe.parallel.pipeline)]
+    stages = [stage_memory(recipe, counts, vocab_size, stage, device=device) for stage in range(recipe.parallel.pipeline)]
     return counts, max(stages, key=lambda mem: mem.total_gib)
 
 
-def _stage_memory(recipe: TrainingRecipe, counts: ParamCounts, vocab_size: int, stage: int, *, device: str) -> RankMemory:
+@functools.lru_cache(maxsize=256)
+def moe_layers_per_stage(pattern: tuple[int, ...], pipeline: int, virtual_pipeline: int | None,
+                         first: int | None, last: int | None) -> tuple[int, ...]:
+    """MoE layers on each pipeline stage, for the MoE ``pattern`` (1 per MoE layer) of the model."""
+    chunks = chunk_layers(len(pattern), pipeline, virtual_pipeline, first, last)
+    return tuple(sum(pattern[i] for chunk in stage for i in chunk) for stage in chunks)
+
+
+def stage_memory(recipe: TrainingRecipe, counts: ParamCounts, vocab_size: int, stage: int, *, device: str) -> RankMemory:
     """A rank of pipeline stage ``stage``: its layers; the embedding on the first stage; the final
     norm, output layer and logits on the last."""
     p, m = recipe.parallel, recipe.model
     padded = padded_vocab_size(vocab_size, divisible_by=m.make_vocab_size_divisible_by, tensor_parallel=p.tensor)
     layers = recipe.layers_per_stage[stage]
-    pattern = m.moe_layers()
-    moe_layers = sum(pattern[i] for chunk in p.chunk_layers(m.num_layers)[stage] for i in chunk)
+    moe_layers = moe_layers_per_stage(tuple(m.moe_layers()), p.pipeline, p.virtual_pipeline, p.first_stage_layers,
+                                      p.last_stage_layers)[stage] if m.moe is not None else 0
     last = stage == p.pipeline - 1
     if p.pipeline == 1:  # the whole model, its routed experts counted below
         stage_params = counts.total - counts.moe_experts * moe_layers

@@ -226,7 +226,7 @@ def test_dry_run_lists_uneven_stages_and_estimates_the_busiest():
     assert "[2, 2, 2, 1] (uneven: parallel.last_stage_layers = 1)" in out.output
     recipe = base.load(TrainingRecipe, None, [*TINY, *uneven])
     counts, mem = plan.estimate(recipe, 50000, device="cpu")
-    stages = [plan._stage_memory(recipe, counts, 50000, s, device="cpu") for s in range(4)]
+    stages = [plan.stage_memory(recipe, counts, 50000, s, device="cpu") for s in range(4)]
     assert mem.total_gib == max(s.total_gib for s in stages)
     # the last stage: one layer, but the output layer and the logits of a 50k vocabulary
     assert mem.stage == 3 and mem.logits_gib > 0 and stages[0].logits_gib == 0
