@@ -19,17 +19,16 @@ class GPU:
     """NVLink bandwidth per GPU, one direction, GB/s (what a ring collective inside a node moves)."""
     inter_node_gbps: float
     """Network bandwidth per GPU between nodes, one direction, GB/s (one 400 Gb/s NIC per GPU = 50)."""
-    calibration: tuple[tuple[int, float], ...] = ()
-    """Measured (hidden size, MFU) of single-GPU training runs on this GPU (docs/gpu.md); () = none,
-    the H100's curve is used at this GPU's peak."""
+    calibration: tuple[tuple[int, int, float], ...] = ()
+    """Measured (hidden size, tokens per micro-batch, MFU) of single-GPU training runs on this GPU
+    (docs/gpu.md); () = none, the H100's curve is used at this GPU's peak."""
 
 
-# Single-GPU bf16 training, sequence 1024-2048, the GPU benchmark's settings (docs/gpu.md):
-# GPT-2 124M (h 768), 350M (h 1024) and 1.3B (h 2048) at megacli's default settings.
-H100_MEASURED = ((768, 0.210), (1024, 0.324), (2048, 0.436))
-H200_MEASURED = ((768, 0.241), (2048, 0.502))
-CALIBRATION_TOKENS = 8192
-"""Tokens of a micro-batch in the calibration runs (micro-batch 4-8 × sequence 1024-2048)."""
+# Single-GPU bf16 training at the GPU benchmark's settings (docs/gpu.md, benchmarks/gpu_bench.py):
+# sequence 2048, GPT-2 124M (h 768) and 350M (h 1024) at micro-batch 8, 1.3B (h 2048) at 4, megacli's
+# default settings; MFU of benchmarks/results/*.json.
+H100_MEASURED = ((768, 16384, 0.210), (1024, 16384, 0.324), (2048, 8192, 0.436))
+H200_MEASURED = ((768, 16384, 0.241), (2048, 8192, 0.502))
 
 GPUS = {
     "h100-80gb": GPU("h100-80gb", 79.2, 989.4, 450.0, 50.0, H100_MEASURED),
@@ -55,9 +54,6 @@ class Constants:
     """Fixed cost of one pipeline point-to-point send/receive."""
     collective_latency_us: float = 15.0
     """Fixed cost of one tensor-parallel collective (launch and synchronisation)."""
-    half_fill_tokens: float = 512.0
-    """Tokens of a micro-batch on one rank at which its matrices reach half the rate of long ones
-    (short micro-batches, e.g. a long sequence split by context parallelism, fill the GPU less)."""
     mfu_ceiling: float = 0.0
     """Override of the fitted achievable MFU at large matrices (0 = fitted from the GPU's measurements)."""
     cuda_context_gib: float = 0.5
@@ -75,20 +71,26 @@ def constant_names() -> list[str]:
     return [f.name for f in dataclasses.fields(Constants)]
 
 
-def fitted_mfu_curve(points: tuple[tuple[int, float], ...]) -> tuple[float, float]:
-    """(ceiling, half) of MFU(h) = ceiling · h / (h + half), fitted through the measurements of the two
-    largest hidden sizes (the small models are bound by kernel launches, which a large model's
-    per-GPU matrices are not)."""
-    (h1, m1), (h2, m2) = sorted(points)[-2:]
-    # m1 (h1 + k) / h1 = m2 (h2 + k) / h2  ->  k = (m2 - m1) h1 h2 / (m1 h2 - m2 h1)
-    half = (m2 - m1) * h1 * h2 / (m1 * h2 - m2 * h1)
-    return m2 * (h2 + half) / h2, half
+def matmul_work(hidden: int, tokens: int, tensor: int) -> float:
+    """The size of a layer's matrix multiplications on one GPU: tokens of a micro-batch × hidden ×
+    hidden / TP (the multiply-adds of one h × h/TP projection). Small ones are bound by kernel
+    launches and memory traffic; large ones approach the GPU's matrix rate."""
+    return tokens * hidden * hidden / tensor
 
 
-def achievable_mfu(gpu: GPU, matrix_width: float, constants: Constants) -> float:
-    """Share of the peak a transformer layer's matrix multiplications reach when each GPU's share of
-    the hidden dimension is ``matrix_width`` (hidden / tensor-parallel size)."""
+def fitted_mfu_curve(points: tuple[tuple[int, int, float], ...]) -> tuple[float, float]:
+    """(ceiling, half) of MFU(w) = ceiling · w / (w + half), w = matmul_work, fitted through the two
+    measurements with the largest work (the smallest model is bound by kernel launches more than
+    the curve says)."""
+    (w1, m1), (w2, m2) = sorted((matmul_work(h, t, 1), m) for h, t, m in points)[-2:]
+    # m1 (w1 + k) / w1 = m2 (w2 + k) / w2  ->  k = (m2 - m1) w1 w2 / (m1 w2 - m2 w1)
+    half = (m2 - m1) * w1 * w2 / (m1 * w2 - m2 * w1)
+    return m2 * (w2 + half) / w2, half
+
+
+def achievable_mfu(gpu: GPU, work: float, constants: Constants) -> float:
+    """Share of the peak a transformer layer's matrix multiplications reach at ``work`` (matmul_work)."""
     ceiling, half = fitted_mfu_curve(gpu.calibration or H100_MEASURED)
     if constants.mfu_ceiling:
         ceiling = constants.mfu_ceiling
-    return ceiling * matrix_width / (matrix_width + half)
+    return ceiling * work / (work + half)

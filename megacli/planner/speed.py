@@ -1,8 +1,8 @@
 """Step time of a layout on a GPU, as the sum of named parts (seconds per step, one rank):
 
 - compute: the step's FLOPs (megacli.plan.flops_per_token, plus what recompute replays) over the
-  GPUs at an achievable share of the peak for each GPU's matrix width (gpus.achievable_mfu,
-  calibrated from the project's single-GPU benchmark runs);
+  GPUs at an achievable share of the peak for the size of each GPU's matrix multiplications
+  (gpus.achievable_mfu, calibrated from the project's single-GPU benchmark runs);
 - bubble: (PP - 1) / (micro-batches × virtual stages) of the compute;
 - tensor: the TP/SP collectives of every layer (2 forward, 2 backward; full recompute 2 more) at
   intra-node bandwidth;
@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megacli import plan
-from megacli.planner.gpus import CALIBRATION_TOKENS, GPU, Constants, achievable_mfu
+from megacli.planner.gpus import GPU, Constants, achievable_mfu, matmul_work
 
 PARTS = ("compute", "bubble", "tensor", "pipeline", "data", "context", "expert")
 
@@ -75,16 +75,14 @@ class ModelWork:
 
 def compute_seconds(recipe, work: ModelWork, gpu: GPU, constants: Constants) -> tuple[float, float]:
     """(seconds of this rank's matrix work per step, the step's model FLOPs). The achievable rate
-    follows each GPU's matrix width (hidden / TP) and the tokens of a micro-batch on one rank
-    (short ones fill the GPU less), relative to the calibration runs' tokens."""
+    follows the size of each GPU's matrix multiplications (gpus.matmul_work: tokens of a
+    micro-batch on one rank, hidden size, TP)."""
     p, m = recipe.parallel, recipe.model
     model = work.per_token * recipe.tokens_per_step
     replayed = {"none": 0.0, "full": work.per_token / 3, "selective": work.attention_per_token / 3}[p.recompute]
     hardware = (work.per_token + replayed) * recipe.tokens_per_step
     tokens = m.seq_length // p.context * plan.rows_per_microbatch(recipe)
-    fill = (tokens / (tokens + constants.half_fill_tokens)) / (
-        CALIBRATION_TOKENS / (CALIBRATION_TOKENS + constants.half_fill_tokens))
-    rate = achievable_mfu(gpu, m.hidden_size / p.tensor, constants) * min(1.0, fill) * gpu.peak_tflops * 1e12
+    rate = achievable_mfu(gpu, matmul_work(m.hidden_size, tokens, p.tensor), constants) * gpu.peak_tflops * 1e12
     return hardware / recipe.world_size / rate, model
 
 
