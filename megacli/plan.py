@@ -227,21 +227,25 @@ def _auto_attention_kernel(recipe: TrainingRecipe, *, device: str) -> str:
     return "flash"
 
 
-def activation_bytes_per_layer(recipe: TrainingRecipe, *, kernel: str) -> float:
+def activation_bytes_per_layer(recipe: TrainingRecipe, *, kernel: str, device: str = "cuda") -> float:
     """Korthikanti et al. 2022, eqs. 1-5 (16-bit activations; fp32 doubles it).
-    Without parallelism: s·b·h·(34 + 5·a·s/h). TP splits all but 10·s·b·h; SP splits those too;
+    Without parallelism: s·b·h·(34 + 5·a·s/h), 2·s·b·h less without hidden dropout (its two masks).
+    TP splits all but 10·s·b·h; SP splits those too;
     selective recompute drops the 5·a·s/h attention term, and so does an attention ``kernel`` that
     never stores the scores (all but math); full recompute keeps only the layer input."""
     m, p, t = recipe.model, recipe.parallel, recipe.train
     s = m.seq_length // p.context
     b, h, a, tp = rows_per_microbatch(recipe), m.hidden_size, m.num_attention_heads, p.tensor
     attn_term = 5 * a * s / h if kernel == "math" else 0
+    # Of the 10·sbh no TP splits, 2·sbh are the two hidden-dropout masks: none without dropout; on
+    # CPU torch's dropout keeps its mask in the activations' dtype (2 bytes), on CUDA as bool.
+    unsplit = 8 + (2 * (1 if device == "cuda" else 2) if m.dropout > 0 else 0)
     if p.recompute == "full":
         per = 2 * s * b * h / (tp if p.sp_enabled else 1)
     elif p.sp_enabled:
-        per = s * b * h * (34 + (0 if p.recompute == "selective" else attn_term)) / tp
+        per = s * b * h * (unsplit + 24 + (0 if p.recompute == "selective" else attn_term)) / tp
     else:
-        per = s * b * h * (10 + (24 + (0 if p.recompute == "selective" else attn_term)) / tp)
+        per = s * b * h * (unsplit + (24 + (0 if p.recompute == "selective" else attn_term)) / tp)
     return per * (2 if t.precision == "fp32" else 1)
 
 
@@ -348,7 +352,7 @@ def stage_memory(recipe: TrainingRecipe, counts: ParamCounts, vocab_size: int, s
     in_flight_layers = layers * min(p.pipeline - stage, recipe.num_microbatches)
     if p.virtual_pipeline:
         in_flight_layers *= 1 + (p.pipeline - 1) / (p.pipeline * p.virtual_pipeline)
-    act = activation_bytes_per_layer(recipe, kernel=attention_kernel(recipe, device=device)) * in_flight_layers
+    act = activation_bytes_per_layer(recipe, kernel=attention_kernel(recipe, device=device), device=device) * in_flight_layers
     return RankMemory(
         params=rank_params,
         weights_gib=rank_params * w / GIB,
