@@ -56,7 +56,8 @@ def gpt_recipe(heads, hidden, layers, *, seq, vocab, tp, pp, gpus, batch, micro,
             f"parallel.pipeline={pp}", f"parallel.recompute={recompute}", f"parallel.distributed_optimizer={str(dist_opt).lower()}",
             f"train.global_batch_size={batch}", f"train.micro_batch_size={micro}", "train.precision=bf16",
             f"launch.nproc={nproc}", f"launch.nnodes={nnodes}", "launch.device=cuda", "tokenizer.type=none",
-            "parallel.overlap_grad_reduce=true", f"parallel.overlap_param_gather={str(dist_opt).lower()}"]
+            "parallel.overlap_grad_reduce=true", f"parallel.overlap_param_gather={str(dist_opt).lower()}",
+            "model.dropout=0.1"]  # GPT-3 and the Megatron papers train with hidden dropout 0.1
     return load_job_recipe("pretrain", ROOT / "recipes" / "gpt2_1.3b.yaml", sets)
 
 
