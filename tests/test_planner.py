@@ -176,3 +176,28 @@ def test_prediction_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout)[0]["fits"]
+
+
+def test_measure_runs_the_top_layouts_and_reranks_them(tmp_path):
+    """--measure 2 on CPU: the two top layouts of a tiny GPT on 2 gloo processes run a few steps
+    each through `megacli pretrain`; their measured step time and peak memory come back next to
+    the prediction, ordered by measured speed, and -o writes the fastest measured layout."""
+    from megacli.planner import layout_of
+
+    sets = ["launch.device=cpu", "data.mock=true", "data.path=null", "tokenizer.type=none", "tokenizer.path=null",
+            "model.vocab_size=512", "train.global_batch_size=8", "parallel.distributed_optimizer=false"]
+    out = tmp_path / "chosen.yaml"
+    res = cli("plan", str(TINY), "--gpus", "2", "--measure", "2", "--measure-dir", str(tmp_path / "m"), "--json",
+              "-o", str(out), *[x for s in sets for x in ("--set", s)])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.stdout)
+    assert len(rows) == 2 and {r["rank"] for r in rows} == {1, 2}
+    for row in rows:
+        assert row["measured_error"] is None
+        assert row["measured_step_time_s"] > 0 and row["measured_peak_memory_gib"] > 0
+    assert rows[0]["measured_tokens_per_second_per_gpu"] >= rows[1]["measured_tokens_per_second_per_gpu"]
+    assert sorted((tmp_path / "m").iterdir()) == [tmp_path / "m" / "layout1", tmp_path / "m" / "layout2"]
+    assert all(len(steps) == 3 for steps in ([line for line in (d / "metrics.jsonl").read_text().splitlines()
+                                               if "step_time_s" in line] for d in (tmp_path / "m").iterdir()))
+    chosen = layout_of(load_job_recipe("pretrain", out))
+    assert chosen == {k: rows[0][k] for k in chosen}

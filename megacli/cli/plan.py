@@ -30,6 +30,8 @@ def plan(
     top: Annotated[int, typer.Option("--top", "-k", min=1, help="Layouts to show.")] = 10,
     as_json: Annotated[bool, typer.Option("--json", help="The rows as a JSON list on stdout.")] = False,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the recipe with the top layout here.", show_default=False)] = None,
+    measure: Annotated[int, typer.Option("--measure", min=0, help="Run the top K layouts for a few steps each (megacli pretrain) and re-rank them by measured speed.")] = 0,
+    measure_dir: Annotated[Path, typer.Option("--measure-dir", help="Where --measure's short runs write.")] = Path("runs/plan-measure"),
     set_: SetOpt = None,
 ) -> None:
     from megacli.cli.plan_view import vocab_size_of
@@ -47,16 +49,24 @@ def plan(
 
         raise UserError(no_layout_message(loaded, vocab, found, gpus=gpus, gpu=chosen_gpu,
                                           gpus_per_node=gpus_per_node, constants=constants))
+    measured = []
+    if measure:
+        from megacli.planner.measure import measure as run_layouts, reranked
+
+        measured = reranked(run_layouts(found.fitting[:measure], measure_dir))
     if output is not None:
-        _write_recipe(found.fitting[0].recipe, output)
+        _write_recipe((measured[0].row if measured and measured[0].step_time_s else found.fitting[0]).recipe, output)
     if as_json:
         import json
 
-        typer.echo(json.dumps(rows_json(found, top), indent=1))
+        typer.echo(json.dumps(rows_json(found, top) if not measured else measured_json(found, measured), indent=1))
     else:
         print_table(found, loaded, top, chosen_gpu)
+        if measured:
+            print_measured(found, measured)
         if output is not None:
-            typer.echo(f"wrote {output} (the top layout; `megacli pretrain {output}` runs it)")
+            typer.echo(f"wrote {output} (the top layout{' as measured' if measured else ''}; "
+                       f"`megacli pretrain {output}` runs it)")
 
 
 def _gpu(name: str, memory, tflops, intra, inter):
@@ -112,19 +122,50 @@ def _write_recipe(chosen, output: Path) -> None:
         raise
 
 
-def rows_json(found, top: int) -> list[dict]:
+def rows_json(found, top: int, rows=None) -> list[dict]:
     """The shown rows: the layout under the recipe's field names, memory per GPU in GiB, speed."""
     from megacli.planner import why_slower
 
     best = found.rows[0]
-    return [{"rank": i + 1, **row.layout, "memory_gib": {k: round(v, 3) for k, v in row.memory.as_gib().items()},
+    rows = found.rows[:top] if rows is None else rows
+    return [{"rank": found.rows.index(row) + 1, **row.layout, "memory_gib": {k: round(v, 3) for k, v in row.memory.as_gib().items()},
              "fits": row.fits, "headroom_gib": round(row.headroom_gib, 3),
              "tokens_per_second_per_gpu": round(row.tokens_per_second_per_gpu, 1), "mfu": round(row.mfu, 4),
              "step_time_s": round(row.time.seconds, 4),
              "step_time_parts_s": {k: round(v, 4) for k, v in row.time.parts.items()},
              "train_hours": round(row.train_hours(), 2),
              "gpu_hours": round(row.train_hours() * row.recipe.world_size, 1), "why": why_slower(row, best)}
-            for i, row in enumerate(found.rows[:top])]
+            for row in rows]
+
+
+def measured_json(found, measured) -> list[dict]:
+    """The measured rows, fastest measured first: the predicted row with what was measured."""
+    rows = rows_json(found, 0, [m.row for m in measured])
+    for row, m in zip(rows, measured):
+        row.update(measured_step_time_s=m.step_time_s, measured_peak_memory_gib=m.peak_memory_gib,
+                   measured_tokens_per_second_per_gpu=m.tokens_per_second_per_gpu, measured_error=m.error or None)
+    return rows
+
+
+def print_measured(found, measured) -> None:
+    from rich.table import Table
+
+    from megacli.cli.common import output_console
+    from megacli.planner.advice import layout_text
+
+    console = output_console()
+    table = Table(title=f"the top {len(measured)} layouts as measured ({measured[0].row.recipe.launch.device}), "
+                        f"fastest first", box=None, pad_edge=False)
+    for name in ("measured #", "predicted #", "layout", "mbs", "recompute", "step s (predicted)", "step s (measured)",
+                 "GiB (predicted)", "peak GiB (measured)"):
+        table.add_column(name, overflow="fold")
+    for i, m in enumerate(measured):
+        lay = m.row.layout
+        table.add_row(str(i + 1), str(found.rows.index(m.row) + 1), layout_text(lay), str(lay["micro_batch_size"]),
+                      lay["recompute"], f"{m.row.time.seconds:.3f}",
+                      f"{m.step_time_s:.3f}" if m.step_time_s is not None else m.error,
+                      f"{m.row.memory.total:.2f}", f"{m.peak_memory_gib:.2f}" if m.peak_memory_gib is not None else "–")
+    console.print(table)
 
 
 def own_layout_rank(found, recipe) -> Optional[int]:
