@@ -95,8 +95,6 @@ def megatron_args(recipe, padded_vocab: int):
 
 def compare_memory(checkout: Path) -> None:
     from megacli import plan
-    from megacli.planner.gpus import Constants
-    from megacli.planner.memory import layout_memory
     from megacli.recipe.model import padded_vocab_size
 
     formula = load_megatron_formula(checkout)
@@ -123,7 +121,6 @@ def compare_memory(checkout: Path) -> None:
                  f"{' dist-opt' if p.distributed_optimizer else ''}"
         print(f"| {name} | {layout} | {theirs_state:,.0f} | {ours_state:,.0f} | {ours_state / theirs_state - 1:+.1%} "
               f"| {theirs_act:,.0f} | {ours_act:,.0f} | {ours_act / theirs_act - 1:+.1%} |")
-    _ = layout_memory, Constants  # the planner adds its allowance on top of these tensors
 
 
 def published_runs() -> None:

@@ -28,18 +28,7 @@ def _plan(name: str, gpus: int, sets=(), **kw):
                                 gpus_per_node=kw.pop("gpus_per_node", 8), **kw)
 
 
-def _sets_of(layout: dict, gpus: int) -> list[str]:
-    nproc, nnodes = (gpus, 1) if gpus <= 8 else (8, gpus // 8)
-    return [f"parallel.tensor={layout['tensor']}", f"parallel.pipeline={layout['pipeline']}",
-            f"parallel.virtual_pipeline={layout['virtual_pipeline'] or 'null'}", f"parallel.context={layout['context']}",
-            f"parallel.expert={layout['expert']}", f"train.micro_batch_size={layout['micro_batch_size']}",
-            f"parallel.recompute={layout['recompute']}",
-            f"parallel.distributed_optimizer={str(layout['distributed_optimizer']).lower()}",
-            f"parallel.sequence_parallel={str(layout['sequence_parallel']).lower()}",
-            f"launch.nproc={nproc}", f"launch.nnodes={nnodes}"]
-
-
-def test_enumerated_layouts_are_exactly_those_loading_accepts():
+def test_enumerated_layouts_are_exactly_those_loading_accepts(tmp_path):
     """On 8 GPUs, every (TP, PP, VP, micro-batch) of the tiny GPT is tried: the accepted ones load as a
     recipe with those values set, the refused ones fail to load with the reason the planner gives."""
     from megacli.recipe.base import RecipeErrors
@@ -62,11 +51,13 @@ def test_enumerated_layouts_are_exactly_those_loading_accepts():
             assert loads == ((tp, 1, None, b, tp > 1) in accepted), (tp, b)
             checked += 1
     assert checked == 16
-    row = found.rows[0]
-    again = load_job_recipe("pretrain", TINY, _sets_of(row.layout, 8))
-    assert again.parallel == row.recipe.parallel.model_copy(update={"first_stage_layers": None, "last_stage_layers": None,
-                                                                     "overlap_param_gather": again.parallel.overlap_param_gather}) \
-        or row.recipe.parallel.first_stage_layers is not None
+    # A row's recipe is a recipe as loading makes it: its YAML loads back to the same recipe.
+    from megacli.recipe.base import dump
+
+    for row in found.rows[:: max(1, len(found.rows) // 20)]:
+        written = tmp_path / "row.yaml"
+        written.write_text(dump(row.recipe))
+        assert load_job_recipe("pretrain", written) == row.recipe
 
 
 def test_memory_is_the_dry_runs_model():
