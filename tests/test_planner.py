@@ -170,7 +170,7 @@ def test_prediction_imports_no_torch():
 
 
 def test_measure_runs_the_top_layouts_and_reranks_them(tmp_path):
-    """--measure 2 on CPU: the two top layouts of a tiny GPT on 2 gloo processes run a few steps
+    """--measure 2 on CPU: the two top layouts of a tiny GPT on one process run a few steps
     each through `megacli pretrain`; their measured step time and peak memory come back next to
     the prediction, ordered by measured speed, and -o writes the fastest measured layout."""
     from megacli.planner import layout_of
@@ -178,7 +178,7 @@ def test_measure_runs_the_top_layouts_and_reranks_them(tmp_path):
     sets = ["launch.device=cpu", "data.mock=true", "data.path=null", "tokenizer.type=none", "tokenizer.path=null",
             "model.vocab_size=512", "train.global_batch_size=8", "parallel.distributed_optimizer=false"]
     out = tmp_path / "chosen.yaml"
-    res = cli("plan", str(TINY), "--gpus", "2", "--measure", "2", "--measure-dir", str(tmp_path / "m"), "--json",
+    res = cli("plan", str(TINY), "--gpus", "1", "--measure", "2", "--measure-dir", str(tmp_path / "m"), "--json",
               "-o", str(out), *[x for s in sets for x in ("--set", s)])
     assert res.exit_code == 0, res.output
     rows = json.loads(res.stdout)
