@@ -227,6 +227,13 @@ def _auto_attention_kernel(recipe: TrainingRecipe, *, device: str) -> str:
     return "flash"
 
 
+def unsplit_activation_factor(recipe: TrainingRecipe, *, device: str = "cuda") -> int:
+    """The part of a layer's activations (× s·b·h bytes) TP does not split: Korthikanti's 10, of
+    which 2 are the two hidden-dropout masks: none without dropout; on CPU torch's dropout keeps
+    its mask in the activations' dtype (2 bytes), on CUDA as bool (1 byte)."""
+    return 8 + (2 * (1 if device == "cuda" else 2) if recipe.model.dropout > 0 else 0)
+
+
 def activation_bytes_per_layer(recipe: TrainingRecipe, *, kernel: str, device: str = "cuda") -> float:
     """Korthikanti et al. 2022, eqs. 1-5 (16-bit activations; fp32 doubles it).
     Without parallelism: s·b·h·(34 + 5·a·s/h), 2·s·b·h less without hidden dropout (its two masks).
@@ -237,9 +244,7 @@ def activation_bytes_per_layer(recipe: TrainingRecipe, *, kernel: str, device: s
     s = m.seq_length // p.context
     b, h, a, tp = rows_per_microbatch(recipe), m.hidden_size, m.num_attention_heads, p.tensor
     attn_term = 5 * a * s / h if kernel == "math" else 0
-    # Of the 10·sbh no TP splits, 2·sbh are the two hidden-dropout masks: none without dropout; on
-    # CPU torch's dropout keeps its mask in the activations' dtype (2 bytes), on CUDA as bool.
-    unsplit = 8 + (2 * (1 if device == "cuda" else 2) if m.dropout > 0 else 0)
+    unsplit = unsplit_activation_factor(recipe, device=device)
     if p.recompute == "full":
         per = 2 * s * b * h / (tp if p.sp_enabled else 1)
     elif p.sp_enabled:
