@@ -9,10 +9,13 @@ stores the scores; plus the logits at the loss.
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 from megacli.recipe.model import padded_vocab_size
 from megacli.recipe.pretrain import TrainingRecipe
+from megacli.recipe.stages import chunk_layers
 
 GIB = 1024**3
 
@@ -46,6 +49,9 @@ class ParamCounts:
     moe_layer: int = 0  # a MoE layer: attention, norms, router, every expert, the shared expert
     moe_layer_active: int = 0  # the part of a MoE layer one token goes through (top-k experts)
     moe_experts: int = 0  # the routed experts' share of moe_layer (split over EP × expert TP)
+    replicated: "ParamCounts | None" = None
+    """The same parts, counting only what every tensor-parallel rank holds whole (norms, row-parallel
+    biases, learned positions, the router, BERT's heads, T5's relative position tables)."""
 
     @property
     def total(self) -> int:
@@ -91,26 +97,36 @@ def count_params(recipe: TrainingRecipe, vocab_size: int) -> ParamCounts:
     vocab = padded_vocab_size(vocab_size, divisible_by=m.make_vocab_size_divisible_by, tensor_parallel=recipe.parallel.tensor)
     pos = m.max_positions * h if m.position_embedding == "learned" else 0
     qk_norm = (q_width + kv_width if m.qk_norm_scope == "projection" else 2 * hd) if m.qk_layernorm else 0
-    rest = attn + (4 if m.norm_placement == "sandwich" else 2) * norm + qk_norm  # sandwich: + output norms
+    norms = (4 if m.norm_placement == "sandwich" else 2) * norm + qk_norm  # sandwich: + output norms
+    rest = attn + norms
     layer = rest + mlp_params(m.ffn_size)
+    # Held whole by every TP rank: norms, the row-parallel layers' biases (attention output, MLP output).
+    rest_whole = norms + h * bias + (_mla_replicated(m) if m.mla is not None else 0)
+    layer_whole = rest_whole + h * bias
     output = vocab * h if m.untie_embeddings else 0
     if m.arch == "bert":  # post-LN moves the final norm to the embeddings: the same count
         binary = m.bert_binary_head
+        heads = (h * h + h + norm) + ((h * h + h) + (2 * h + 2) if binary else 0)  # LM transform + norm; pooler, binary head
+        whole = ParamCounts(embedding=pos + m.token_types * h, per_layer=layer_whole, layers=m.num_layers,
+                            final_norm=norm, output_layer=0, heads=heads)
         return ParamCounts(
             embedding=vocab * h + pos + m.token_types * h,
             per_layer=layer, layers=m.num_layers, final_norm=norm,
             output_layer=output + vocab,  # the LM head's output layer always has a bias
-            heads=(h * h + h + norm) + ((h * h + h) + (2 * h + 2) if binary else 0),  # LM transform + norm; pooler, binary head
+            heads=heads, replicated=whole,
         )
     if m.arch == "t5":
         cross = h * q_width + h * 2 * kv_width + q_width * h + (q_width + 2 * kv_width + h) * bias + norm
+        tables = 2 * 32 * m.num_attention_heads if m.position_embedding == "relative" else 0  # 32 buckets, per stack
+        whole = ParamCounts(embedding=pos, per_layer=layer_whole, layers=m.num_layers, final_norm=2 * norm,
+                            output_layer=0, heads=tables, per_decoder_layer=layer_whole + norm + h * bias,
+                            decoder_layers=m.dec_num_layers)
         return ParamCounts(
             embedding=vocab * h + pos, per_layer=layer, layers=m.num_layers, final_norm=2 * norm,
             output_layer=output if m.untie_embeddings else vocab,  # tied: the LM head keeps only a bias
-            heads=2 * 32 * m.num_attention_heads if m.position_embedding == "relative" else 0,  # 32 buckets, per stack
-            per_decoder_layer=layer + cross, decoder_layers=m.dec_num_layers,
+            heads=tables, per_decoder_layer=layer + cross, decoder_layers=m.dec_num_layers, replicated=whole,
         )
-    moe = {}
+    moe, moe_whole = {}, {}
     if m.moe is not None:
         e = m.moe
         router = e.num_experts * h + e.num_experts * bias
@@ -118,8 +134,19 @@ def count_params(recipe: TrainingRecipe, vocab_size: int) -> ParamCounts:
         expert = mlp_params(m.expert_ffn_size)
         moe = dict(moe_layers=sum(m.moe_layers()), moe_layer=rest + router + shared + e.num_experts * expert,
                    moe_layer_active=rest + router + shared + e.router_topk * expert, moe_experts=e.num_experts * expert)
+        shared_whole = (h * bias + h * int(e.shared_expert_gate)) if e.shared_expert_ffn_hidden_size else 0
+        moe_whole = dict(moe_layers=moe["moe_layers"], moe_layer=rest_whole + router + shared_whole)
+    whole = ParamCounts(embedding=pos, per_layer=layer_whole, layers=m.num_layers, final_norm=norm, output_layer=0,
+                        **moe_whole)
     return ParamCounts(embedding=vocab * h + pos, per_layer=layer, layers=m.num_layers, final_norm=norm,
-                       output_layer=output, **moe)
+                       output_layer=output, replicated=whole, **moe)
+
+
+def _mla_replicated(m) -> int:
+    """Multi-latent attention's parts every TP rank holds whole: the down-projections and their norms."""
+    a, h = m.mla, m.hidden_size
+    q_down = h * a.q_lora_rank + a.q_lora_rank if a.q_lora_rank is not None else 0
+    return q_down + h * (a.kv_lora_rank + a.qk_pos_emb_head_dim) + a.kv_lora_rank
 
 
 @dataclass(frozen=True)
@@ -200,21 +227,30 @@ def _auto_attention_kernel(recipe: TrainingRecipe, *, device: str) -> str:
     return "flash"
 
 
-def activation_bytes_per_layer(recipe: TrainingRecipe, *, kernel: str) -> float:
+def unsplit_activation_factor(recipe: TrainingRecipe, *, device: str = "cuda") -> int:
+    """The part of a layer's activations (× s·b·h bytes) TP does not split: Korthikanti's 10, of
+    which 2 are the two hidden-dropout masks: none without dropout; on CPU torch's dropout keeps
+    its mask in the activations' dtype (2 bytes), on CUDA as bool (1 byte)."""
+    return 8 + (2 * (1 if device == "cuda" else 2) if recipe.model.dropout > 0 else 0)
+
+
+def activation_bytes_per_layer(recipe: TrainingRecipe, *, kernel: str, device: str = "cuda") -> float:
     """Korthikanti et al. 2022, eqs. 1-5 (16-bit activations; fp32 doubles it).
-    Without parallelism: s·b·h·(34 + 5·a·s/h). TP splits all but 10·s·b·h; SP splits those too;
+    Without parallelism: s·b·h·(34 + 5·a·s/h), 2·s·b·h less without hidden dropout (its two masks).
+    TP splits all but 10·s·b·h; SP splits those too;
     selective recompute drops the 5·a·s/h attention term, and so does an attention ``kernel`` that
     never stores the scores (all but math); full recompute keeps only the layer input."""
     m, p, t = recipe.model, recipe.parallel, recipe.train
     s = m.seq_length // p.context
     b, h, a, tp = rows_per_microbatch(recipe), m.hidden_size, m.num_attention_heads, p.tensor
     attn_term = 5 * a * s / h if kernel == "math" else 0
+    unsplit = unsplit_activation_factor(recipe, device=device)
     if p.recompute == "full":
         per = 2 * s * b * h / (tp if p.sp_enabled else 1)
     elif p.sp_enabled:
-        per = s * b * h * (34 + (0 if p.recompute == "selective" else attn_term)) / tp
+        per = s * b * h * (unsplit + 24 + (0 if p.recompute == "selective" else attn_term)) / tp
     else:
-        per = s * b * h * (10 + (24 + (0 if p.recompute == "selective" else attn_term)) / tp)
+        per = s * b * h * (unsplit + (24 + (0 if p.recompute == "selective" else attn_term)) / tp)
     return per * (2 if t.precision == "fp32" else 1)
 
 
@@ -231,45 +267,102 @@ def estimate(recipe: TrainingRecipe, vocab_size: int, *, device: str = "cuda") -
     """Memory of a rank of the busiest pipeline stage, with the activations of the attention kernel
     the run uses on ``device`` ("cuda" or "cpu")."""
     counts = count_params(recipe, vocab_size)
-    stages = [_stage_memory(recipe, counts, vocab_size, stage, device=device) for stage in range(recipe.parallel.pipeline)]
+    stages = [stage_memory(recipe, counts, vocab_size, stage, device=device) for stage in range(recipe.parallel.pipeline)]
     return counts, max(stages, key=lambda mem: mem.total_gib)
 
 
-def _stage_memory(recipe: TrainingRecipe, counts: ParamCounts, vocab_size: int, stage: int, *, device: str) -> RankMemory:
-    """A rank of pipeline stage ``stage``: its layers; the embedding on the first stage; the final
-    norm, output layer and logits on the last."""
+@functools.lru_cache(maxsize=256)
+def moe_layers_per_stage(pattern: tuple[int, ...], pipeline: int, virtual_pipeline: int | None,
+                         first: int | None, last: int | None) -> tuple[int, ...]:
+    """MoE layers on each pipeline stage, for the MoE ``pattern`` (1 per MoE layer) of the model."""
+    chunks = chunk_layers(len(pattern), pipeline, virtual_pipeline, first, last)
+    return tuple(sum(pattern[i] for chunk in stage for i in chunk) for stage in chunks)
+
+
+def _stage_params(counts: ParamCounts, stage: int, pipeline: int, layers: int, moe_layers: int, tied_copy: int) -> int:
+    """Parameters of pipeline stage ``stage`` (of ``layers`` layers, ``moe_layers`` of them MoE),
+    routed experts left out: its layers; the embedding on the first stage; the final norm, output
+    layer, heads and ``tied_copy`` (a tied output layer's copy of the word embedding) on the last."""
+    if pipeline == 1:  # the whole model (T5 and BERT: their decoder layers and heads too)
+        return counts.total - counts.moe_experts * moe_layers
+    params = counts.per_layer * (layers - moe_layers) + (counts.moe_layer - counts.moe_experts) * moe_layers
+    if stage == 0:
+        params += counts.embedding
+    if stage == pipeline - 1:
+        params += counts.final_norm + counts.output_layer + counts.heads + tied_copy
+    return params
+
+
+def buffer_numel(params: int, dp: int, *, distributed: bool) -> int:
+    """Elements of a gradient buffer holding ``params``: Megatron-Core's DDP pads it to a multiple of
+    lcm(data-parallel size, 128) for the distributed optimizer (param_and_grad_buffer; each
+    parameter's start is also aligned to 64 elements there, which sizes that are multiples of 64,
+    as hidden sizes are, never need)."""
+    if not distributed or not params:
+        return params
+    step = math.lcm(dp, 128)
+    return -(-params // step) * step
+
+
+def shard_numel(params: int, dp: int, dp_rank: int) -> int:
+    """Elements of ``params`` in data-parallel rank ``dp_rank``'s equal slice of the padded buffer:
+    what the distributed optimizer keeps state for on that rank (the padding falls on the last)."""
+    shard = buffer_numel(params, dp, distributed=True) // dp
+    return max(0, min(shard, params - dp_rank * shard))
+
+
+def rank_params_of_stage(recipe: TrainingRecipe, counts: ParamCounts, vocab_size: int, stage: int) -> tuple[int, int]:
+    """(dense, routed-expert) parameters of a rank of pipeline stage ``stage``."""
     p, m = recipe.parallel, recipe.model
     padded = padded_vocab_size(vocab_size, divisible_by=m.make_vocab_size_divisible_by, tensor_parallel=p.tensor)
     layers = recipe.layers_per_stage[stage]
-    pattern = m.moe_layers()
-    moe_layers = sum(pattern[i] for chunk in p.chunk_layers(m.num_layers)[stage] for i in chunk)
-    last = stage == p.pipeline - 1
-    if p.pipeline == 1:  # the whole model, its routed experts counted below
-        stage_params = counts.total - counts.moe_experts * moe_layers
-    else:
-        stage_params = counts.per_layer * (layers - moe_layers) + (counts.moe_layer - counts.moe_experts) * moe_layers
-        if stage == 0:
-            stage_params += counts.embedding
-        if last:  # a tied output layer is a copy of the word embedding on the last stage
-            stage_params += counts.final_norm + counts.output_layer + counts.heads + (0 if m.untie_embeddings else padded * m.hidden_size)
-    # Routed experts are split over expert parallel × expert tensor parallel, the rest over TP.
+    moe_layers = moe_layers_per_stage(tuple(m.moe_layers()), p.pipeline, p.virtual_pipeline, p.first_stage_layers,
+                                      p.last_stage_layers)[stage] if m.moe is not None else 0
+    tied_copy = 0 if m.untie_embeddings else padded * m.hidden_size  # on the last stage, split like the embedding
+    stage_params = _stage_params(counts, stage, p.pipeline, layers, moe_layers, tied_copy)
+    whole = _stage_params(counts.replicated, stage, p.pipeline, layers, moe_layers, 0) if counts.replicated else 0
+    # Routed experts are split over expert parallel × expert tensor parallel, the rest over TP but
+    # for what every TP rank holds whole.
     expert_params = counts.moe_experts * moe_layers // (p.expert * recipe.expert_tensor_size)
-    rank_params = stage_params // p.tensor + expert_params
-    w, g, o = bytes_per_param(recipe.train.precision, bf16_grads=recipe.train.grad_reduce_in_bf16)
+    return (stage_params - whole) // p.tensor + whole, expert_params
+
+
+def state_numels(recipe: TrainingRecipe, dense: int, experts: int, *, dp_rank: int = 0,
+                 expert_dp_rank: int = 0) -> tuple[int, int]:
+    """(gradient-buffer elements, elements the optimizer keeps state for) of a rank holding ``dense``
+    and ``experts`` parameters (expert ones reduce and shard over the expert data-parallel group)."""
+    dist = recipe.parallel.distributed_optimizer
     dp, edp = recipe.data_parallel_size, recipe.expert_data_parallel_size
-    # The distributed optimizer shards expert state over the expert data-parallel group.
-    sharded = o * (rank_params - expert_params) / dp + o * expert_params / edp
+    grads = buffer_numel(dense, dp, distributed=dist) + buffer_numel(experts, edp, distributed=dist)
+    if not dist:
+        return grads, dense + experts
+    return grads, shard_numel(dense, dp, dp_rank) + shard_numel(experts, edp, expert_dp_rank)
+
+
+def stage_memory(recipe: TrainingRecipe, counts: ParamCounts, vocab_size: int, stage: int, *, device: str) -> RankMemory:
+    """A rank of pipeline stage ``stage`` (data-parallel rank 0, whose optimizer shard is the fullest):
+    its layers; the embedding on the first stage; the final norm, output layer and logits on the last."""
+    p = recipe.parallel
+    layers = recipe.layers_per_stage[stage]
+    last = stage == p.pipeline - 1
+    dense, expert_params = rank_params_of_stage(recipe, counts, vocab_size, stage)
+    rank_params = dense + expert_params
+    w, g, o = bytes_per_param(recipe.train.precision, bf16_grads=recipe.train.grad_reduce_in_bf16)
+    grad_numel, state_numel = state_numels(recipe, dense, expert_params)
+    padded = padded_vocab_size(vocab_size, divisible_by=recipe.model.make_vocab_size_divisible_by, tensor_parallel=p.tensor)
+    sharded = o * (shard_numel(dense, recipe.data_parallel_size, 0)
+                   + shard_numel(expert_params, recipe.expert_data_parallel_size, 0))
     # 1F1B: stage k holds activations of (pipeline - k) micro-batches (the first stage: L/p layers
     # each = L layers), interleaving adds (1 + (p-1)/(p·v)) (Narayanan et al. 2021).
     in_flight_layers = layers * min(p.pipeline - stage, recipe.num_microbatches)
     if p.virtual_pipeline:
         in_flight_layers *= 1 + (p.pipeline - 1) / (p.pipeline * p.virtual_pipeline)
-    act = activation_bytes_per_layer(recipe, kernel=attention_kernel(recipe, device=device)) * in_flight_layers
+    act = activation_bytes_per_layer(recipe, kernel=attention_kernel(recipe, device=device), device=device) * in_flight_layers
     return RankMemory(
         params=rank_params,
         weights_gib=rank_params * w / GIB,
-        grads_gib=rank_params * g / GIB,
-        optimizer_gib=(sharded if p.distributed_optimizer else rank_params * o) / GIB,
+        grads_gib=grad_numel * g / GIB,
+        optimizer_gib=state_numel * o / GIB,
         optimizer_gib_without_dist_opt=rank_params * o / GIB,
         optimizer_gib_with_dist_opt=sharded / GIB,
         activations_gib=act / GIB,

@@ -20,7 +20,7 @@ LAYERS = (
     ("__main__",),
     ("cli",),
     ("worker",),
-    ("launch", "slurm"),
+    ("launch", "slurm", "planner"),
     ("inference",),
     ("engine", "convert", "reshard"),
     ("checkpoint", "plot"),

@@ -115,10 +115,14 @@ def test_attention_kernel_follows_device_precision_masks_and_dropout():
 def test_activations_hold_the_attention_scores_only_for_the_math_kernel():
     from megacli.plan import activation_bytes_per_layer
 
-    r = _load(["train.precision=bf16", "train.micro_batch_size=2"])
+    r = _load(["train.precision=bf16", "train.micro_batch_size=2", "model.dropout=0.1"])
     s, b, h, a = 64, 2, 64, 4
     assert activation_bytes_per_layer(r, kernel="flash") == s * b * h * 34
     assert activation_bytes_per_layer(r, kernel="math") == s * b * h * (34 + 5 * a * s / h)
+    # Without hidden dropout its two masks (1 byte per element on CUDA, 2 on CPU) are not kept.
+    no_dropout = _load(["train.precision=bf16", "train.micro_batch_size=2", "model.dropout=0"])
+    assert activation_bytes_per_layer(no_dropout, kernel="flash") == s * b * h * 32
+    assert activation_bytes_per_layer(r, kernel="flash", device="cpu") == s * b * h * 36
 
 
 def test_dry_run_names_the_kernel_and_the_estimate_follows_it():
@@ -226,7 +230,7 @@ def test_dry_run_lists_uneven_stages_and_estimates_the_busiest():
     assert "[2, 2, 2, 1] (uneven: parallel.last_stage_layers = 1)" in out.output
     recipe = base.load(TrainingRecipe, None, [*TINY, *uneven])
     counts, mem = plan.estimate(recipe, 50000, device="cpu")
-    stages = [plan._stage_memory(recipe, counts, 50000, s, device="cpu") for s in range(4)]
+    stages = [plan.stage_memory(recipe, counts, 50000, s, device="cpu") for s in range(4)]
     assert mem.total_gib == max(s.total_gib for s in stages)
     # the last stage: one layer, but the output layer and the logits of a 50k vocabulary
     assert mem.stage == 3 and mem.logits_gib > 0 and stages[0].logits_gib == 0

@@ -18,6 +18,7 @@ def _register() -> None:
     import megacli.cli.reshard  # noqa: F401
     import megacli.cli.recipe  # noqa: F401
     import megacli.cli.submit  # noqa: F401
+    import megacli.cli.plan  # noqa: F401
 
 
 def main() -> None:

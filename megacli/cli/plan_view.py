@@ -98,9 +98,11 @@ def print_plan(recipe) -> None:
     memory.add_row("  without distributed optimizer", f"{mem.optimizer_gib_without_dist_opt:.3f}", f"{o} B/param")
     memory.add_row("  with distributed optimizer", f"{mem.optimizer_gib_with_dist_opt:.3f}",
                    f"{o}/{dp} B/param" + (f" ({o}/{recipe.expert_data_parallel_size} for experts)" if m.moe else ""))
-    scores = "sbh(34+5as/h)" if kernel == "math" else f"sbh·34 ({kernel} attention stores no 5as/h scores)"
+    per = 24 + plan.unsplit_activation_factor(recipe, device=device)
+    masks = "" if m.dropout > 0 else ", no dropout masks"
+    scores = f"sbh({per}+5as/h{masks})" if kernel == "math" else f"sbh·{per} ({kernel} attention stores no 5as/h scores{masks})"
     memory.add_row("activations", f"{mem.activations_gib:.3f}",
-                   f"{scores} per layer, {_act_form(recipe)}, × in-flight layers")
+                   f"{scores} per layer, {_act_form(recipe, device)}, × in-flight layers")
     logits_how = "8·s·b·V/t (fp32 softmax, then gradient, + a masked copy)" if t.precision == "fp32" else \
         "6·s·b·V/t (16-bit logits + fp32 softmax)"
     memory.add_row("logits at the loss", f"{mem.logits_gib:.3f}", logits_how if p.pipeline == 1 else
@@ -132,12 +134,14 @@ def _stages(recipe) -> str:
     return text
 
 
-def _act_form(recipe) -> str:
+def _act_form(recipe, device: str) -> str:
+    from megacli.plan import unsplit_activation_factor
+
     p = recipe.parallel
     if p.recompute == "full":
         return "full recompute: 2sbh" + ("/t" if p.sp_enabled else "")
     if p.sp_enabled:
-        return "TP+SP: /t" + (" selective recompute: 34sbh/t" if p.recompute == "selective" else "")
+        return "TP+SP: /t" + (" selective recompute: no 5as/h term" if p.recompute == "selective" else "")
     if p.tensor > 1:
-        return "TP: sbh(10+24/t+5as/(ht))" + (" selective: no 5as/h term" if p.recompute == "selective" else "")
-    return "no parallelism" + (", selective recompute: 34sbh" if p.recompute == "selective" else "")
+        return f"TP: sbh({unsplit_activation_factor(recipe, device=device)}+24/t+5as/(ht))" + (" selective: no 5as/h term" if p.recompute == "selective" else "")
+    return "no parallelism" + (", selective recompute: no 5as/h term" if p.recompute == "selective" else "")

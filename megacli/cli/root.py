@@ -8,7 +8,7 @@ import typer.core
 # Plain click help: rich-formatted help costs ~0.2 s of imports, and --help must be instant.
 typer.core.HAS_RICH = False
 
-ORDER = ["preprocess", "pretrain", "finetune", "submit", "plot", "generate", "eval", "serve", "convert", "reshard", "recipe"]
+ORDER = ["preprocess", "plan", "pretrain", "finetune", "submit", "plot", "generate", "eval", "serve", "convert", "reshard", "recipe"]
 
 
 class OrderedGroup(typer.core.TyperGroup):

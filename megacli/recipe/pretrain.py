@@ -89,6 +89,16 @@ class TrainingRecipe(Section):
         """Transformer layers on each pipeline stage."""
         return self.parallel.stage_layer_counts(self.model.num_layers)
 
+    def with_sections(self, **sections: Section) -> "TrainingRecipe":
+        """This recipe with other sections (each already validated, e.g. another ``parallel`` layout),
+        put through every cross-field check a loaded recipe goes through; raises RecipeError as
+        loading would. ``self`` is left as it is."""
+        candidate = self.model_copy(update=sections)
+        for name, decorator in type(self).__pydantic_decorators__.model_validators.items():
+            if decorator.info.mode == "after":
+                getattr(candidate, name)()
+        return candidate
+
     @model_validator(mode="after")
     def _check_arithmetic(self):
         m, p, t = self.model, self.parallel, self.train
