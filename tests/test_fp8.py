@@ -114,5 +114,6 @@ def test_unaligned_token_counts_pad_the_products():
 
     assert aligned() and aligned("model.seq_length=48")
     assert not aligned("model.seq_length=40")
-    assert not aligned("model.seq_length=32", "parallel.context=4", "launch.nproc=4")  # 8 tokens a rank
+    assert not aligned(*layout(cp=4))  # 32 tokens over 4 context-parallel ranks: 8 a rank
+    assert aligned(*layout(cp=2))
     assert fp8.torchao_config("tensorwise", emulate=True, pad_tokens=True).pad_inner_dim

@@ -186,8 +186,8 @@ class TrainSection(Section):
     fp8: Literal["none", "tensorwise", "rowwise"] = "none"
     """bf16 training with FP8 matrix products (torchao's float8 training, no Transformer Engine) in
     the transformer layers' column- and row-parallel linears: tensorwise = one dynamic scale per
-    tensor (e4m3 forward, e5m2 gradients; the fastest), rowwise = one scale per row (e4m3, scales
-    rounded to powers of two; closer to bf16). Master weights and checkpoints stay as in bf16, so a
+    tensor (e4m3 forward, e5m2 gradients; the fastest), rowwise = one scale per row of each
+    operand (e4m3 throughout, scales rounded down to powers of two). Master weights and checkpoints stay as in bf16, so a
     resume may turn it on or off. The output layer, MoE experts and router, and linears whose shape
     on a rank is not a multiple of 16 stay bf16 (said at start). Needs torchao (megacli[fp8]) and a
     GPU with FP8 matrix units (Ada, Hopper or newer) unless train.fp8_emulate."""
