@@ -11,20 +11,9 @@ import torch
 
 from megacli.engine import fp8
 from megacli.recipe.jobs import load_job_recipe
+from tests._gpu import FP8_GPT
 from tests.conftest import assert_close, layout, losses, megacli_here, pretrain, sets_args
 
-pytest.importorskip("torchao")
-
-# Two layers, 64 wide (every linear's shape a multiple of 16), 32 tokens a micro-batch, bf16; a
-# constant learning rate, so the first steps of a shorter run are those of a longer one.
-FP8_GPT = [
-    "data.path=null", "data.mock=true", "tokenizer.type=byte", "tokenizer.path=null",
-    "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.ffn_hidden_size=128",
-    "model.seq_length=32", "model.make_vocab_size_divisible_by=256",
-    "train.iters=50", "train.micro_batch_size=1", "train.global_batch_size=2", "train.log_interval=1",
-    "train.eval_interval=null", "optim.warmup_iters=1", "optim.decay_style=constant", "optim.lr=3e-3",
-    "train.precision=bf16", "checkpoint.dir=null",
-]
 EMULATED = ["train.fp8_emulate=true"]
 TOLERANCE = fp8.LOSS_TOLERANCE  # |loss(FP8) - loss(bf16)| / loss(bf16), at every one of the 50 steps
 LAYOUT_REL = 1e-4  # tests/test_pretrain.py's: another layout, another order of floating-point sums
