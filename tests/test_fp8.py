@@ -52,8 +52,8 @@ def test_a_checkpoint_trained_in_fp8_resumes_with_fp8_off(tensorwise_run, tmp_pa
     """Master weights and optimizer state are a bf16 run's: FP8 off at the resume continues the FP8
     run's curve (its next steps differ only by the FP8 rounding of their products)."""
     fp8_losses, _, ck = tensorwise_run
-    pretrain(tmp_path / "resumed", [*FP8_GPT, *layout(), "train.fp8=none", f"train.iters={SAVED_AT + 3}",
-                                    f"checkpoint.resume={ck / f'iter_{SAVED_AT:07d}'}"])
+    pretrain(tmp_path / "resumed", [*FP8_GPT, *layout(), "train.fp8=none", "train.exit_after_iters=3",
+                                    f"checkpoint.resume={ck / f'iter_{SAVED_AT:07d}'}", f"checkpoint.dir={tmp_path / 'ck'}"])
     resumed = losses(tmp_path / "resumed")
     assert sorted(resumed) == [SAVED_AT + 1, SAVED_AT + 2, SAVED_AT + 3]
     assert_close(resumed, fp8_losses, sorted(resumed), TOLERANCE)
