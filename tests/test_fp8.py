@@ -71,7 +71,7 @@ def test_tp2_pp2_sp_in_fp8_gives_the_single_process_fp8_losses(tmp_path):
 
 
 def test_fp8_is_refused_off_fp8_hardware_and_outside_bf16(tmp_path):
-    out = megacli_here("pretrain", *sets_args([*FP8_GPT, *layout(), "train.fp8=tensorwise", "train.iters=2",
+    out = megacli_here("pretrain", *sets_args([*FP8_GPT, *layout(), "train.fp8=tensorwise", "train.iters=3",
                                                f"run.dir={tmp_path / 'cpu'}"]))
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
     message = " ".join((out.stdout + out.stderr).split())
@@ -98,8 +98,8 @@ def test_what_stays_bf16_by_rule():
 def test_unaligned_token_counts_pad_the_products():
     """A micro-batch's tokens on a rank are the weight gradient's inner dimension: fixed-length
     batches whose count is a multiple of 16 need no padding; others (and instruction batches) do."""
-    def aligned(*sets):
-        return fp8.tokens_aligned(load_job_recipe("pretrain", None, [*FP8_GPT, *sets]))
+    def aligned(*sets):  # one sequence a micro-batch
+        return fp8.tokens_aligned(load_job_recipe("pretrain", None, [*FP8_GPT, "train.micro_batch_size=1", *sets]))
 
     assert aligned() and aligned("model.seq_length=48")
     assert not aligned("model.seq_length=40")
