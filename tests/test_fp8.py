@@ -1,6 +1,6 @@
 """train.fp8 on CPU through torchao's emulation (train.fp8_emulate: the same casts to float8, the
 products in fp32): a tiny bf16 GPT trained 50 steps in FP8 stays within TOLERANCE of the bf16 run,
-TP2 × PP2 (SP) in FP8 gives the single process's FP8 losses, a checkpoint trained in FP8 resumes
+TP2 × PP2 (SP, distributed optimizer) in FP8 gives the single process's FP8 losses, a checkpoint trained in FP8 resumes
 with FP8 off; which linears stay bf16 and the refusals. The CUDA runs (no emulation) are in
 tests/test_gpu.py."""
 
@@ -61,12 +61,12 @@ def test_a_checkpoint_trained_in_fp8_resumes_with_fp8_off(tensorwise_run, tmp_pa
 
 @pytest.mark.slow
 def test_tp2_pp2_sp_in_fp8_gives_the_single_process_fp8_losses(tmp_path):
-    """rowwise scales are powers of two, so a shard's FP8 values are the whole tensor's whichever
+    """With sequence parallelism and the distributed optimizer. rowwise scales are powers of two, so a shard's FP8 values are the whole tensor's whichever
     rank's maximum set its scale: the layouts differ only in the order of sums. (tensorwise scales
     each rank's shard by its own maximum: docs/gpu.md.)"""
     short = ["train.iters=4", *EMULATED, "train.fp8=rowwise"]
     pretrain(tmp_path / "tp1", [*FP8_GPT, *layout(), *short])
-    pretrain(tmp_path / "tp2pp2", [*FP8_GPT, *layout(tp=2, pp=2, sp=True), *short])
+    pretrain(tmp_path / "tp2pp2", [*FP8_GPT, *layout(tp=2, pp=2, sp=True, dist_opt=True), *short])
     assert_close(losses(tmp_path / "tp2pp2"), losses(tmp_path / "tp1"), range(1, 5), LAYOUT_REL)
 
 

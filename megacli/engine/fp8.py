@@ -181,7 +181,8 @@ def describe(chunks, choice: str, *, emulate: bool, pad_tokens: bool) -> str | N
     for name, m in linears:
         if m.fp8_kept is not None:
             kept.setdefault(m.fp8_kept, set()).add(name.split(".")[-1])
-    if any("router" in name for chunk in chunks for name, _ in chunk.named_modules()):
+    kept.setdefault("output", {"output_layer"})  # whichever pipeline stage holds it
+    if any(name.split(".")[-1] == "router" for chunk in chunks for name, _ in chunk.named_modules()):
         kept["router"] = {"router"}
     count = sum(m.fp8_kept is None for _, m in linears)
     how = "emulated in higher precision" if emulate else "FP8 matrix units"
