@@ -12,13 +12,15 @@
     python benchmarks/gpu_bench.py [--sizes 124m,350m,1.3b] [--steps 10] [--warmup 3] [--json out.json]
     python benchmarks/gpu_bench.py --tiny --device cpu --steps 2 --warmup 1      # a smoke test on CPU
     python benchmarks/gpu_bench.py --megacli-set train.compile=true              # megacli with an option
-    python benchmarks/gpu_bench.py --variants default,compile,graphs,best         # every option in one call
+    python benchmarks/gpu_bench.py --variants default,compile,graphs,best,fp8,best_fp8  # every option in one call
 
 Every size at sequence length 2048, bf16 (fp32 with --tiny). Each side runs in a process of its
 own; each number is the median over --steps timed optimizer steps after --warmup untimed ones (the
 compilation happens there), with --accum micro-batches per step. Reported per side: tokens/s,
 TFLOP/s, MFU, peak memory (torch.cuda.max_memory_allocated; on CPU the process's resident memory),
-and the ratios megacli / raw Megatron-Core and megacli / PyTorch. A side that fails (a megacli
+and the ratios megacli / raw Megatron-Core and megacli / PyTorch; an FP8 variant (train.fp8) also over its
+bf16 counterpart (fp8 / default, best_fp8 / best), with both losses after the same steps and their
+gap against megacli.engine.fp8.LOSS_TOLERANCE. A side that fails (a megacli
 variant the layout refuses, say) is recorded with its error and the call goes on; the exit status
 is then 1.
 
@@ -56,7 +58,11 @@ VARIANTS = {
     "graphs": ["train.cuda_graphs=layers"],
     "graphs_full": ["train.cuda_graphs=full", "parallel.overlap_param_gather=false"],
     "best": ["train.compile=true", "train.cuda_graphs=layers", "parallel.overlap_param_gather=false"],
+    "fp8": ["train.fp8=tensorwise"],
+    "best_fp8": ["train.compile=true", "train.cuda_graphs=layers", "parallel.overlap_param_gather=false",
+                 "train.fp8=tensorwise"],
 }
+FP8_BASES = {"fp8": "default", "best_fp8": "best"}  # each FP8 variant -> the bf16 variant it is measured against
 
 
 def recipe_overrides(args, size: str) -> list[str]:
@@ -343,31 +349,9 @@ def side_names(args) -> list[str]:
     return megacli + [x for x in SIDES[1:] if x in wanted]
 
 
-def ratios(sides: dict) -> dict:
-    """tokens/s of each megacli side over raw Megatron-Core's and PyTorch's."""
-    ran = {name: r for name, r in sides.items() if "error" not in r}
-    return {f"{name}_over_{other}": ran[name]["tokens_per_s"] / ran[other]["tokens_per_s"]
-            for name in ran if name.startswith("megacli") for other in SIDES[1:] if other in ran}
-
-
-def table(results: dict) -> str:
-    width = max([9] + [len(side) for sides in results.values() for side in sides])
-    rows = [f"{'size':>6} {'side':>{width}} {'tokens/s':>12} {'TFLOP/s':>9} {'MFU':>7} {'peak GiB':>9} {'step s':>8}"]
-    for size, sides in results.items():
-        for side, r in sides.items():
-            if side == "ratios":
-                continue
-            if "error" in r:
-                rows.append(f"{size:>6} {side:>{width}} failed: {r['error'].strip().splitlines()[-1][:200]}")
-                continue
-            rows.append(f"{size:>6} {side:>{width}} {r['tokens_per_s']:>12,.0f} {r['tflops']:>9.1f} {r['mfu'] * 100:>6.1f}% "
-                        f"{r['peak_memory_gib']:>9.2f} {r['step_time_s']:>8.4f}")
-        for name, value in sides["ratios"].items():
-            rows.append(f"{size:>6} {'ratio':>{width}} {name.replace('_over_', '/')} {value:.3f} (tokens/s)")
-    return "\n".join(rows)
-
-
 def main(argv=None) -> int:
+    from benchmarks.gpu_bench_report import table
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default=",".join(SIZES), help="comma-separated GPT-2 sizes (124m, 350m, 1.3b)")
     ap.add_argument("--steps", type=int, default=10, help="timed optimizer steps per side")
@@ -407,7 +391,23 @@ def main(argv=None) -> int:
     run_sides = side_names(args)
     if not run_sides:
         ap.error(f"--sides: choose from {', '.join(SIDES)}")
-    results = {}
+    report = {"device": None, "sequence_length": 64 if args.tiny else 2048, "tiny": args.tiny,
+              "steps": args.steps, "warmup": args.warmup, "accum": args.accum, "peak_tflops": args.peak_tflops,
+              "megacli_sets": args.megacli_set, "variants": {v: VARIANTS[v] for v in args.variants.split(",") if v},
+              "flops_formula": "6*N + 12*L*h*s per token (megacli.plan.flops_per_token)", "results": {}}
+    results = measure(args, sizes, run_sides, report)
+    print(table(results))
+    return 1 if any("error" in r for sides in results.values() for r in sides.values()) else 0
+
+
+def measure(args, sizes: list[str], run_sides: list[str], report: dict) -> dict:
+    """Every side of every size, one after the other; the report (``--json``) is rewritten after
+    each side, so a call cut short keeps what it measured."""
+    from benchmarks.gpu_bench_report import device_name, fp8_losses, ratios
+    from megacli.engine.fp8 import LOSS_TOLERANCE
+
+    report["device"] = device_name(args.device)
+    results = report["results"]
     with tempfile.TemporaryDirectory(prefix="gpu_bench_") as tmp:
         for size in sizes:
             sides = {}
@@ -415,33 +415,17 @@ def main(argv=None) -> int:
                 began = time.perf_counter()
                 try:
                     sides[side] = run_side(args, side, size, Path(tmp))
+                    print(f"{size} {side}: {sides[side]['tokens_per_s']:,.0f} tokens/s, MFU {sides[side]['mfu'] * 100:.1f}% "
+                          f"({time.perf_counter() - began:.0f} s)", flush=True)
                 except RuntimeError as exc:  # the other sides still run: one device call measures them all
                     sides[side] = {"error": str(exc)[-4000:]}
                     print(f"{size} {side}: failed ({time.perf_counter() - began:.0f} s)\n{exc}", flush=True)
-                    continue
-                print(f"{size} {side}: {sides[side]['tokens_per_s']:,.0f} tokens/s, MFU {sides[side]['mfu'] * 100:.1f}% "
-                      f"({time.perf_counter() - began:.0f} s)", flush=True)
-            sides["ratios"] = ratios(sides)
-            results[size] = sides
-    report = {"device": device_name(args.device), "sequence_length": 64 if args.tiny else 2048, "tiny": args.tiny,
-              "steps": args.steps, "warmup": args.warmup, "accum": args.accum, "peak_tflops": args.peak_tflops,
-              "megacli_sets": args.megacli_set, "variants": {v: VARIANTS[v] for v in args.variants.split(",") if v},
-              "flops_formula": "6*N + 12*L*h*s per token (megacli.plan.flops_per_token)", "results": results}
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1))
-    print(table(results))
-    return 1 if any("error" in r for sides in results.values() for r in sides.values()) else 0
-
-
-def device_name(device: str) -> str:
-    import torch
-
-    if device == "cuda" and torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    import platform
-
-    return platform.processor() or platform.machine()
+                results[size] = {**sides, "ratios": ratios(sides, SIDES[1:], FP8_BASES),
+                                 "fp8_loss": fp8_losses(sides, FP8_BASES, LOSS_TOLERANCE)}
+                if args.json:
+                    args.json.parent.mkdir(parents=True, exist_ok=True)
+                    args.json.write_text(json.dumps(report, indent=1))
+    return results
 
 
 if __name__ == "__main__":

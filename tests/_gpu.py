@@ -22,6 +22,17 @@ TINY_GPT = [
     "train.eval_interval=null", "optim.warmup_iters=1", "optim.lr=1e-2", "checkpoint.dir=null",
 ]
 
+# train.fp8's tiny GPT (tests/test_fp8.py emulated on CPU, tests/test_gpu.py on FP8 matrix units): two
+# layers, 64 wide (every linear's shape a multiple of 16), one micro-batch of 4 × 32 tokens a step,
+# bf16, 50 steps of a cosine schedule (the one docs/gpu.md derives the FP8 tolerance on).
+FP8_GPT = [
+    "data.path=null", "data.mock=true", "tokenizer.type=byte", "tokenizer.path=null",
+    "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.ffn_hidden_size=128",
+    "model.seq_length=32", "model.make_vocab_size_divisible_by=256",
+    "train.iters=50", "train.micro_batch_size=4", "train.global_batch_size=4", "train.log_interval=1",
+    "train.eval_interval=null", "optim.warmup_iters=2", "optim.lr=3e-3", "train.precision=bf16", "checkpoint.dir=null",
+]
+
 
 def on_device(device: str, precision: str, *, deterministic: bool = False) -> list[str]:
     """Overrides that put a run on `device` ("cuda" or "cpu") in `precision`."""

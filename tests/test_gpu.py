@@ -6,7 +6,8 @@ falls; with train.deterministic two identical runs log bitwise-identical losses 
 for 20 steps), selective and full recompute, a mixture of experts (EP=1; Megatron's GroupedMLP too
 when the grouped_gemm package is installed), BERT and T5, resuming. Then a converted Hugging Face
 model decoded on the GPU (greedy tokens equal Hugging Face's on the same GPU, with and without the KV
-cache), and the shipped GPT-2 recipes' peak CUDA memory against the `--dry-run` estimate.
+cache), the shipped GPT-2 recipes' peak CUDA memory against the `--dry-run` estimate, and train.fp8
+on the GPU's FP8 matrix units against the bf16 curve (tests/test_fp8.py emulates it on CPU).
 
 The helpers (overrides, runs, metrics, comparisons) are in tests/_gpu.py; tests/test_determinism.py
 runs the bitwise check on the CPU backend."""
@@ -19,11 +20,12 @@ import torch
 from megacli.checkpoint.source import Source
 
 from tests import _gpu
-from tests._gpu import TINY_GPT, assert_bitwise, assert_loss_falls, on_device, pretrain
+from tests._gpu import FP8_GPT, TINY_GPT, assert_bitwise, assert_loss_falls, on_device, pretrain
 from tests.conftest import assert_close, steps
 from tests.test_bert_t5 import BERT, T5, common, data  # noqa: F401  (data: the WordPiece corpus fixture)
 from tests.test_moe import MOE
 
+ONE_GPU = ["parallel.tensor=1", "parallel.pipeline=1", "parallel.sequence_parallel=false", "launch.nproc=1"]
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
@@ -100,6 +102,33 @@ def test_kernel_options_stay_on_the_plain_curve(option, bf16, tmp_path):
     ours = steps(run_dir)
     assert_close(ours, bf16, range(1, 21), rel=1e-2)
     assert_loss_falls(ours, by=0.3)
+
+
+# ------------------------------------------------------------------ FP8 (train.fp8: torchao float8 on FP8 matrix units)
+
+
+@pytest.fixture(scope="module")
+def fp8_bf16(tmp_path_factory):
+    """train.fp8's tiny GPT in plain bf16 on the GPU: the curve the FP8 runs are held to."""
+    run_dir = tmp_path_factory.mktemp("fp8_bf16") / "run"
+    pretrain(run_dir, [*FP8_GPT, *on_device("cuda", "bf16"), *ONE_GPU])
+    return steps(run_dir)
+
+
+@pytest.mark.parametrize("option", ["train.fp8=tensorwise", "train.fp8=rowwise", "train.fp8=tensorwise train.compile=true",
+                                    "train.fp8=tensorwise train.compile=true train.cuda_graphs=layers"])
+def test_fp8_stays_within_the_emulated_tolerance_of_bf16(option, fp8_bf16, tmp_path):
+    """The FP8 matrix units (torch._scaled_mm; no emulation) train the bf16 curve within the
+    tolerance derived from the CPU emulation (tests/test_fp8.py), alone, compiled, and compiled
+    with each layer replayed as a CUDA graph; the start line names the FP8 path."""
+    from megacli.engine.fp8 import LOSS_TOLERANCE
+
+    run_dir = tmp_path / "fp8"
+    out = pretrain(run_dir, [*FP8_GPT, *on_device("cuda", "bf16"), *ONE_GPU, *option.split()])
+    assert "float8 (FP8 matrix units) in 8 of 9 parallel linears" in " ".join(out.stdout.split()), out.stdout[-3000:]
+    ours = steps(run_dir)
+    assert ours[1]["loss"] != fp8_bf16[1]["loss"], "step 1 already runs the FP8 products"
+    assert_close(ours, fp8_bf16, range(1, 51), rel=LOSS_TOLERANCE)
 
 
 # ------------------------------------------------------------------ mixture of experts, BERT, T5

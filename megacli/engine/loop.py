@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megacli.engine import checkpoint, cuda_graphs, distributed, nonfinite
+from megacli.engine import checkpoint, cuda_graphs, distributed, fp8, nonfinite
 from megacli.engine.cadences import Evaluations, LogWindow, NonFinitePolicy
 from megacli.engine.metrics import MetricsLog, loss_metrics
 from megacli.engine.saves import Saves, checkpoint_recipe_yaml
@@ -84,6 +84,7 @@ def _build_model(recipe, runtime, vocab: int) -> tuple[object, list]:
 
     m, p, t = recipe.model, recipe.parallel, recipe.train
     cuda_graphs.prepare(t.cuda_graphs, device=runtime.device, seed=t.seed)
+    fp8.check_device(t.fp8, emulate=t.fp8_emulate, device=runtime.device)
     config = transformer_config(model=m, parallel=p, precision=t.precision, on_cuda=runtime.is_cuda,
                                 deterministic_mode=t.deterministic,  # e.g. embeddings by indexing, not F.embedding
                                 **cuda_graphs.config_kwargs(t.cuda_graphs))
@@ -95,6 +96,7 @@ def _build_model(recipe, runtime, vocab: int) -> tuple[object, list]:
 
         freeze_base(chunks)
     chunks = [c.to(runtime.device) for c in chunks]
+    fp8.install(chunks, t.fp8, emulate=t.fp8_emulate, pad_tokens=not fp8.tokens_aligned(recipe))
     compiled = []
     if t.compile:
         from megacli.engine.kernels import compile_model
@@ -297,7 +299,7 @@ def describe_kernels(runtime) -> str:
     return "CPU backend: Megatron-Core on gloo, torch SDPA attention, torch norms"
 
 
-def _describe_run(log, recipe, runtime, n_params: int) -> None:
+def _describe_run(log, recipe, runtime, n_params: int, chunks: list) -> None:
     from megacli.engine.kernels import describe_attention
 
     m, p, t = recipe.model, recipe.parallel, recipe.train
@@ -313,6 +315,8 @@ def _describe_run(log, recipe, runtime, n_params: int) -> None:
         log.say(f"train.cuda_graphs = {t.cuda_graphs}: Megatron-Core's CUDA graphs, captured after the first steps")
     if t.grad_reduce_in_bf16:
         log.say("train.grad_reduce_in_bf16: gradients are accumulated and all-reduced in bf16")
+    if t.fp8 != "none":
+        log.say(fp8.describe(chunks, t.fp8, emulate=t.fp8_emulate, pad_tokens=not fp8.tokens_aligned(recipe)))
 
 
 def _train(recipe, runtime, *, harness=None) -> None:
@@ -330,7 +334,7 @@ def _train(recipe, runtime, *, harness=None) -> None:
                      world_size=runtime.world_size, device=runtime.device, loggers=t.loggers_in_use,
                      run_name=recipe.run.name, run_config=recipe.model_dump(mode="json"), resumed=start.source is not None,
                      plot=t.plot)
-    _describe_run(log, recipe, runtime, counts.total)
+    _describe_run(log, recipe, runtime, counts.total, trainer.chunks)
     expert_stats = _expert_stats(recipe, trainer, runtime)
     _prepare_start(log, recipe, trainer, start, n_params=counts.total)
     run_tasks = harness(recipe, trainer, tokenizer) if harness is not None and recipe.eval is not None else None

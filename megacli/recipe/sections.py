@@ -183,11 +183,24 @@ class TrainSection(Section):
     grad_reduce_in_fp32: false) instead of fp32: half the gradient memory and reduce traffic,
     with bf16 rounding of each micro-batch's gradient sum (the optimizer still steps fp32 master
     weights). Off by default; for bf16 only (fp16 gradients would overflow without fp32 sums)."""
+    fp8: Literal["none", "tensorwise", "rowwise"] = "none"
+    """bf16 training with FP8 matrix products (torchao's float8 training, no Transformer Engine) in
+    the transformer layers' column- and row-parallel linears: tensorwise = one dynamic scale per
+    tensor (e4m3 forward, e5m2 gradients; the fastest), rowwise = one scale per row of each
+    operand (e4m3 throughout, scales rounded down to powers of two). Master weights and checkpoints stay as in bf16, so a
+    resume may turn it on or off. The output layer, MoE experts and router, and linears whose shape
+    on a rank is not a multiple of 16 stay bf16 (said at start). Needs torchao (megacli[fp8]) and a
+    GPU with FP8 matrix units (Ada, Hopper or newer) unless train.fp8_emulate."""
+    fp8_emulate: bool = False
+    """train.fp8 emulated: the same casts to FP8 (values rounded as FP8 holds them), the products
+    in fp32; runs on a CPU or any GPU, slower than bf16. For testing the FP8 path."""
 
     @model_validator(mode="after")
     def _check_kernels(self):
         if self.grad_reduce_in_bf16 and self.precision != "bf16":
             raise RecipeError("train.grad_reduce_in_bf16", True, f"is for bf16 training, not {self.precision}")
+        if self.fp8 != "none" and self.precision != "bf16":
+            raise RecipeError("train.fp8", self.fp8, f"is for bf16 training (train.precision: bf16), not {self.precision}")
         if self.deterministic and self.attention_backend not in ("auto", "math"):
             raise RecipeError("train.attention_backend", self.attention_backend,
                               "train.deterministic runs SDPA's math kernel (the others may accumulate with atomics)")
