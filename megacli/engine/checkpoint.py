@@ -26,6 +26,7 @@ import torch
 
 from megacli.checkpoint import manifest, space
 from megacli.engine import nonfinite
+from megacli.engine.core_compat import async_save_kwargs
 from megacli.checkpoint.layout import (LATEST, META, find_checkpoint, iter_name, lora_base_of,
                                       read_meta, read_recipe)
 from megacli.checkpoint.rng import restore_tracker, tracker_states
@@ -181,7 +182,7 @@ def _start_save(*, ckpt_dir: Path, iteration: int, consumed_samples: int, chunks
     try:
         checked = strategy is not None and strategy.cached_local_plan is not None  # it saved this structure
         request = dist_checkpointing.save(state, str(tmp), sharded_strategy=strategy, async_sharded_save=True,
-                                          validate_access_integrity=not checked)
+                                          validate_access_integrity=not checked, **async_save_kwargs())
     except BaseException as exc:  # torch's CheckpointException derives from BaseException
         full = space.disk_full_error(exc, ckpt_dir=ckpt_dir, partial=tmp, needed=needed, remove=rank == 0)
         if full is not None:

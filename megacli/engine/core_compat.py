@@ -1,0 +1,79 @@
+"""What differs between the Megatron-Core releases megacli runs on: 0.16.1 (Python 3.11 and older)
+and 0.19.x (Python 3.12 and newer, which every release from 0.17 on requires). Each difference is one
+name here, saying what changed and since which release; the rest of megacli asks these names, never
+the version. Nothing here imports torch or Megatron-Core at import time (the CLI asks before a run)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+
+from megacli.errors import UserError
+
+MUON_SINCE = "0.19"  # Megatron-Core's own Muon (TensorParallelMuon over NVIDIA's emerging-optimizers)
+GPT_MODEL_DEPRECATED_SINCE = "0.19"  # GPTModel logs a deprecation warning in favour of HybridModel
+CP_BATCH_SPLIT_TAKES_GROUP_SINCE = "0.18"  # get_batch_on_this_cp_rank: is_hybrid_cp required, cp_group not defaulted
+NVRX_ASYNC_SAVE_DEFAULT_SINCE = "0.17"  # async dist_checkpointing saves default to NVIDIA Resiliency Extension's writer
+
+
+@functools.cache
+def core_version():
+    """The installed Megatron-Core release (packaging's Version)."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    return Version(version("megatron-core"))
+
+
+def core_since(release: str) -> bool:
+    """Whether the installed Megatron-Core is ``release`` or newer."""
+    from packaging.version import Version
+
+    return core_version() >= Version(release)
+
+
+def async_save_kwargs() -> dict:
+    """dist_checkpointing.save's arguments for an async save with Megatron-Core's own writer: since
+    0.17 the default is NVIDIA Resiliency Extension's (async_strategy="nvrx"), which megacli does
+    not install; 0.16 has only its own and no such argument."""
+    return {"async_strategy": "mcore"} if core_since(NVRX_ASYNC_SAVE_DEFAULT_SINCE) else {}
+
+
+def batch_on_this_cp_rank(batch: dict) -> dict:
+    """This context-parallel rank's two chunks of each sequence (Megatron's load-balanced split).
+    Since 0.18 get_batch_on_this_cp_rank requires is_hybrid_cp and takes the context-parallel group
+    as an argument, where a missing one means the whole world; 0.16 reads the group itself."""
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    if not core_since(CP_BATCH_SPLIT_TAKES_GROUP_SINCE):
+        return get_batch_on_this_cp_rank(batch)
+    from megatron.core import parallel_state
+
+    return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=parallel_state.get_context_parallel_group())
+
+
+def check_optimizer_available(optim) -> None:
+    """Refuse (exit 2) an optimizer this environment's Megatron-Core does not have."""
+    if optim.optimizer == "muon" and not core_since(MUON_SINCE):
+        python = f"{sys.version_info.major}.{sys.version_info.minor}"
+        raise UserError(f"optim.optimizer = 'muon' needs Megatron-Core {MUON_SINCE} or newer, which installs on "
+                        f"Python 3.12 and newer; this environment has Megatron-Core {core_version()} on Python "
+                        f"{python} (use optim.optimizer: adam, or install megacli under Python 3.12)")
+
+
+class _DropGptModelDeprecation(logging.Filter):
+    def filter(self, record) -> bool:
+        return "GPTModel IS DEPRECATED" not in record.getMessage()
+
+
+def quiet_gpt_model_deprecation() -> None:
+    """Since 0.19 GPTModel logs, on every build, that it is deprecated in favour of HybridModel
+    (docs/layout.md says what moving would take). megacli builds GPTModel on purpose: the warning
+    never reaches the user. Idempotent."""
+    if not core_since(GPT_MODEL_DEPRECATED_SINCE):
+        return
+    logger = logging.getLogger("megatron.core.models.gpt.gpt_model")
+    if not any(isinstance(f, _DropGptModelDeprecation) for f in logger.filters):
+        logger.addFilter(_DropGptModelDeprecation())
