@@ -29,6 +29,8 @@ def build_optimizer(chunks, *, optim, precision: str, distributed_optimizer: boo
         use_distributed_optimizer=grads_sharded(optim, distributed_optimizer),
         **(muon_settings(optim, distributed_optimizer, on_cuda) if optim.optimizer == "muon" else {}),
     )
+    if optim.optimizer == "muon":
+        mark_embeddings(chunks)
     optimizer = get_megatron_optimizer(config, chunks)
     if optim.fused_on(on_cuda):
         for inner in torch_optimizers(optimizer):
@@ -60,6 +62,18 @@ def muon_settings(optim, distributed_optimizer: bool, on_cuda: bool) -> dict:
                 # TF32 on CUDA; exact fp32 on CPU ("medium" would round every Newton-Schulz step to bf16)
                 muon_fp32_matmul_prec="high" if on_cuda else "highest",
                 use_layer_wise_distributed_optimizer=distributed_optimizer)
+
+
+def mark_embeddings(chunks) -> None:
+    """Every embedding table (word, position, token type, relative position) goes to AdamW under
+    muon: Megatron marks only the word embedding and the output layer, and sends any other 2-D
+    weight to Muon."""
+    from megatron.core.tensor_parallel import VocabParallelEmbedding
+
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, (torch.nn.Embedding, VocabParallelEmbedding)):
+                module.weight.is_embedding_or_output_parameter = True
 
 
 def torch_optimizers(optimizer) -> list:
