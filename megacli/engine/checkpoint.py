@@ -26,7 +26,7 @@ import torch
 
 from megacli.checkpoint import manifest, space
 from megacli.engine import nonfinite
-from megacli.engine.core_compat import async_save_kwargs
+from megacli.engine.core_compat import async_save_kwargs, write_common_file
 from megacli.checkpoint.layout import (LATEST, META, find_checkpoint, iter_name, lora_base_of,
                                       read_meta, read_recipe)
 from megacli.checkpoint.rng import restore_tracker, tracker_states
@@ -179,6 +179,7 @@ def _start_save(*, ckpt_dir: Path, iteration: int, consumed_samples: int, chunks
     needed = torch.tensor([space.state_bytes(state)], dtype=torch.float64, device=_device())
     dist.all_reduce(needed)  # also the barrier after which every rank finds tmp made
     needed = int(needed.item())
+    write_common_file(state, tmp)
     try:
         checked = strategy is not None and strategy.cached_local_plan is not None  # it saved this structure
         request = dist_checkpointing.save(state, str(tmp), sharded_strategy=strategy, async_sharded_save=True,

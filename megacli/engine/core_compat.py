@@ -14,6 +14,9 @@ from megacli.errors import UserError
 MUON_SINCE = "0.19"  # Megatron-Core's own Muon (TensorParallelMuon over NVIDIA's emerging-optimizers)
 GPT_MODEL_DEPRECATED_SINCE = "0.19"  # GPTModel logs a deprecation warning in favour of HybridModel
 CP_BATCH_SPLIT_TAKES_GROUP_SINCE = "0.18"  # get_batch_on_this_cp_rank: is_hybrid_cp required, cp_group not defaulted
+COMMON_STATE_INSIDE_TORCH_DIST_SINCE = "0.19"  # the non-sharded state saved in the shards, not common.pt
+LEGACY_GROUPED_GEMM_FLAG_REMOVED_SINCE = "0.17"  # TransformerConfig.moe_use_legacy_grouped_gemm
+GROUPED_MLP_REMOVED_SINCE = "0.19"  # experts.GroupedMLP (the grouped_gemm package); TE's TEGroupedMLP remains
 NVRX_ASYNC_SAVE_DEFAULT_SINCE = "0.17"  # async dist_checkpointing saves default to NVIDIA Resiliency Extension's writer
 
 
@@ -52,6 +55,35 @@ def batch_on_this_cp_rank(batch: dict) -> dict:
     from megatron.core import parallel_state
 
     return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=parallel_state.get_context_parallel_group())
+
+
+def write_common_file(sharded_state: dict, checkpoint_dir) -> None:
+    """Since 0.19 dist_checkpointing.save stores the common (non-sharded) part of a state - iteration,
+    optimizer param groups, scheduler - as one object inside the torch_dist shards; 0.16 reads it only
+    from common.pt, and 0.19 still reads common.pt first when there is one. Under 0.19 rank 0 writes
+    common.pt as 0.16's save does (the same dictionary), so a checkpoint either release writes loads
+    under both."""
+    if not core_since(COMMON_STATE_INSIDE_TORCH_DIST_SINCE):
+        return
+    import torch
+    from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
+    from megatron.core.dist_checkpointing.utils import extract_nonpersistent, extract_sharded_base
+
+    if torch.distributed.get_rank() == 0:
+        _, persistent = extract_nonpersistent(sharded_state)
+        _, common = extract_sharded_base(persistent)
+        torch.save(common, f"{checkpoint_dir}/{COMMON_STATE_FNAME}")
+
+
+def legacy_grouped_gemm_flag(grouped: bool) -> dict:
+    """TransformerConfig's choice of GroupedMLP for grouped-GEMM experts: a flag until 0.17 removed it."""
+    return {} if core_since(LEGACY_GROUPED_GEMM_FLAG_REMOVED_SINCE) else {"moe_use_legacy_grouped_gemm": grouped}
+
+
+def has_grouped_mlp() -> bool:
+    """Whether Megatron-Core has GroupedMLP (grouped-GEMM experts without Transformer Engine):
+    removed in 0.19, where megacli's experts are SequentialMLP."""
+    return not core_since(GROUPED_MLP_REMOVED_SINCE)
 
 
 def check_optimizer_available(optim) -> None:
