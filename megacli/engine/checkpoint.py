@@ -346,7 +346,9 @@ def _check_optimizer_kind(ckpt: Path, optimizer) -> None:
 
     recipe = read_recipe(ckpt)
     saved = bool((recipe.get("parallel") or {}).get("distributed_optimizer", False))
-    running = any(isinstance(o, DistributedOptimizer) for o in getattr(optimizer, "chained_optimizers", [optimizer]))
+    # muon's distributed optimizer is Megatron's layer-wise one: a chain of plain optimizers, each flagged
+    running = any(isinstance(o, DistributedOptimizer) or getattr(o.config, "use_layer_wise_distributed_optimizer", False)
+                  for o in getattr(optimizer, "chained_optimizers", [optimizer]))
     if saved != running:
         kind = {True: "distributed", False: "standard"}
         flag = "--distributed-optimizer" if running else "--no-distributed-optimizer"
