@@ -56,6 +56,10 @@ def _quiet_dcp():
 
 
 @dataclass(frozen=True)
+# Megatron-Core 0.19 also saves the common state (common.pt's dictionary) as this sharded object; it
+# is no model or optimizer object, and megacli reads common.pt (which megacli writes under 0.19 too).
+COMMON_STATE_OBJECT = "common_state/shard_0_1"
+
 class TensorInfo:
     key: str
     shape: tuple[int, ...]
@@ -101,7 +105,7 @@ class TorchDistReader:
             if isinstance(md, TensorStorageMetadata):
                 chunks = tuple((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks)
                 self.tensors[key] = TensorInfo(key, tuple(md.size), md.properties.dtype, chunks)
-            elif isinstance(md, BytesStorageMetadata):
+            elif isinstance(md, BytesStorageMetadata) and key != COMMON_STATE_OBJECT:
                 self.objects.append(key)
 
     def common(self) -> dict:

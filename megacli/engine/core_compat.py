@@ -17,6 +17,7 @@ CP_BATCH_SPLIT_TAKES_GROUP_SINCE = "0.18"  # get_batch_on_this_cp_rank: is_hybri
 COMMON_STATE_INSIDE_TORCH_DIST_SINCE = "0.19"  # the non-sharded state saved in the shards, not common.pt
 LEGACY_GROUPED_GEMM_FLAG_REMOVED_SINCE = "0.17"  # TransformerConfig.moe_use_legacy_grouped_gemm
 GROUPED_MLP_REMOVED_SINCE = "0.19"  # experts.GroupedMLP (the grouped_gemm package); TE's TEGroupedMLP remains
+MOE_METRICS_TRACKER_SINCE = "0.19"  # the aux-loss tracker is an object; the legacy dict is a fresh view
 NVRX_ASYNC_SAVE_DEFAULT_SINCE = "0.17"  # async dist_checkpointing saves default to NVIDIA Resiliency Extension's writer
 
 
@@ -84,6 +85,20 @@ def has_grouped_mlp() -> bool:
     """Whether Megatron-Core has GroupedMLP (grouped-GEMM experts without Transformer Engine):
     removed in 0.19, where megacli's experts are SequentialMLP."""
     return not core_since(GROUPED_MLP_REMOVED_SINCE)
+
+
+def forget_moe_metrics() -> None:
+    """Drop Megatron-Core's per-layer MoE metrics (sized by a run's layer count, holding its process
+    groups) so that the next run in this process starts clean. Since 0.19 they live in an
+    MoEMetricsTracker, whose legacy dict view is a copy: the tracker itself is dropped."""
+    if core_since(MOE_METRICS_TRACKER_SINCE):
+        from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+        destroy_moe_metrics_tracker()
+        return
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    get_moe_layer_wise_logging_tracker().clear()
 
 
 def check_optimizer_available(optim) -> None:

@@ -184,6 +184,9 @@ class TrainingRecipe(Section):
                               f"must be divisible by parallel.tensor × parallel.context = {tp * p.context} for sequence parallelism")
         if p.overlap_param_gather and not p.distributed_optimizer:
             raise RecipeError("parallel.overlap_param_gather", True, "needs parallel.distributed_optimizer: true")
+        if p.distributed_optimizer and self.optim.optimizer == "muon" and self.train.precision != "bf16":
+            raise RecipeError("parallel.distributed_optimizer", True, "with optim.optimizer = muon needs train.precision = "
+                              "bf16: Megatron-Core's layer-wise optimizer keeps fp32 master weights of bf16 parameters")
         if p.overlap_param_gather and self.optim.optimizer == "muon":
             raise RecipeError("parallel.overlap_param_gather", True, "is for AdamW and SGD: muon's distributed "
                               "optimizer gathers the updated parameters after the step")
