@@ -46,6 +46,10 @@ def is_extra_state(key: str) -> bool:
 NOT_MODEL = ("optimizer", "rng_state", "scheduler")
 
 BACKEND_META = "metadata.json"
+# Megatron-Core 0.19 also saves the common state (common.pt's dictionary) as this sharded object; it
+# is no model or optimizer object, and megacli reads common.pt (which megacli writes under 0.19 too).
+COMMON_STATE_OBJECT = "common_state/shard_0_1"
+
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
 
 
@@ -56,10 +60,6 @@ def _quiet_dcp():
 
 
 @dataclass(frozen=True)
-# Megatron-Core 0.19 also saves the common state (common.pt's dictionary) as this sharded object; it
-# is no model or optimizer object, and megacli reads common.pt (which megacli writes under 0.19 too).
-COMMON_STATE_OBJECT = "common_state/shard_0_1"
-
 class TensorInfo:
     key: str
     shape: tuple[int, ...]
