@@ -308,6 +308,11 @@ def import_megatron(torch) -> None:
         return model if model is not None else (lambda fn: fn)
 
     torch.compile = identity
+    # A CUDA build of torch without a GPU (PyPI's only builds for Python 3.12): Megatron-Core's RNG
+    # module imports torch.utils.cpp_extension, which warns at import that no CUDA runtime is found.
+    cpp_extension_log = logging.getLogger("torch.utils.cpp_extension")
+    cpp_extension_level = cpp_extension_log.level
+    cpp_extension_log.setLevel(logging.ERROR)
     if hide_wandb:
         sys.modules["wandb"] = None  # an import of it raises ImportError
     try:
@@ -316,6 +321,7 @@ def import_megatron(torch) -> None:
         pass
     finally:
         torch.compile = compile_
+        cpp_extension_log.setLevel(cpp_extension_level)
         if hide_wandb:
             del sys.modules["wandb"]
 

@@ -46,6 +46,10 @@ def is_extra_state(key: str) -> bool:
 NOT_MODEL = ("optimizer", "rng_state", "scheduler")
 
 BACKEND_META = "metadata.json"
+# Megatron-Core 0.19 also saves the common state (common.pt's dictionary) as this sharded object; it
+# is no model or optimizer object, and megacli reads common.pt (which megacli writes under 0.19 too).
+COMMON_STATE_OBJECT = "common_state/shard_0_1"
+
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
 
 
@@ -101,7 +105,7 @@ class TorchDistReader:
             if isinstance(md, TensorStorageMetadata):
                 chunks = tuple((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks)
                 self.tensors[key] = TensorInfo(key, tuple(md.size), md.properties.dtype, chunks)
-            elif isinstance(md, BytesStorageMetadata):
+            elif isinstance(md, BytesStorageMetadata) and key != COMMON_STATE_OBJECT:
                 self.objects.append(key)
 
     def common(self) -> dict:

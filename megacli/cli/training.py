@@ -12,6 +12,9 @@ def run_training_job(job: str, recipe_path: Path | None, overrides: list[str], d
 
     recipe = load_job_recipe(job, recipe_path, overrides)
     recipe.check_trainable()
+    from megacli.engine.core_compat import check_optimizer_available
+
+    check_optimizer_available(recipe.optim)
     if job == "finetune" and not recipe.checkpoint.pretrained:
         from megacli.errors import UserError
 

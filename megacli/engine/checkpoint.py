@@ -26,6 +26,7 @@ import torch
 
 from megacli.checkpoint import manifest, space
 from megacli.engine import nonfinite
+from megacli.engine.core_compat import async_save_kwargs, write_common_file
 from megacli.checkpoint.layout import (LATEST, META, find_checkpoint, iter_name, lora_base_of,
                                       read_meta, read_recipe)
 from megacli.checkpoint.rng import restore_tracker, tracker_states
@@ -180,10 +181,11 @@ def _start_save(*, ckpt_dir: Path, iteration: int, consumed_samples: int, chunks
     needed = torch.tensor([space.state_bytes(state)], dtype=torch.float64, device=_device())
     dist.all_reduce(needed)  # also the barrier after which every rank finds tmp made
     needed = int(needed.item())
+    write_common_file(state, tmp)
     try:
         checked = strategy is not None and strategy.cached_local_plan is not None  # it saved this structure
         request = dist_checkpointing.save(state, str(tmp), sharded_strategy=strategy, async_sharded_save=True,
-                                          validate_access_integrity=not checked)
+                                          validate_access_integrity=not checked, **async_save_kwargs())
     except BaseException as exc:  # torch's CheckpointException derives from BaseException
         full = space.disk_full_error(exc, ckpt_dir=ckpt_dir, partial=tmp, needed=needed, remove=rank == 0)
         if full is not None:
@@ -346,7 +348,9 @@ def _check_optimizer_kind(ckpt: Path, optimizer) -> None:
 
     recipe = read_recipe(ckpt)
     saved = bool((recipe.get("parallel") or {}).get("distributed_optimizer", False))
-    running = any(isinstance(o, DistributedOptimizer) for o in getattr(optimizer, "chained_optimizers", [optimizer]))
+    # muon's distributed optimizer is Megatron's layer-wise one: a chain of plain optimizers, each flagged
+    running = any(isinstance(o, DistributedOptimizer) or getattr(o.config, "use_layer_wise_distributed_optimizer", False)
+                  for o in getattr(optimizer, "chained_optimizers", [optimizer]))
     if saved != running:
         kind = {True: "distributed", False: "standard"}
         flag = "--distributed-optimizer" if running else "--no-distributed-optimizer"

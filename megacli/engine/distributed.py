@@ -138,10 +138,10 @@ def teardown() -> None:
     process (the in-process path) starts clean."""
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
-    # Its per-layer tensors are sized by the run's layer count and hold the run's groups.
-    get_moe_layer_wise_logging_tracker().clear()
+    from megacli.engine.core_compat import forget_moe_metrics
+
+    forget_moe_metrics()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():

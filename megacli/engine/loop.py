@@ -79,6 +79,7 @@ def _build_model(recipe, runtime, vocab: int) -> tuple[object, list]:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from megacli.engine.models import build_model
+    from megacli.engine.optim import grads_sharded
     from megacli.engine.models.config import transformer_config
     from megacli.engine.models.init import init_weights
 
@@ -110,7 +111,7 @@ def _build_model(recipe, runtime, vocab: int) -> tuple[object, list]:
         grad_reduce_in_fp32=t.precision != "fp32" and not t.grad_reduce_in_bf16,
         overlap_grad_reduce=p.overlap_grad_reduce,
         overlap_param_gather=p.overlap_param_gather,
-        use_distributed_optimizer=p.distributed_optimizer,
+        use_distributed_optimizer=grads_sharded(recipe.optim, p.distributed_optimizer),
         average_in_collective=False,
     )
     chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from megacli.errors import UserError
 from megacli.precision import params_dtype
 
 
@@ -13,6 +14,10 @@ def build_optimizer(chunks, *, optim, precision: str, distributed_optimizer: boo
     from megacli.engine.kernels import use_foreach_grad_kernels
 
     use_foreach_grad_kernels()
+    if optim.optimizer == "muon" and distributed_optimizer and not on_cuda:
+        raise UserError("parallel.distributed_optimizer = true with optim.optimizer = muon: Megatron-Core's layer-wise "
+                        "optimizer all-gathers shards of unequal sizes, which gloo (the CPU backend) cannot; on CPU "
+                        "set parallel.distributed_optimizer: false")
     config = OptimizerConfig(
         optimizer=optim.optimizer,
         lr=optim.lr,
@@ -26,13 +31,54 @@ def build_optimizer(chunks, *, optim, precision: str, distributed_optimizer: boo
         fp16=precision == "fp16",
         params_dtype=params_dtype(precision) if precision != "fp32" else torch.float32,
         initial_loss_scale=optim.initial_loss_scale,
-        use_distributed_optimizer=distributed_optimizer,
+        use_distributed_optimizer=grads_sharded(optim, distributed_optimizer),
+        **(muon_settings(optim, distributed_optimizer, on_cuda) if optim.optimizer == "muon" else {}),
     )
+    if optim.optimizer == "muon":
+        mark_embeddings(chunks)
     optimizer = get_megatron_optimizer(config, chunks)
     if optim.fused_on(on_cuda):
         for inner in torch_optimizers(optimizer):
             use_fused_kernels(inner)
     return optimizer
+
+
+def grads_sharded(optim, distributed_optimizer: bool) -> bool:
+    """Whether Megatron's DistributedOptimizer shards the gradient buffers and optimizer state. Muon
+    orthogonalizes whole matrices: its distributed form is the layer-wise one (each data-parallel
+    rank updates whole parameters, then they are all-gathered), over unsharded DDP buffers."""
+    return distributed_optimizer and optim.optimizer != "muon"
+
+
+# Muon as published (Keller Jordan's and torch.optim.Muon's): Nesterov momentum, five Newton-Schulz
+# steps with the fixed coefficients (3.4445, -4.7750, 2.0315), the update scaled by 0.2·sqrt(max(rows,
+# cols)) so that its RMS matches AdamW's and optim.lr serves both (Moonlight, arXiv:2502.16982).
+# Q, K and V are orthogonalized apart; a tensor-parallel shard is orthogonalized whole (gathered), so
+# every layout takes the same step.
+MUON_UPDATE_RMS = 0.2
+
+
+def muon_settings(optim, distributed_optimizer: bool, on_cuda: bool) -> dict:
+    """Megatron-Core 0.19's OptimizerConfig fields for optim.optimizer = muon (AdamW, with the
+    recipe's adam_* settings, on embeddings, output layer, norms and biases)."""
+    return dict(muon_momentum=optim.muon_momentum, muon_nesterov=True, muon_coefficient_type="simple",
+                muon_num_ns_steps=5, muon_scale_mode="spectral", muon_extra_scale_factor=MUON_UPDATE_RMS,
+                muon_split_qkv=True, muon_tp_mode="duplicated", muon_scalar_optimizer="adam",
+                # TF32 on CUDA; exact fp32 on CPU ("medium" would round every Newton-Schulz step to bf16)
+                muon_fp32_matmul_prec="high" if on_cuda else "highest",
+                use_layer_wise_distributed_optimizer=distributed_optimizer)
+
+
+def mark_embeddings(chunks) -> None:
+    """Every embedding table (word, position, token type, relative position) goes to AdamW under
+    muon: Megatron marks only the word embedding and the output layer, and sends any other 2-D
+    weight to Muon."""
+    from megatron.core.tensor_parallel import VocabParallelEmbedding
+
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, (torch.nn.Embedding, VocabParallelEmbedding)):
+                module.weight.is_embedding_or_output_parameter = True
 
 
 def torch_optimizers(optimizer) -> list:

@@ -52,9 +52,9 @@ def gpt_forward_step(*, context_parallel: int, custom_loss=None):
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
         if context_parallel > 1:
-            from megatron.core.utils import get_batch_on_this_cp_rank
+            from megacli.engine.core_compat import batch_on_this_cp_rank
 
-            batch = get_batch_on_this_cp_rank(batch)
+            batch = batch_on_this_cp_rank(batch)
         output = model(batch["tokens"], batch["position_ids"], example_mask(batch), labels=batch["labels"])
         return output, partial(token_loss_func, batch["loss_mask"], labels=batch["labels"], custom=custom_loss)
 

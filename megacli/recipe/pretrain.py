@@ -134,6 +134,8 @@ class TrainingRecipe(Section):
         if self.optim.warmup_iters and self.optim.warmup_iters >= horizon:
             raise RecipeError("optim.warmup_iters", self.optim.warmup_iters,
                               f"must be shorter than the decay horizon (optim.decay_iters or train.iters = {horizon} steps)")
+        if self.optim.optimizer == "muon" and t.precision == "fp16":
+            raise RecipeError("optim.optimizer", "muon", "runs in fp32 or bf16, not train.precision = fp16")
         self._check_moe()
         if m.scale_decoder_output and m.arch != "t5":
             raise RecipeError("model.scale_decoder_output", True, f"is for t5 (its decoder output), not {m.arch}")
@@ -192,6 +194,12 @@ class TrainingRecipe(Section):
                               f"must be divisible by parallel.tensor × parallel.context = {tp * p.context} for sequence parallelism")
         if p.overlap_param_gather and not p.distributed_optimizer:
             raise RecipeError("parallel.overlap_param_gather", True, "needs parallel.distributed_optimizer: true")
+        if p.distributed_optimizer and self.optim.optimizer == "muon" and self.train.precision != "bf16":
+            raise RecipeError("parallel.distributed_optimizer", True, "with optim.optimizer = muon needs train.precision = "
+                              "bf16: Megatron-Core's layer-wise optimizer keeps fp32 master weights of bf16 parameters")
+        if p.overlap_param_gather and self.optim.optimizer == "muon":
+            raise RecipeError("parallel.overlap_param_gather", True, "is for AdamW and SGD: muon's distributed "
+                              "optimizer gathers the updated parameters after the step")
 
     @model_validator(mode="after")
     def _check_cuda_graphs(self):

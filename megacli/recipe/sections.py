@@ -215,8 +215,10 @@ class TrainSection(Section):
 
 
 class OptimSection(Section):
-    optimizer: Literal["adam", "sgd"] = "adam"
-    """adam (AdamW, decoupled weight decay) or sgd."""
+    optimizer: Literal["adam", "sgd", "muon"] = "adam"
+    """adam (AdamW, decoupled weight decay), sgd, or muon: Muon on the hidden 2-D weights (the
+    orthogonalized momentum scaled by 0.2·sqrt(max(rows, cols)), so optim.lr serves both), AdamW on
+    embeddings, output layer, norms and biases; needs Python 3.12+ with Megatron-Core 0.19."""
     lr: PositiveFloat = 3e-4
     """Peak learning rate."""
     min_lr: float = Field(3e-5, ge=0)
@@ -244,6 +246,8 @@ class OptimSection(Section):
     """Adam beta2."""
     adam_eps: PositiveFloat = 1e-8
     """Adam epsilon."""
+    muon_momentum: float = Field(0.95, ge=0, lt=1)
+    """muon: momentum of the matrix updates (Nesterov)."""
     initial_loss_scale: PositiveFloat = 2.0**16
     """fp16: starting dynamic loss scale."""
     fused: Optional[bool] = None

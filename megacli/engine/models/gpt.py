@@ -11,6 +11,9 @@ def build_gpt(*, recipe, config, padded_vocab: int, vocab_size: int) -> list:
     from megatron.core.enums import ModelType
     from megatron.core.models.gpt import GPTModel
 
+    from megacli.engine.core_compat import quiet_gpt_model_deprecation
+
+    quiet_gpt_model_deprecation()
     m = recipe.model
 
     def build_chunk(*, vp_stage, pre_process: bool, post_process: bool):

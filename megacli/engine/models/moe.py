@@ -20,7 +20,9 @@ _LOCAL_EXPERT = re.compile(r"(\.experts\.local_experts\.)(\d+)\.")
 
 
 def grouped_gemm_available(*, on_cuda: bool) -> bool:
-    if not on_cuda:
+    from megacli.engine.core_compat import has_grouped_mlp
+
+    if not on_cuda or not has_grouped_mlp():
         return False
     from megatron.core.transformer.moe import grouped_gemm_util
 
@@ -29,6 +31,8 @@ def grouped_gemm_available(*, on_cuda: bool) -> bool:
 
 def config_kwargs(*, model, parallel, on_cuda: bool) -> dict:
     """TransformerConfig arguments for ``model.moe`` (empty for a dense model)."""
+    from megacli.engine.core_compat import legacy_grouped_gemm_flag
+
     moe = model.moe
     if moe is None:
         return {}
@@ -49,7 +53,7 @@ def config_kwargs(*, model, parallel, on_cuda: bool) -> dict:
         moe_router_pre_softmax=moe.router_pre_softmax,
         moe_token_dispatcher_type=moe.dispatcher,
         moe_grouped_gemm=grouped,
-        moe_use_legacy_grouped_gemm=grouped,  # GroupedMLP (grouped_gemm package), not TE's
+        **legacy_grouped_gemm_flag(grouped),  # GroupedMLP (grouped_gemm package), not TE's
         expert_tensor_parallel_size=parallel.expert_tensor or parallel.tensor,
         moe_router_score_function=moe.router_score_function,
         moe_router_enable_expert_bias=moe.router_expert_bias,
@@ -75,13 +79,18 @@ def moe_mlp_spec(*, config):
     _define_absent_te_gemm()
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.mlp import MLPSubmodules
-    from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
+    from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
     from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     linears = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
-    experts = ModuleSpec(module=GroupedMLP) if config.moe_grouped_gemm else ModuleSpec(module=SequentialMLP, submodules=linears)
+    if config.moe_grouped_gemm:  # only where grouped_gemm_available(): Megatron-Core before 0.19
+        from megatron.core.transformer.moe.experts import GroupedMLP
+
+        experts = ModuleSpec(module=GroupedMLP)
+    else:
+        experts = ModuleSpec(module=SequentialMLP, submodules=linears)
     return ModuleSpec(module=MoELayer,
                       submodules=MoESubmodules(experts=experts, shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=linears)))
 
