@@ -295,7 +295,7 @@ class _Routes:
         served = self.served
         self.check_model(body.model)
         if served.chat_template is None:
-            raise ApiError(400, "the model's tokenizer has no chat template (chat_template in its tokenizer_config.json); "
+            raise ApiError(400, "the model's tokenizer has no chat template (chat_template.jinja, or chat_template in its tokenizer_config.json); "
                                 "use /v1/completions", "messages")
         try:
             prompt = served.chat_template([{"role": m.role, "content": m.text()} for m in body.messages])
