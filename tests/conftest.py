@@ -363,3 +363,20 @@ else:
     settings.register_profile("megacli", derandomize=True, database=None, deadline=None, max_examples=60,
                               suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
     settings.load_profile("megacli")
+
+
+def certain_lm():
+    """The harness's model interface answering every request alike."""
+    from lm_eval.api.model import LM
+
+    class Certain(LM):
+        def loglikelihood(self, requests):
+            return [(-1.0, True) for _ in requests]
+
+        def loglikelihood_rolling(self, requests):
+            return [-1.0 for _ in requests]
+
+        def generate_until(self, requests):
+            return ["" for _ in requests]
+
+    return Certain()

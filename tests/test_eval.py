@@ -351,24 +351,13 @@ def test_recipe_errors_name_the_recipe_the_user_gave(tmp_path):
 
 
 def test_the_harness_run_prints_no_git_error_outside_a_repository(tmp_path, monkeypatch, capfd):
-    from lm_eval.api.model import LM
-
     from megacli.inference.evaluate import evaluate
     from megacli.recipe.eval import EvalSection
-
-    class Certain(LM):
-        def loglikelihood(self, requests):
-            return [(-1.0, True) for _ in requests]
-
-        def loglikelihood_rolling(self, requests):
-            return [-1.0 for _ in requests]
-
-        def generate_until(self, requests):
-            return ["" for _ in requests]
+    from tests.conftest import certain_lm
 
     tasks = write_tasks(tmp_path)
     monkeypatch.chdir(tmp_path)
     ev = EvalSection(tasks=["tiny_lambada"], include_path=str(tasks), limit=2, bootstrap_iters=0)
-    results = evaluate(Certain(), ev)
+    results = evaluate(certain_lm(), ev)
     assert results["results"]["tiny_lambada"]["acc,none"] == 1.0 and results["git_hash"] is None
     assert "not a git repository" not in capfd.readouterr().err

@@ -12,6 +12,8 @@ import pytest
 
 pytest.importorskip("lm_eval")
 
+from tests.conftest import certain_lm  # noqa: E402
+
 ESCAPE = "{{{{ cycler.__init__.__globals__.os.system('touch {marker}') }}}}"
 DOCS = [{"text": "a b c", "choices": ["x", "y"], "label": 0}, {"text": "d e f", "choices": ["y", "x"], "label": 1}]
 
@@ -33,23 +35,6 @@ def escaping_task(root: Path, field: str) -> tuple[Path, Path]:
     (tasks / f"escape_{field}.yaml").write_text(f"task: escape_{field}\ndataset_path: json\ndataset_kwargs:\n"
                                                 f"  data_files:\n    test: {data}\ntest_split: test\n{body}")
     return tasks, marker
-
-
-def certain_lm():
-    """The harness's model interface answering every request alike."""
-    from lm_eval.api.model import LM
-
-    class Certain(LM):
-        def loglikelihood(self, requests):
-            return [(-1.0, True) for _ in requests]
-
-        def loglikelihood_rolling(self, requests):
-            return [-1.0 for _ in requests]
-
-        def generate_until(self, requests):
-            return ["" for _ in requests]
-
-    return Certain()
 
 
 @pytest.mark.parametrize("field", ["doc_to_text", "doc_to_choice", "doc_to_target", "description", "gen_prefix"])

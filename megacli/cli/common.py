@@ -93,3 +93,22 @@ class DefaultCommandGroup(TyperGroup):
 
 def is_help_request() -> bool:
     return any(a in ("--help", "-h") for a in sys.argv[1:])
+
+
+def write_whole(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary sibling renamed into place (never half a file)."""
+    import os
+    import tempfile
+
+    from megacli.errors import UserError
+
+    if not path.parent.is_dir():
+        raise UserError(f"{path}: directory {path.parent} does not exist")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -8,7 +8,7 @@ from typing import Annotated, List, Optional
 
 import typer
 
-from megacli.cli.common import RecipeArg, SetOpt, guarded
+from megacli.cli.common import RecipeArg, SetOpt, guarded, write_whole
 from megacli.cli.root import app
 
 _GPU = "GPU and cluster"
@@ -102,24 +102,10 @@ def _constants(pairs: list[str]):
 
 def _write_recipe(chosen, output: Path) -> None:
     """The recipe with the chosen layout, whole (every field), written in one step (no half-written file)."""
-    import os
-    import tempfile
-
-    from megacli.errors import UserError
     from megacli.recipe.base import dump
 
     text = "# yaml-language-server: $schema=schemas/pretrain.json\n# written by `megacli plan`\n" + dump(chosen)
-    folder = output.parent if str(output.parent) else Path(".")
-    if not folder.is_dir():
-        raise UserError(f"-o {output}: the folder {folder} does not exist")
-    fd, draft = tempfile.mkstemp(dir=folder, prefix=f".{output.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(draft, output)
-    except BaseException:
-        Path(draft).unlink(missing_ok=True)
-        raise
+    write_whole(output, text)
 
 
 def rows_json(found, top: int, rows=None) -> list[dict]:

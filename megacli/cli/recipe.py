@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from megacli.cli.common import TRUST_PICKLE_HELP, SetOpt, guarded
+from megacli.cli.common import TRUST_PICKLE_HELP, SetOpt, guarded, write_whole
 from megacli.cli.root import app
 
 recipe_app = typer.Typer(
@@ -89,24 +89,5 @@ def from_command(
     if output is None:
         typer.echo(text, nl=False)
         return
-    _write_whole(output, text)
+    write_whole(output, text)
     typer.echo(f"wrote {output}", err=True)
-
-
-def _write_whole(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary sibling renamed into place (never half a file)."""
-    import os
-    import tempfile
-
-    from megacli.errors import UserError
-
-    if not path.parent.is_dir():
-        raise UserError(f"{path}: directory {path.parent} does not exist")
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
