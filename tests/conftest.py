@@ -317,7 +317,7 @@ def cli(*args, env: dict | None = None):
 LONGEST_FILES = [
     "test_slurm.py", "test_run_control.py", "test_bert_t5.py", "test_docs.py", "test_megatron_lm_resume.py", "test_serve.py",
     "test_reshard.py", "test_eval.py", "test_pretrain.py", "test_gpu_bench.py", "test_preference_training.py",
-    "test_stream_data.py",
+    "test_stream_data.py", "test_planner.py", "test_fp8.py", "test_serve_bench.py", "test_checkpoint_carries.py",
 ]
 
 
