@@ -25,7 +25,6 @@ import asyncio
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,14 +35,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generate_bench import PROMPTS, build  # noqa: E402
 
+from megacli.launch import free_port  # noqa: E402
+
 ROWS = [(1, 8, 32), (16, 4, 32), (64, 2, 32), (16, 4, 128)]  # clients, requests per client, max_tokens
 TINY_ROWS = [(2, 2, 8)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_ready(proc: subprocess.Popen, url: str, timeout: float = 600) -> None:
@@ -65,7 +60,7 @@ def _wait_ready(proc: subprocess.Popen, url: str, timeout: float = 600) -> None:
 def start_server(workdir: Path, max_batch: int, extra: list[str] = (), log: Path | None = None,
                  wait: bool = True) -> tuple[subprocess.Popen, str]:
     """`megacli serve` on the converted model: (process, base URL), ready unless ``wait`` is False."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "megacli", "serve", str(workdir / "mc"), "--port", str(port), "--max-batch",
            str(max_batch), "--max-queue", "1024", "--set", "generate.stop_at_eod=false",
            "--set", f"run.dir={workdir / f'run_{port}'}", *extra]
@@ -79,7 +74,7 @@ def start_server(workdir: Path, max_batch: int, extra: list[str] = (), log: Path
 
 def start_transformers(workdir: Path, max_batch: int, log: Path | None = None) -> tuple[subprocess.Popen, str]:
     """`transformers serve --continuous-batching` on the Hugging Face directory (not waited for)."""
-    port = _free_port()
+    port = free_port()
     exe = shutil.which("transformers") or "transformers"
     cmd = [exe, "serve", str(workdir / "hf"), "--port", str(port), "--continuous-batching", "--dtype", "float32",
            "--cb-max-batch-tokens", str(max(256, max_batch * 8))]

@@ -10,18 +10,13 @@ from __future__ import annotations
 
 import io
 import os
-import socket
 import traceback
 from queue import Empty
 
 import torch
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megacli.launch import free_port  # noqa: F401  (tests that need a port of their own)
 
 
 # Stores hosted for each spawn: a rank function that builds a second process group after destroying the
