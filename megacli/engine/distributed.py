@@ -48,8 +48,10 @@ def quiet_megatron_imports() -> None:
     logging.getLogger("megatron.core.dist_checkpointing.strategies.filesystem_async").setLevel(logging.CRITICAL)
 
 
-def setup(*, parallel, launch, seed: int, deterministic: bool = False) -> Runtime:
-    """Initialise torch.distributed (nccl on CUDA, gloo on CPU) and Megatron's parallel groups."""
+def setup(*, parallel, launch, seed: int, deterministic: bool = False, cores_kept: int = 0) -> Runtime:
+    """Initialise torch.distributed (nccl on CUDA, gloo on CPU) and Megatron's parallel groups. On
+    CPU the ranks of a machine share its cores as torch threads, less ``cores_kept`` left for other
+    work of the job (unless launch.threads_per_process says how many)."""
     quiet_megatron_imports()
     import torch
     import torch.distributed as dist
@@ -64,7 +66,7 @@ def setup(*, parallel, launch, seed: int, deterministic: bool = False) -> Runtim
 
         cpu.enable()
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        threads = launch.threads_per_process or max(1, (os.cpu_count() or 1) // local_world)
+        threads = launch.threads_per_process or max(1, ((os.cpu_count() or 1) - cores_kept) // local_world)
         torch.set_num_threads(threads)
         device = torch.device("cpu")
     else:
@@ -118,10 +120,10 @@ def seed_everything(seed: int) -> None:
 
 
 @contextmanager
-def running(*, parallel, launch, seed: int, deterministic: bool = False):
+def running(*, parallel, launch, seed: int, deterministic: bool = False, cores_kept: int = 0):
     """setup(), the body with its Runtime, then teardown() however the body ends. A collective that
     timed out becomes one message naming this rank and the collective."""
-    runtime = setup(parallel=parallel, launch=launch, seed=seed, deterministic=deterministic)
+    runtime = setup(parallel=parallel, launch=launch, seed=seed, deterministic=deterministic, cores_kept=cores_kept)
     try:
         yield runtime
     except RuntimeError as exc:  # torch's DistBackendError on a collective timeout is one

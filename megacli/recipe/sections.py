@@ -83,7 +83,8 @@ class LaunchSection(Section):
     device: Literal["auto", "cuda", "cpu"] = "auto"
     """auto: CUDA with NCCL when a GPU is present, else the CPU backend with gloo."""
     threads_per_process: Optional[PositiveInt] = None
-    """CPU backend: torch threads per worker (default: cores / nproc, at least 1)."""
+    """CPU backend: torch threads per worker (default: cores / nproc, at least 1; `serve` keeps one
+    core for its HTTP side: (cores - 1) / nproc)."""
     job_id: Optional[str] = None
     """One id for all nodes of a job (its rendezvous and run-directory lock). Default: the scheduler's
     job id (SLURM_JOB_ID), else torchrun's run id, else one derived from launch.rdzv_endpoint."""

@@ -151,7 +151,7 @@ class CoreAttention(MegatronModule):
         sq, b, np_, hn = query.shape
         window = self.window if causal else None
         if attention_mask is not None and attention_mask.size(-1) > key.size(0):
-            attention_mask = attention_mask[..., -key.size(0):]  # a windowed KV cache holds the last keys only
+            attention_mask = attention_mask[..., -key.size(0):]  # the KV cache gave its last keys only
         drop = 0 if window is None else key.size(0) - sq - window
         if drop > 0:  # keys no query sees (queries are the last sq positions)
             key, value = key[drop:], value[drop:]

@@ -29,6 +29,9 @@ class DecodeContext(StaticInferenceContext):
         # [b, s] RoPE position of each row's tokens (a ragged batch: megacli serve), or None: the
         # cache columns sequence_len_offset.. are the positions of every row
         self.rope_positions: torch.Tensor | None = None
+        # cache columns before it hold no key a running sequence sees (megacli serve's rows start at
+        # different columns): attention skips them
+        self.first_column = 0
 
 
 def _cos_sin(context, freqs: torch.Tensor, start: int, end: int, dtype):
@@ -100,8 +103,11 @@ class CachedRotarySelfAttention(SelfAttention):
         if self.window is not None and inference_context.batch_size_offset == 0 \
                 and key.size(1) == inference_context.max_batch_size:
             return self._windowed(inference_context, query, key, value)
-        return super()._adjust_key_value_for_inference(inference_context, query, key, value, None, rotary_pos_cos,
-                                                       rotary_pos_sin, rotary_pos_cos_sin, sequence_len_offset, **kwargs)
+        query, key, value, *rest = super()._adjust_key_value_for_inference(
+            inference_context, query, key, value, None, rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin,
+            sequence_len_offset, **kwargs)
+        first = getattr(inference_context, "first_column", 0)
+        return (query, key[first:], value[first:], *rest)
 
     def _windowed(self, context, query, key, value):
         """A sliding-window layer's cache: only the last ``window`` keys and values, which are all the

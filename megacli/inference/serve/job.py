@@ -45,8 +45,14 @@ def chat_template(recipe):
     return lambda messages: render_chat(messages, template)
 
 
+IO_CORES = 1  # on CPU: one core kept from the model's torch threads for the HTTP side
+
+
 def run(recipe, *, on_ready=None) -> None:
-    with distributed.running(parallel=recipe.parallel, launch=recipe.launch, seed=recipe.generate.seed) as runtime:
+    # The event loop, tokenizer and streaming run beside every decoding step; a torch thread pool
+    # over every core stalls at each op's barrier whenever they take one of its cores.
+    with distributed.running(parallel=recipe.parallel, launch=recipe.launch, seed=recipe.generate.seed,
+                             cores_kept=IO_CORES) as runtime:
         serve(recipe, runtime, on_ready=on_ready)
 
 

@@ -108,10 +108,11 @@ class Slots:
         ctx = self.context
         ctx.enable_prefill_mode()
         ctx.batch_size_offset, ctx.sequence_len_offset, ctx.rope_positions = slots[0], offset, positions
+        ctx.first_column = int(first.min())  # no query of the group sees a column before it
         try:
             logits = self.model.forward(tokens, positions, mask, ctx, all_positions=all_logits)
         finally:
-            ctx.batch_size_offset, ctx.rope_positions = 0, None
+            ctx.batch_size_offset, ctx.rope_positions, ctx.first_column = 0, None, 0
         for slot, ids, start in zip(slots, prompts, first.tolist()):
             self.start[slot], self.length[slot] = start, len(ids)
             if self.prefix is not None:
@@ -138,14 +139,17 @@ class Slots:
         for s in busy:
             ids[s, 0], positions[s, 0], first[s, 0] = tokens[s], self.length[s], self.start[s]
         ids, positions, first = ids.to(dev), positions.to(dev), first.to(dev)
-        mask = torch.arange(self.clock + 1, device=dev)[None, :] < first  # [b, clock + 1], True = not this sequence's
+        # attention reads the columns from the oldest busy sequence's first one to the clock
+        oldest = min(self.start[s] for s in busy)
+        mask = torch.arange(oldest, self.clock + 1, device=dev)[None, :] < first  # True = not this sequence's
         ctx = self.context
         ctx.enable_decode_mode()
         ctx.batch_size_offset, ctx.sequence_len_offset, ctx.rope_positions = 0, self.clock, positions
+        ctx.first_column = oldest
         try:
             logits = self.model.forward(ids, positions, mask[:, None, None, :], ctx)
         finally:
-            ctx.rope_positions = None
+            ctx.rope_positions, ctx.first_column = None, 0
         self.clock += 1
         for s in busy:
             self.length[s] += 1
