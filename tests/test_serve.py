@@ -229,13 +229,14 @@ class Server:
 
 @pytest.fixture(scope="module")
 def servers(prepared):
-    """GPT-2: 8 slots and a cache no longer than the context (so columns shift often); Llama: an
-    API key, and a context raised to 1024 positions (RoPE has no table to outgrow) for long streams."""
+    """GPT-2: 8 slots, a cache no longer than the context (so columns shift often) and a prefill
+    budget of 6 tokens (so longer prompts go in by parts); Llama: an API key, and a context raised
+    to 1024 positions (RoPE has no table to outgrow) for long streams."""
     root, _ = prepared
     up = {}
     try:
         up["gpt2"] = Server(root / "gpt2" / "mc", "--max-batch", 8, "--set", "serve.cache_length=64",
-                            "--set", "serve.prefix_block=4")
+                            "--set", "serve.prefix_block=4", "--set", "serve.prefill_tokens=6")
         up["llama_tied_gqa"] = Server(root / "llama_tied_gqa" / "mc", "--api-key", API_KEY,
                                       "--set", "model.max_position_embeddings=1024")
         yield up
@@ -376,6 +377,10 @@ def test_structured_output_validates_against_every_schema(servers):
                                     extra_body={"response_format": {"type": "json_schema",
                                                                     "json_schema": {"schema": SCHEMAS[17]}}})
     jsonschema.validate(json.loads(got.choices[0].text), SCHEMAS[17])
+    anything = client.chat.completions.create(model="mc", messages=CHATS[0], max_tokens=120, temperature=0,
+                                              response_format={"type": "json_object"})
+    assert anything.choices[0].finish_reason == "stop", anything.choices[0].message.content
+    assert isinstance(json.loads(anything.choices[0].message.content), dict)
     auth = {"Authorization": f"Bearer {API_KEY}"}
     bad = {"type": "json_schema", "json_schema": {"schema": {"type": "object", "dependentSchemas": {"a": {}}}}}
     _error(server.post("/v1/completions", {"model": "mc", "prompt": "x", "response_format": bad}, headers=auth), 400,

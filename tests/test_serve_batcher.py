@@ -20,6 +20,7 @@ class Slots:
     def __init__(self, fail_at: int | None = None, random: bool = False):
         self.fail_at, self.random, self.steps, self.shifts = fail_at, random, 0, 0
         self.admitted = []  # prompts per prefill
+        self.calls = []  # ("admit", prompt lengths, partial) and ("step", slots), in order
 
     def logits(self, last: int) -> torch.Tensor:
         if self.random:  # a fixed random row per last token
@@ -27,12 +28,14 @@ class Slots:
         row = torch.linspace(-3.0, 0.0, VOCAB)
         return row.roll((last + 1) % VOCAB - (VOCAB - 1))
 
-    def admit(self, slots, prompts, *, all_logits=False):
+    def admit(self, slots, prompts, *, all_logits=False, partial=None):
         self.admitted.append(len(prompts))
+        self.calls.append(("admit", [len(ids) for ids in prompts], partial))
         return [self.logits(ids[-1]) for ids in prompts]
 
     def step(self, tokens):
         self.steps += 1
+        self.calls.append(("step", sorted(tokens)))
         if self.steps == self.fail_at:
             raise RuntimeError("the model broke")
         return {s: self.logits(t) for s, t in tokens.items()}
@@ -189,3 +192,21 @@ def test_prompts_that_arrive_together_are_prefilled_together_within_the_budget()
         thread.join(10)
         assert slots.admitted == groups, budget
         assert [len(seq.generated) for seq in seqs] == [2, 3, 4, 5, 1, 1, 1]
+
+
+def test_a_prompt_longer_than_the_budget_is_prefilled_in_parts_between_decoding_steps():
+    """With a budget of 4 tokens, the 1-token prompt that arrived first takes 1 and a 10-token one
+    the other 3; the rest goes in as 4 + 3 tokens, the first sequence decoding a token between every
+    two parts; then both decode."""
+    slots = Slots()
+    batcher = _batcher(slots, tok=Letters, prefill_tokens=4)
+    running, _ = _sequence(0, 8)
+    long, _ = _sequence(0, 3)
+    long.ids = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1]
+    batcher.submit([running, long])
+    thread = _run(batcher)
+    batcher.stop()
+    thread.join(10)
+    assert slots.calls[:8] == [("admit", [1], None), ("admit", [3], [True]), ("step", [0]), ("admit", [7], [True]),
+                               ("step", [0]), ("admit", [10], [False]), ("step", [0, 1]), ("step", [0, 1])]
+    assert long.generated == [2, 3, 4] and len(running.generated) == 8

@@ -38,8 +38,8 @@ class ServeSection(Section):
     """KV-cache columns per slot (at least the model's context). Default: twice the context, so
     the cache is compacted at most once per context's worth of steps."""
     prefill_tokens: PositiveInt = 2048
-    """Prompt tokens (padded to the longest prompt of a group) prefilled together between two
-    decoding steps at most; one prompt is always taken, however long."""
+    """Prompt tokens (padded to the longest prompt of a group) prefilled between two decoding steps
+    at most; a longer prompt is prefilled in parts of this size over as many steps."""
     prefix_cache: bool = True
     """Reuse the KV cache of prompt prefixes seen before (in blocks of prefix_block tokens)."""
     prefix_block: PositiveInt = 16

@@ -1,5 +1,6 @@
 """Continuous batching on rank 0: requests wait in a bounded queue, join the running batch as
-slots free up (prompts that arrive together prefilled together, between decoding steps), and every busy slot advances one token per
+slots free up (prompts that arrive together prefilled together, and a prompt longer than the
+prefill budget in parts, between decoding steps), and every decoding slot advances one token per
 step (``slots.Slots``, run on every rank through ``lockstep.Lockstep``). Each sequence chooses its
 own tokens (greedy, or sampled with its own seeded generator), so a request decodes as it would
 alone. Results go back to the HTTP side through each sequence's ``emit`` callback, which must be
@@ -173,7 +174,8 @@ class Batcher:
         self.prefill_tokens = prefill_tokens
         self.max_batch, self.max_queue, self.stop_ids, self.metrics = max_batch, max_queue, stop_ids, metrics
         self.waiting: collections.deque[Sequence] = collections.deque()
-        self.running: dict[int, Sequence] = {}  # slot -> sequence
+        self.running: dict[int, Sequence] = {}  # slot -> sequence, decoding
+        self.prefilling: dict[int, tuple[Sequence, int]] = {}  # slot -> (sequence, prompt tokens prefilled so far)
         self.next_token: dict[int, int] = {}  # slot -> the token to feed at the next step
         self.wakeup = threading.Condition()
         self.stopping = False
@@ -215,7 +217,7 @@ class Batcher:
 
     def cancel_all(self) -> None:
         with self.wakeup:
-            for seq in list(self.waiting) + list(self.running.values()):
+            for seq in list(self.waiting) + self._admitted():
                 seq.cancelled = True
             self.wakeup.notify()
 
@@ -224,16 +226,19 @@ class Batcher:
         with self.wakeup:
             self.wakeup.notify()
 
+    def _admitted(self) -> list[Sequence]:
+        return list(self.running.values()) + [seq for seq, _ in self.prefilling.values()]
+
     # ---------------------------------------------------------------- the loop's thread
 
     def run(self) -> None:
         try:
             while True:
                 with self.wakeup:
-                    while not (self.waiting or self.running or self.stopping):
+                    while not (self.waiting or self.running or self.prefilling or self.stopping):
                         if not self.wakeup.wait(timeout=self.idle_seconds):
                             self.lockstep.call("ping")
-                    if self.stopping and not (self.waiting or self.running):
+                    if self.stopping and not (self.waiting or self.running or self.prefilling):
                         return
                 self._drop_cancelled()
                 self._admit()
@@ -242,9 +247,10 @@ class Batcher:
         except BaseException as exc:  # the model failed: answer everyone, keep the reason, stop the server
             self.error = exc
             with self.wakeup:
-                everyone = list(self.waiting) + list(self.running.values())
+                everyone = list(self.waiting) + self._admitted()
                 self.waiting.clear()
                 self.running.clear()
+                self.prefilling.clear()
                 self.stopping = True
             for seq in everyone:
                 seq.emit("error", f"the model failed: {type(exc).__name__}: {exc}")
@@ -256,19 +262,30 @@ class Batcher:
             kept = [s for s in self.waiting if not s.cancelled]
             self.waiting.clear()
             self.waiting.extend(kept)
-        for slot, seq in list(self.running.items()):
+        for slot, seq in [*self.running.items(), *((slot, seq) for slot, (seq, _) in self.prefilling.items())]:
             if seq.cancelled:
                 self.metrics.cancelled += 1
                 self._release(slot)
 
     def _admit(self) -> None:
-        """Waiting sequences into free slots, prefilled together in groups, up to prefill_tokens
-        (padded) prompt tokens per step (one prompt at least); the rest wait for the next step."""
+        """Up to prefill_tokens (padded) prompt tokens per step: first the next part of each prompt
+        being prefilled in parts, then waiting sequences into free slots, prefilled together in
+        groups; a prompt longer than what is left of the budget is prefilled in parts over the next
+        steps (unless it wants the logits of every prompt token); the rest wait."""
         budget = self.prefill_tokens
-        while len(self.running) < self.max_batch and budget > 0:
+        for slot, (seq, done) in list(self.prefilling.items()):
+            if budget <= 0:
+                break
+            budget -= self._prefill_part(slot, seq, done, budget)
+        while len(self.running) + len(self.prefilling) < self.max_batch and budget > 0:
             group = self._group(budget)
             if not group:
                 break
+            if len(group) == 1 and len(group[0][1].ids) > budget and not _wants_every_logit(group[0][1]):
+                slot, seq = group[0]
+                self.metrics.prompt_tokens += len(seq.ids)
+                budget -= self._prefill_part(slot, seq, 0, budget)
+                continue
             seqs = [seq for _, seq in group]
             for slot, seq in group:
                 self.running[slot] = seq
@@ -280,11 +297,25 @@ class Batcher:
                 self._alone(slot, seq, self._first, slot, seq, row)
         self.metrics.batch_size = len(self.running)
 
+    def _prefill_part(self, slot: int, seq: Sequence, done: int, budget: int) -> int:
+        """The next ``budget`` tokens at most of a prompt prefilled in parts (``done`` of them are
+        in the slot already); once the whole is in, the sequence decodes. Returns the tokens taken."""
+        end = min(len(seq.ids), done + budget)
+        part = end < len(seq.ids)
+        logits = self.lockstep.call("admit", [slot], [seq.ids[:end]], partial=[part])
+        if part:
+            self.prefilling[slot] = (seq, end)
+        else:
+            self.prefilling.pop(slot, None)
+            self.running[slot] = seq
+            self._alone(slot, seq, self._first, slot, seq, logits[0])
+        return end - done
+
     def _group(self, budget: int) -> list[tuple[int, Sequence]]:
         """The next waiting sequences to prefill together, with their slots: consecutive free slots
         from the lowest, while the padded prompts fit ``budget`` tokens; a sequence that wants the
         logits of every prompt token (echo with logprobs) goes alone."""
-        free = [s for s in range(self.max_batch) if s not in self.running]
+        free = [s for s in range(self.max_batch) if s not in self.running and s not in self.prefilling]
         group: list[tuple[int, Sequence]] = []
         with self.wakeup:
             while self.waiting and len(group) < len(free) and free[len(group)] == free[0] + len(group):
@@ -313,7 +344,7 @@ class Batcher:
             work(*args)
         except Exception as exc:
             seq.emit("error", f"the request failed: {type(exc).__name__}: {exc}")
-            if slot in self.running:
+            if slot in self.running or slot in self.prefilling:
                 self._release(slot)
 
     def _echo(self, seq: Sequence, logits: torch.Tensor) -> None:
@@ -372,6 +403,7 @@ class Batcher:
         self._release(slot)
 
     def _release(self, slot: int) -> None:
-        del self.running[slot]
+        self.running.pop(slot, None)
+        self.prefilling.pop(slot, None)
         self.next_token.pop(slot, None)
         self.lockstep.call("release", slot)

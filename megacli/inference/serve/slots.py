@@ -53,6 +53,7 @@ class Slots:
         self.context = DecodeContext(max_batch, capacity)
         self.start: list[int | None] = [None] * max_batch  # first column of each busy slot's tokens
         self.length = [0] * max_batch  # tokens in the cache per slot (= the next token's position)
+        self.prefilling: set[int] = set()  # busy slots holding only the leading part of their prompt
         self.clock = 0  # the column the next step writes
         self.shifts = 0  # times the cached columns were moved
         # Megatron allocates the cache (uninitialised) at the first forward: one token through it,
@@ -68,13 +69,21 @@ class Slots:
     def busy(self) -> list[int]:
         return [s for s, start in enumerate(self.start) if start is not None]
 
-    def admit(self, slots: list[int], prompts: list[list[int]], *, all_logits: bool = False) -> list[torch.Tensor]:
-        """Prefill each prompt into its free slot (``slots``: consecutive) in one forward, left-padded
-        to the longest: each one's next-token logits [vocab] (all_logits, one prompt: [len, vocab],
-        the logits after every prompt token)."""
+    def decoding(self) -> list[int]:
+        return [s for s in self.busy() if s not in self.prefilling]
+
+    def admit(self, slots: list[int], prompts: list[list[int]], *, all_logits: bool = False,
+              partial: list[bool] | None = None) -> list[torch.Tensor]:
+        """Prefill each prompt into its slot (``slots``: consecutive) in one forward, left-padded to
+        the longest: each one's next-token logits [vocab] (all_logits, one prompt: [len, vocab], the
+        logits after every prompt token). A slot is free, or still prefilling: it holds the leading
+        tokens of ``prompts[i]`` from an earlier admit, and only the rest is computed. ``partial[i]``:
+        ``prompts[i]`` is only the leading part of a longer prompt, so the slot stays out of ``step``
+        until a later admit gives the whole."""
         assert slots == list(range(slots[0], slots[0] + len(slots))), slots
-        assert all(self.start[s] is None for s in slots), f"a slot of {slots} is busy"
+        assert all(self.start[s] is None or s in self.prefilling for s in slots), f"a slot of {slots} is busy"
         assert not all_logits or len(prompts) == 1
+        partial = partial or [False] * len(slots)
         lengths = torch.tensor([len(ids) for ids in prompts])
         longest = int(lengths.max())
         if not self.busy():
@@ -82,10 +91,14 @@ class Slots:
         elif self.clock < longest:
             self._shift(longest - self.clock)
         first = self.clock - lengths  # each prompt ends at the clock
-        reused = [self.prefix.reusable(ids) if self.prefix is not None and not all_logits else [] for ids in prompts]
-        cached = torch.tensor([len(r) * self.prefix.block if r else 0 for r in reused])
-        for slot, hashes, start in zip(slots, reused, first.tolist()):
-            if hashes:
+        held = [self.length[s] if s in self.prefilling else 0 for s in slots]  # tokens already in the row
+        reused = [self.prefix.reusable(ids) if self.prefix is not None and not all_logits and not h else []
+                  for ids, h in zip(prompts, held)]
+        cached = torch.tensor([h or (len(r) * self.prefix.block if r else 0) for h, r in zip(held, reused)])
+        for slot, hashes, start, h in zip(slots, reused, first.tolist(), held):
+            if h:
+                self._move_row(slot, self.start[slot], start, h)
+            elif hashes:
                 self.prefix.load(hashes, self._memory(), slot, start)
         # the columns clock - width .. clock of every row: each prompt's last `width` positions (its
         # uncached tokens, and cached ones computed again where a longer prompt needs the width),
@@ -113,11 +126,22 @@ class Slots:
             logits = self.model.forward(tokens, positions, mask, ctx, all_positions=all_logits)
         finally:
             ctx.batch_size_offset, ctx.rope_positions, ctx.first_column = 0, None, 0
-        for slot, ids, start in zip(slots, prompts, first.tolist()):
+        for slot, ids, start, part in zip(slots, prompts, first.tolist(), partial):
             self.start[slot], self.length[slot] = start, len(ids)
+            (self.prefilling.add if part else self.prefilling.discard)(slot)
             if self.prefix is not None:
                 self.prefix.store(ids, self._memory(), slot, start)
         return list(logits)
+
+    def _move_row(self, slot: int, src: int, dst: int, n: int) -> None:
+        """The ``n`` cached columns of one slot from column ``src`` to ``dst``: a row's keys are
+        rotated by its own positions, so its tokens may sit at any columns."""
+        if src == dst:
+            return
+        with torch.inference_mode():
+            for keys, values in self._memory():
+                for t in (keys, values):
+                    t[dst : dst + n, slot] = t[src : src + n, slot].clone()
 
     def _memory(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each local layer's cached keys and values, [columns, slots, ...], in layer order."""
@@ -125,13 +149,13 @@ class Slots:
         return [memory[layer] for layer in sorted(memory)]
 
     def step(self, tokens: dict[int, int]) -> dict[int, torch.Tensor]:
-        """Feed each busy slot its next token (``tokens``: slot -> id, every busy slot once): next-token
-        logits [vocab] per slot."""
-        busy = self.busy()
+        """Feed each decoding slot its next token (``tokens``: slot -> id, every one of them once):
+        next-token logits [vocab] per slot. A slot still prefilling sits the step out."""
+        busy = self.decoding()
         assert sorted(tokens) == busy, (sorted(tokens), busy)
         if self.clock == self.capacity:
-            self._shift(-min(self.start[s] for s in busy))
-        b = busy[-1] + 1  # rows 0 .. the last busy slot; idle rows in between see only themselves
+            self._shift(-min(self.start[s] for s in self.busy()))
+        b = busy[-1] + 1  # rows 0 .. the last decoding slot; other rows in between see only themselves
         dev = self.model.device
         ids = torch.zeros(b, 1, dtype=torch.long)
         positions = torch.zeros(b, 1, dtype=torch.long)
@@ -160,6 +184,7 @@ class Slots:
 
     def release(self, slot: int) -> None:
         self.start[slot], self.length[slot] = None, 0
+        self.prefilling.discard(slot)
 
     def _shift(self, by: int) -> None:
         """Move every cached column ``by`` columns right (left when negative), with the clock."""
