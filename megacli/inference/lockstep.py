@@ -21,6 +21,10 @@ class Lockstep:
         self._send((name, args, kwargs))
         return getattr(self.work, name)(*args, **kwargs)
 
+    def ask(self, name: str, *args):
+        """Rank 0's own worker answers a question (a method that changes nothing): no broadcast."""
+        return getattr(self.work, name)(*args)
+
     def stop(self) -> None:
         self._send(None)
 

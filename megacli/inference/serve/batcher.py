@@ -281,26 +281,33 @@ class Batcher:
             group = self._group(budget)
             if not group:
                 break
-            if len(group) == 1 and len(group[0][1].ids) > budget and not _wants_every_logit(group[0][1]):
+            seqs = [seq for _, seq in group]
+            width = max(map(self._to_compute, seqs))
+            if len(group) == 1 and width > budget and not _wants_every_logit(seqs[0]):
                 slot, seq = group[0]
                 self.metrics.prompt_tokens += len(seq.ids)
                 budget -= self._prefill_part(slot, seq, 0, budget)
                 continue
-            seqs = [seq for _, seq in group]
             for slot, seq in group:
                 self.running[slot] = seq
                 self.metrics.prompt_tokens += len(seq.ids)
             logits = self.lockstep.call("admit", [slot for slot, _ in group], [seq.ids for seq in seqs],
                                         all_logits=_wants_every_logit(seqs[0]))
-            budget -= len(group) * max(len(seq.ids) for seq in seqs)
+            budget -= len(group) * width
             for (slot, seq), row in zip(group, logits):
                 self._alone(slot, seq, self._first, slot, seq, row)
         self.metrics.batch_size = len(self.running)
 
+    def _to_compute(self, seq: Sequence) -> int:
+        """The prompt tokens a prefill computes: those the prefix cache does not hold."""
+        return len(seq.ids) - (0 if _wants_every_logit(seq) else self.lockstep.ask("cached_tokens", seq.ids))
+
     def _prefill_part(self, slot: int, seq: Sequence, done: int, budget: int) -> int:
         """The next ``budget`` tokens at most of a prompt prefilled in parts (``done`` of them are
-        in the slot already); once the whole is in, the sequence decodes. Returns the tokens taken."""
-        end = min(len(seq.ids), done + budget)
+        in the slot already, and the prefix cache may hold more); once the whole is in, the sequence
+        decodes. Returns the tokens computed."""
+        start = max(done, len(seq.ids) - self._to_compute(seq))
+        end = min(len(seq.ids), start + budget)
         part = end < len(seq.ids)
         logits = self.lockstep.call("admit", [slot], [seq.ids[:end]], partial=[part])
         if part:
@@ -309,7 +316,7 @@ class Batcher:
             self.prefilling.pop(slot, None)
             self.running[slot] = seq
             self._alone(slot, seq, self._first, slot, seq, logits[0])
-        return end - done
+        return end - start
 
     def _group(self, budget: int) -> list[tuple[int, Sequence]]:
         """The next waiting sequences to prefill together, with their slots: consecutive free slots
@@ -320,7 +327,7 @@ class Batcher:
         with self.wakeup:
             while self.waiting and len(group) < len(free) and free[len(group)] == free[0] + len(group):
                 seq = self.waiting[0]
-                width = max(len(s.ids) for s in [seq] + [s for _, s in group])
+                width = max(map(self._to_compute, [seq] + [s for _, s in group]))
                 if group and (_wants_every_logit(seq) or _wants_every_logit(group[0][1])
                               or width * (len(group) + 1) > budget):
                     break

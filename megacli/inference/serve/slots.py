@@ -92,20 +92,22 @@ class Slots:
             self._shift(longest - self.clock)
         first = self.clock - lengths  # each prompt ends at the clock
         held = [self.length[s] if s in self.prefilling else 0 for s in slots]  # tokens already in the row
-        reused = [self.prefix.reusable(ids) if self.prefix is not None and not all_logits and not h else []
-                  for ids, h in zip(prompts, held)]
-        cached = torch.tensor([h or (len(r) * self.prefix.block if r else 0) for h, r in zip(held, reused)])
-        for slot, hashes, start, h in zip(slots, reused, first.tolist(), held):
+        reused = [self.prefix.reusable(ids) if self.prefix is not None and not all_logits else [] for ids in prompts]
+        from_cache = [len(r) * self.prefix.block if r else 0 for r in reused]
+        cached = torch.tensor([max(h, c) for h, c in zip(held, from_cache)])
+        for slot, hashes, start, h, c in zip(slots, reused, first.tolist(), held, from_cache):
             if h:
                 self._move_row(slot, self.start[slot], start, h)
-            elif hashes:
+            if c > h:  # over the held tokens too: the same prefix
                 self.prefix.load(hashes, self._memory(), slot, start)
         # the columns clock - width .. clock of every row: each prompt's last `width` positions (its
         # uncached tokens, and cached ones computed again where a longer prompt needs the width),
         # pads before a short prompt's first token
         width = int((lengths - cached).max())
         if self.prefix is not None:
-            self.prefix.hit_tokens += int(torch.minimum(cached, lengths - width).clamp(min=0).sum())
+            spared = lengths - width  # leading tokens not computed
+            self.prefix.hit_tokens += int((torch.minimum(cached, spared).clamp(min=0)
+                                           - torch.minimum(torch.tensor(held), spared).clamp(min=0)).sum())
         offset = self.clock - width
         positions = lengths[:, None] - width + torch.arange(width)[None, :]
         real = positions >= 0
@@ -132,6 +134,10 @@ class Slots:
             if self.prefix is not None:
                 self.prefix.store(ids, self._memory(), slot, start)
         return list(logits)
+
+    def cached_tokens(self, ids: list[int]) -> int:
+        """The leading tokens of ``ids`` whose keys and values the prefix cache holds."""
+        return len(self.prefix.reusable(ids)) * self.prefix.block if self.prefix is not None else 0
 
     def _move_row(self, slot: int, src: int, dst: int, n: int) -> None:
         """The ``n`` cached columns of one slot from column ``src`` to ``dst``: a row's keys are
