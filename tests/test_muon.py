@@ -161,9 +161,9 @@ def test_the_distributed_optimizer_equals_the_plain_one(tmp_path):
     losses are the plain optimizer's, across a stop after step 3 and a resume too."""
     bf16 = [*MUON, "train.precision=bf16"]
     pretrain(tmp_path / "plain", [*bf16, *layout(dp=2)])
-    ck = tmp_path / "ck"
-    pretrain(tmp_path / "dist", [*bf16, *layout(dp=2, dist_opt=True), f"checkpoint.dir={ck}", "train.exit_after_iters=3"])
-    pretrain(tmp_path / "dist", [*bf16, *layout(dp=2, dist_opt=True), f"checkpoint.dir={ck}"])
+    dist_opt = [*bf16, *layout(dp=2, dist_opt=True), f"checkpoint.dir={tmp_path / 'ck'}"]
+    pretrain(tmp_path / "dist", [*dist_opt, "train.exit_after_iters=3"])
+    pretrain(tmp_path / "dist", dist_opt)
     plain, dist = losses(tmp_path / "plain"), losses(tmp_path / "dist")
     assert sorted(dist) == [1, 2, 3, 4, 5, 6] and plain[6] < plain[1] - 0.3, plain
     assert_close(dist, plain, range(1, 7), REL)
