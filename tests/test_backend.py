@@ -327,6 +327,10 @@ def _w_two(rank, world_size):
     with get_cuda_rng_tracker().fork():
         inside2 = torch.rand(4)
     res["rng"] = {k: _np(v) for k, v in dict(outside=outside, inside1=inside1, after=after, inside2=inside2).items()}
+    # an all-gather into tensors of unequal sizes (rank r sends 5 + 3r numbers), as NCCL does it
+    gathered = [torch.empty(5), torch.empty(2, 4)]
+    torch.distributed.all_gather(gathered, torch.arange(5.0 + 3 * rank) + 10 * rank)
+    res["unequal_gather"] = [_np(t) for t in gathered]
 
     # PP=2 interleaved needs unbatched p2p (Megatron's rule: with batch_p2p_comm the two ranks post
     # two sends to each other in one batch and the receives pair them up the wrong way round)
@@ -463,6 +467,14 @@ def test_recompute_with_dropout_and_rng_tracker(two):
     a, b = (r["rng"] for r in two)
     assert np.array_equal(a["outside"], b["outside"])  # default stream: same on TP ranks
     assert not np.array_equal(a["inside1"], b["inside1"])  # model-parallel stream: per TP rank
+
+
+@pytest.mark.slow
+def test_all_gather_of_unequal_sizes(two):
+    want = [np.arange(5.0), (np.arange(8.0) + 10).reshape(2, 4)]
+    for r in two:
+        for got, expected in zip(r["unequal_gather"], want, strict=True):
+            np.testing.assert_array_equal(got, expected)
 
 
 def test_norm_matches_torch_norms():

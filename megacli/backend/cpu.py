@@ -24,6 +24,10 @@ What ``enable()`` changes, and why (one line each):
     - turns tensor split sizes of ``torch.distributed.all_to_all_single`` into lists: Megatron's MoE
       all-to-all dispatcher copies its split sizes to the host as NumPy arrays, a step that leaves
       tensors already on the CPU as they are, and the collective takes no tensor;
+    - does a ``torch.distributed.all_gather`` into tensors of unequal sizes (NCCL's does; gloo's
+      takes equal sizes only) as an equal one of tensors zero-padded to the largest, each then cut
+      back: Megatron-Core's layer-wise distributed optimizer (Muon's) gathers every rank's updated
+      parameters, whole matrices, flattened into one tensor a rank;
     - makes ``Tensor.cuda()`` return the tensor itself: optimizer and checkpoint code call it;
     - makes ``Tensor.type()`` of a CPU tensor answer ``'torch.cuda.<T>Tensor'`` (and accepts such
       names as a cast target): Megatron's optimizers reject parameters whose ``type()`` is not one
@@ -355,6 +359,7 @@ def _make_mode_class(torch):
     import torch.distributed as dist
 
     all_to_all_single = getattr(dist, "all_to_all_single", None)
+    all_gather = getattr(dist, "all_gather", None)
 
     def is_cuda(dev) -> bool:
         if isinstance(dev, torch.device):
@@ -393,6 +398,18 @@ def _make_mode_class(torch):
             if func is all_to_all_single:
                 kwargs = {k: v.tolist() if isinstance(v, Tensor) and k.endswith("split_sizes") else v
                           for k, v in kwargs.items()}
+            if func is all_gather and _unequal_gather(*args, **kwargs):
+                return _padded_all_gather(*args, **kwargs)
             return func(*args, **kwargs)
+
+    def _unequal_gather(tensor_list, tensor, group=None, async_op=False) -> bool:
+        return not async_op and len({t.numel() for t in tensor_list}) > 1
+
+    def _padded_all_gather(tensor_list, tensor, group=None, async_op=False) -> None:
+        size = max(t.numel() for t in tensor_list)
+        padded = [tensor.new_zeros(size) for _ in tensor_list]
+        all_gather(padded, torch.cat([tensor.reshape(-1), tensor.new_zeros(size - tensor.numel())]), group=group)
+        for out, got in zip(tensor_list, padded):
+            out.copy_(got[:out.numel()].view_as(out))
 
     return CudaToCpu

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from megacli.errors import UserError
 from megacli.precision import params_dtype
 
 
@@ -14,10 +13,6 @@ def build_optimizer(chunks, *, optim, precision: str, distributed_optimizer: boo
     from megacli.engine.kernels import use_foreach_grad_kernels
 
     use_foreach_grad_kernels()
-    if optim.optimizer == "muon" and distributed_optimizer and not on_cuda:
-        raise UserError("parallel.distributed_optimizer = true with optim.optimizer = muon: Megatron-Core's layer-wise "
-                        "optimizer all-gathers shards of unequal sizes, which gloo (the CPU backend) cannot; on CPU "
-                        "set parallel.distributed_optimizer: false")
     config = OptimizerConfig(
         optimizer=optim.optimizer,
         lr=optim.lr,
