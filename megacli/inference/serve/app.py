@@ -8,8 +8,10 @@ sequence. Every failure is answered as OpenAI's error JSON: {"error": {"message"
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
 import json
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -57,18 +59,43 @@ class Served:
     grammars: Grammars | None = None  # response_format's JSON schemas
 
 
+class _Mailbox:
+    """Events from the batcher's thread to the event loop's queues, with one wake-up of the loop for
+    all that arrive before it takes them (a decoding step emits a few per sequence)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.items: collections.deque = collections.deque()
+        self.lock = threading.Lock()
+        self.called = False  # a wake-up is on its way
+
+    def put(self, queue: asyncio.Queue, item) -> None:  # the batcher's thread
+        with self.lock:
+            self.items.append((queue, item))
+            if self.called:
+                return
+            self.called = True
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the event loop is closed: the server stopped, nobody waits for this
+            pass
+
+    def _deliver(self) -> None:
+        with self.lock:
+            items, self.items, self.called = self.items, collections.deque(), False
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
 class _Choice:
     """One sequence's events, gathered on the event loop."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, mailbox: _Mailbox):
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.loop = loop
+        self.mailbox = mailbox
 
     def emit(self, kind: str, value) -> None:  # the batcher's thread
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
-        except RuntimeError:  # the event loop is closed: the server stopped, nobody waits for this
-            pass
+        self.mailbox.put(self.queue, (kind, value))
 
 
 def build_app(served: Served) -> FastAPI:
@@ -135,6 +162,7 @@ class _Routes:
     def __init__(self, served: Served):
         self.served = served
         self.tok = served.generator.tok
+        self.mailbox: _Mailbox | None = None  # for the server's event loop, once it runs
 
     def check_model(self, name: str) -> None:
         if name != self.served.name:
@@ -199,7 +227,9 @@ class _Routes:
                                   seed=None if req.seed is None else req.seed + j, stop=req.stop_list(),
                                   logprobs=logprobs, echo=echo, presence_penalty=req.presence_penalty,
                                   frequency_penalty=req.frequency_penalty, logit_bias=bias)
-                choice = _Choice(loop)
+                if self.mailbox is None or self.mailbox.loop is not loop:
+                    self.mailbox = _Mailbox(loop)
+                choice = _Choice(self.mailbox)
                 constraint = self.served.grammars.constraint(grammar) if grammar is not None else None
                 seqs.append(Sequence(ids=ids, params=params, emit=choice.emit, constraint=constraint))
                 choices.append(choice)
