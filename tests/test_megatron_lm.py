@@ -89,6 +89,7 @@ def write_megatron_lm(megacli_it_dir: Path, root: Path, *, spec: str, args: argp
     common = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION, "num_floating_point_operations_so_far": 0,
               "opt_param_scheduler": {"num_steps": ITERATION * 8, "max_lr": 3e-4}}
     if common_in_shards:
+        (it_dir / "common.pt").unlink()  # megacli's own
         buf = io.BytesIO()
         torch.save([common], buf)
         (it_dir / "__9_1.distcp").write_bytes(buf.getvalue())
