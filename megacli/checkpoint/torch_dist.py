@@ -109,28 +109,29 @@ class TorchDistReader:
                 self.objects.append(key)
 
     @property
+    def common_in_shards(self) -> bool:
+        """Whether the common (non-sharded) state is the shards' common_state object (what
+        Megatron-Core 0.19 and newer save) rather than common.pt (0.16's, and megacli's own writes
+        under every release): common.pt wins where there is one, as in 0.19's load_common_state_dict."""
+        return not (self.path / COMMON).is_file() and COMMON_STATE_OBJECT in self.metadata.state_dict_metadata
+
+    @property
     def common_where(self) -> str | None:
-        """Where the common (non-sharded) state is: common.pt where there is one (Megatron-Core 0.16,
-        and megacli's own writes under every release), else the shards' common_state object (what
-        Megatron-Core 0.19 and newer save); None when there is neither. Megatron-Core 0.19's own
-        load_common_state_dict looks in the same order."""
-        if (self.path / COMMON).is_file():
-            return str(self.path / COMMON)
-        if COMMON_STATE_OBJECT in self.metadata.state_dict_metadata:
+        """Where the common state is, for messages; None when there is none."""
+        if self.common_in_shards:
             return f"{self.path} ({COMMON_STATE_OBJECT})"
-        return None
+        return str(self.path / COMMON) if (self.path / COMMON).is_file() else None
 
     def common(self) -> dict:
-        """The common state from ``common_where`` ({} when there is none)."""
+        """The common state ({} when there is none)."""
+        if self.common_in_shards:
+            stored = self.read_object(COMMON_STATE_OBJECT)
+            if not (isinstance(stored, list) and len(stored) == 1 and isinstance(stored[0], dict)):
+                raise UserError(f"{self.common_where}: not Megatron-Core's common state (a dictionary in a "
+                                f"one-element list)")
+            return stored[0]
         path = self.path / COMMON
-        if path.is_file():
-            return torch_load(path, trust=self.source.trust, name=path)
-        if COMMON_STATE_OBJECT not in self.metadata.state_dict_metadata:
-            return {}
-        stored = self.read_object(COMMON_STATE_OBJECT)
-        if not (isinstance(stored, list) and len(stored) == 1 and isinstance(stored[0], dict)):
-            raise UserError(f"{self.common_where}: not Megatron-Core's common state (a dictionary in a one-element list)")
-        return stored[0]
+        return torch_load(path, trust=self.source.trust, name=path) if path.is_file() else {}
 
     def read(self, key: str) -> torch.Tensor:
         """The global tensor ``key``, assembled from all its chunks."""

@@ -81,12 +81,9 @@ def common_state_load_kwargs(reader) -> dict:
     (megacli.checkpoint.torch_dist.TorchDistReader). Since 0.19 load finds the common state in
     common.pt or, without one, inside the shards; 0.16 reads only common.pt, so for a checkpoint
     0.19 saved it is given a common strategy that returns the state read from the shards."""
-    if core_since(COMMON_STATE_INSIDE_TORCH_DIST_SINCE):
+    if core_since(COMMON_STATE_INSIDE_TORCH_DIST_SINCE) or not reader.common_in_shards:
         return {}
-    from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME, TorchCommonLoadStrategy
-
-    if (reader.path / COMMON_STATE_FNAME).is_file():
-        return {}
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
 
     class CommonFromShards(TorchCommonLoadStrategy):
         def load_common(self, checkpoint_dir):
