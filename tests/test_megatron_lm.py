@@ -58,10 +58,15 @@ def llama_args(**changes) -> argparse.Namespace:
     return argparse.Namespace(**fields)
 
 
-def write_megatron_lm(megacli_it_dir: Path, root: Path, *, spec: str, args: argparse.Namespace) -> Path:
-    """``megacli_it_dir``'s shards laid out as a Megatron-LM torch_dist checkpoint under ``root``."""
+def write_megatron_lm(megacli_it_dir: Path, root: Path, *, spec: str, args: argparse.Namespace,
+                      common_in_shards: bool = False) -> Path:
+    """``megacli_it_dir``'s shards laid out as a Megatron-LM torch_dist checkpoint under ``root``; with
+    ``common_in_shards`` as Megatron-Core 0.19 and newer save it: the common state a sharded object
+    (a one-element list) and no common.pt, metadata.json naming the sharded backend only."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
     from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    from megacli.checkpoint.torch_dist import COMMON_STATE_OBJECT
 
     it_dir = root / iter_name(ITERATION)
     shutil.copytree(megacli_it_dir, it_dir)
@@ -81,10 +86,20 @@ def write_megatron_lm(megacli_it_dir: Path, root: Path, *, spec: str, args: argp
             key = f"decoder.layers.self_attention.linear_qkv._extra_state/shard_{layer}_2"
             meta.state_dict_metadata[key] = BytesStorageMetadata()
             meta.storage_data[MetadataIndex(key)] = _StorageInfo("__9_0.distcp", layer * len(data), len(data))
+    common = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION, "num_floating_point_operations_so_far": 0,
+              "opt_param_scheduler": {"num_steps": ITERATION * 8, "max_lr": 3e-4}}
+    if common_in_shards:
+        (it_dir / "common.pt").unlink()  # megacli's own
+        buf = io.BytesIO()
+        torch.save([common], buf)
+        (it_dir / "__9_1.distcp").write_bytes(buf.getvalue())
+        meta.state_dict_metadata[COMMON_STATE_OBJECT] = BytesStorageMetadata()
+        meta.storage_data[MetadataIndex(COMMON_STATE_OBJECT)] = _StorageInfo("__9_1.distcp", 0, len(buf.getvalue()))
+        (it_dir / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
+    else:
+        torch.save(common, it_dir / "common.pt")
     with open(it_dir / ".metadata", "wb") as f:
         pickle.dump(meta, f)
-    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": ITERATION, "num_floating_point_operations_so_far": 0,
-                "opt_param_scheduler": {"num_steps": ITERATION * 8, "max_lr": 3e-4}}, it_dir / "common.pt")
     (root / TRACKER).write_text(str(ITERATION))
     return root
 
@@ -274,8 +289,11 @@ def _pretrain(recipe: Path, run_dir: Path, pretrained: Path, resume: str = "none
 
 
 def test_pretrained_weights_from_a_megatron_lm_checkpoint(converted, tmp_path):
-    """checkpoint.pretrained takes a Megatron-LM checkpoint, with either spec's key names: the same
-    losses as starting from the megacli checkpoint it holds the weights of."""
+    """checkpoint.pretrained takes a Megatron-LM checkpoint, with either spec's key names and with its
+    common state in common.pt or inside the shards: the same losses as starting from the megacli
+    checkpoint it holds the weights of."""
+    from megacli.checkpoint.layout import find_checkpoint
+
     root, _ = converted
     recipe = root / "mc" / "iter_0000000" / "recipe.yaml"
     _, want = _pretrain(recipe, tmp_path / "from_megacli", root / "mc22")
@@ -285,11 +303,48 @@ def test_pretrained_weights_from_a_megatron_lm_checkpoint(converted, tmp_path):
     out, got = _pretrain(recipe, tmp_path / "from_local", root / "mlm_local")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert got == want
+    # The common state inside the shards (Megatron-Core 0.19's save), which 0.16's load does not look for.
+    shards = write_megatron_lm(find_checkpoint(root / "mc22"), tmp_path / "mlm_shards", spec="te", args=llama_args(),
+                               common_in_shards=True)
+    out, got = _pretrain(recipe, tmp_path / "from_shards", shards)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert got == want
     # checkpoint.resume of a checkpoint saved without optimizer state: its weights, from iteration 0, said so.
     out, got = _pretrain(recipe, tmp_path / "resume", root / "mc22", resume=str(root / "mlm_te"),
                          extra=("checkpoint.load_optimizer=true",))
     assert out.returncode == 0 and "holds no optimizer state" in out.stdout + out.stderr, out.stderr[-2000:]
     assert got == want
+
+
+def test_common_state_inside_the_shards_is_read(converted, tmp_path):
+    """A checkpoint whose common state is inside the shards (no common.pt), as Megatron-LM saves under
+    Megatron-Core 0.19 and newer, is read under either release: its args, reshard with --verify (and
+    verified against the common.pt layout's source), convert to megacli (the same tensors);
+    checkpoint.pretrained: test_pretrained_weights_from_a_megatron_lm_checkpoint."""
+    from megacli.checkpoint.layout import find_checkpoint
+    from megacli.checkpoint.megatron_lm.dist_reader import MegatronLMCheckpoint
+    from megacli.convert import convert
+    from megacli.convert.megatron_io import CheckpointReader
+    from tests.conftest import cli
+
+    root, _ = converted
+    src = write_megatron_lm(find_checkpoint(root / "mc22"), tmp_path / "mlm", spec="te", args=llama_args(),
+                            common_in_shards=True)
+    assert not (src / iter_name(ITERATION) / "common.pt").exists()
+    read = MegatronLMCheckpoint(Source(src))
+    assert (read.iteration, read.tp, read.pp, read.common["opt_param_scheduler"]["num_steps"]) == (ITERATION, 2, 2, 80)
+    assert read.common_where.endswith("(common_state/shard_0_1)")
+    assert "common_state/shard_0_1" not in read.reader.objects
+    out = cli("reshard", "inspect", src)
+    assert out.exit_code == 0 and "num_query_groups: 2" in out.stdout, out.output
+    out = cli("reshard", src, tmp_path / "resharded", "--tensor", "1", "--pipeline", "1", "--verify")
+    assert out.exit_code == 0 and "verify: OK" in out.stdout, out.output
+    out = cli("reshard", "verify", root / "mlm_te", tmp_path / "resharded")
+    assert out.exit_code == 0 and "verify: OK" in out.stdout, out.output
+    convert(Source(src), tmp_path / "mc", to="megacli", say=lambda *_: None)
+    got = {k: t for g in CheckpointReader(Source(find_checkpoint(tmp_path / "mc"))).groups() for k, t in g.items()}
+    want = {k: t for g in CheckpointReader(Source(find_checkpoint(root / "mc_te"))).groups() for k, t in g.items()}
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_generate_from_a_megatron_lm_checkpoint(converted):

@@ -14,6 +14,10 @@ One chain of runs:
     B1  pretrain --set checkpoint.resume=mlm_dist        steps 3-4
     B2  pretrain --set checkpoint.resume=mlm_plain       steps 3-4
 
+W saves with the installed Megatron-Core's dist_checkpointing, as Megatron-LM does: under 0.16 the
+common state goes to common.pt, from 0.19 on inside the shards (no common.pt), so the two legs of
+the suite read both layouts.
+
 B1 and B2 must reproduce A's steps 3-4 (the run continued in the writer's layout) within 1e-5;
 mlm_full resumes under TP1 × PP1 (one process) within 1e-4 relative (another layout); the refusals
 (dp_reshardable state under another layout, a model or schedule other than the run's) name the field;

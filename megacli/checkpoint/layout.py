@@ -9,7 +9,8 @@
 A Megatron-LM torch_dist checkpoint (its default format; see megacli.checkpoint.megatron_lm.dist_reader):
 
     CKPT/latest_checkpointed_iteration.txt                   "1000" (or "release")
-    CKPT/iter_0001000/.metadata, *.distcp, common.pt
+    CKPT/iter_0001000/.metadata, *.distcp, metadata.json, common.pt (Megatron-Core 0.16; from 0.19 on
+                                                         the common state is inside the shards)
 
 A Megatron-LM legacy (``--ckpt-format torch``) checkpoint:
 
@@ -31,6 +32,7 @@ from megacli.paths import CHECKPOINT_RECORD, with_carried_tokenizer
 LATEST = "latest"
 META = CHECKPOINT_RECORD
 RECIPE = "recipe.yaml"
+BACKEND_META = "metadata.json"  # Megatron-Core's dist_checkpointing config: {"sharded_backend": "torch_dist", ...}
 HF_DIR = "hf"
 HF_CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
@@ -159,9 +161,11 @@ def fsync_dir(path: Path) -> None:
 
 
 def is_torch_dist_iteration(path: Path) -> bool:
-    """An iteration directory Megatron-LM wrote with torch_dist: DCP metadata and common.pt, and no
-    megacli.json (megacli's own checkpoints have that)."""
-    return (path / ".metadata").is_file() and (path / "common.pt").is_file() and not (path / META).is_file()
+    """An iteration directory Megatron-LM wrote with torch_dist: DCP metadata with common.pt or
+    Megatron-Core's metadata.json (from 0.19 on its common state is inside the shards, and there is
+    no common.pt), and no megacli.json (megacli's own checkpoints have that)."""
+    return ((path / ".metadata").is_file() and ((path / "common.pt").is_file() or (path / BACKEND_META).is_file())
+            and not (path / META).is_file())
 
 
 def tracked_iteration(root: Path) -> Path | None:

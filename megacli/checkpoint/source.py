@@ -96,5 +96,5 @@ def locate(path: str | Path) -> tuple[Path, str]:
     if source.kind not in (None, HF):
         return source.ckpt or path, source.kind
     raise UserError(f"{path}: not a checkpoint (expected a directory with '{LATEST}' or '{META}', or a Megatron-LM "
-                    f"checkpoint with {TRACKER}, an iter_* directory holding .metadata and common.pt, or mp_rank_* "
-                    f"directories)")
+                    f"checkpoint with {TRACKER}, an iter_* directory holding .metadata and common.pt or "
+                    f"metadata.json, or mp_rank_* directories)")

@@ -29,6 +29,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from megacli.checkpoint.layout import BACKEND_META
 from megacli.checkpoint.safe_pickle import COMMON, DCP_METADATA, check_torch_dist, first_line, torch_load
 from megacli.checkpoint.source import Source
 from megacli.errors import UserError
@@ -45,9 +46,8 @@ def is_extra_state(key: str) -> bool:
 # First key components of the checkpoint entries that are not model weights.
 NOT_MODEL = ("optimizer", "rng_state", "scheduler")
 
-BACKEND_META = "metadata.json"
-# Megatron-Core 0.19 also saves the common state (common.pt's dictionary) as this sharded object; it
-# is no model or optimizer object, and megacli reads common.pt (which megacli writes under 0.19 too).
+# Megatron-Core 0.19 saves the common state (common.pt's dictionary) as this sharded object, in a
+# one-element list, instead of common.pt; it is no model or optimizer object.
 COMMON_STATE_OBJECT = "common_state/shard_0_1"
 
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
@@ -108,11 +108,30 @@ class TorchDistReader:
             elif isinstance(md, BytesStorageMetadata) and key != COMMON_STATE_OBJECT:
                 self.objects.append(key)
 
+    @property
+    def common_in_shards(self) -> bool:
+        """Whether the common (non-sharded) state is the shards' common_state object (what
+        Megatron-Core 0.19 and newer save) rather than common.pt (0.16's, and megacli's own writes
+        under every release): common.pt wins where there is one, as in 0.19's load_common_state_dict."""
+        return not (self.path / COMMON).is_file() and COMMON_STATE_OBJECT in self.metadata.state_dict_metadata
+
+    @property
+    def common_where(self) -> str | None:
+        """Where the common state is, for messages; None when there is none."""
+        if self.common_in_shards:
+            return f"{self.path} ({COMMON_STATE_OBJECT})"
+        return str(self.path / COMMON) if (self.path / COMMON).is_file() else None
+
     def common(self) -> dict:
+        """The common state ({} when there is none)."""
+        if self.common_in_shards:
+            stored = self.read_object(COMMON_STATE_OBJECT)
+            if not (isinstance(stored, list) and len(stored) == 1 and isinstance(stored[0], dict)):
+                raise UserError(f"{self.common_where}: not Megatron-Core's common state (a dictionary in a "
+                                f"one-element list)")
+            return stored[0]
         path = self.path / COMMON
-        if not path.is_file():
-            return {}
-        return torch_load(path, trust=self.source.trust, name=path)
+        return torch_load(path, trust=self.source.trust, name=path) if path.is_file() else {}
 
     def read(self, key: str) -> torch.Tensor:
         """The global tensor ``key``, assembled from all its chunks."""

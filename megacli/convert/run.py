@@ -44,7 +44,7 @@ def resolve_source(source: Source) -> Source:
     if source.kind is None:
         raise UserError(f"{path}: not a Hugging Face model directory (config.json), a megacli checkpoint ({META} or "
                         f"{LATEST}) or a Megatron-LM checkpoint ({TRACKER}, an iter_* directory with .metadata and "
-                        f"common.pt, or mp_rank_* directories)")
+                        f"common.pt or metadata.json, or mp_rank_* directories)")
     if source.kind == "megacli":
         source.recipe  # noqa: B018 - a bad recipe.yaml is refused before anything is written
     return source

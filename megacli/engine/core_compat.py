@@ -76,6 +76,22 @@ def write_common_file(sharded_state: dict, checkpoint_dir) -> None:
         torch.save(common, f"{checkpoint_dir}/{COMMON_STATE_FNAME}")
 
 
+def common_state_load_kwargs(reader) -> dict:
+    """dist_checkpointing.load's arguments for the torch_dist checkpoint ``reader`` reads
+    (megacli.checkpoint.torch_dist.TorchDistReader). Since 0.19 load finds the common state in
+    common.pt or, without one, inside the shards; 0.16 reads only common.pt, so for a checkpoint
+    0.19 saved it is given a common strategy that returns the state read from the shards."""
+    if core_since(COMMON_STATE_INSIDE_TORCH_DIST_SINCE) or not reader.common_in_shards:
+        return {}
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+
+    class CommonFromShards(TorchCommonLoadStrategy):
+        def load_common(self, checkpoint_dir):
+            return reader.common()
+
+    return {"common_strategy": CommonFromShards()}
+
+
 def legacy_grouped_gemm_flag(grouped: bool) -> dict:
     """TransformerConfig's choice of GroupedMLP for grouped-GEMM experts: a flag until 0.17 removed it."""
     return {} if core_since(LEGACY_GROUPED_GEMM_FLAG_REMOVED_SINCE) else {"moe_use_legacy_grouped_gemm": grouped}

@@ -175,7 +175,7 @@ def _optimizer_entries(src: Checkpoint, entry, target: Target, mixed: bool, note
     want = "distributed" if target.distributed_optimizer else "standard"
     if kind is None:
         if opt_keys:
-            raise UserError(f"{src.path}: optimizer tensors without optimizer state in {reader.path / 'common.pt'}")
+            raise UserError(f"{src.path}: optimizer tensors without optimizer state in {reader.common_where or reader.path}")
         return []
     if kind == want:
         return [entry(k, k) for k in opt_keys]

@@ -5,7 +5,8 @@
                                                optimizer, RNG state (sharded objects)
     CKPT/iter_0001000/common.pt                the state every rank shares: args (the run's argparse
                                                Namespace), checkpoint_version, iteration,
-                                               opt_param_scheduler, ...
+                                               opt_param_scheduler, ...; from Megatron-Core 0.19 on
+                                               it is the shards' common_state object instead
     CKPT/iter_0001000/metadata.json            {"sharded_backend": "torch_dist", ...}
 
 The model's sharded keys are megacli's canonical ones: Megatron-Core's Transformer Engine spec
@@ -20,13 +21,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from megacli.checkpoint.layout import tracked_iteration
+from megacli.checkpoint.layout import BACKEND_META, tracked_iteration
 from megacli.checkpoint.megatron_lm.keys import FUSED_INTO, MOE_NORM, fused_prefix
 from megacli.checkpoint.megatron_lm.args_to_recipe import ArgsDescribed
 from megacli.checkpoint.megatron_lm.args import arg, model_section_from_args, moe_refusals, t5_refusals
-from megacli.checkpoint.safe_pickle import COMMON, DCP_METADATA, torch_load
+from megacli.checkpoint.safe_pickle import COMMON, DCP_METADATA
 from megacli.checkpoint.source import MEGATRON_LM, Source
-from megacli.checkpoint.torch_dist import NOT_MODEL, STACKED, TorchDistReader, is_extra_state
+from megacli.checkpoint.torch_dist import COMMON_STATE_OBJECT, NOT_MODEL, STACKED, TorchDistReader, is_extra_state
 from megacli.errors import UserError
 
 __all__ = ["FORMAT", "MegatronLMCheckpoint", "canonical_key", "recipe_for_weights", "weights_dir"]
@@ -81,27 +82,30 @@ class MegatronLMCheckpoint(ArgsDescribed):
         self.it_dir = tracked_iteration(self.root) or self.root
         if source.at(self.it_dir).kind != MEGATRON_LM:
             raise UserError(f"{self.it_dir}: not a Megatron-LM torch_dist iteration directory (needs {DCP_METADATA} "
-                            f"and {COMMON})")
-        common_path = self.it_dir / COMMON
-        self.common = torch_load(common_path, trust=source.trust, name=common_path)
+                            f"and {COMMON} or {BACKEND_META})")
+        self.reader = TorchDistReader(source.at(self.it_dir))
+        where = self.common_where = self.reader.common_where
+        if where is None:
+            raise UserError(f"{self.it_dir}: no common state (the run's args): neither {COMMON} nor the "
+                            f"{COMMON_STATE_OBJECT} object Megatron-Core 0.19 and newer save in the shards")
+        self.common = self.reader.common()
         if not isinstance(self.common, dict):
-            raise UserError(f"{common_path}: holds a {type(self.common).__name__}, not Megatron-LM's common state dict")
+            raise UserError(f"{where}: holds a {type(self.common).__name__}, not Megatron-LM's common state dict")
         version = self.common.get("checkpoint_version", 0) or 0
         if version < 3.0:
-            raise UserError(f"{common_path}: checkpoint_version {version}; only version 3.0 is supported")
+            raise UserError(f"{where}: checkpoint_version {version}; only version 3.0 is supported")
         self.args = self.common.get("args")
         if self.args is None:
-            raise UserError(f"{common_path} has no 'args' (needed to know the model)")
+            raise UserError(f"{where} has no 'args' (needed to know the model)")
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
             if getattr(self.args, name, None) is None:
-                raise UserError(f"{common_path}: args has no {name}")
+                raise UserError(f"{where}: args has no {name}")
         self.iteration = int(self.common.get("iteration", 0) or 0)
         self.tp = int(arg(self.args, "tensor_model_parallel_size", 1))
         self.pp = int(arg(self.args, "pipeline_model_parallel_size", 1))
         self.vp = int(arg(self.args, "virtual_pipeline_model_parallel_size", 1))
         self.first_stage_layers = arg(self.args, "decoder_first_pipeline_num_layers") or None  # uneven stages
         self.last_stage_layers = arg(self.args, "decoder_last_pipeline_num_layers") or None
-        self.reader = TorchDistReader(source.at(self.it_dir))
         model = {k: v for k, v in self.reader.tensors.items() if k.split(".")[0] not in NOT_MODEL}
         names = set(model)
         # canonical name -> stored key, for every model weight

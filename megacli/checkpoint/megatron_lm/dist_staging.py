@@ -208,7 +208,7 @@ def import_to_staging(source: Source, *, where: Path) -> tuple[Path, list[str]]:
         sched = src.common.get("opt_param_scheduler")
         if isinstance(sched, dict):
             common["scheduler"] = scale_scheduler(sched, 1 / int(arg(src.args, "global_batch_size", 1) or 1),
-                                                  str(src.it_dir / "common.pt"))
+                                                  src.common_where)
     torch.save(common, it_dir / "common.pt")
     shutil.copyfile(src.it_dir / BACKEND_META, it_dir / BACKEND_META)
     (it_dir / RECIPE).write_text(dump(recipe, carried=True))

@@ -145,15 +145,15 @@ def _scheduler_state(src: MegatronLMCheckpoint, scheduler) -> dict:
     """The checkpoint's scheduler in megacli's units (iterations), checked against the run's."""
     saved = src.common.get("opt_param_scheduler")
     if not isinstance(saved, dict):
-        raise UserError(f"{src.it_dir / 'common.pt'}: no opt_param_scheduler (needed to resume); set "
+        raise UserError(f"{src.common_where}: no opt_param_scheduler (needed to resume); set "
                         f"checkpoint.load_optimizer=false to load the weights only")
     gbs = int(arg(src.args, "global_batch_size", 0) or 0)
     if arg(src.args, "rampup_batch_size"):
         raise UserError(f"{src.it_dir}: the run ramped its batch size up (rampup_batch_size): its scheduler's sample "
                         f"counts are not a number of iterations; set checkpoint.load_optimizer=false to load the weights only")
     if gbs <= 0:
-        raise UserError(f"{src.it_dir / 'common.pt'}: args has no global_batch_size (needed to read the scheduler)")
-    state = scale_scheduler(saved, 1 / gbs, str(src.it_dir / "common.pt"))
+        raise UserError(f"{src.common_where}: args has no global_batch_size (needed to read the scheduler)")
+    state = scale_scheduler(saved, 1 / gbs, src.common_where)
     ours = scheduler.state_dict()
     wrong = []
     for field, recipe_field in _SCHED_FIELDS.items():
@@ -218,6 +218,7 @@ def load(*, source: Source, chunks, optimizer, scheduler, load_optimizer: bool, 
     from megatron.core import dist_checkpointing
 
     from megacli.checkpoint.safe_pickle import allow_checked_globals, load_failure
+    from megacli.engine.core_compat import common_state_load_kwargs
 
     src = MegatronLMCheckpoint(source)
     notes = []
@@ -250,7 +251,7 @@ def load(*, source: Source, chunks, optimizer, scheduler, load_optimizer: bool, 
 
     try:
         with allow_checked_globals():
-            loaded = dist_checkpointing.load(state, str(src.it_dir))
+            loaded = dist_checkpointing.load(state, str(src.it_dir), **common_state_load_kwargs(src.reader))
     except UserError:
         raise
     except (Exception, CheckpointException) as exc:
