@@ -100,8 +100,14 @@ def _decode_all(root: Path, stops: dict) -> dict:
                 tok = load_tokenizer(type=recipe.tokenizer.type, path=recipe.tokenizer.path)
                 model = Model(recipe, runtime, vocab_size=recipe.model.vocab_size)
             gen = Generator(model, tok, recipe.generate)
+            seen = []  # the positions the output layer computes logits for, forward by forward
+            hook = model.net.output_layer.register_forward_pre_hook(lambda _m, args: seen.append(args[0].size(0))) \
+                if case == "greedy" and model.last else None
             results[case] = [c.tokens for c in gen.run_batch(PROMPTS)]
+            if hook is not None:
+                hook.remove()
             if case == "greedy":
+                results["output_positions"] = seen
                 results["score"] = [r["logprob"] for r in gen.score(SCORE_TEXTS)["per_text"]]
                 results["greedy_alone"] = [gen.run_batch([p])[0].tokens for p in PROMPTS]  # no padding, no mask
         out[name] = results
@@ -149,6 +155,13 @@ def test_tp1_greedy_and_beam_search_equal_hugging_face(generated, name):
     assert got["beam"] == ref["beam"]
     assert got["beam_stop"] == ref["beam_stop"]
     assert any(len(t) < NEW for t in ref["beam_stop"]), "the stop token ends some beam"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_decoding_computes_logits_of_the_last_position_only(generated, name):
+    seen = generated[2][name]["output_positions"]
+    assert seen == [1] * NEW, "the prefill as the steps after it: the output layer sees the last position alone"
 
 
 @pytest.mark.slow

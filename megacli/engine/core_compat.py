@@ -5,6 +5,7 @@ the version. Nothing here imports torch or Megatron-Core at import time (the CLI
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import sys
@@ -19,6 +20,8 @@ LEGACY_GROUPED_GEMM_FLAG_REMOVED_SINCE = "0.17"  # TransformerConfig.moe_use_leg
 GROUPED_MLP_REMOVED_SINCE = "0.19"  # experts.GroupedMLP (the grouped_gemm package); TE's TEGroupedMLP remains
 MOE_METRICS_TRACKER_SINCE = "0.19"  # the aux-loss tracker is an object; the legacy dict is a fresh view
 NVRX_ASYNC_SAVE_DEFAULT_SINCE = "0.17"  # async dist_checkpointing saves default to NVIDIA Resiliency Extension's writer
+INFERENCE_CONFIG_SINCE = "0.17"  # an inference context's options (materialize_only_last_token_logits) in its .config
+INFERENCE_MODE_FLAG_SINCE = "0.18"  # GPTModel's inference paths follow the process-wide InferenceMode, not a given context
 
 
 @functools.cache
@@ -43,6 +46,27 @@ def async_save_kwargs() -> dict:
     0.17 the default is NVIDIA Resiliency Extension's (async_strategy="nvrx"), which megacli does
     not install; 0.16 has only its own and no such argument."""
     return {"async_strategy": "mcore"} if core_since(NVRX_ASYNC_SAVE_DEFAULT_SINCE) else {}
+
+
+def last_token_logits_only(context, only: bool) -> None:
+    """Whether a GPTModel forward with this inference context computes the logits of the last
+    position alone (the output layer then sees only that position). Since 0.17 the flag is an
+    option of the context's InferenceConfig (``context.config``); 0.16 has it on the context."""
+    owner = context.config if core_since(INFERENCE_CONFIG_SINCE) else context
+    owner.materialize_only_last_token_logits = only
+
+
+def inference_forward(context):
+    """A context manager around one forward of a GPTModel given ``context`` (an inference context,
+    or None: then nothing to do). Until 0.18 GPTModel takes its inference paths (among them the
+    logits of the last position alone) whenever it is given a context in eval mode; since 0.18 only
+    while Megatron-Core's process-wide InferenceMode is set, which its own inference engines set
+    and megacli's decoding loop sets here for the forward."""
+    if context is None or not core_since(INFERENCE_MODE_FLAG_SINCE):
+        return contextlib.nullcontext()
+    from megatron.core.inference.utils import InferenceMode
+
+    return InferenceMode.active()
 
 
 def batch_on_this_cp_rank(batch: dict) -> dict:

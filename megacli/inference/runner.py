@@ -138,23 +138,25 @@ class Model:
     def _forward(self, tokens, positions, mask, context, *, all_positions: bool) -> torch.Tensor:
         import torch.distributed as dist
 
+        from megacli.engine.core_compat import inference_forward, last_token_logits_only
+
         b, s = tokens.shape
         if not self.first:
             hidden = torch.empty(s, b, self.config.hidden_size, dtype=self.dtype, device=self.device)
             dist.recv(hidden, src=self.prev_rank)
             self.net.set_input_tensor(hidden)
         if context is not None:
-            context.materialize_only_last_token_logits = not all_positions
-        with device_rewriting_paused():
+            last_token_logits_only(context, not all_positions)
+        with device_rewriting_paused(), inference_forward(context):
             out = self.net(tokens, positions, mask, inference_context=context, runtime_gather_output=True)
         if not self.last:
             dist.send(out.contiguous(), dst=self.next_rank)
             shape = (b, s if all_positions else 1, self.vocab_size)
             logits = torch.empty(shape, dtype=torch.float32, device=self.device)
         else:
-            logits = out[..., : self.vocab_size].float().contiguous()  # gathered over TP by the output layer
-            if not all_positions:
-                logits = logits[:, -1:]
+            # gathered over TP by the output layer; contiguous, since a broadcast sends a view's
+            # memory from its first element on, not the view
+            logits = (out if all_positions else out[:, -1:])[..., : self.vocab_size].float().contiguous()
         if self.pp_size > 1:
             dist.broadcast(logits, src=self.last_rank, group=self.pp_group)
         return logits if all_positions else logits[:, -1]
