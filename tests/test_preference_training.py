@@ -86,21 +86,10 @@ def _finetune(root: Path, run: Path, *sets: str) -> tuple[list[dict], str]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()], out.stdout
 
 
-def _docstring_pairs(tmp_path: Path) -> Path:
-    import argparse
-    import collections
-    import pathlib
-    import shutil
-    import sys
-    import textwrap
-
-    sys.path.insert(0, str(Path(__file__).parents[1] / "data_tools"))
-    from build_preference_data import pairs_from_texts, write
-
-    texts = [getattr(m, "__doc__", None) for mod in (argparse, collections, pathlib, shutil, textwrap, json)
-             for m in [mod, *(getattr(mod, n) for n in dir(mod) if not n.startswith("_"))]]
-    write(pairs_from_texts([t for t in texts if isinstance(t, str)], n=300, seed=0), tmp_path / "pairs")
-    return tmp_path / "pairs"
+# data_tools/build_preference_data.py's pairs_from_texts(n=300, seed=0) over the docstrings of argparse,
+# collections, pathlib, shutil, textwrap and json (each module and its public names) under Python 3.11,
+# kept as files: the docstrings differ between Python releases, and the tests run under 3.11 and 3.12.
+PAIRS = Path(__file__).parent / "data" / "preference_pairs"
 
 
 @pytest.mark.slow
@@ -108,7 +97,7 @@ def test_held_out_reward_accuracy_rises_on_a_learnable_rule(tiny_llama, tmp_path
     """data_tools/build_preference_data.py's rule (the continuation in the case the prompt asks for is
     chosen): the held-out
     set's reward accuracy, reported per name, goes from chance to at least 0.9 in a few steps."""
-    data = _docstring_pairs(tmp_path)
+    data = PAIRS
     records, _ = _finetune(tiny_llama, tmp_path / "run", f"preference.train={data / 'train.jsonl'}",
                         f"preference.valid.heldout={data / 'valid.jsonl'}", "train.iters=24",
                         "train.micro_batch_size=8", "train.global_batch_size=8", "train.eval_interval=2",
@@ -129,7 +118,7 @@ def test_held_out_reward_accuracy_rises_on_a_learnable_rule(tiny_llama, tmp_path
 def test_resume_is_exact(tiny_llama, tmp_path, dp):
     """Four steps in one go, and two steps, stop, resume for two more: the same losses and rewards,
     at DP=1 (one in-process worker) and DP=2 (two workers through the launcher)."""
-    data = _docstring_pairs(tmp_path)
+    data = PAIRS
     sets = [f"preference.train={data / 'train.jsonl'}", "train.iters=4", "train.micro_batch_size=2",
             "train.global_batch_size=4", "optim.lr=3e-3", "train.eval_interval=0", f"launch.nproc={dp}"]
     whole, _ = _finetune(tiny_llama, tmp_path / "whole", *sets)

@@ -408,11 +408,13 @@ def _load(*, source: Source, chunks, optimizer, scheduler, load_optimizer: bool,
         _check_manifest(ckpt)
     if source.kind == MEGATRON_LM:  # Megatron-LM's own torch_dist checkpoint
         from megacli.checkpoint.megatron_lm import resume as megatron_lm_resume
+        from megacli.engine.core_compat import common_state_load_kwargs
         from megacli.engine.models.common import unwrap
 
         iteration, consumed, notes = megatron_lm_resume.load(
             source=source, chunks=[unwrap(c) for c in chunks], optimizer=optimizer, scheduler=scheduler, load_optimizer=load_optimizer,
-            keep=keep, model_keys=_model_keys, prepare_optimizer=_prepare_distributed_optimizer_load)
+            keep=keep, model_keys=_model_keys, prepare_optimizer=_prepare_distributed_optimizer_load,
+            load_arguments=common_state_load_kwargs)
         return Restored(iteration=iteration, consumed_samples=consumed, path=ckpt, notes=tuple(notes))
     meta = read_meta(ckpt)
     restore_rng = meta.get("layout") == _layout(chunks) and meta.get("has_rng_state", True)

@@ -211,14 +211,15 @@ def _set_rng(states) -> str | None:
 
 
 def load(*, source: Source, chunks, optimizer, scheduler, load_optimizer: bool, keep, model_keys,
-         prepare_optimizer):
+         prepare_optimizer, load_arguments):
     """Load a Megatron-LM torch_dist iteration directory into the built chunks, bare (no DDP or
-    Float16Module wrappers), and with ``load_optimizer`` the optimizer, scheduler and RNG state.
-    Returns (iteration, consumed samples, notes); (0, 0, notes) when only the weights were loaded."""
+    Float16Module wrappers), and with ``load_optimizer`` the optimizer, scheduler and RNG state;
+    ``load_arguments(reader)``: dist_checkpointing.load's further arguments for the installed
+    Megatron-Core. Returns (iteration, consumed samples, notes); (0, 0, notes) when only the weights
+    were loaded."""
     from megatron.core import dist_checkpointing
 
     from megacli.checkpoint.safe_pickle import allow_checked_globals, load_failure
-    from megacli.engine.core_compat import common_state_load_kwargs
 
     src = MegatronLMCheckpoint(source)
     notes = []
@@ -251,7 +252,7 @@ def load(*, source: Source, chunks, optimizer, scheduler, load_optimizer: bool, 
 
     try:
         with allow_checked_globals():
-            loaded = dist_checkpointing.load(state, str(src.it_dir), **common_state_load_kwargs(src.reader))
+            loaded = dist_checkpointing.load(state, str(src.it_dir), **load_arguments(src.reader))
     except UserError:
         raise
     except (Exception, CheckpointException) as exc:
