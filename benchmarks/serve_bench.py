@@ -2,7 +2,7 @@
 throughput, latency (p50, p99) and time to first token (p50, p99) per row, with the machine's
 1-minute load average measured beside every row.
 
-    python benchmarks/serve_bench.py --against transformers [--workdir DIR] [--hidden 256] [--layers 4] [--tiny]
+    python benchmarks/serve_bench.py --against transformers [--workdir DIR] [--hidden 256] [--layers 4] [--repeats 3] [--tiny]
 
 Sides: `transformers serve --continuous-batching` (paged attention) on the Hugging Face directory,
 `megacli serve` on the same model converted with `megacli convert`, once with its prefix cache
@@ -13,9 +13,11 @@ token), greedy, stopping at no token but max_tokens (megacli: generate.stop_at_e
 Rows: the issue's `clients x requests each, max_tokens` (1x8 32, 16x4 32, 64x2 32, 16x4 128), and a
 shared-prefix workload: a system prompt of about --system-tokens tokens shared by 32 clients, each
 with its own question. Each row runs every side back to back while all servers are up (an idle
-server costs nothing), so the load average of one row is the same for all of its sides; `ratio` is
-megacli (with its prefix cache) over transformers, and on the shared-prefix row also over megacli
-without the cache. `--tiny` runs a few requests on a tiny model (the test).
+server costs nothing), so the load average of one row is the same for all of its sides. A row runs
+--repeats times, the sides' order reversed every other time, and each side's run of median
+throughput is the one printed (its load average, latencies and TTFT); `ratio` is megacli (with its
+prefix cache) over transformers, and on the shared-prefix row also over megacli without the cache.
+`--tiny` runs a few requests on a tiny model (the test).
 """
 
 from __future__ import annotations
@@ -141,11 +143,13 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--system-tokens", type=int, default=960, help="shared-prefix row: the system prompt's length")
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each row per side (the median is printed)")
     ap.add_argument("--tiny", action="store_true", help="a few requests on a tiny model (the test)")
     args = ap.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="megacli-serve-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
     hidden, layers = (64, 2) if args.tiny else (args.hidden, args.layers)
+    repeats = args.repeats
     if not (workdir / "mc").exists():
         build(workdir, hidden, layers)
     rows = TINY_ROWS if args.tiny else ROWS
@@ -159,17 +163,19 @@ def main() -> None:
     try:
         for proc, url in sides.values():  # started together, ready one after the other
             _wait_ready(proc, url)
-        print(f"model: random Llama, hidden {hidden}, {layers} layers, fp32; greedy, streamed; "
-              f"torch threads per server: {os.cpu_count()} cores shared; sides run back to back per row", flush=True)
+        print(f"model: random Llama, hidden {hidden}, {layers} layers, fp32; greedy, streamed; {os.cpu_count()} cores "
+              f"shared (torch threads: transformers all, megacli all but one); sides run back to back per row, "
+              f"median of {repeats}", flush=True)
         print("| row | side | load avg (1 min) | tokens/s | ratio | p50 / p99 latency | p50 / p99 TTFT |")
         print("|---|---|---|---|---|---|---|")
         for clients, each, max_tokens in rows:
             prompts = [PROMPTS[i % len(PROMPTS)] for i in range(clients * each)]
-            _row(sides, f"{clients} x {each}, {max_tokens}", prompts, clients, max_tokens, with_cache_baseline=False)
+            _row(sides, f"{clients} x {each}, {max_tokens}", prompts, clients, max_tokens, with_cache_baseline=False,
+                 repeats=repeats)
         prompts = shared_prefix_prompts(workdir, system_tokens, shared_clients)
         new = 8 if args.tiny else 32
         _row(sides, f"shared prefix ~{system_tokens} tokens, {shared_clients} x 1, {new}", prompts, shared_clients, new,
-             with_cache_baseline=True)
+             with_cache_baseline=True, repeats=repeats)
     finally:
         for proc, _ in sides.values():
             proc.send_signal(signal.SIGTERM)
@@ -180,8 +186,9 @@ def main() -> None:
                 proc.kill()
 
 
-def _row(sides: dict, name: str, prompts: list[str], clients: int, max_tokens: int, *, with_cache_baseline: bool) -> None:
-    results = {}
+def _row(sides: dict, name: str, prompts: list[str], clients: int, max_tokens: int, *, with_cache_baseline: bool,
+         repeats: int) -> None:
+    runs = {}
     order = [s for s in ("transformers", "megacli, no prefix cache", "megacli") if s in sides]
     if not with_cache_baseline:
         order = [s for s in order if s != "megacli, no prefix cache"]
@@ -189,8 +196,13 @@ def _row(sides: dict, name: str, prompts: list[str], clients: int, max_tokens: i
         proc, url = sides[side]
         model = "mc" if side.startswith("megacli") else _hf_model_name(url)
         asyncio.run(run_row(url, model, prompts[: min(len(prompts), clients)], clients, 2))  # warm-up
-        load = os.getloadavg()[0]
-        results[side] = (load, asyncio.run(run_row(url, model, prompts, clients, max_tokens)))
+    for r in range(repeats):
+        for side in order if r % 2 == 0 else order[::-1]:
+            proc, url = sides[side]
+            model = "mc" if side.startswith("megacli") else _hf_model_name(url)
+            load = os.getloadavg()[0]
+            runs.setdefault(side, []).append((load, asyncio.run(run_row(url, model, prompts, clients, max_tokens))))
+    results = {side: sorted(rs, key=lambda x: x[1]["tokens_per_second"])[len(rs) // 2] for side, rs in runs.items()}
     mine = results["megacli"][1]["tokens_per_second"]
     for side in order:
         load, r = results[side]
@@ -199,7 +211,7 @@ def _row(sides: dict, name: str, prompts: list[str], clients: int, max_tokens: i
         print(f"| {name} | {side} | {load:.2f} | {r['tokens_per_second']:.1f} | {ratio} | "
               f"{r['latency'][0]:.3f} / {r['latency'][1]:.3f} s | {r['ttft'][0]:.3f} / {r['ttft'][1]:.3f} s |", flush=True)
     if "megacli, no prefix cache" in results:
-        assert results["megacli"][1]["texts"] == results["megacli, no prefix cache"][1]["texts"], \
+        assert all(r["texts"] == results["megacli, no prefix cache"][1]["texts"] for _, r in runs["megacli"]), \
             "the prefix cache changed a greedy text"
 
 

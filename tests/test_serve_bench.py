@@ -19,7 +19,7 @@ pytest.importorskip("openai")
 @pytest.mark.slow
 def test_tiny_benchmark_against_transformers_serve(tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "serve_bench.py"), "--against", "transformers", "--tiny",
-           "--workdir", str(tmp_path)]
+           "--repeats", "2", "--workdir", str(tmp_path)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = [line.split("|")[1:-1] for line in res.stdout.splitlines() if line.startswith("| ") and "---" not in line]
