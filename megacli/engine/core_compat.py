@@ -34,6 +34,7 @@ def core_version():
     return Version(version("megatron-core"))
 
 
+@functools.cache
 def core_since(release: str) -> bool:
     """Whether the installed Megatron-Core is ``release`` or newer."""
     from packaging.version import Version
