@@ -73,8 +73,10 @@ def setup(*, parallel, launch, seed: int, deterministic: bool = False, cores_kep
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     if not dist.is_initialized():
+        # a one-process job rendezvous with itself in memory: no port to bind, none to lose to another process
+        store = {"store": dist.HashStore()} if world == 1 else {}
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=world,
-                                timeout=timedelta(minutes=launch.timeout_minutes))
+                                timeout=timedelta(minutes=launch.timeout_minutes), **store)
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(
