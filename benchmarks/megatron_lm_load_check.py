@@ -132,6 +132,9 @@ def main() -> None:
 
 def _start(checkout: str) -> None:
     """Megatron-LM importable, megacli's CPU backend on, one gloo process."""
+    from megatron_lm_checkout import checkout_release
+
+    print(f"checkout: Megatron-LM {checkout_release(checkout)}", flush=True)
     sys.path.insert(0, checkout)
     # Megatron-LM's initialize module imports triton kernels (batch-invariant mode) that a CPU-only
     # torch cannot import; they are never used here.

@@ -4,7 +4,7 @@
 
 e.g. ``... /path/to/Megatron-LM out_plain`` and ``... /path/to/Megatron-LM out_dist --use-distributed-optimizer``.
 
-1. Megatron-LM (core_v0.16.1 checkout, in a child process, on CPU: megacli's CPU backend, gloo, the
+1. Megatron-LM (a core_v0.16.1 or core_v0.19.x checkout, the installed Megatron-Core's release, in a child process, on CPU: megacli's CPU backend, gloo, the
    local layer spec, fp32): a tiny Mixtral-shaped GPT (every layer MoE: --moe-layer-freq at its
    default 1, so Megatron-Core stacks the layers under one key) built by ``setup_model_and_optimizer``
    with pretrain_gpt.py's ``model_provider`` + ``gpt_builder``, trained ``SAVE_AT`` steps by
@@ -62,8 +62,11 @@ def main() -> None:
     if sys.argv[1] == "--megatron-lm":
         megatron_lm(sys.argv[2], Path(sys.argv[3]), sys.argv[4:])
         return
+    from megatron_lm_checkout import checkout_release
+
     checkout, out = sys.argv[1], Path(sys.argv[2])
     extra = sys.argv[3:]
+    print(f"checkout: Megatron-LM {checkout_release(checkout)}", flush=True)
     if not (out / "logits.pt").exists():  # else phase 1 ran already: only the megacli side again
         subprocess.run([sys.executable, __file__, "--megatron-lm", checkout, str(out), *extra], check=True)
     megacli_side(out)
