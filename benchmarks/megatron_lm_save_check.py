@@ -129,10 +129,12 @@ def megatron_lm(checkout: str, out: Path, extra: list[str]) -> None:
         setup_model_and_optimizer,
         train_step,
     )
-    from megatron.training.utils import unwrap_model
+    from megatron.core.utils import unwrap_model
 
-    model, optimizer, scheduler = setup_model_and_optimizer(partial(pretrain_gpt.model_provider, pretrain_gpt.gpt_builder),
-                                                            ModelType.encoder_or_decoder)
+    # by keyword: core_v0.19 takes model_type first
+    model, optimizer, scheduler = setup_model_and_optimizer(
+        model_provider_func=partial(pretrain_gpt.model_provider, pretrain_gpt.gpt_builder),
+        model_type=ModelType.encoder_or_decoder)
     pretrain_gpt.train_valid_test_datasets_provider.is_distributed = True  # as pretrain_gpt.py's __main__ sets it
     train_iter, _, _ = build_train_valid_test_data_iterators(pretrain_gpt.train_valid_test_datasets_provider)
     config = get_model_config(model[0])

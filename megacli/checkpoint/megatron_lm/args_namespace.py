@@ -12,10 +12,11 @@ from megacli.engine.core_compat import core_since
 from megacli.errors import UserError
 
 DROPPED_BY_VALIDATION = ("batch_size", "warmup", "model_parallel_size", "checkpoint_activations", "recompute_activations")
-# What validate_args of a release after core_v0.16.1 also drops, converts from a precision name to a
-# torch dtype, and sets from the other fields.
+# What validate_args of a release after core_v0.16.1 also drops, adds (no parse_args field), converts
+# from a precision name to a torch dtype, and sets from the other fields.
 VALIDATION_SINCE = {
     "0.19": {"drops": ("cuda_graph_scope_deprecated",),
+             "adds": ("gtp_weight_remat_size", "expert_gtp_weight_remat_size", "use_layer_wise_distributed_optimizer"),
              "dtypes": ("mamba_inference_conv_states_dtype", "mamba_inference_ssm_states_dtype",
                         "megatron_fsdp_main_params_dtype", "megatron_fsdp_main_grads_dtype", "megatron_fsdp_grad_comm_dtype"),
              "sets": lambda f: {
@@ -30,6 +31,13 @@ VALIDATION_SINCE = {
                  "async_strategy": f["async_strategy"] if f["async_save"] else "mcore",
                  "inference_cuda_graph_scope": _inference_cuda_graph_scope(f["cuda_graph_impl"])}},
 }
+
+
+def namespace_fields() -> set[str]:
+    """The fields of megatron_args's Namespace under the installed Megatron-Core's release."""
+    since = [change for release, change in VALIDATION_SINCE.items() if core_since(release)]
+    return ((set(parse_args_defaults()) - set(DROPPED_BY_VALIDATION) - {n for c in since for n in c["drops"]})
+            | set(DERIVED) | {n for c in since for n in c["adds"]})
 
 
 def _given(fields, name: str, otherwise: str):
