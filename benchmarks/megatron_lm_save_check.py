@@ -201,12 +201,13 @@ def _megacli_batches(ckpt: Path, args, *, first_sample: int):
     from torch.utils.data import default_collate
 
     from megacli.checkpoint.megatron_lm.dist_reader import MegatronLMCheckpoint
+    from megacli.checkpoint.source import Source
     from megacli.data.tokenizers import load_tokenizer
     from megacli.engine import data as data_mod
     from megacli.recipe.base import apply_overrides, validate
     from megacli.recipe.pretrain import TrainingRecipe
 
-    recipe = validate(TrainingRecipe, apply_overrides(MegatronLMCheckpoint(ckpt).recipe(), RESUME_SETS), str(ckpt))
+    recipe = validate(TrainingRecipe, apply_overrides(MegatronLMCheckpoint(Source(ckpt)).recipe(), RESUME_SETS), str(ckpt))
     m, t = recipe.model, recipe.train
     tokenizer = load_tokenizer(type=recipe.tokenizer.type, path=recipe.tokenizer.path, vocab_size=m.vocab_size)
     valid = (t.iters // t.eval_interval + 1) * t.eval_iters * t.global_batch_size if t.eval_interval else 0
@@ -249,6 +250,7 @@ def megacli_side(out: Path) -> None:
     import torch
 
     from megacli.checkpoint.megatron_lm.dist_reader import MegatronLMCheckpoint
+    from megacli.checkpoint.source import Source
     from megacli.checkpoint.torch_dist import TorchDistReader
 
     for name in ("hf", "resharded", "resumed"):  # the megacli side's outputs, when it runs again
