@@ -258,8 +258,8 @@ def megacli_side(out: Path) -> None:
     ref = torch.load(out / "logits.pt")
     tokens, mlm_logits, vocab = ref["tokens"], ref["logits"], ref["padded_vocab_size"]
     ckpt = out / "ckpt"
-    src = MegatronLMCheckpoint(ckpt)
-    stored = TorchDistReader(src.it_dir).tensors
+    src = MegatronLMCheckpoint(Source(ckpt))
+    stored = TorchDistReader(Source(src.it_dir)).tensors
     print("\n== the checkpoint Megatron-LM saved: its MoE keys (stacked: a leading layer axis)")
     for k in sorted(stored):
         if ".mlp." in k and not k.startswith("optimizer."):
@@ -343,6 +343,7 @@ def _engine_logits(ckpt: Path, tokens):
     code = (
         "import sys, torch\n"
         "from pathlib import Path\n"
+        "from megacli.checkpoint.source import MEGACLI, Source\n"
         "from megacli.convert.megatron_io import megatron_process\n"
         "from megacli.engine import checkpoint\n"
         "from megacli.engine.models import build_model\n"
@@ -353,16 +354,17 @@ def _engine_logits(ckpt: Path, tokens):
         "with megatron_process():\n"
         "    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed\n"
         "    model_parallel_cuda_manual_seed(0)  # the initial weights, all overwritten by the load\n"
-        "    ckpt = checkpoint.find_checkpoint(path)\n"
-        "    if ckpt is None:  # Megatron-LM's: the recipe its args map to\n"
-        "        from megacli.checkpoint.megatron_lm.dist_reader import MegatronLMCheckpoint\n"
-        "        src = MegatronLMCheckpoint(path)\n"
-        "        ckpt, recipe = src.it_dir, validate(TrainingRecipe, apply_overrides(src.recipe(), []), str(path))\n"
-        "    else:\n"
+        "    src = Source(path)\n"
+        "    if src.kind == MEGACLI:\n"
+        "        ckpt = src.ckpt\n"
         "        recipe = load(TrainingRecipe, ckpt / 'recipe.yaml', [])\n"
+        "    else:  # Megatron-LM's: the recipe its args map to\n"
+        "        from megacli.checkpoint.megatron_lm.dist_reader import MegatronLMCheckpoint\n"
+        "        mlm = MegatronLMCheckpoint(src)\n"
+        "        ckpt, recipe = mlm.it_dir, validate(TrainingRecipe, apply_overrides(mlm.recipe(), []), str(path))\n"
         "    config = transformer_config(model=recipe.model, parallel=recipe.parallel, precision='fp32', on_cuda=False)\n"
         "    chunks = build_model(recipe=recipe, config=config, vocab_size=recipe.model.vocab_size)\n"
-        "    checkpoint.load(ckpt=ckpt, chunks=chunks, optimizer=None, scheduler=None, load_optimizer=False)\n"
+        "    checkpoint.load(source=src.at(ckpt), chunks=chunks, optimizer=None, scheduler=None, load_optimizer=False)\n"
         "    chunks[0].eval()\n"
         "    with torch.no_grad():\n"
         "        pos = torch.arange(toks.shape[1]).unsqueeze(0).expand_as(toks)\n"
