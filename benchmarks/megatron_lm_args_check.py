@@ -2,8 +2,12 @@
 
     python benchmarks/megatron_lm_args_check.py MEGATRON_LM_CHECKOUT [--write-defaults]
 
-``--write-defaults`` first writes megacli/checkpoint/megatron_lm/defaults.json (every field
-``parse_args`` defines with its default, enums by member name) from the checkout, then checks.
+The checkout is core_v0.16.1 (run with Megatron-Core 0.16) or core_v0.19.x (Megatron-Core 0.19);
+megacli's table is then that release's (megacli.checkpoint.megatron_lm.args.parse_args_defaults).
+``--write-defaults`` first writes, from the checkout, megacli/checkpoint/megatron_lm/defaults.json
+(a core_v0.16.1 checkout: every field ``parse_args`` defines with its default, enums by member name),
+or the checkout's release's entry of defaults_since.json (a later one: the fields it removed, its new
+and changed defaults), then checks.
 
 1. ``parse_args`` with no options: every field name and default against
    megacli.checkpoint.megatron_lm.args.parse_args_defaults();
@@ -18,7 +22,7 @@
    name that the parser lacks;
 4. megacli preprocess's Megatron-LM spellings (megacli/cli/megatron_spellings.py) against
    tools/preprocess_data.py's parser: the options it accepts and the tokenizer types it maps are
-   core_v0.16.1's, and which of the options it refuses by name core_v0.16.1 has.
+   the checkout's, and which of the options it refuses by name the checkout has.
 """
 
 from __future__ import annotations
@@ -51,7 +55,11 @@ RECIPE = ["data.mock=true", "tokenizer.type=byte", "model.num_layers=2", "model.
 
 
 def main() -> None:
+    from megatron_lm_checkout import checkout_release
+
     checkout = sys.argv[1]
+    release = checkout_release(checkout)
+    print(f"checkout: Megatron-LM {release}")
     write_defaults = "--write-defaults" in sys.argv[2:]
     sys.path.insert(0, checkout)
     stub = types.ModuleType("megatron.core.transformer.custom_layers.batch_invariant_kernels")
@@ -73,13 +81,7 @@ def main() -> None:
     defaults = vars(parse_args())
     theirs = {k: getattr(v, "name", v) for k, v in defaults.items()}
     if write_defaults:
-        import json
-
-        from megacli.checkpoint.megatron_lm import args as megatron_lm_args
-
-        megatron_lm_args._DEFAULTS_FILE.write_text(json.dumps(theirs, indent=1, sort_keys=True) + "\n")
-        megatron_lm_args.parse_args_defaults.cache_clear()
-        print(f"wrote {megatron_lm_args._DEFAULTS_FILE}")
+        write_defaults_file(release, theirs)
     print(f"1. parse_args defines {len(theirs)} fields, megacli's table {len(parse_args_defaults())}")
     print(f"   only in Megatron-LM: {sorted(set(theirs) - set(parse_args_defaults()))}")
     print(f"   only in megacli: {sorted(set(parse_args_defaults()) - set(theirs))}")
@@ -102,8 +104,27 @@ def main() -> None:
         for k, (a, b) in sorted(differ.items()):
             print(f"     {k}: {a!r} vs {b!r}")
 
-    check_flags(parse_args)
-    check_preprocess_spellings(checkout)
+    check_flags(parse_args, release)
+    check_preprocess_spellings(checkout, release)
+
+
+def write_defaults_file(release: str, theirs: dict) -> None:
+    import json
+
+    from megacli.checkpoint.megatron_lm import args as megatron_lm_args
+
+    minor = release.rsplit(".", 1)[0]
+    if minor == megatron_lm_args.DEFAULTS_RELEASE:
+        path, text = megatron_lm_args._DEFAULTS_FILE, theirs
+    else:
+        base = json.loads(megatron_lm_args._DEFAULTS_FILE.read_text())
+        path = megatron_lm_args._DEFAULTS_SINCE_FILE
+        text = json.loads(path.read_text())
+        text[minor] = {"removed": sorted(set(base) - set(theirs)),
+                       "defaults": {k: v for k, v in theirs.items() if k not in base or base[k] != v}}
+    path.write_text(json.dumps(text, indent=1, sort_keys=True) + "\n")
+    megatron_lm_args.parse_args_defaults.cache_clear()
+    print(f"wrote {path}")
 
 
 def _switch(action) -> bool | None:
@@ -115,7 +136,7 @@ def _switch(action) -> bool | None:
     return None
 
 
-def check_flags(parse_args) -> None:
+def check_flags(parse_args, release: str) -> None:
     from megatron.training.arguments import add_megatron_arguments
 
     from megacli.checkpoint.megatron_lm.args import FLAGS
@@ -151,20 +172,20 @@ def check_flags(parse_args) -> None:
     switches = sum(1 for f in FLAGS if not f.from_environment and _switch(options.get(f.option)) is not None)
     print(f"3. FLAGS: {len(FLAGS)} rows ({switches} switches, "
           f"{sum(f.off for f in FLAGS)} of them off, {sum(f.from_environment for f in FLAGS)} from the environment)")
-    print(f"   rows that are not core_v0.16.1's option for their field: {len(bad)}")
+    print(f"   rows that are not Megatron-LM {release}'s option for their field: {len(bad)}")
     for line in bad:
         print(f"     {line}")
     pages = sorted((Path(__file__).resolve().parent.parent / "docs" / "megatron-lm").glob("*.md"))
     text = "\n".join(page.read_text(encoding="utf-8") for page in pages)
     named = sorted(set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text)) - set(options))
-    print(f"   --options the Coming from Megatron-LM pages name that core_v0.16.1's parser lacks (megacli's own): {named}")
+    print(f"   --options the Coming from Megatron-LM pages name that Megatron-LM {release}'s parser lacks (megacli's own): {named}")
 
 
-def check_preprocess_spellings(checkout: str) -> None:
+def check_preprocess_spellings(checkout: str, release: str) -> None:
     import importlib.util
 
     from megacli.cli import _register, app
-    from megacli.cli.megatron_spellings import MEGATRON_ONLY, MEGATRON_TOKENIZERS, NOT_THE_SAME, OTHER_VERSIONS
+    from megacli.cli.megatron_spellings import MEGATRON_ONLY, MEGATRON_TOKENIZERS, NOT_THE_SAME, lacking_in
 
     class Built(Exception):
         pass
@@ -194,13 +215,13 @@ def check_preprocess_spellings(checkout: str) -> None:
     print(f"   megacli options spelled as Megatron-LM's: {sorted(ours & set(options))}")
     print(f"   Megatron-LM's options megacli neither has nor refuses by name: "
           f"{sorted(set(options) - ours - set(MEGATRON_ONLY) - {'--help'})}")
-    print(f"   refused by name, core_v0.16.1 has them: {sorted(set(MEGATRON_ONLY) & set(options))}")
+    print(f"   refused by name, Megatron-LM {release} has them: {sorted(set(MEGATRON_ONLY) & set(options))}")
     lacking = set(MEGATRON_ONLY) - set(options)
-    print(f"   refused by name, core_v0.16.1 lacks them: {sorted(lacking)}; "
-          f"the refusal says so for exactly these: {lacking == set(OTHER_VERSIONS)}")
+    print(f"   refused by name, Megatron-LM {release} lacks them: {sorted(lacking)}; "
+          f"the refusal says so for exactly these: {lacking == lacking_in(release)}")
     named = set(MEGATRON_TOKENIZERS) | set(NOT_THE_SAME)
-    print(f"   tokenizer types megacli names that core_v0.16.1 lacks: {sorted(named - set(types_))}")
-    print(f"   core_v0.16.1's tokenizer types megacli does not name (refused as unknown): {sorted(set(types_) - named)}")
+    print(f"   tokenizer types megacli names that Megatron-LM {release} lacks: {sorted(named - set(types_))}")
+    print(f"   Megatron-LM {release}'s tokenizer types megacli does not name (refused as unknown): {sorted(set(types_) - named)}")
 
 
 if __name__ == "__main__":

@@ -102,8 +102,9 @@ def main() -> None:
             return original(model, optimizer, *a, **k)
 
         training.load_checkpoint = load_checkpoint
-    model, optimizer, scheduler = setup_model_and_optimizer(partial(model_provider, gpt_builder),
-                                                            ModelType.encoder_or_decoder)
+    # by keyword: core_v0.19 takes model_type first
+    model, optimizer, scheduler = setup_model_and_optimizer(model_provider_func=partial(model_provider, gpt_builder),
+                                                            model_type=ModelType.encoder_or_decoder)
     import random
 
     restored, saved_rng = random.getstate(), _saved_rng(ckpt)
@@ -118,7 +119,7 @@ def main() -> None:
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
     with torch.no_grad():
         ref = hf(tokens).logits[0]
-        from megatron.training.utils import unwrap_model
+        from megatron.core.utils import unwrap_model
 
         # The loaded weights in fp32 (a bf16/fp16 run's weights are exact in fp32), so the
         # comparison is of the weights, not of half-precision arithmetic.
@@ -132,6 +133,9 @@ def main() -> None:
 
 def _start(checkout: str) -> None:
     """Megatron-LM importable, megacli's CPU backend on, one gloo process."""
+    from megatron_lm_checkout import checkout_release
+
+    print(f"checkout: Megatron-LM {checkout_release(checkout)}", flush=True)
     sys.path.insert(0, checkout)
     # Megatron-LM's initialize module imports triton kernels (batch-invariant mode) that a CPU-only
     # torch cannot import; they are never used here.
@@ -222,9 +226,10 @@ def t5_main() -> None:
         t5_spec.TENorm = WrappedTorchNorm
     from pretrain_t5 import model_provider
     from megatron.training.training import setup_model_and_optimizer
-    from megatron.training.utils import unwrap_model
+    from megatron.core.utils import unwrap_model
 
-    model, optimizer, scheduler = setup_model_and_optimizer(model_provider, ModelType.encoder_or_decoder)
+    model, optimizer, scheduler = setup_model_and_optimizer(model_provider_func=model_provider,
+                                                            model_type=ModelType.encoder_or_decoder)
     import random
 
     restored, saved_rng = random.getstate(), _saved_rng(ckpt)

@@ -4,7 +4,7 @@
 
 e.g. ``... /path/to/Megatron-LM out_plain`` and ``... /path/to/Megatron-LM out_dist --use-distributed-optimizer``.
 
-1. Megatron-LM (core_v0.16.1 checkout, in a child process, on CPU: megacli's CPU backend, gloo, the
+1. Megatron-LM (a core_v0.16.1 or core_v0.19.x checkout, the installed Megatron-Core's release, in a child process, on CPU: megacli's CPU backend, gloo, the
    local layer spec, fp32): a tiny Mixtral-shaped GPT (every layer MoE: --moe-layer-freq at its
    default 1, so Megatron-Core stacks the layers under one key) built by ``setup_model_and_optimizer``
    with pretrain_gpt.py's ``model_provider`` + ``gpt_builder``, trained ``SAVE_AT`` steps by
@@ -62,8 +62,11 @@ def main() -> None:
     if sys.argv[1] == "--megatron-lm":
         megatron_lm(sys.argv[2], Path(sys.argv[3]), sys.argv[4:])
         return
+    from megatron_lm_checkout import checkout_release
+
     checkout, out = sys.argv[1], Path(sys.argv[2])
     extra = sys.argv[3:]
+    print(f"checkout: Megatron-LM {checkout_release(checkout)}", flush=True)
     if not (out / "logits.pt").exists():  # else phase 1 ran already: only the megacli side again
         subprocess.run([sys.executable, __file__, "--megatron-lm", checkout, str(out), *extra], check=True)
     megacli_side(out)
@@ -126,10 +129,12 @@ def megatron_lm(checkout: str, out: Path, extra: list[str]) -> None:
         setup_model_and_optimizer,
         train_step,
     )
-    from megatron.training.utils import unwrap_model
+    from megatron.core.utils import unwrap_model
 
-    model, optimizer, scheduler = setup_model_and_optimizer(partial(pretrain_gpt.model_provider, pretrain_gpt.gpt_builder),
-                                                            ModelType.encoder_or_decoder)
+    # by keyword: core_v0.19 takes model_type first
+    model, optimizer, scheduler = setup_model_and_optimizer(
+        model_provider_func=partial(pretrain_gpt.model_provider, pretrain_gpt.gpt_builder),
+        model_type=ModelType.encoder_or_decoder)
     pretrain_gpt.train_valid_test_datasets_provider.is_distributed = True  # as pretrain_gpt.py's __main__ sets it
     train_iter, _, _ = build_train_valid_test_data_iterators(pretrain_gpt.train_valid_test_datasets_provider)
     config = get_model_config(model[0])
@@ -196,12 +201,13 @@ def _megacli_batches(ckpt: Path, args, *, first_sample: int):
     from torch.utils.data import default_collate
 
     from megacli.checkpoint.megatron_lm.dist_reader import MegatronLMCheckpoint
+    from megacli.checkpoint.source import Source
     from megacli.data.tokenizers import load_tokenizer
     from megacli.engine import data as data_mod
     from megacli.recipe.base import apply_overrides, validate
     from megacli.recipe.pretrain import TrainingRecipe
 
-    recipe = validate(TrainingRecipe, apply_overrides(MegatronLMCheckpoint(ckpt).recipe(), RESUME_SETS), str(ckpt))
+    recipe = validate(TrainingRecipe, apply_overrides(MegatronLMCheckpoint(Source(ckpt)).recipe(), RESUME_SETS), str(ckpt))
     m, t = recipe.model, recipe.train
     tokenizer = load_tokenizer(type=recipe.tokenizer.type, path=recipe.tokenizer.path, vocab_size=m.vocab_size)
     valid = (t.iters // t.eval_interval + 1) * t.eval_iters * t.global_batch_size if t.eval_interval else 0
@@ -244,6 +250,7 @@ def megacli_side(out: Path) -> None:
     import torch
 
     from megacli.checkpoint.megatron_lm.dist_reader import MegatronLMCheckpoint
+    from megacli.checkpoint.source import Source
     from megacli.checkpoint.torch_dist import TorchDistReader
 
     for name in ("hf", "resharded", "resumed"):  # the megacli side's outputs, when it runs again
@@ -251,8 +258,8 @@ def megacli_side(out: Path) -> None:
     ref = torch.load(out / "logits.pt")
     tokens, mlm_logits, vocab = ref["tokens"], ref["logits"], ref["padded_vocab_size"]
     ckpt = out / "ckpt"
-    src = MegatronLMCheckpoint(ckpt)
-    stored = TorchDistReader(src.it_dir).tensors
+    src = MegatronLMCheckpoint(Source(ckpt))
+    stored = TorchDistReader(Source(src.it_dir)).tensors
     print("\n== the checkpoint Megatron-LM saved: its MoE keys (stacked: a leading layer axis)")
     for k in sorted(stored):
         if ".mlp." in k and not k.startswith("optimizer."):
@@ -336,6 +343,7 @@ def _engine_logits(ckpt: Path, tokens):
     code = (
         "import sys, torch\n"
         "from pathlib import Path\n"
+        "from megacli.checkpoint.source import MEGACLI, Source\n"
         "from megacli.convert.megatron_io import megatron_process\n"
         "from megacli.engine import checkpoint\n"
         "from megacli.engine.models import build_model\n"
@@ -346,16 +354,17 @@ def _engine_logits(ckpt: Path, tokens):
         "with megatron_process():\n"
         "    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed\n"
         "    model_parallel_cuda_manual_seed(0)  # the initial weights, all overwritten by the load\n"
-        "    ckpt = checkpoint.find_checkpoint(path)\n"
-        "    if ckpt is None:  # Megatron-LM's: the recipe its args map to\n"
-        "        from megacli.checkpoint.megatron_lm.dist_reader import MegatronLMCheckpoint\n"
-        "        src = MegatronLMCheckpoint(path)\n"
-        "        ckpt, recipe = src.it_dir, validate(TrainingRecipe, apply_overrides(src.recipe(), []), str(path))\n"
-        "    else:\n"
+        "    src = Source(path)\n"
+        "    if src.kind == MEGACLI:\n"
+        "        ckpt = src.ckpt\n"
         "        recipe = load(TrainingRecipe, ckpt / 'recipe.yaml', [])\n"
+        "    else:  # Megatron-LM's: the recipe its args map to\n"
+        "        from megacli.checkpoint.megatron_lm.dist_reader import MegatronLMCheckpoint\n"
+        "        mlm = MegatronLMCheckpoint(src)\n"
+        "        ckpt, recipe = mlm.it_dir, validate(TrainingRecipe, apply_overrides(mlm.recipe(), []), str(path))\n"
         "    config = transformer_config(model=recipe.model, parallel=recipe.parallel, precision='fp32', on_cuda=False)\n"
         "    chunks = build_model(recipe=recipe, config=config, vocab_size=recipe.model.vocab_size)\n"
-        "    checkpoint.load(ckpt=ckpt, chunks=chunks, optimizer=None, scheduler=None, load_optimizer=False)\n"
+        "    checkpoint.load(source=src.at(ckpt), chunks=chunks, optimizer=None, scheduler=None, load_optimizer=False)\n"
         "    chunks[0].eval()\n"
         "    with torch.no_grad():\n"
         "        pos = torch.arange(toks.shape[1]).unsqueeze(0).expand_as(toks)\n"

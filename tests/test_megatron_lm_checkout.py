@@ -1,10 +1,13 @@
 """Megatron-LM's own code on megacli's checkpoints and arguments. Opt-in (marker ``megatron_lm``):
-the tests skip unless MEGATRON_LM_CHECKOUT points at a core_v0.16.1 checkout of NVIDIA/Megatron-LM
-(nothing of it is part of this repository), e.g. ``MEGATRON_LM_CHECKOUT=~/Megatron-LM python -m
-pytest -m megatron_lm``.
+the tests skip unless MEGATRON_LM_CHECKOUT points at a checkout of NVIDIA/Megatron-LM (nothing of it
+is part of this repository) of the tag for this Python's Megatron-Core: core_v0.16.1 with Megatron-Core
+0.16 (Python 3.11), core_v0.19.0 (or a later core_v0.19.x) with Megatron-Core 0.19 (Python 3.12); another
+fails saying which tag to use. E.g. ``MEGATRON_LM_CHECKOUT=~/Megatron-LM-0.16.1 python3.11 -m pytest -m
+megatron_lm tests/test_megatron_lm_checkout.py`` and ``MEGATRON_LM_CHECKOUT=~/Megatron-LM-0.19.0
+python3.12 -m pytest -m megatron_lm tests/test_megatron_lm_checkout.py``.
 
 Each test runs one of the by-hand checks in benchmarks/ (their docstrings say what they do) in its
-own process and asserts on what it prints:
+own process and asserts on what it prints (naming the checkout's release, from its package_info):
 
 - megatron_lm_args_check.py: megacli's args table against ``parse_args`` / ``validate_args``, the
   flag table and preprocess's spellings against the checkout's parsers;
@@ -24,13 +27,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import importlib.util
+
 import pytest
 
 from tests.conftest import ROOT, MOCK_LLAMA, megacli, ok, pretrain
 
 CHECKOUT = os.environ.get("MEGATRON_LM_CHECKOUT")
 pytestmark = [pytest.mark.megatron_lm,
-              pytest.mark.skipif(not CHECKOUT, reason="MEGATRON_LM_CHECKOUT (a core_v0.16.1 checkout) is not set")]
+              pytest.mark.skipif(not CHECKOUT, reason="MEGATRON_LM_CHECKOUT (a core_v0.16.1 or core_v0.19.x "
+                                                      "checkout) is not set")]
 
 ITERS, GBS = 2, 2
 RUN = [*MOCK_LLAMA, f"train.iters={ITERS}", "train.micro_batch_size=1", f"train.global_batch_size={GBS}",
@@ -44,10 +50,20 @@ NUMBER = r"([0-9.]+(?:e[-+]?\d+)?)"
 
 
 @pytest.fixture(scope="module")
-def checkout() -> str:
-    info = (Path(CHECKOUT) / "megatron" / "core" / "package_info.py").read_text()
-    version = tuple(int(re.search(rf"^{k} = (\d+)", info, re.M).group(1)) for k in ("MAJOR", "MINOR", "PATCH"))
-    assert version == (0, 16, 1), f"MEGATRON_LM_CHECKOUT={CHECKOUT} is Megatron-Core {version}, not core_v0.16.1"
+def release() -> str:
+    """The checkout's release ("0.19.1"), as the checks name it; the test fails unless it is this
+    Python's Megatron-Core's minor release."""
+    spec = importlib.util.spec_from_file_location("megatron_lm_checkout", ROOT / "benchmarks" / "megatron_lm_checkout.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    try:
+        return module.checkout_release(CHECKOUT)
+    except SystemExit as wrong:
+        pytest.fail(f"MEGATRON_LM_CHECKOUT: {wrong}", pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def checkout(release) -> str:
     return CHECKOUT
 
 
@@ -68,8 +84,9 @@ def number(pattern: str, text: str) -> float:
 # ---------------------------------------------------------------- arguments
 
 
-def test_args_and_option_spellings_are_core_v0_16_1s(checkout):
+def test_args_and_option_spellings_are_the_checkouts(checkout, release):
     out = check("megatron_lm_args_check.py", checkout)
+    assert f"checkout: Megatron-LM {release}\n" in out, out
     # 1. every field parse_args defines, with its default
     assert re.search(r"1\. parse_args defines (\d+) fields, megacli's table \1\n", out), out
     section1 = out.split("1. ", 1)[1].split("\n2. ", 1)[0]
@@ -85,10 +102,10 @@ def test_args_and_option_spellings_are_core_v0_16_1s(checkout):
         assert "values that differ (megacli, Megatron-LM; padded_vocab_size is set by training): 1\n" in text, text
         assert "padded_vocab_size: 320 vs None" in text, text
     # 3. the flag table's options are the parser's
-    assert "rows that are not core_v0.16.1's option for their field: 0\n" in out, out
+    assert f"rows that are not Megatron-LM {release}'s option for their field: 0\n" in out, out
     # 4. preprocess's spellings
     assert "the refusal says so for exactly these: True" in out, out
-    assert "tokenizer types megacli names that core_v0.16.1 lacks: []" in out, out
+    assert f"tokenizer types megacli names that Megatron-LM {release} lacks: []" in out, out
 
 
 # ---------------------------------------------------------------- Megatron-LM loads megacli's checkpoints

@@ -547,12 +547,12 @@ def test_megatron_gpt2_bpe_reads_the_tokenizer_json_beside_vocab_and_merges(tmp_
     (["--tokenizer-type", "NullTokenizer"], "needs a real tokenizer"),
     *[([option, "1"], f"{option}: an option of Megatron-LM's preprocess_data.py that megacli preprocess does not have")
       for option in ("--vocab-size", "--vocab-extra-ids", "--tiktoken-pattern")],
-    # not options of core_v0.16.1's preprocess_data.py (benchmarks/megatron_lm_args_check.py): said so
+    # not options of every checked release's preprocess_data.py (benchmarks/megatron_lm_args_check.py): said so
     *[([option, "1"], f"{option}: an option of Megatron-LM's preprocess_data.py (in versions {when}) that megacli "
                       f"preprocess does not have")
       for option, when in (("--find-optimal-num-workers", "after core_v0.16.1"), ("--workers-to-check", "after core_v0.16.1"),
-                           ("--max-documents", "after core_v0.16.1"), ("--performance-dir", "after core_v0.16.1"),
-                           ("--dataset-impl", "before core_v0.16.1"))],
+                           ("--max-documents", "after core_v0.16.1"), ("--performance-dir", "after core_v0.19.0"),
+                           ("--tiktoken-special-tokens", "before core_v0.19.0"), ("--dataset-impl", "before core_v0.16.1"))],
 ])
 def test_megatron_options_megacli_lacks_are_named_not_misread(tmp_path, corpus, args, words):
     out = _cli("preprocess", "--input", corpus, "--output-prefix", tmp_path / "o", *args)

@@ -23,14 +23,23 @@ MEGATRON_ONLY = {
     "--tiktoken-special-tokens": _NO_TIKTOKEN,
     "--dataset-impl": "megacli writes Megatron-Core's mmap indexed datasets only (the format Megatron-Core reads)",
 }
-# Those core_v0.16.1's preprocess_data.py lacks: the Megatron-LM versions that have them.
+# Those not in every Megatron-LM release megacli is checked against (core_v0.16.1, core_v0.19.0):
+# the versions that have them (the refusal names them), and the checked minor releases that lack them.
 OTHER_VERSIONS = {
-    "--find-optimal-num-workers": "after core_v0.16.1",
-    "--workers-to-check": "after core_v0.16.1",
-    "--max-documents": "after core_v0.16.1",
-    "--performance-dir": "after core_v0.16.1",
-    "--dataset-impl": "before core_v0.16.1",
+    "--find-optimal-num-workers": ("after core_v0.16.1", ("0.16",)),
+    "--workers-to-check": ("after core_v0.16.1", ("0.16",)),
+    "--max-documents": ("after core_v0.16.1", ("0.16",)),
+    "--performance-dir": ("after core_v0.19.0", ("0.16", "0.19")),
+    "--tiktoken-special-tokens": ("before core_v0.19.0", ("0.19",)),
+    "--dataset-impl": ("before core_v0.16.1", ("0.16", "0.19")),
 }
+
+
+def lacking_in(release: str) -> set[str]:
+    """The refused options Megatron-LM ``release`` ("0.19.1") lacks, by OTHER_VERSIONS."""
+    minor = ".".join(release.split(".")[:2])
+    return {name for name, (_, lacking) in OTHER_VERSIONS.items() if minor in lacking}
+
 
 # --tokenizer-type -> (megacli tokenizer.type, the Megatron-LM option that names its file).
 MEGATRON_TOKENIZERS = {
@@ -65,7 +74,7 @@ def translate_argv(args: list[str]) -> list[str]:
             return out + args[i:]
         name = word.split("=", 1)[0]
         if name in MEGATRON_ONLY:
-            where = f" (in versions {OTHER_VERSIONS[name]})" if name in OTHER_VERSIONS else ""
+            where = f" (in versions {OTHER_VERSIONS[name][0]})" if name in OTHER_VERSIONS else ""
             raise UserError(f"{name}: an option of Megatron-LM's preprocess_data.py{where} that megacli preprocess does "
                             f"not have: {MEGATRON_ONLY[name]}")
         i += 1

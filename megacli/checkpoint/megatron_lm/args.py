@@ -4,8 +4,10 @@ recipe: ``FLAGS``, the one table of Megatron-LM argument <-> recipe key, each ro
 ``value(recipe)``: the argument for a validated recipe (args_namespace.py writes the whole Namespace
 with it; docs/megatron-lm/flags.md is generated from the table). ``read(args)``, on the one row that
 reads its key back: the key's value for a run's args (``model_section_from_args``; keys only some
-models have are read below the table). ``parse_args_defaults()``: every field core_v0.16.1's
-``parse_args`` defines, with its default (defaults.json; ``benchmarks/megatron_lm_args_check.py``).
+models have are read below the table). ``parse_args_defaults()``: every field the installed
+Megatron-Core's release of Megatron-LM ``parse_args`` defines, with its default: core_v0.16.1's
+(defaults.json), changed by each later release's differences (defaults_since.json; both written by
+``benchmarks/megatron_lm_args_check.py``).
 """
 
 from __future__ import annotations
@@ -21,14 +23,26 @@ from megacli.errors import UserError
 from megacli.recipe.model import every_nth_global
 
 _DEFAULTS_FILE = Path(__file__).with_name("defaults.json")
+_DEFAULTS_SINCE_FILE = Path(__file__).with_name("defaults_since.json")
+DEFAULTS_RELEASE = "0.16"  # the release defaults.json is; defaults_since.json: {release: {"removed", "defaults"}}
 
 
 @functools.cache
 def parse_args_defaults() -> Mapping[str, Any]:
-    """name -> default of every argument Megatron-LM core_v0.16.1's parse_args defines (enum defaults
-    by member name): defaults.json, written from a checkout by
-    ``benchmarks/megatron_lm_args_check.py CHECKOUT --write-defaults``."""
-    return MappingProxyType(json.loads(_DEFAULTS_FILE.read_text()))
+    """name -> default of every argument the installed Megatron-Core's release of Megatron-LM's
+    parse_args defines (enum defaults by member name): defaults.json, then for each later release up
+    to the installed one, the fields it removed and its new or changed defaults (defaults_since.json),
+    both written from checkouts by ``benchmarks/megatron_lm_args_check.py CHECKOUT --write-defaults``."""
+    from megacli.engine.core_compat import core_since
+
+    defaults = json.loads(_DEFAULTS_FILE.read_text())
+    for release, change in sorted(json.loads(_DEFAULTS_SINCE_FILE.read_text()).items(),
+                                  key=lambda item: tuple(map(int, item[0].split(".")))):
+        if core_since(release):
+            for name in change["removed"]:
+                del defaults[name]
+            defaults.update(change["defaults"])
+    return MappingProxyType(defaults)
 
 
 def arg(args, name, default=None):

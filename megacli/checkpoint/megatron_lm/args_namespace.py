@@ -1,5 +1,5 @@
-"""The whole ``args`` Namespace Megatron-LM core_v0.16.1 holds for a megacli recipe: parse_args'
-defaults, what ``validate_args`` drops and derives, and the recipe's values through the flag table
+"""The whole ``args`` Namespace Megatron-LM holds for a megacli recipe (the release of the installed
+Megatron-Core: core_v0.16.1 or core_v0.19.x): parse_args' defaults, what ``validate_args`` drops and derives, and the recipe's values through the flag table
 (args.py); what of a recipe's model no argument expresses."""
 
 from __future__ import annotations
@@ -8,9 +8,48 @@ import argparse
 from typing import Any
 
 from megacli.checkpoint.megatron_lm.args import POSITIONS, FLAGS, MEGATRON_ROPE_SCALING, parse_args_defaults
+from megacli.engine.core_compat import core_since
 from megacli.errors import UserError
 
 DROPPED_BY_VALIDATION = ("batch_size", "warmup", "model_parallel_size", "checkpoint_activations", "recompute_activations")
+# What validate_args of a release after core_v0.16.1 also drops, adds (no parse_args field), converts
+# from a precision name to a torch dtype, and sets from the other fields.
+VALIDATION_SINCE = {
+    "0.19": {"drops": ("cuda_graph_scope_deprecated",),
+             "adds": ("gtp_weight_remat_size", "expert_gtp_weight_remat_size", "use_layer_wise_distributed_optimizer"),
+             "dtypes": ("mamba_inference_conv_states_dtype", "mamba_inference_ssm_states_dtype",
+                        "megatron_fsdp_main_params_dtype", "megatron_fsdp_main_grads_dtype", "megatron_fsdp_grad_comm_dtype"),
+             "sets": lambda f: {
+                 "_is_global_batch_size_explicitly_specified": f["global_batch_size"] is not None,
+                 "eval_global_batch_size": _given(f, "eval_global_batch_size", "global_batch_size"),
+                 "eval_micro_batch_size": _given(f, "eval_micro_batch_size", "micro_batch_size"),
+                 "tensor_parallel_num_weight_shards": f["tensor_model_parallel_size"], "gtp_weight_remat_size": 1,
+                 "expert_tensor_parallel_num_weight_shards": f["expert_tensor_parallel_size"],
+                 "expert_gtp_weight_remat_size": 1,
+                 "use_layer_wise_distributed_optimizer": f["optimizer"] not in ("sgd", "adam")
+                 and f["use_distributed_optimizer"],
+                 "async_strategy": f["async_strategy"] if f["async_save"] else "mcore",
+                 "inference_cuda_graph_scope": _inference_cuda_graph_scope(f["cuda_graph_impl"])}},
+}
+
+
+def namespace_fields() -> set[str]:
+    """The fields of megatron_args's Namespace under the installed Megatron-Core's release."""
+    since = [change for release, change in VALIDATION_SINCE.items() if core_since(release)]
+    return ((set(parse_args_defaults()) - set(DROPPED_BY_VALIDATION) - {n for c in since for n in c["drops"]})
+            | set(DERIVED) | {n for c in since for n in c["adds"]})
+
+
+def _given(fields, name: str, otherwise: str):
+    return fields[otherwise] if fields[name] is None else fields[name]
+
+
+def _inference_cuda_graph_scope(cuda_graph_impl: str):
+    from megatron.core.transformer.cuda_graph_config import InferenceCudaGraphScope
+
+    return InferenceCudaGraphScope.layer if cuda_graph_impl == "local" else InferenceCudaGraphScope.none
+
+
 # Fields validate_args converts from a precision name to a torch dtype.
 _DTYPE_FIELDS = ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
 # Fields validate_args and Megatron-LM's training add to the Namespace (set by megatron_args below).
@@ -85,7 +124,7 @@ def unsupported(recipe) -> list[str]:
 def megatron_args(recipe, *, ckpt_format: str = "torch_dist", iteration: int = 0, consumed_samples: int = 0,
                   padded_vocab_size: int | None = None, num_floating_point_operations: int = 0,
                   transformer_impl: str = "transformer_engine", vocab_size: int | None = None) -> argparse.Namespace:
-    """The ``args`` Megatron-LM core_v0.16.1 would hold after ``parse_args`` + ``validate_args`` and
+    """The ``args`` Megatron-LM (the installed Megatron-Core's release) would hold after ``parse_args`` + ``validate_args`` and
     ``iteration`` steps of training this (validated) recipe: every field it defines, the recipe's
     values where it implies them, the defaults elsewhere. ``transformer_impl``: the layer spec the
     weights are named for (transformer_engine or local); ``vocab_size``: the real vocabulary when
@@ -133,6 +172,13 @@ def megatron_args(recipe, *, ckpt_format: str = "torch_dist", iteration: int = 0
         num_floating_point_operations_so_far=num_floating_point_operations, model_type=ModelType.encoder_or_decoder,
         do_train=True, do_valid=t.eval_interval is not None, do_test=False,
     )
+    for release, change in VALIDATION_SINCE.items():
+        if core_since(release):
+            for name in change["drops"]:
+                fields.pop(name, None)
+            for name in change["dtypes"]:
+                fields[name] = {**dtypes, "auto": None, None: None}[fields[name]]
+            fields.update(change["sets"](fields))
     return argparse.Namespace(**fields)
 
 
