@@ -27,7 +27,7 @@ LAYERS = (
     ("plan", "rundir"),
     ("recipe", "data", "backend"),
     ("filekind",),
-    ("errors", "precision", "lifetime", "paths", "__init__"),
+    ("errors", "precision", "lifetime", "paths", "core_release", "__init__"),
 )
 
 # Imports between packages of one layer, allowed one way.

@@ -6,10 +6,10 @@ the version. Nothing here imports torch or Megatron-Core at import time (the CLI
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import sys
 
+from megacli.core_release import core_since, core_version  # noqa: F401 (asked here and by callers)
 from megacli.errors import UserError
 
 MUON_SINCE = "0.19"  # Megatron-Core's own Muon (TensorParallelMuon over NVIDIA's emerging-optimizers)
@@ -22,24 +22,6 @@ MOE_METRICS_TRACKER_SINCE = "0.19"  # the aux-loss tracker is an object; the leg
 NVRX_ASYNC_SAVE_DEFAULT_SINCE = "0.17"  # async dist_checkpointing saves default to NVIDIA Resiliency Extension's writer
 INFERENCE_CONFIG_SINCE = "0.17"  # an inference context's options (materialize_only_last_token_logits) in its .config
 INFERENCE_MODE_FLAG_SINCE = "0.18"  # GPTModel's inference paths follow the process-wide InferenceMode, not a given context
-
-
-@functools.cache
-def core_version():
-    """The installed Megatron-Core release (packaging's Version)."""
-    from importlib.metadata import version
-
-    from packaging.version import Version
-
-    return Version(version("megatron-core"))
-
-
-@functools.cache
-def core_since(release: str) -> bool:
-    """Whether the installed Megatron-Core is ``release`` or newer."""
-    from packaging.version import Version
-
-    return core_version() >= Version(release)
 
 
 def async_save_kwargs() -> dict:

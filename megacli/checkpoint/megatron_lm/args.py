@@ -33,7 +33,7 @@ def parse_args_defaults() -> Mapping[str, Any]:
     parse_args defines (enum defaults by member name): defaults.json, then for each later release up
     to the installed one, the fields it removed and its new or changed defaults (defaults_since.json),
     both written from checkouts by ``benchmarks/megatron_lm_args_check.py CHECKOUT --write-defaults``."""
-    from megacli.engine.core_compat import core_since
+    from megacli.core_release import core_since
 
     defaults = json.loads(_DEFAULTS_FILE.read_text())
     for release, change in sorted(json.loads(_DEFAULTS_SINCE_FILE.read_text()).items(),

@@ -8,7 +8,7 @@ import argparse
 from typing import Any
 
 from megacli.checkpoint.megatron_lm.args import POSITIONS, FLAGS, MEGATRON_ROPE_SCALING, parse_args_defaults
-from megacli.engine.core_compat import core_since
+from megacli.core_release import core_since
 from megacli.errors import UserError
 
 DROPPED_BY_VALIDATION = ("batch_size", "warmup", "model_parallel_size", "checkpoint_activations", "recompute_activations")
