@@ -278,11 +278,10 @@ class Batcher:
                 break
             budget -= self._prefill_part(slot, seq, done, budget)
         while len(self.running) + len(self.prefilling) < self.max_batch and budget > 0:
-            group = self._group(budget)
+            group, width = self._group(budget)
             if not group:
                 break
             seqs = [seq for _, seq in group]
-            width = max(map(self._to_compute, seqs))
             if len(group) == 1 and width > budget and not _wants_every_logit(seqs[0]):
                 slot, seq = group[0]
                 self.metrics.prompt_tokens += len(seq.ids)
@@ -318,22 +317,25 @@ class Batcher:
             self._alone(slot, seq, self._first, slot, seq, logits[0])
         return end - start
 
-    def _group(self, budget: int) -> list[tuple[int, Sequence]]:
+    def _group(self, budget: int) -> tuple[list[tuple[int, Sequence]], int]:
         """The next waiting sequences to prefill together, with their slots: consecutive free slots
         from the lowest, while the padded prompts fit ``budget`` tokens; a sequence that wants the
-        logits of every prompt token (echo with logprobs) goes alone."""
+        logits of every prompt token (echo with logprobs) goes alone. Also the group's width: the
+        most prompt tokens one of them computes."""
         free = [s for s in range(self.max_batch) if s not in self.running and s not in self.prefilling]
         group: list[tuple[int, Sequence]] = []
+        width = 0
         with self.wakeup:
             while self.waiting and len(group) < len(free) and free[len(group)] == free[0] + len(group):
                 seq = self.waiting[0]
-                width = max(map(self._to_compute, [seq] + [s for _, s in group]))
+                wider = max(width, self._to_compute(seq))
                 if group and (_wants_every_logit(seq) or _wants_every_logit(group[0][1])
-                              or width * (len(group) + 1) > budget):
+                              or wider * (len(group) + 1) > budget):
                     break
                 group.append((free[len(group)], self.waiting.popleft()))
+                width = wider
             self.metrics.queue_length = len(self.waiting)
-        return group
+        return group, width
 
     def _first(self, slot: int, seq: Sequence, logits: torch.Tensor) -> None:
         p = seq.params
