@@ -107,12 +107,37 @@ def _decode_all(root: Path, stops: dict) -> dict:
             if hook is not None:
                 hook.remove()
             if case == "greedy":
+                results["lean_vs_megatron"] = _lean_and_megatron_logits(model, tok.encode(PROMPTS[1]))
                 results["output_positions"] = seen
                 results["score"] = [r["logprob"] for r in gen.score(SCORE_TEXTS)["per_text"]]
                 results["greedy_alone"] = [gen.run_batch([p])[0].tokens for p in PROMPTS]  # no padding, no mask
         out[name] = results
     distributed.teardown()
     return out
+
+
+def _lean_and_megatron_logits(model, ids: list[int], steps: int = 3) -> dict:
+    """The logits of a prefill and ``steps`` greedy steps through megacli serve's cache, run with
+    the decode-time forwards (megacli.inference.lean) and with Megatron-Core's own; and the kinds
+    of module that had a decode-time forward."""
+    from megacli.inference.serve.slots import Slots
+
+    lean = {m: m.__dict__.pop("forward") for m in model.net.modules() if "forward" in m.__dict__}
+    runs = {}
+    try:
+        for name in ("megatron", "lean"):
+            if name == "lean":
+                for m, forward in lean.items():
+                    m.forward = forward
+            slots = Slots(model, max_batch=2, capacity=32)
+            logits = [slots.admit([1], [ids])[0]]
+            for _ in range(steps):
+                logits.append(slots.step({1: int(logits[-1].argmax())})[1])
+            runs[name] = torch.stack(logits)
+    finally:
+        for m, forward in lean.items():
+            m.forward = forward
+    return {**runs, "kinds": sorted({type(m).__name__ for m in lean})}
 
 
 def _prepare(rank, world, root: str):
@@ -159,6 +184,15 @@ def test_tp1_greedy_and_beam_search_equal_hugging_face(generated, name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
+def test_decode_time_forwards_equal_megatron_core_bit_for_bit(generated, name):
+    got = generated[2][name]["lean_vs_megatron"]
+    assert {"CachedRotarySelfAttention", "MLP", "TransformerLayer", "ColumnParallelLinear",
+            "RowParallelLinear"} <= set(got["kinds"]), got["kinds"]
+    assert torch.equal(got["lean"], got["megatron"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
 def test_decoding_computes_logits_of_the_last_position_only(generated, name):
     seen = generated[2][name]["output_positions"]
     assert seen == [1] * NEW, "the prefill as the steps after it: the output layer sees the last position alone"
@@ -194,6 +228,7 @@ def test_tp2_pp2_decodes_as_hugging_face(generated):
             for case in ("greedy", "beam", "beam_stop"):
                 assert ours[name][case] == refs[name][case], (rank, name, case)
             assert ours[name]["sample"] == results[0][name]["sample"]
+            assert torch.equal(ours[name]["lean_vs_megatron"]["lean"], ours[name]["lean_vs_megatron"]["megatron"])
 
 
 # ---------------------------------------------------------------- the command line

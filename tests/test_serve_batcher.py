@@ -38,7 +38,10 @@ class Slots:
         self.calls.append(("step", sorted(tokens)))
         if self.steps == self.fail_at:
             raise RuntimeError("the model broke")
-        return {s: self.logits(t) for s, t in tokens.items()}
+        rows = torch.zeros(max(tokens) + 1, VOCAB)  # row s for slot s, as megacli's Slots
+        for s, t in tokens.items():
+            rows[s] = self.logits(t)
+        return rows
 
     def cached_tokens(self, ids):
         return 0

@@ -22,11 +22,16 @@ def repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float)
     return logits.scatter(1, seen, picked)
 
 
+def penalized(presence: float, frequency: float, bias: dict[int, float]) -> bool:
+    """Whether OpenAI's presence or frequency penalty or a logit bias changes any logit."""
+    return bool(presence or frequency or bias)
+
+
 def openai_penalties(logits: torch.Tensor, generated: list[int], *, presence: float, frequency: float,
                      bias: dict[int, float]) -> torch.Tensor:
     """OpenAI's rule for one row [vocab]: each token's logit minus frequency x (times it was generated)
     and minus presence once it was generated at all, plus its logit_bias."""
-    if not (presence or frequency or bias):
+    if not penalized(presence, frequency, bias):
         return logits
     out = logits.float().clone()
     if generated and (presence or frequency):

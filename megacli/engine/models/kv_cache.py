@@ -25,7 +25,7 @@ class DecodeContext(StaticInferenceContext):
 
     def __init__(self, max_batch_size: int, max_sequence_length: int):
         super().__init__(max_batch_size, max_sequence_length)
-        self.rotary_cos_sin = {}  # id(rotary table) -> (positions, table, cos, sin) of the current step
+        self.rotary_cos_sin = {}  # id(rotary table) -> (positions, table, cos, signed sin) of the current step
         # [b, s] RoPE position of each row's tokens (a ragged batch: megacli serve), or None: the
         # cache columns sequence_len_offset.. are the positions of every row
         self.rope_positions: torch.Tensor | None = None
@@ -35,9 +35,10 @@ class DecodeContext(StaticInferenceContext):
 
 
 def _cos_sin(context, freqs: torch.Tensor, start: int, end: int, dtype):
+    """The cosines and the signed sines (``_rotate``'s) of the positions start..end of ``freqs``,
+    or of the context's per-row positions; computed once per step in a DecodeContext."""
     if not isinstance(context, DecodeContext):
-        part = freqs[start:end]
-        return part.cos().to(dtype), part.sin().to(dtype)
+        return _cos_signed_sin(freqs[start:end], dtype)
     rows = context.rope_positions
     where = (start, end) if rows is None else rows
     cached = context.rotary_cos_sin.get(id(freqs))
@@ -45,18 +46,33 @@ def _cos_sin(context, freqs: torch.Tensor, start: int, end: int, dtype):
             cached[0] is where or (rows is None and isinstance(cached[0], tuple) and cached[0] == where)):
         # freqs: [max_len, 1, 1, d]; per-row positions give [s, b, 1, d]
         part = freqs[start:end] if rows is None else freqs[rows.t()].squeeze(3)
-        context.rotary_cos_sin[id(freqs)] = cached = (where, freqs, part.cos().to(dtype), part.sin().to(dtype))
+        context.rotary_cos_sin[id(freqs)] = cached = (where, freqs, *_cos_signed_sin(part, dtype))
     return cached[2], cached[3]
 
 
-def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _cos_signed_sin(angles: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    sin = angles.sin().to(dtype)
+    half = sin.shape[-1] // 2
+    return angles.cos().to(dtype), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def _rotate(t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Megatron's non-interleaved RoPE (rope_utils._apply_rotary_pos_emb_bshd, mscale 1):
-    the first cos.shape[-1] features rotate by halves, the rest pass through."""
+    the first cos.shape[-1] features rotate by halves, the rest pass through. Its
+    x * cos + cat(-x2, x1) * sin, bit for bit, as x * cos + cat(x2, x1) * cat(-sin1, sin2): the
+    halves swapped by one roll, with the sign in the step's table, in fewer operations."""
     dim = cos.shape[-1]
     x, rest = t[..., :dim], t[..., dim:]
-    x1, x2 = x.chunk(2, dim=-1)
-    out = x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    out = x * cos + x.roll(dim // 2, dims=-1) * signed_sin
     return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+
+
+def plain_rope(config) -> bool:
+    """Whether ``CachedRotarySelfAttention`` rotates a static cache's keys and queries itself (then
+    Megatron's forward rotates nothing): RoPE, if any, neither interleaved, fused, YaRN-scaled nor
+    left to flash decoding."""
+    return not (config.flash_decode or config.rotary_interleaved or config.apply_rope_fusion
+                or _yarn_get_concentration_factor_from_config(config) != 1.0)
 
 
 class CachedRotarySelfAttention(SelfAttention):
@@ -82,10 +98,8 @@ class CachedRotarySelfAttention(SelfAttention):
     def _adjust_key_value_for_inference(self, inference_context, query, key, value, rotary_pos_emb, rotary_pos_cos=None,
                                         rotary_pos_sin=None, rotary_pos_cos_sin=None, sequence_len_offset=None, **kwargs):
         c = self.config
-        plain_rope = not (c.flash_decode or c.rotary_interleaved or c.apply_rope_fusion
-                          or _yarn_get_concentration_factor_from_config(c) != 1.0)
         static = inference_context is not None and inference_context.is_static_batching()
-        if not static or (rotary_pos_emb is not None and not plain_rope):
+        if not static or (rotary_pos_emb is not None and not plain_rope(c)):
             return super()._adjust_key_value_for_inference(inference_context, query, key, value, rotary_pos_emb,
                                                            rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin,
                                                            sequence_len_offset, **kwargs)
@@ -93,10 +107,10 @@ class CachedRotarySelfAttention(SelfAttention):
             q_pos, k_pos = rotary_pos_emb
             start = inference_context.sequence_len_offset
             end = start + key.size(0)
-            cos, sin = _cos_sin(inference_context, k_pos, start, end, key.dtype)
-            key = _rotate(key, cos, sin)
+            cos, signed_sin = _cos_sin(inference_context, k_pos, start, end, key.dtype)
+            key = _rotate(key, cos, signed_sin)
             if q_pos is k_pos:
-                query = _rotate(query, cos, sin)
+                query = _rotate(query, cos, signed_sin)
             else:
                 query = apply_rotary_pos_emb(query, q_pos[start:end], config=c, cp_group=self.pg_collection.cp)
         # Both rotated: Megatron's forward then applies no rotary embedding (None).

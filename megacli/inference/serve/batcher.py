@@ -160,6 +160,13 @@ def _wants_every_logit(seq: Sequence) -> bool:
     return seq.params.echo and seq.params.logprobs is not None
 
 
+def _plain_greedy(seq: Sequence) -> bool:
+    """Whether the sequence's next token is the argmax of the model's logits, as they come."""
+    p = seq.params
+    return (p.temperature == 0 and seq.constraint is None
+            and not sampling.penalized(p.presence_penalty, p.frequency_penalty, p.logit_bias))
+
+
 def _top(logp: torch.Tensor, k: int) -> dict[int, float]:
     values, ids = torch.topk(logp, k)
     return {int(i): float(v) for i, v in zip(ids, values)}
@@ -367,19 +374,28 @@ class Batcher:
                 seq.emit("token", Token(t, float(logp[i - 1, t]), _top(logp[i - 1], k) if k else None))
 
     def _step(self) -> None:
+        stepped = sorted(self.next_token)
         logits = self.lockstep.call("step", dict(self.next_token))
         self.metrics.steps += 1
-        for slot, row in logits.items():
-            self._alone(slot, self.running[slot], self._choose, slot, self.running[slot], row)
+        # every plain greedy choice of the step from one argmax, not one per sequence
+        greedy = logits.argmax(-1).tolist() if any(_plain_greedy(self.running[s]) for s in stepped) else None
+        for slot in stepped:
+            seq = self.running[slot]
+            pick = greedy[slot] if greedy is not None and _plain_greedy(seq) else None
+            self._alone(slot, seq, self._choose, slot, seq, logits[slot], pick)
         self.metrics.batch_size = len(self.running)
 
-    def _choose(self, slot: int, seq: Sequence, logits: torch.Tensor) -> None:
+    def _choose(self, slot: int, seq: Sequence, logits: torch.Tensor, greedy: int | None = None) -> None:
+        """The sequence's next token from its next-token logits (``greedy``: their argmax, when
+        already known)."""
         p = seq.params
         scores = sampling.openai_penalties(logits, seq.generated, presence=p.presence_penalty,
                                            frequency=p.frequency_penalty, bias=p.logit_bias)
         if seq.constraint is not None:
             scores = seq.constraint.allowed(scores)
-        if p.temperature == 0:
+        if greedy is not None:
+            token = greedy
+        elif p.temperature == 0:
             token = int(scores.argmax())
         else:
             token = int(sampling.choose(scores[None], temperature=p.temperature, top_k=p.top_k,

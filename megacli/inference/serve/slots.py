@@ -154,21 +154,20 @@ class Slots:
         memory = self.context.key_value_memory_dict
         return [memory[layer] for layer in sorted(memory)]
 
-    def step(self, tokens: dict[int, int]) -> dict[int, torch.Tensor]:
+    def step(self, tokens: dict[int, int]) -> torch.Tensor:
         """Feed each decoding slot its next token (``tokens``: slot -> id, every one of them once):
-        next-token logits [vocab] per slot. A slot still prefilling sits the step out."""
+        next-token logits [rows, vocab], row s for slot s (rows up to the last decoding slot; the
+        others' rows mean nothing). A slot still prefilling sits the step out."""
         busy = self.decoding()
         assert sorted(tokens) == busy, (sorted(tokens), busy)
         if self.clock == self.capacity:
             self._shift(-min(self.start[s] for s in self.busy()))
         b = busy[-1] + 1  # rows 0 .. the last decoding slot; other rows in between see only themselves
         dev = self.model.device
-        ids = torch.zeros(b, 1, dtype=torch.long)
-        positions = torch.zeros(b, 1, dtype=torch.long)
-        first = torch.full((b, 1), self.clock, dtype=torch.long)
+        ids, positions, first = [0] * b, [0] * b, [self.clock] * b
         for s in busy:
-            ids[s, 0], positions[s, 0], first[s, 0] = tokens[s], self.length[s], self.start[s]
-        ids, positions, first = ids.to(dev), positions.to(dev), first.to(dev)
+            ids[s], positions[s], first[s] = tokens[s], self.length[s], self.start[s]
+        ids, positions, first = (torch.tensor(v, dtype=torch.long, device=dev)[:, None] for v in (ids, positions, first))
         # attention reads the columns from the oldest busy sequence's first one to the clock
         oldest = min(self.start[s] for s in busy)
         mask = torch.arange(oldest, self.clock + 1, device=dev)[None, :] < first  # True = not this sequence's
@@ -183,7 +182,7 @@ class Slots:
         self.clock += 1
         for s in busy:
             self.length[s] += 1
-        return {s: logits[s] for s in busy}
+        return logits
 
     def ping(self) -> None:
         """Nothing: rank 0's sign of life while no request runs."""
