@@ -85,3 +85,12 @@ def test_empty_jsonl_warns_of_an_empty_dataset(tmp_path):
               "--workers", "0")
     assert out.returncode == 0, out.stderr
     assert "warning: the input held no documents" in " ".join(out.stderr.split())
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**32)])
+def test_a_seed_numpy_cannot_take_is_refused_before_anything_starts(seed, tmp_path):
+    recipe = tmp_path / "mock.yaml"
+    recipe.write_text("data:\n  mock: true\ntokenizer:\n  type: byte\n")
+    out = run("pretrain", str(recipe), "--dry-run", "--set", f"train.seed={seed}")
+    assert_clear_error(out, f"train.seed = {seed}")
+    assert run("pretrain", str(recipe), "--dry-run", "--set", f"train.seed={2**32 - 1}").returncode == 0

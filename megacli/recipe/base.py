@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Iterable, TypeVar
+from typing import Annotated, Any, Iterable, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from megacli.recipe import trust
 from megacli.recipe.yaml_text import AliasBomb, DuplicateKey, load_yaml_text, yaml_problem
@@ -91,6 +91,10 @@ class RecipeErrors(Exception):
 
 
 R = TypeVar("R", bound=BaseModel)
+
+# A seed every generator megacli seeds takes: numpy's legacy seeding (and Megatron's datasets, which
+# use it) refuses anything outside 0 .. 2**32 - 1.
+Seed = Annotated[int, Field(ge=0, le=2**32 - 1)]
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -10,7 +10,7 @@ from typing import ClassVar, Optional
 
 from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
 
-from megacli.recipe.base import RecipeError, Section
+from megacli.recipe.base import RecipeError, Section, Seed
 from megacli.recipe.pretrain import TrainingRecipe
 
 
@@ -56,7 +56,7 @@ class GenerateSection(Section):
     """More token ids that end a sequence."""
     stop_strings: list[str] = []
     """Strings that end a sequence (the text is cut before them)."""
-    seed: int = 1234
+    seed: Seed = 1234
     """Seed for sampling (the same seed gives the same text)."""
     batch_size: PositiveInt = 8
     """Prompts decoded together."""

@@ -7,7 +7,7 @@ from typing import Optional
 
 from pydantic import NonNegativeInt, PositiveInt, model_validator
 
-from megacli.recipe.base import RecipeError, Section
+from megacli.recipe.base import RecipeError, Section, Seed
 
 
 class HarnessSection(Section):
@@ -31,7 +31,7 @@ class HarnessSection(Section):
     add_bos: bool = False
     """Put the tokenizer's BOS token in front of every context (as Hugging Face tokenizers that
     add it themselves, e.g. Llama's, do under the harness's hf backend)."""
-    seed: int = 1234
+    seed: Seed = 1234
     """Seed of the harness's few-shot sampling and of sampled generation."""
 
     @model_validator(mode="after")

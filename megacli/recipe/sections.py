@@ -9,7 +9,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator, model_validator
 
-from megacli.recipe.base import RecipeError, Section
+from megacli.recipe.base import RecipeError, Section, Seed
 from megacli.recipe.slurm import SlurmSection
 
 
@@ -107,7 +107,7 @@ class TrainSection(Section):
     """Sequences per forward/backward pass on one data-parallel rank."""
     global_batch_size: PositiveInt = 32
     """Sequences per optimizer step across all data-parallel ranks."""
-    seed: int = 1234
+    seed: Seed = 1234
     """Seed of weight init, dropout and data order (the same seed gives the same init in any layout)."""
     eval_interval: Optional[NonNegativeInt] = 100
     """Evaluate every this many steps (and at the end); 0 or null = never."""
