@@ -110,6 +110,15 @@ class RecipeRotary(RotaryEmbedding):
 class RecipeRopeMLASelfAttention(MLASelfAttention):
     """Megatron-Core's MLASelfAttention whose rotary embedding is the recipe's (see the module doc)."""
 
+    def _resolve_qk_norm_config(self, submodules) -> dict:
+        """The spec's projections and latent norms as they are (Megatron-Core 0.19 asks this): the
+        compressed keys' and values' norm always, the compressed query's with a q_lora_rank, no
+        norm fused into a projection, as DeepSeek's models have them. Megatron-Core's own rule ties
+        them to qk_layernorm and, without a q_lora_rank, fuses a query norm into linear_q_proj."""
+        return {"linear_q_proj": submodules.linear_q_proj, "linear_q_up_proj": submodules.linear_q_up_proj,
+                "linear_kv_up_proj": submodules.linear_kv_up_proj, "q_layernorm": submodules.q_layernorm,
+                "kv_layernorm": submodules.kv_layernorm}
+
     def __init__(self, *args, inv_freq: torch.Tensor, rope_factor: float, **kwargs):
         super().__init__(*args, **kwargs)
         self.rotary_pos_emb = RecipeRotary(self.config.qk_pos_emb_head_dim, inv_freq=inv_freq, factor=rope_factor,

@@ -114,6 +114,7 @@ class Metrics:
         self.queue_length = 0
         self.batch_size = 0
         self.steps = 0
+        self.prefills = 0
         self._recent: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens) of recent steps
 
     def tokens_done(self, n: int) -> None:
@@ -143,6 +144,8 @@ class Metrics:
                 ("prompt_tokens_total", "counter", "Prompt tokens prefilled.", self.prompt_tokens),
                 ("generated_tokens_total", "counter", "Tokens generated.", self.generated_tokens),
                 ("decode_steps_total", "counter", "Batched decoding steps run.", self.steps),
+                ("prefills_total", "counter", "Prefill forwards run (prompts prefilled together count once; a prompt "
+                 "prefilled in parts, once per part).", self.prefills),
                 ("cancelled_total", "counter", "Sequences stopped early because their client went away.", self.cancelled),
                 ("cache_shifts_total", "counter", "Times the KV cache's columns were moved to make room.",
                  self.cache.shifts if self.cache is not None else 0),
@@ -299,6 +302,7 @@ class Batcher:
                 self.metrics.prompt_tokens += len(seq.ids)
             logits = self.lockstep.call("admit", [slot for slot, _ in group], [seq.ids for seq in seqs],
                                         all_logits=_wants_every_logit(seqs[0]))
+            self.metrics.prefills += 1
             budget -= len(group) * width
             for (slot, seq), row in zip(group, logits):
                 self._alone(slot, seq, self._first, slot, seq, row)
@@ -316,6 +320,7 @@ class Batcher:
         end = min(len(seq.ids), start + budget)
         part = end < len(seq.ids)
         logits = self.lockstep.call("admit", [slot], [seq.ids[:end]], partial=[part])
+        self.metrics.prefills += 1
         if part:
             self.prefilling[slot] = (seq, end)
         else:
