@@ -219,3 +219,4 @@ def test_a_prompt_longer_than_the_budget_is_prefilled_in_parts_between_decoding_
     assert slots.calls[:8] == [("admit", [1], None), ("admit", [3], [True]), ("step", [0]), ("admit", [7], [True]),
                                ("step", [0]), ("admit", [10], [False]), ("step", [0, 1]), ("step", [0, 1])]
     assert long.generated == [2, 3, 4] and len(running.generated) == 8
+    assert batcher.metrics.prefills == sum(call[0] == "admit" for call in slots.calls) == 4
