@@ -135,6 +135,7 @@ def megatron_side(args, size: str) -> dict:
 
     from megacli.engine.models.config import transformer_config  # what megacli trains: config and layers
     from megacli.engine.models.gpt import gpt_block_spec
+    from megacli.launch import free_port
     from megacli.recipe.model import padded_vocab_size
 
     recipe = load_recipe(args, size)
@@ -270,14 +271,6 @@ def pytorch_side(args, size: str) -> dict:
 
 
 # ---------------------------------------------------------------- helpers and the driver
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def timed_steps(one_step, args, cuda: bool) -> list[float]:
