@@ -142,7 +142,7 @@ def _start(checkout: str) -> None:
     stub = types.ModuleType("megatron.core.transformer.custom_layers.batch_invariant_kernels")
     stub.enable_batch_invariant_mode = lambda *a, **k: None
     sys.modules[stub.__name__] = stub
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29531")
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 
     import torch
 
@@ -156,7 +156,8 @@ def _start(checkout: str) -> None:
     torch.cuda.set_rng_state = lambda state, *a, **k: None if state is None else set_device_rng(state, *a, **k)
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    # one process: an in-memory store, no port another run could hold
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
 
 
 def _megatron_argv(ckpt: str, saved, ckpt_format: str) -> list[str]:
@@ -171,6 +172,9 @@ def _megatron_argv(ckpt: str, saved, ckpt_format: str) -> list[str]:
             # --use-checkpoint-args restores neither the norms' epsilon nor the bias-GeLU fusion (on by
             # default, the tanh approximation: megacli's args turn it off but for gelu_tanh)
             "--norm-epsilon", str(saved.layernorm_epsilon),
+            # nor the precision: without it a bf16 run's model is built in fp32, and loading the
+            # distributed optimizer's state then copies its fp32 main parameters into it
+            *(["--bf16"] if getattr(saved, "bf16", False) else ["--fp16"] if getattr(saved, "fp16", False) else []),
             *([] if getattr(saved, "bias_gelu_fusion", True) else ["--no-bias-gelu-fusion"]),
             # the run's training schedule, as the checkpoint's args record it (Megatron-LM checks it on load)
             *[x for name in _SCHEDULE if getattr(saved, name) is not None

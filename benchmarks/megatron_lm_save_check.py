@@ -83,7 +83,7 @@ def megatron_lm(checkout: str, out: Path, extra: list[str]) -> None:
     stub.enable_batch_invariant_mode = lambda *a, **k: None
     sys.modules[stub.__name__] = stub
     _installed_dataset_helpers(checkout)
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 
     import torch
 
@@ -92,7 +92,8 @@ def megatron_lm(checkout: str, out: Path, extra: list[str]) -> None:
     cpu.enable()
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    # one process: an in-memory store, no port another run could hold
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     sys.argv = ["pretrain_gpt.py", *MODEL, *CPU, "--save", str(out / "ckpt"), "--save-interval", str(SAVE_AT), *extra]
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
