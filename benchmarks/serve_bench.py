@@ -2,7 +2,7 @@
 throughput, latency (p50, p99) and time to first token (p50, p99) per row, with the machine's
 1-minute load average measured beside every row.
 
-    python benchmarks/serve_bench.py --against transformers [--workdir DIR] [--hidden 256] [--layers 4] [--repeats 3] [--tiny]
+    python benchmarks/serve_bench.py --against transformers [--workdir DIR] [--hidden 256] [--layers 4] [--repeats 5] [--tiny]
 
 Sides: `transformers serve --continuous-batching` (paged attention) on the Hugging Face directory,
 `megacli serve` on the same model converted with `megacli convert`, once with its prefix cache
@@ -143,7 +143,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--system-tokens", type=int, default=960, help="shared-prefix row: the system prompt's length")
-    ap.add_argument("--repeats", type=int, default=3, help="runs of each row per side (the median is printed)")
+    ap.add_argument("--repeats", type=int, default=5, help="runs of each row per side (the median is printed)")
     ap.add_argument("--tiny", action="store_true", help="a few requests on a tiny model (the test)")
     args = ap.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="megacli-serve-bench-"))
