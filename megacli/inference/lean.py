@@ -89,7 +89,7 @@ def _dense_mlp(mlp, hidden_states, per_token_scale=None, **rest):
     return mlp.linear_fc2(out)
 
 
-def lean_attention(net) -> None:
+def lean_attention_and_mlp(net) -> None:
     """Give every cached-rotary self-attention with plain RoPE (or none) and every dense MLP without
     fused activations of an inference-only model the lean forward."""
     from megatron.core.transformer.mlp import MLP

@@ -110,14 +110,14 @@ class Model:
         by the training steps after)."""
         from megatron.core import parallel_state as ps
 
-        from megacli.inference.lean import lean_attention, lean_layers, lean_linears
+        from megacli.inference.lean import lean_attention_and_mlp, lean_layers, lean_linears
 
         self.recipe, self.device = recipe, runtime.device
         self.vocab_size = vocab_size  # as training sized it: model.vocab_size, else the tokenizer's
         if net is None:
             self.net, self.config, self.checkpoint = load_for_decoding(recipe, runtime, vocab_size=vocab_size)
             lean_linears(self.net)
-            lean_attention(self.net)
+            lean_attention_and_mlp(self.net)
             lean_layers(self.net)
             self._no_grad = torch.inference_mode
         else:

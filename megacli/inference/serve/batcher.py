@@ -300,13 +300,18 @@ class Batcher:
             for slot, seq in group:
                 self.running[slot] = seq
                 self.metrics.prompt_tokens += len(seq.ids)
-            logits = self.lockstep.call("admit", [slot for slot, _ in group], [seq.ids for seq in seqs],
-                                        all_logits=_wants_every_logit(seqs[0]))
-            self.metrics.prefills += 1
+            logits = self._prefill([slot for slot, _ in group], [seq.ids for seq in seqs],
+                                   all_logits=_wants_every_logit(seqs[0]))
             budget -= len(group) * width
             for (slot, seq), row in zip(group, logits):
                 self._alone(slot, seq, self._first, slot, seq, row)
         self.metrics.batch_size = len(self.running)
+
+    def _prefill(self, slots: list[int], prompts: list[list[int]], **options) -> list[torch.Tensor]:
+        """One prefill forward on every rank (``Slots.admit``), counted."""
+        logits = self.lockstep.call("admit", slots, prompts, **options)
+        self.metrics.prefills += 1
+        return logits
 
     def _to_compute(self, seq: Sequence) -> int:
         """The prompt tokens a prefill computes: those the prefix cache does not hold."""
@@ -319,8 +324,7 @@ class Batcher:
         start = max(done, len(seq.ids) - self._to_compute(seq))
         end = min(len(seq.ids), start + budget)
         part = end < len(seq.ids)
-        logits = self.lockstep.call("admit", [slot], [seq.ids[:end]], partial=[part])
-        self.metrics.prefills += 1
+        logits = self._prefill([slot], [seq.ids[:end]], partial=[part])
         if part:
             self.prefilling[slot] = (seq, end)
         else:
@@ -383,11 +387,11 @@ class Batcher:
         logits = self.lockstep.call("step", dict(self.next_token))
         self.metrics.steps += 1
         # every plain greedy choice of the step from one argmax, not one per sequence
-        greedy = logits.argmax(-1).tolist() if any(_plain_greedy(self.running[s]) for s in stepped) else None
+        plain = [s for s in stepped if _plain_greedy(self.running[s])]
+        greedy = dict(zip(plain, logits[plain].argmax(-1).tolist())) if plain else {}
         for slot in stepped:
             seq = self.running[slot]
-            pick = greedy[slot] if greedy is not None and _plain_greedy(seq) else None
-            self._alone(slot, seq, self._choose, slot, seq, logits[slot], pick)
+            self._alone(slot, seq, self._choose, slot, seq, logits[slot], greedy.get(slot))
         self.metrics.batch_size = len(self.running)
 
     def _choose(self, slot: int, seq: Sequence, logits: torch.Tensor, greedy: int | None = None) -> None:
