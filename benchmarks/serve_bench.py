@@ -74,6 +74,19 @@ def start_server(workdir: Path, max_batch: int, extra: list[str] = (), log: Path
     return proc, url
 
 
+def _ready(side: tuple[subprocess.Popen, str], start, log: Path, tries: int = 3) -> tuple[subprocess.Popen, str]:
+    """The started ``side`` once it answers; started again (``start(log)``, on a new free port) when
+    another process took its port between free_port and the server binding it."""
+    for attempt in range(tries):
+        try:
+            _wait_ready(*side)
+            return side
+        except SystemExit:
+            if attempt == tries - 1 or "address already in use" not in log.read_text(errors="replace"):
+                raise
+            side = start(log)
+
+
 def start_transformers(workdir: Path, max_batch: int, log: Path | None = None) -> tuple[subprocess.Popen, str]:
     """`transformers serve --continuous-batching` on the Hugging Face directory (not waited for)."""
     port = free_port()
@@ -155,14 +168,15 @@ def main() -> None:
     rows = TINY_ROWS if args.tiny else ROWS
     shared_clients, system_tokens = (4, 48) if args.tiny else (32, args.system_tokens)
     max_batch = max(c for c, _, _ in rows + [(shared_clients, 0, 0)])
-    sides = {"megacli": start_server(workdir, max_batch, log=workdir / "megacli.log", wait=False),
-             "megacli, no prefix cache": start_server(workdir, max_batch, ["--no-prefix-cache"],
-                                                      log=workdir / "nocache.log", wait=False)}
+    starts = {"megacli": (lambda log: start_server(workdir, max_batch, log=log, wait=False), workdir / "megacli.log"),
+              "megacli, no prefix cache": (lambda log: start_server(workdir, max_batch, ["--no-prefix-cache"], log=log,
+                                                                    wait=False), workdir / "nocache.log")}
     if args.against == "transformers":
-        sides["transformers"] = start_transformers(workdir, max_batch, log=workdir / "transformers.log")
+        starts["transformers"] = (lambda log: start_transformers(workdir, max_batch, log=log), workdir / "transformers.log")
+    sides = {name: start(log) for name, (start, log) in starts.items()}  # started together, ready one after the other
     try:
-        for proc, url in sides.values():  # started together, ready one after the other
-            _wait_ready(proc, url)
+        for name, (start, log) in starts.items():
+            sides[name] = _ready(sides[name], start, log)
         print(f"model: random Llama, hidden {hidden}, {layers} layers, fp32; greedy, streamed; {os.cpu_count()} cores "
               f"shared (torch threads: transformers all, megacli all but one); sides run back to back per row, "
               f"median of {repeats}", flush=True)
