@@ -108,6 +108,8 @@ def _decode_all(root: Path, stops: dict) -> dict:
                 hook.remove()
             if case == "greedy":
                 results["lean_vs_megatron"] = _lean_and_megatron_logits(model, tok.encode(PROMPTS[1]))
+                if world == 1:
+                    results["moved"] = _moved_and_alone_logits(model, tok.encode(PROMPTS[2]), tok.encode(PROMPTS[3]))
                 results["output_positions"] = seen
                 results["score"] = [r["logprob"] for r in gen.score(SCORE_TEXTS)["per_text"]]
                 results["greedy_alone"] = [gen.run_batch([p])[0].tokens for p in PROMPTS]  # no padding, no mask
@@ -138,6 +140,45 @@ def _lean_and_megatron_logits(model, ids: list[int], steps: int = 3) -> dict:
         for m, forward in lean.items():
             m.forward = forward
     return {**runs, "kinds": sorted({type(m).__name__ for m in lean})}
+
+
+def _moved_and_alone_logits(model, short: list[int], long: list[int]) -> dict:
+    """Greedy logits of two prompts decoded together through megacli serve's cache, and of each
+    decoded alone. The long prompt joins two steps after the short one, so the cached columns move
+    right; it leaves two steps later, and the short one decodes on until the clock reaches the end
+    of the cache, so they move left."""
+    from megacli.inference.serve.slots import Slots
+
+    capacity = len(long) + 6
+    slots = Slots(model, max_batch=2, capacity=capacity)
+    together = {0: [slots.admit([0], [short])[0]]}
+    for _ in range(2):
+        together[0].append(slots.step({0: int(together[0][-1].argmax())})[0])
+    assert len(long) > slots.clock
+    together[1] = [slots.admit([1], [long])[0]]
+    for _ in range(2):
+        logits = slots.step({s: int(together[s][-1].argmax()) for s in (0, 1)})
+        for s in (0, 1):
+            together[s].append(logits[s])
+    slots.release(1)
+    while slots.shifts < 2 and len(together[0]) < 4 * capacity:
+        together[0].append(slots.step({0: int(together[0][-1].argmax())})[0])
+    for _ in range(2):  # after the move left
+        together[0].append(slots.step({0: int(together[0][-1].argmax())})[0])
+    shifts = slots.shifts
+
+    def alone(ids: list[int], steps: int) -> torch.Tensor:
+        slots = Slots(model, max_batch=2, capacity=4 * capacity)
+        logits = [slots.admit([0], [ids])[0]]
+        for _ in range(steps):
+            logits.append(slots.step({0: int(logits[-1].argmax())})[0])
+        assert slots.shifts == 0
+        return torch.stack(logits)
+
+    return {"shifts": shifts,
+            **{f"{name}_together": torch.stack(together[s]) for s, name in ((0, "short"), (1, "long"))},
+            **{f"{name}_alone": alone(ids, len(together[s]) - 1)
+               for s, name, ids in ((0, "short", short), (1, "long", long))}}
 
 
 def _prepare(rank, world, root: str):
@@ -189,6 +230,17 @@ def test_decode_time_forwards_equal_megatron_core_bit_for_bit(generated, name):
     assert {"CachedRotarySelfAttention", "MLP", "TransformerLayer", "ColumnParallelLinear",
             "RowParallelLinear"} <= set(got["kinds"]), got["kinds"]
     assert torch.equal(got["lean"], got["megatron"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_moving_the_cache_columns_changes_no_sequence(generated, name):
+    """megacli serve's cache moves every sequence's columns right when a longer prompt joins and
+    left when the clock reaches its end: each sequence's logits stay those it gets alone."""
+    got = generated[2][name]["moved"]
+    assert got["shifts"] == 2, "one move right, one move left"
+    for which in ("short", "long"):
+        torch.testing.assert_close(got[f"{which}_together"], got[f"{which}_alone"], rtol=0, atol=1e-5)
 
 
 @pytest.mark.slow

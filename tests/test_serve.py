@@ -493,12 +493,11 @@ def test_32_concurrent_clients_get_what_each_gets_alone(servers):
             return await asyncio.wait_for(asyncio.gather(*(_send(client, body) for body in requests)), timeout=120)
 
     expected = asyncio.run(alone())
-    steps, tokens, shifts = (server.metric(m) for m in ("decode_steps_total", "generated_tokens_total", "cache_shifts_total"))
+    steps, tokens = server.metric("decode_steps_total"), server.metric("generated_tokens_total")
     got = asyncio.run(together())
     assert got == expected
     steps, tokens = server.metric("decode_steps_total") - steps, server.metric("generated_tokens_total") - tokens
     assert tokens >= 200 and steps < tokens / 3, (steps, tokens)  # decoded in batches, not one by one
-    assert server.metric("cache_shifts_total") > shifts, "the cache's columns moved while sequences ran"
     assert len({t for t, body in zip(got, requests) if body["temperature"]}) > 10, "sampled texts differ by seed"
 
 
