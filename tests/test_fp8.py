@@ -106,3 +106,62 @@ def test_unaligned_token_counts_pad_the_products():
     assert not aligned(*layout(cp=4))  # 32 tokens over 4 context-parallel ranks: 8 a rank
     assert aligned(*layout(cp=2))
     assert fp8.torchao_config("tensorwise", emulate=True, pad_tokens=True).pad_inner_dim
+
+
+def _sequence_parallel_column_linear(rank, world):
+    """One column-parallel FP8 linear under sequence parallelism on 2 gloo ranks, and the same
+    product on the whole sequence and weight in this process: whether the gathered sequence
+    outlived the forward pass, and the gradients of both."""
+    import weakref
+
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    from megacli.backend import cpu
+
+    cpu.enable()
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)  # the same tensors on both ranks
+    sequence, weight, upstream = torch.randn(32, 2, 64), torch.randn(96, 64), torch.randn(32, 2, 96)
+    config = fp8.torchao_config("rowwise", emulate=True)
+    mm_config = fp8._mm_config(config)
+
+    def run(inputs, weights, grads, **parallel):
+        inputs, weights = inputs.clone().requires_grad_(), weights.clone().requires_grad_()
+        out = fp8.fp8_linear(inputs, weights, None, False, False, config=config, mm_config=mm_config, plain=None,
+                             **parallel)
+        out.backward(grads)
+        return inputs.grad, weights.grad
+
+    whole = run(sequence, weight, upstream, sequence_parallel=False)
+    gathered = []
+    plain_gather = mappings.gather_from_sequence_parallel_region
+
+    def gather(*args, **kwargs):
+        out = plain_gather(*args, **kwargs)
+        gathered.append(weakref.ref(out))
+        return out
+
+    mappings.gather_from_sequence_parallel_region = gather
+    try:
+        inputs = sequence.chunk(world)[rank].clone().requires_grad_()
+        weights = weight.chunk(world)[rank].clone().requires_grad_()
+        out = fp8.fp8_linear(inputs, weights, None, False, False, True, tp_group=dist.group.WORLD, config=config,
+                             mm_config=mm_config, plain=None)
+        outlived = gathered[0]() is not None
+        out.backward(upstream.chunk(world, dim=-1)[rank])
+    finally:
+        mappings.gather_from_sequence_parallel_region = plain_gather
+    return {"outlived": outlived, "input_grad": (inputs.grad, whole[0].chunk(world)[rank]),
+            "weight_grad": (weights.grad, whole[1].chunk(world)[rank])}
+
+
+def test_sequence_parallel_fp8_keeps_only_this_ranks_part_of_the_sequence():
+    """Under sequence parallelism the backward pass gathers the sequence again, as Megatron's own
+    linear does, so the forward keeps 1/TP of it; the gradients are the whole product's."""
+    from tests._dist import spawn
+
+    for got in spawn(_sequence_parallel_column_linear, 2):
+        assert not got["outlived"], "the gathered sequence was kept for the backward pass"
+        for name in ("input_grad", "weight_grad"):
+            torch.testing.assert_close(*got[name], rtol=1e-5, atol=1e-5, msg=name)

@@ -6,8 +6,10 @@ Each linear that takes FP8 keeps its module, weight and state dict; only the mat
 run their autograd function) changes. The tensor-parallel communication around it is Megatron's
 own: the sequence-parallel all-gather (reduce-scatter of the gradient) or the copy whose gradient
 is all-reduced, then torchao's FP8 autograd function (input and weight cast to float8 with dynamic
-scales; in the backward pass the output gradient too). The weight gradient reaches the parameter's
-main_grad through Megatron DDP's hook, as on Megatron's path without gradient-accumulation fusion.
+scales; in the backward pass the output gradient too). Under sequence parallelism the backward
+pass gathers this rank's part of the input again, as Megatron's does, rather than keeping it
+whole. The weight gradient reaches the parameter's main_grad through Megatron DDP's hook, as on
+Megatron's path without gradient-accumulation fusion.
 The master weights, the optimizer and checkpoints are those of a bf16 run, so FP8 can be turned on
 or off at a resume.
 
@@ -161,12 +163,42 @@ def fp8_linear(input, weight, bias, gradient_accumulation_fusion, allreduce_dgra
                                                         gather_from_sequence_parallel_region)
     from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
 
+    kept = contextlib.nullcontext()
     if sequence_parallel:  # all-gather the sequence; the input gradient is reduce-scattered
+        local = input
         input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
+        kept = _kept_as_local(input, local, tp_group)
     elif allreduce_dgrad:  # the input gradient is all-reduced over the tensor-parallel group
         input = copy_to_tensor_model_parallel_region(input, group=tp_group)
-    output = matmul_with_hp_or_float8_args.apply(input, weight.t(), mm_config, config)
+    with kept:
+        output = matmul_with_hp_or_float8_args.apply(input, weight.t(), mm_config, config)
     return output + bias if bias is not None else output
+
+
+class _Local:
+    """What autograd keeps of a gathered sequence: this rank's part."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+def _kept_as_local(gathered: torch.Tensor, local: torch.Tensor, group):
+    """Inside the block, autograd keeps ``local`` (this rank's part of the sequence) where it would
+    keep ``gathered`` (the whole sequence) for the backward pass, which gathers it again: activation
+    memory divided by the tensor-parallel size, as in Megatron's own sequence-parallel linear."""
+    import weakref
+
+    from megatron.core.tensor_parallel.mappings import _gather_along_first_dim
+
+    gathered = weakref.ref(gathered)  # autograd keeps the hooks with what they saved
+
+    def pack(tensor):
+        return _Local(local) if tensor is gathered() else tensor
+
+    def unpack(saved):
+        return _gather_along_first_dim(saved.tensor, group) if isinstance(saved, _Local) else saved
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
 def describe(chunks, choice: str, *, emulate: bool, pad_tokens: bool) -> str | None:
