@@ -28,6 +28,11 @@ def test_recipe_that_is_not_utf8(cmd, tmp_path):
     assert_clear_error(run(cmd, str(recipe)), str(recipe), "line 2: not UTF-8 text (byte 0xe9")
 
 
+@pytest.mark.parametrize("cmd", ["pretrain", "generate"])
+def test_a_directory_given_as_the_recipe(cmd, tmp_path):
+    assert_clear_error(run(cmd, str(tmp_path)), f"invalid recipe {tmp_path}: a directory, not a YAML recipe file")
+
+
 def test_empty_recipe_names_no_data(tmp_path):
     recipe = tmp_path / "empty.yaml"
     recipe.write_text("")

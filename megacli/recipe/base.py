@@ -142,6 +142,8 @@ def apply_overrides(raw: dict, overrides: Iterable[str]) -> dict:
 def read_yaml(path: str | Path) -> dict:
     """A recipe file's raw mapping; a checkpoint's without the trust it claims (megacli.recipe.trust)."""
     path = Path(path)
+    if path.is_dir():
+        raise RecipeErrors(str(path), ["a directory, not a YAML recipe file"])
     if not path.is_file():
         raise RecipeErrors(str(path), ["file not found"])
     try:
