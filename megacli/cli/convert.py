@@ -16,7 +16,8 @@ PathsArg = Annotated[Optional[List[str]], typer.Argument(metavar="[RECIPE | SRC 
     help="RECIPE (YAML with a convert: section), or SRC DST, or PATH with --print-structure.", show_default=False)]
 
 
-@app.command(help="Convert checkpoints: Hugging Face ⇄ megacli (GPT-2, Llama, Mistral, Qwen2) at any TP/PP, "
+@app.command(help="Convert checkpoints: Hugging Face ⇄ megacli (GPT-2, Llama, Mistral, Qwen2/3, Mixtral, "
+                  "Qwen-MoE, OLMo 2, Phi-3, Gemma 2/3, DeepSeek V2/V3, BERT, T5) at any TP/PP, "
                   "Megatron-LM (legacy, torch_dist) -> either, HF or megacli -> Megatron-LM torch_dist (--to megatron); "
                   "--print-structure lists any checkpoint's tensors.")
 @guarded
