@@ -33,6 +33,19 @@ def test_a_directory_given_as_the_recipe(cmd, tmp_path):
     assert_clear_error(run(cmd, str(tmp_path)), f"invalid recipe {tmp_path}: a directory, not a YAML recipe file")
 
 
+def test_a_dry_run_notes_every_missing_file_a_run_refuses(tmp_path):
+    sets = ["--set", f"data.path={tmp_path / 'corpus'}", "--set", "tokenizer.type=huggingface",
+            "--set", f"tokenizer.path={tmp_path / 'tok'}", "--set", "model.vocab_size=4096", "--set", f"run.dir={tmp_path / 'run'}"]
+    missing = [f"data prefix '{tmp_path / 'corpus'}': missing {tmp_path / 'corpus.bin'} and {tmp_path / 'corpus.idx'}",
+               f"tokenizer.path '{tmp_path / 'tok'}' does not exist"]
+    out = run("pretrain", "--dry-run", *sets)
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())
+    assert all(f"note: a run would refuse this: {m}" in text for m in missing), text[-1000:]
+    assert_clear_error(run("pretrain", *sets), missing[0])
+    assert not (tmp_path / "run").exists()
+
+
 def test_empty_recipe_names_no_data(tmp_path):
     recipe = tmp_path / "empty.yaml"
     recipe.write_text("")

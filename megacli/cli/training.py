@@ -28,6 +28,7 @@ def run_training_job(job: str, recipe_path: Path | None, overrides: list[str], d
 
             check_sources(recipe)
         print_plan(recipe)
+        _say_missing_files(recipe)
         return
     from megacli import launch, rundir
 
@@ -66,23 +67,46 @@ def _run(job: str, recipe, job_id: str) -> None:
                           timeout_minutes=ln.timeout_minutes)
 
 
-def check_inputs(recipe) -> None:
-    """Fail before starting workers when a named file is missing."""
-    from megacli.errors import UserError
+def missing_files(recipe) -> list[str]:
+    """What is wrong with each file the recipe names that does not exist: indexed data prefixes,
+    instruction data, pretrained weights, the tokenizer."""
     from megacli.paths import shown
 
+    problems = []
     named = {f"data.valid.{name}": prefix for name, prefix in recipe.data.named_valid.items()}
     for field, prefix in [("data prefix", p) for p in recipe.data.prefixes] + list(named.items()):
         missing = [p for p in (prefix + ".bin", prefix + ".idx") if not Path(p).is_file()]
         if missing:
-            raise UserError(f"{field} {shown(prefix)}: missing {' and '.join(missing)} "
+            problems.append(f"{field} {shown(prefix)}: missing {' and '.join(missing)} "
                             f"(build it with `megacli preprocess`; the prefix is the path without .bin/.idx)")
     sft = getattr(recipe, "sft", None)
     files = [("sft data", sft.train), ("sft data", sft.valid_file),
              *((f"sft.valid.{name}", path) for name, path in sft.named_valid.items())] if sft else []
-    for field, path in files:
-        if path and not Path(path).is_file():
-            raise UserError(f"{field} {shown(path)} does not exist")
+    problems += [f"{field} {shown(path)} does not exist" for field, path in files if path and not Path(path).is_file()]
+    ck = recipe.checkpoint
+    if ck.pretrained and not Path(ck.pretrained).exists():
+        problems.append(f"checkpoint.pretrained {shown(ck.pretrained)} does not exist")
+    tok = recipe.tokenizer
+    if tok.type in ("huggingface", "sentencepiece", "wordpiece") and not Path(tok.path).exists():
+        problems.append(f"tokenizer.path {shown(tok.path)} does not exist")
+    return problems
+
+
+def _say_missing_files(recipe) -> None:
+    """--dry-run: the files a run would stop at (a dry run plans without them)."""
+    from megacli.cli.common import output_console
+
+    for problem in missing_files(recipe):
+        output_console().print(f"note: a run would refuse this: {problem}", soft_wrap=True, markup=False, highlight=False)
+
+
+def check_inputs(recipe) -> None:
+    """Fail before starting workers when a named file is missing or malformed."""
+    from megacli.errors import UserError
+
+    problems = missing_files(recipe)
+    if problems:
+        raise UserError(problems[0])
     pref = getattr(recipe, "preference", None)
     if pref is not None:
         from megacli.data.preference import read_pairs
@@ -90,17 +114,11 @@ def check_inputs(recipe) -> None:
         for path in [pref.train, pref.valid_file, *pref.named_valid.values()]:
             if path:
                 read_pairs(path)  # a malformed pair stops the run here, named by file:line
-    ck = recipe.checkpoint
-    if ck.pretrained and not Path(ck.pretrained).exists():
-        raise UserError(f"checkpoint.pretrained {shown(ck.pretrained)} does not exist")
-    _check_pickles(ck)
+    _check_pickles(recipe.checkpoint)
     if recipe.eval is not None:
         from megacli.inference.evaluate import check_tasks
 
         check_tasks(recipe.eval)  # the harness is installed, the tasks are known and their data loads
-    tok = recipe.tokenizer
-    if tok.type in ("huggingface", "sentencepiece", "wordpiece") and not Path(tok.path).exists():
-        raise UserError(f"tokenizer.path {shown(tok.path)} does not exist")
     if recipe.data.on_the_fly:
         from megacli.data.stream import check_sources
 
