@@ -2,8 +2,8 @@
 families against Hugging Face on tiny random models whose features are all on (windows of 5 over
 16-token sequences, alternating local/global layers, soft-caps, sandwich norms, scaled embeddings,
 q/k norms, a local RoPE base): logits at TP=1 and at TP=2 x PP=2 over 3 layers (uneven stages),
-greedy generation through the KV cache past the window, HF -> megacli -> HF bitwise. Plus the
-recipe rules and the masks' definition."""
+greedy generation through the KV cache past the window (generate's and megacli serve's),
+HF -> megacli -> HF bitwise. Plus the recipe rules and the masks' definition."""
 
 from __future__ import annotations
 
@@ -77,6 +77,36 @@ def _greedy(ckpt: Path, runtime, *, use_cache: bool):
     return tokens, rows
 
 
+def _served_greedy(ckpt: Path, runtime) -> dict:
+    """The two prompts greedily decoded through megacli serve's cache (``Slots``), as its batcher
+    runs them: the second joins two steps after the first, each leaves when done, and the cache is
+    one column short of holding both, so the columns move left before the second is done."""
+    from megacli.inference.runner import Model
+    from megacli.inference.serve.slots import Slots, check_servable
+    from megacli.recipe import base
+    from megacli.recipe.generate import GenerateRecipe
+
+    raw = base.read_yaml(ckpt / "iter_0000000" / "recipe.yaml")
+    raw["launch"].update(nproc=1, device="cpu")
+    raw["train"]["global_batch_size"] = raw["train"]["micro_batch_size"]
+    recipe = base.validate(GenerateRecipe, {**raw, "generate": {"checkpoint": str(ckpt)}}, "test")
+    model = Model(recipe, runtime, vocab_size=recipe.model.vocab_size)
+    check_servable(model)
+    first, second = _prompts()
+    slots = Slots(model, max_batch=2, capacity=len(first) + NEW)
+    tokens = {0: [int(slots.admit([0], [first])[0].argmax())]}
+    for _ in range(2):
+        tokens[0].append(int(slots.step({0: tokens[0][-1]})[0].argmax()))
+    tokens[1] = [int(slots.admit([1], [second])[0].argmax())]
+    while running := [s for s in (0, 1) if slots.start[s] is not None]:
+        logits = slots.step({s: tokens[s][-1] for s in running})
+        for s in running:
+            tokens[s].append(int(logits[s].argmax()))
+            if len(tokens[s]) == NEW:
+                slots.release(s)
+    return {"tokens": [tokens[0], tokens[1]], "shifts": slots.shifts}
+
+
 def _prepare(rank, world, root: str):
     import torch
 
@@ -98,6 +128,7 @@ def _prepare(rank, world, root: str):
         out[name]["tp1_logits"] = cm.max_diff(cm.megacli_logits(root / name / "mc", toks), torch.load(root / name / "hf_logits.pt"))
         out[name]["greedy"], out[name]["cache_rows"] = _greedy(root / name / "mc", runtime, use_cache=True)
         out[name]["greedy_no_cache"] = _greedy(root / name / "mc", runtime, use_cache=False)[0]
+        out[name]["served"] = _served_greedy(root / name / "mc", runtime)
     distributed.teardown()
     return out
 
@@ -153,6 +184,16 @@ def test_greedy_generation_past_the_window_equals_hugging_face(converted, name):
     m = ModelSection(**_recipe_model(converted[0] / name / "mc"))
     want = {i + 1: m.sliding_window - 1 if w else 9 + NEW for i, w in enumerate(m.window_layers())}
     assert r["cache_rows"] == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_serving_past_the_window_equals_hugging_face(converted, name):
+    """megacli serve's cache, whose rows start at different columns and move, windows each
+    sequence as Hugging Face does."""
+    r = converted[1][name]
+    assert r["served"]["tokens"] == r["hf_greedy"]
+    assert r["served"]["shifts"] == 1
 
 
 def _recipe_model(ckpt: Path) -> dict:

@@ -114,8 +114,11 @@ class CachedRotarySelfAttention(SelfAttention):
             else:
                 query = apply_rotary_pos_emb(query, q_pos[start:end], config=c, cp_group=self.pg_collection.cp)
         # Both rotated: Megatron's forward then applies no rotary embedding (None).
+        # a windowed layer of a batch decoded together keeps only its window; megacli serve's rows
+        # (per-row positions) keep every column, and the core attention's window masks them
         if self.window is not None and inference_context.batch_size_offset == 0 \
-                and key.size(1) == inference_context.max_batch_size:
+                and key.size(1) == inference_context.max_batch_size \
+                and getattr(inference_context, "rope_positions", None) is None:
             return self._windowed(inference_context, query, key, value)
         query, key, value, *rest = super()._adjust_key_value_for_inference(
             inference_context, query, key, value, None, rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin,

@@ -23,8 +23,10 @@ from megacli.inference.serve.prefix_cache import PrefixCache
 
 
 def check_servable(model) -> None:
-    """A UserError unless every self-attention of the model is the cached-rotary one without
-    sliding windows and with plain RoPE (or none): what per-sequence positions rely on."""
+    """A UserError unless every self-attention of the model is the cached-rotary one with plain
+    RoPE (or none): what per-sequence positions rely on. Sliding windows need nothing more: a
+    sequence's tokens sit in contiguous columns, so the core attention's window over columns
+    (bottom-right aligned, as in a single sequence) is its window over positions."""
     from megatron.core.transformer.attention import SelfAttention, _yarn_get_concentration_factor_from_config
 
     from megacli.engine.models.kv_cache import CachedRotarySelfAttention
@@ -38,8 +40,6 @@ def check_servable(model) -> None:
             if type(module) is not CachedRotarySelfAttention:
                 raise UserError(f"megacli serve does not run {type(module).__name__} attention (e.g. multi-latent "
                                 f"attention): use `megacli generate`")
-            if module.window is not None:
-                raise UserError("megacli serve does not run sliding-window attention yet: use `megacli generate`")
 
 
 class Slots:
