@@ -201,6 +201,45 @@ def load_hf(path: Path):
     return model.eval()
 
 
+# ---------------------------------------------------------------- megacli serve's cache
+
+
+def served_greedy(ckpt: Path, runtime, prompts: list[list[int]], new: int) -> dict:
+    """Greedy tokens of equally long ``prompts`` decoded through megacli serve's cache (``Slots``)
+    as its batcher runs them: each prompt joins two steps after the one before and leaves after
+    ``new`` tokens, and the cache holds one prompt and its answer, so its columns move left before
+    the last is done. The tokens and the number of moves."""
+    from megacli.inference.runner import Model
+    from megacli.inference.serve.slots import Slots, check_servable
+    from megacli.recipe import base
+    from megacli.recipe.generate import GenerateRecipe
+
+    raw = base.read_yaml(ckpt / "iter_0000000" / "recipe.yaml")
+    raw["launch"].update(nproc=1, device="cpu")
+    raw["train"]["global_batch_size"] = raw["train"]["micro_batch_size"]
+    recipe = base.validate(GenerateRecipe, {**raw, "generate": {"checkpoint": str(ckpt)}}, "test")
+    model = Model(recipe, runtime, vocab_size=recipe.model.vocab_size)
+    check_servable(model)
+    slots = Slots(model, max_batch=len(prompts), capacity=len(prompts[0]) + new)
+    tokens: dict[int, list[int]] = {}
+
+    def step():
+        running = [s for s in tokens if slots.start[s] is not None]
+        logits = slots.step({s: tokens[s][-1] for s in running})
+        for s in running:
+            tokens[s].append(int(logits[s].argmax()))
+            if len(tokens[s]) == new:
+                slots.release(s)
+
+    for s, ids in enumerate(prompts):
+        tokens[s] = [int(slots.admit([s], [ids])[0].argmax())]
+        for _ in range(2 if s < len(prompts) - 1 else 0):
+            step()
+    while any(start is not None for start in slots.start):
+        step()
+    return {"tokens": [tokens[s] for s in range(len(prompts))], "shifts": slots.shifts}
+
+
 # ---------------------------------------------------------------- megacli logits
 
 

@@ -23,18 +23,18 @@ from megacli.inference.serve.prefix_cache import PrefixCache
 
 
 def check_servable(model) -> None:
-    """A UserError unless every self-attention of the model is the cached-rotary one with plain
-    RoPE (or none): what per-sequence positions rely on. Sliding windows need nothing more: a
-    sequence's tokens sit in contiguous columns, so the core attention's window over columns
-    (bottom-right aligned, as in a single sequence) is its window over positions."""
-    from megatron.core.transformer.attention import SelfAttention, _yarn_get_concentration_factor_from_config
+    """A UserError unless every self-attention of the model is the cached-rotary one rotating its
+    own keys and queries (``plain_rope``): what per-sequence positions rely on. Sliding windows
+    need nothing more: a sequence's tokens sit in contiguous columns, so the core attention's window
+    over columns (bottom-right aligned, as in a single sequence) is its window over positions."""
+    from megatron.core.transformer.attention import SelfAttention
 
-    from megacli.engine.models.kv_cache import CachedRotarySelfAttention
+    from megacli.engine.models.kv_cache import CachedRotarySelfAttention, plain_rope
 
-    c = model.config
-    if c.flash_decode or c.rotary_interleaved or _yarn_get_concentration_factor_from_config(c) != 1.0:
-        raise UserError("megacli serve runs models with plain RoPE, learned positions or ALiBi; this model's "
-                        "RoPE variant (YaRN, interleaved) is not supported: use `megacli generate`")
+    if not plain_rope(model.config):
+        raise UserError("megacli serve runs models with RoPE (plain or scaled), learned positions or ALiBi; this "
+                        "model's RoPE variant (interleaved, fused, or YaRN scaling cos and sin) is not supported: "
+                        "use `megacli generate`")
     for module in model.net.modules():
         if isinstance(module, SelfAttention):
             if type(module) is not CachedRotarySelfAttention:
