@@ -104,9 +104,6 @@ def check_inputs(recipe) -> None:
     """Fail before starting workers when a named file is missing or malformed."""
     from megacli.errors import UserError
 
-    problems = missing_files(recipe)
-    if problems:
-        raise UserError(problems[0])
     pref = getattr(recipe, "preference", None)
     if pref is not None:
         from megacli.data.preference import read_pairs
@@ -114,6 +111,9 @@ def check_inputs(recipe) -> None:
         for path in [pref.train, pref.valid_file, *pref.named_valid.values()]:
             if path:
                 read_pairs(path)  # a malformed pair stops the run here, named by file:line
+    problems = missing_files(recipe)
+    if problems:
+        raise UserError(problems[0])
     _check_pickles(recipe.checkpoint)
     if recipe.eval is not None:
         from megacli.inference.evaluate import check_tasks
