@@ -201,7 +201,19 @@ def load_hf(path: Path):
     return model.eval()
 
 
-# ---------------------------------------------------------------- megacli serve's cache
+# ---------------------------------------------------------------- megacli generate and serve
+
+
+def one_process_generate_recipe(ckpt: Path, **generate):
+    """The GenerateRecipe of a converted checkpoint (its iter_0000000's recipe) for one CPU process,
+    with these ``generate:`` fields."""
+    from megacli.recipe import base
+    from megacli.recipe.generate import GenerateRecipe
+
+    raw = base.read_yaml(ckpt / "iter_0000000" / "recipe.yaml")
+    raw["launch"].update(nproc=1, device="cpu")
+    raw["train"]["global_batch_size"] = raw["train"]["micro_batch_size"]
+    return base.validate(GenerateRecipe, {**raw, "generate": {"checkpoint": str(ckpt), **generate}}, "test")
 
 
 def served_greedy(ckpt: Path, runtime, prompts: list[list[int]], new: int) -> dict:
@@ -211,13 +223,8 @@ def served_greedy(ckpt: Path, runtime, prompts: list[list[int]], new: int) -> di
     the last is done. The tokens and the number of moves."""
     from megacli.inference.runner import Model
     from megacli.inference.serve.slots import Slots, check_servable
-    from megacli.recipe import base
-    from megacli.recipe.generate import GenerateRecipe
 
-    raw = base.read_yaml(ckpt / "iter_0000000" / "recipe.yaml")
-    raw["launch"].update(nproc=1, device="cpu")
-    raw["train"]["global_batch_size"] = raw["train"]["micro_batch_size"]
-    recipe = base.validate(GenerateRecipe, {**raw, "generate": {"checkpoint": str(ckpt)}}, "test")
+    recipe = one_process_generate_recipe(ckpt)
     model = Model(recipe, runtime, vocab_size=recipe.model.vocab_size)
     check_servable(model)
     slots = Slots(model, max_batch=len(prompts), capacity=len(prompts[0]) + new)

@@ -56,15 +56,9 @@ def _greedy(root: Path, name: str, runtime):
     from megacli.data.tokenizers import load_tokenizer
     from megacli.inference.generator import Generator
     from megacli.inference.runner import Model
-    from megacli.recipe import base
-    from megacli.recipe.generate import GenerateRecipe
 
     ckpt = root / name / "mc"
-    raw = base.read_yaml(ckpt / "iter_0000000" / "recipe.yaml")
-    raw["launch"].update(nproc=1, device="cpu")
-    raw["train"]["global_batch_size"] = raw["train"]["micro_batch_size"]
-    recipe = base.validate(GenerateRecipe, {**raw, "generate": {"checkpoint": str(ckpt), "max_new_tokens": NEW,
-                                                                 "stop_at_eod": False}}, "test")
+    recipe = cm.one_process_generate_recipe(ckpt, max_new_tokens=NEW, stop_at_eod=False)
     tok = load_tokenizer(type=recipe.tokenizer.type, path=recipe.tokenizer.path)
     gen = Generator(Model(recipe, runtime, vocab_size=recipe.model.vocab_size), tok, recipe.generate)
     return [list(t) for t in gen._sample(_prompts(), None).tokens]  # token prompts: no text round trip

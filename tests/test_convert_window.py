@@ -56,14 +56,8 @@ def _greedy(ckpt: Path, runtime, *, use_cache: bool):
     from megacli.inference import sampling
     from megacli.inference.generator import Generator
     from megacli.inference.runner import Model
-    from megacli.recipe import base
-    from megacli.recipe.generate import GenerateRecipe
 
-    raw = base.read_yaml(ckpt / "iter_0000000" / "recipe.yaml")
-    raw["launch"].update(nproc=1, device="cpu")
-    raw["train"]["global_batch_size"] = raw["train"]["micro_batch_size"]
-    recipe = base.validate(GenerateRecipe, {**raw, "generate": {"checkpoint": str(ckpt), "max_new_tokens": NEW,
-                                                                 "stop_at_eod": False, "use_cache": use_cache}}, "test")
+    recipe = cm.one_process_generate_recipe(ckpt, max_new_tokens=NEW, stop_at_eod=False, use_cache=use_cache)
     tok = load_tokenizer(type=recipe.tokenizer.type, path=recipe.tokenizer.path)
     gen = Generator(Model(recipe, runtime, vocab_size=recipe.model.vocab_size), tok, recipe.generate)
     contexts = []

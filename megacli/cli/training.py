@@ -96,8 +96,9 @@ def _say_missing_files(recipe) -> None:
     """--dry-run: the files a run would stop at (a dry run plans without them)."""
     from megacli.cli.common import output_console
 
+    console = output_console()
     for problem in missing_files(recipe):
-        output_console().print(f"note: a run would refuse this: {problem}", soft_wrap=True, markup=False, highlight=False)
+        console.print(f"note: a run would refuse this: {problem}", soft_wrap=True, markup=False, highlight=False)
 
 
 def check_inputs(recipe) -> None:
